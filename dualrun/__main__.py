@@ -1,0 +1,3 @@
+from dualrun.cli import entry
+
+entry()

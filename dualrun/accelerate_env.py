@@ -1,0 +1,65 @@
+"""The ACCELERATE_* / FSDP_* / DeepSpeed variables `accelerate launch` would export for a config.
+
+Computed by accelerate itself (its launch parser, validation and env preparation), so both backends
+export exactly what `accelerate launch` would. Imports accelerate (and torch) lazily: only launching needs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import tempfile
+import warnings
+from typing import Mapping
+
+from dualrun.config.model import JobConfig
+
+# Decided by dualrun's plan per backend, not taken from accelerate.
+_PLAN_OWNED = {"MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"}
+
+
+def accelerate_env(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Variables accelerate adds for `cfg` (only the ones it adds or changes)."""
+    import yaml
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import launch as acc_launch
+
+    before = dict(os.environ if environ is None else environ)
+    data = {k: v for k, v in cfg.accelerate.items()}
+    data.setdefault("compute_environment", "LOCAL_MACHINE")
+    # dualrun always launches through torchrun; accelerate must not try mpirun or its own port logic.
+    data["main_process_port"] = 1
+    data.pop("main_process_ip", None)
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(data, f)
+        path = f.name
+    try:
+        argv = ["--config_file", path, "--num_processes", str(cfg.num_processes),
+                "--num_machines", str(cfg.num_machines), "--machine_rank", str(cfg.machine_rank),
+                "--main_process_ip", "127.0.0.1", "dualrun_placeholder.py"]
+        parser = launch_command_parser()
+        args = parser.parse_args(argv)
+        sink = io.StringIO()
+        logger = logging.getLogger("accelerate.commands.launch")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings(), contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
+                warnings.simplefilter("ignore")
+                args, defaults, mp_from_config = _validate_launch_command(args)
+                if args.use_deepspeed:
+                    fields = list(defaults.deepspeed_config.keys()) if defaults else []
+                    if mp_from_config:
+                        fields.append("mixed_precision")
+                    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+                    args.deepspeed_multinode_launcher = "standard"
+                    _, env = acc_launch.prepare_deepspeed_cmd_env(args)
+                else:
+                    env = acc_launch.prepare_multi_gpu_env(args)
+        finally:
+            logger.setLevel(level)
+    finally:
+        os.unlink(path)
+    env["ACCELERATE_USE_CPU"] = str(bool(args.cpu or args.use_cpu or cfg.use_cpu))
+    return {k: str(v) for k, v in env.items() if k not in _PLAN_OWNED and before.get(k) != v}

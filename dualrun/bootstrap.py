@@ -1,0 +1,74 @@
+"""The one worker entry point of both backends.
+
+    python -m dualrun.bootstrap script.py args...      |   python -m dualrun.bootstrap -m package.module args...
+
+The environment is already set when this starts (by torchrun or by the Ray worker actor). It activates the
+method plugin's hooks, then runs the user's program unchanged as `__main__` with its own argv. An uncaught
+exception is recorded in TORCHELASTIC_ERROR_FILE (torch's format) so the launcher can name the failing rank
+and its error, whichever backend ran it.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def _record(exc: BaseException) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or "torch" not in sys.modules:
+        if path:
+            import json
+            import time
+            import traceback
+
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+                    "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}, f)
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(exc)
+
+
+def _activate_plugin() -> None:
+    method = os.environ.get("DUALRUN_METHOD")
+    if not method:
+        return
+    from dualrun.plugin import get_plugin, worker_settings
+
+    get_plugin(method).activate(worker_settings())
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        sys.exit("usage: python -m dualrun.bootstrap (script.py | -m module) [args...]")
+    _activate_plugin()
+    try:
+        if argv[0] == "-m":
+            if len(argv) < 2:
+                sys.exit("usage: python -m dualrun.bootstrap -m module [args...]")
+            sys.argv = [argv[1]] + argv[2:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            script = argv[0]
+            sys.argv = argv
+            here = os.path.dirname(os.path.abspath(script))
+            if sys.path and sys.path[0] in ("", os.getcwd()):
+                sys.path[0] = here  # exactly what `python script.py` would have
+            else:
+                sys.path.insert(0, here)
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
+        _record(exc)
+        raise
+
+
+if __name__ == "__main__":
+    main()

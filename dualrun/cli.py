@@ -1,0 +1,185 @@
+"""`dualrun` command line: launch | plan | config default | env.
+
+Bad input ends with exit code 2 and one line on stderr (file, key, what was expected); nothing is started.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+from dualrun.errors import ConfigError, DualrunError
+
+OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine_rank", int),
+                  ("--main_process_ip", str), ("--main_process_port", int), ("--mixed_precision", str))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _job_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config_file", "--config-file", dest="config_file", default=None,
+                   help="YAML config: accelerate keys plus dualrun's (backend, method, roles, ...)")
+    p.add_argument("--backend", default=None, help="torchrun or ray (overrides the file)")
+    for flag, kind in OVERRIDE_FLAGS:
+        p.add_argument(flag, flag.replace("_", "-"), dest=flag[2:], type=str, default=None,
+                       help=f"accelerate's {flag[2:]} (overrides the file)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dualrun", description="Run Hugging Face / TRL training scripts on torchrun or Ray.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    launch = sub.add_parser("launch", help="run a training script on the chosen backend")
+    _job_flags(launch)
+    launch.add_argument("--dry_run", "--dry-run", dest="dry_run", action="store_true",
+                        help="print the exact commands and env (secrets redacted); start nothing")
+    launch.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    launch.add_argument("training_script", help="the script (or module with -m) every worker runs")
+    launch.add_argument("training_script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+    plan = sub.add_parser("plan", help="print which GPU runs which role and rank")
+    _job_flags(plan)
+    plan.add_argument("--json", action="store_true", help="machine-readable plan")
+
+    config = sub.add_parser("config", help="config helpers")
+    csub = config.add_subparsers(dest="config_command", parser_class=_Parser)
+    default = csub.add_parser("default", help="write a starter config (never overwrites)")
+    default.add_argument("path", nargs="?", default="dualrun.yaml")
+    default.add_argument("--method", default="sft", choices=("sft", "pt", "grpo", "gkd"))
+    default.add_argument("--cpu", action="store_true", help="a CPU config (gloo, no GPUs)")
+
+    sub.add_parser("env", help="versions, devices and whether a Ray cluster is reachable")
+    return parser
+
+
+def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for flag, kind in OVERRIDE_FLAGS:
+        value = getattr(ns, flag[2:], None)
+        if value is None:
+            continue
+        if kind is int:
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError("<command line>", flag, "an integer", value) from None
+        out[flag[2:]] = value
+    return out
+
+
+def _load(ns: argparse.Namespace):
+    from dualrun.config import load_config
+    from dualrun.plugin import get_plugin
+
+    cfg = load_config(ns.config_file, _overrides(ns), ns.backend)
+    plugin = get_plugin(cfg.method, cfg.source)
+    plugin.validate(cfg)
+    return cfg, plugin
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from dualrun.plan import make_plan
+
+    cfg, _ = _load(ns)
+    cluster = None
+    if cfg.backend == "ray":
+        from dualrun.launchers.ray_cluster import live_cluster
+
+        cluster = live_cluster(cfg)
+    plan = make_plan(cfg, cluster)
+    print(plan.to_json() if ns.json else plan.table())
+    return 0
+
+
+def cmd_launch(ns: argparse.Namespace) -> int:
+    from dualrun.api import run_job
+    from dualrun.launchers.base import Program
+
+    cfg, plugin = _load(ns)
+    program = Program(ns.training_script, tuple(ns.training_script_args), ns.module)
+    if not ns.module and not os.path.isfile(ns.training_script):
+        raise ConfigError("<command line>", "training_script", "an existing script file", ns.training_script)
+    result = run_job(cfg, program, plugin, dry_run=ns.dry_run)
+    return result.exit_code
+
+
+STARTER = """\
+# dualrun config: accelerate's keys keep accelerate's meaning; dualrun adds backend, method, roles, ...
+# Run it with:  dualrun launch --config_file {path} train.py --your --args
+backend: torchrun            # or ray (--backend overrides)
+method: {method}
+distributed_type: {dist}
+mixed_precision: {mp}
+use_cpu: {cpu}
+roles:
+  train: {{gpus: 2}}           # processes (one GPU each; on CPU, processes)
+{extra}max_failures: 0              # restarts from the newest checkpoint in output_dir
+env: {{}}                      # extra environment for every worker
+ray:
+  address: null              # null: join a running cluster, else start a local one
+  placement_timeout_s: 120
+"""
+
+
+def cmd_config_default(ns: argparse.Namespace) -> int:
+    if os.path.exists(ns.path):
+        raise ConfigError(ns.path, "path", "a file that does not exist yet (dualrun never overwrites)",
+                          "an existing file")
+    extra = ""
+    if ns.method == "grpo":
+        extra = "  # rollout: {gpus: 2, engine: vllm}   # separate vLLM server (GPU only)\n"
+    elif ns.method == "gkd":
+        extra = "  # teacher: {gpus: 1, model: PATH, top_k: 20}   # separate teacher server\n"
+    text = STARTER.format(path=ns.path, method=ns.method, dist="MULTI_CPU" if ns.cpu else "MULTI_GPU",
+                          mp="no" if ns.cpu else "bf16", cpu="true" if ns.cpu else "false", extra=extra)
+    with open(ns.path, "x", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {ns.path}")
+    return 0
+
+
+def cmd_env(ns: argparse.Namespace) -> int:
+    from dualrun.envinfo import report
+
+    print(report())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.version:
+        from dualrun import __version__
+
+        print(f"dualrun {__version__}")
+        return 0
+    commands = {"launch": cmd_launch, "plan": cmd_plan, "env": cmd_env}
+    try:
+        if ns.command == "config":
+            if ns.config_command != "default":
+                parser.error("usage: dualrun config default [PATH] [--method M] [--cpu]")
+            return cmd_config_default(ns)
+        if ns.command not in commands:
+            parser.print_help()
+            return 2
+        return commands[ns.command](ns)
+    except DualrunError as e:
+        sys.stderr.write(f"dualrun: error: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("dualrun: interrupted\n")
+        return 130
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,273 @@
+"""Read a YAML config (accelerate keys + dualrun keys), apply CLI overrides, validate, freeze."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Mapping
+
+from dualrun.config import schema
+from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
+from dualrun.config.swift import convert_device_groups
+from dualrun.config.values import check, did_you_mean, parse_ids
+from dualrun.errors import ConfigError
+
+CLI_SOURCE = "<command line>"
+# accelerate's flag names that may override the file, as `accelerate launch` spells them.
+OVERRIDABLE = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+               "mixed_precision")
+_ROLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """The file's top-level mapping, or a one-line ConfigError (missing, unreadable, not YAML)."""
+    import yaml
+
+    if not os.path.exists(path):
+        raise ConfigError(path, "config_file", "an existing file", "no such file")
+    if os.path.isdir(path):
+        raise ConfigError(path, "config_file", "a YAML file", "a directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(path, "config_file", "a readable UTF-8 YAML file", type(e).__name__) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise ConfigError(path, "<yaml>", "valid YAML", f"{problem} at {where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, "<top level>", "a mapping of keys to values", type(data).__name__)
+    return data
+
+
+def load_config(path: str | None, overrides: Mapping[str, Any] | None = None,
+                backend: str | None = None) -> JobConfig:
+    """Build the JobConfig for `path` (None: flags only). CLI overrides win over the file."""
+    raw = read_yaml(path) if path else {}
+    return build_config(raw, path or CLI_SOURCE, overrides or {}, backend)
+
+
+def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, Any] | None = None,
+                 backend: str | None = None) -> JobConfig:
+    raw = dict(raw)
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(source, str(key), "string keys", key)
+
+    known_top = {k.name: k for k in schema.TOP_KEYS}
+    unknown = [k for k in raw if k not in known_top and k not in schema.ACCELERATE_TYPES and k != schema.SWIFT_KEY]
+    if unknown:
+        name = unknown[0]
+        raise ConfigError(source, name, "a known key (accelerate's or dualrun's)", "an unknown key",
+                          did_you_mean(name, schema.all_top_level_names()))
+
+    # accelerate's keys keep accelerate's meaning; dualrun only checks their types.
+    acc: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in schema.ACCELERATE_TYPES:
+            acc[key] = check(source, key, schema.ACCELERATE_TYPES[key], value,
+                             schema.ACCELERATE_CHOICES.get(key, ()))
+    for key, value in overrides.items():
+        if key not in OVERRIDABLE:
+            continue
+        acc[key] = check(CLI_SOURCE, f"--{key}", schema.ACCELERATE_TYPES[key], value,
+                         schema.ACCELERATE_CHOICES.get(key, ()))
+    for key in ("num_processes", "num_machines"):
+        if key in acc and acc[key] is not None and acc[key] < 1:
+            src = CLI_SOURCE if key in overrides else source
+            raise ConfigError(src, key if src == source else f"--{key}", "an integer >= 1", acc[key])
+    if acc.get("machine_rank") is not None and not 0 <= acc["machine_rank"] < int(acc.get("num_machines") or 1):
+        raise ConfigError(CLI_SOURCE if "machine_rank" in overrides else source, "machine_rank",
+                          f"an integer in [0, num_machines={acc.get('num_machines') or 1})", acc["machine_rank"])
+    port = acc.get("main_process_port")
+    if port is not None and not 0 <= port <= 65535:
+        raise ConfigError(source, "main_process_port", "a port number in [0, 65535]", port)
+
+    values: dict[str, Any] = {}
+    for key in schema.TOP_KEYS:
+        if key.name in raw and key.name not in ("roles", "colocate_groups"):
+            values[key.name] = check(source, key.name, key.type, raw[key.name], key.choices, key.minimum)
+    if backend is not None:
+        values["backend"] = check(CLI_SOURCE, "--backend", "str", backend, ("torchrun", "ray"))
+    if "method" in values and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", values["method"]):
+        raise ConfigError(source, "method", "a plugin name (letters, digits, _)", values["method"])
+
+    raw_roles = raw.get("roles")
+    raw_groups = raw.get("colocate_groups")
+    if schema.SWIFT_KEY in raw:
+        if raw_roles is not None:
+            raise ConfigError(source, schema.SWIFT_KEY, "either `roles` or `device_groups`, not both")
+        raw_roles, swift_groups = convert_device_groups(source, raw[schema.SWIFT_KEY])
+        raw_groups = (raw_groups or []) + swift_groups
+    roles = _roles(source, raw_roles, acc, overrides)
+    groups = _groups(source, raw_groups, roles)
+    _check_layout(source, roles, groups)
+
+    env = {str(k): _env_value(source, f"env.{k}", v) for k, v in values.pop("env", {}).items()}
+    ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
+    tr_opts = TorchrunOptions(**_section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS))
+
+    if acc.get("num_processes") is None or "num_processes" in overrides:
+        acc["num_processes"] = roles[0].processes
+    acc.setdefault("num_machines", 1)
+    acc.setdefault("machine_rank", 0)
+    if "distributed_type" not in acc:
+        cpu = bool(acc.get("use_cpu"))
+        acc["distributed_type"] = "NO" if acc["num_processes"] <= 1 and acc["num_machines"] <= 1 else (
+            "MULTI_CPU" if cpu else "MULTI_GPU")
+    if values.get("backend", "torchrun") == "torchrun" and acc["num_processes"] % acc["num_machines"]:
+        raise ConfigError(source, "num_processes", f"a multiple of num_machines={acc['num_machines']}",
+                          acc["num_processes"])
+    return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
+                     colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
+                     ray=ray_opts, torchrun=tr_opts, **values)
+
+
+def _env_value(source: str, key: str, value: Any) -> str:
+    if isinstance(value, (dict, list)) or value is None:
+        raise ConfigError(source, key, "a string, number or boolean", value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _section(source: str, name: str, raw: Mapping[str, Any], keys: tuple[schema.Key, ...]) -> dict[str, Any]:
+    known = {k.name: k for k in keys}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(source, f"{name}.{key}", f"a known `{name}` key", "an unknown key",
+                              did_you_mean(str(key), known))
+        spec = known[key]
+        out[key] = check(source, f"{name}.{key}", spec.type, value, spec.choices, spec.minimum)
+    if "runtime_env" in out or "env" in out:
+        for k in ("runtime_env", "env"):
+            if k in out:
+                out[k] = frozen_map(out[k])
+    return out
+
+
+def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str, Any]) -> list[RoleSpec]:
+    cpu = bool(acc.get("use_cpu")) or acc.get("distributed_type") == "MULTI_CPU"
+    if raw is None:
+        raw = {"train": {"gpus": acc.get("num_processes") or 1}}
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(source, "roles", "a non-empty mapping of role names to settings", raw)
+    known = {k.name: k for k in schema.ROLE_KEYS}
+    roles = []
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not _ROLE_NAME.match(name):
+            raise ConfigError(source, f"roles.{name}", "a role name (letters, digits, _ or -)", name)
+        spec = {} if spec is None else spec
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            spec = {"gpus": spec}
+        if not isinstance(spec, dict):
+            raise ConfigError(source, f"roles.{name}", "a mapping like {gpus: 2}", spec)
+        vals: dict[str, Any] = {}
+        for key, value in spec.items():
+            if key not in known:
+                raise ConfigError(source, f"roles.{name}.{key}", "a known role key", "an unknown key",
+                                  did_you_mean(str(key), known))
+            k = known[key]
+            if key == "gpu_ids":
+                vals[key] = parse_ids(source, f"roles.{name}.gpu_ids", value)
+            else:
+                vals[key] = check(source, f"roles.{name}.{key}", k.type, value, k.choices, k.minimum)
+        if name == "train" and "num_processes" in overrides:
+            vals["gpus"] = overrides["num_processes"]
+            vals.pop("processes", None)
+        if vals.get("gpu_ids") is not None and vals.get("gpus") is None:
+            vals["gpus"] = len(vals["gpu_ids"])
+        if vals.get("gpus") is None and vals.get("processes") is None:
+            if name == "train":
+                vals["gpus"] = acc.get("num_processes") or 1
+            elif vals.get("address"):
+                vals["gpus"] = 0
+            else:
+                raise ConfigError(source, f"roles.{name}.gpus", "an integer >= 0 (the role's GPU count)")
+        gpus = vals.get("gpus")
+        if gpus is None:
+            gpus = 0 if cpu else vals["processes"]
+        if cpu:
+            processes = vals.get("processes") or max(gpus, 1)
+            gpus = 0
+        else:
+            processes = vals.get("processes") or max(gpus, 1)
+        if vals.get("gpu_ids") is not None and len(vals["gpu_ids"]) != gpus and not cpu:
+            raise ConfigError(source, f"roles.{name}.gpu_ids", f"{gpus} ids (roles.{name}.gpus)",
+                              list(vals["gpu_ids"]))
+        tp = vals.get("tensor_parallel_size", 1)
+        if gpus and gpus % tp:
+            raise ConfigError(source, f"roles.{name}.tensor_parallel_size", f"a divisor of roles.{name}.gpus={gpus}",
+                              tp)
+        addr = vals.get("address")
+        if addr is not None and not re.fullmatch(r"[^\s:/]+:\d{1,5}", addr):
+            raise ConfigError(source, f"roles.{name}.address", "host:port", addr)
+        server_args = tuple(str(a) for a in vals.pop("server_args", []))
+        env = frozen_map({str(k): _env_value(source, f"roles.{name}.env.{k}", v)
+                          for k, v in vals.pop("env", {}).items()})
+        vals.pop("gpus", None)
+        vals.pop("processes", None)
+        roles.append(RoleSpec(name=name, gpus=gpus, processes=processes, server_args=server_args, env=env, **vals))
+    train = next((r for r in roles if r.name == "train"), None)
+    if train is not None:
+        roles.remove(train)
+        roles.insert(0, train)
+        n = acc.get("num_processes")
+        if n is not None and "num_processes" not in overrides and n != train.processes:
+            raise ConfigError(source, "num_processes", f"the same count as roles.train ({train.processes})", n)
+    if acc.get("gpu_ids") not in (None, "all") and roles[0].gpu_ids is None and not cpu:
+        ids = parse_ids(source, "gpu_ids", acc["gpu_ids"])
+        if ids is not None and len(ids) >= roles[0].gpus:
+            from dataclasses import replace
+
+            roles[0] = replace(roles[0], gpu_ids=ids[: roles[0].gpus] if acc.get("num_machines", 1) == 1 else None)
+    return roles
+
+
+def _groups(source: str, raw: Any, roles: list[RoleSpec]) -> list[list[str]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(g, list) for g in raw):
+        raise ConfigError(source, "colocate_groups", "a list of lists of role names, like [[train, rollout]]", raw)
+    names = [r.name for r in roles]
+    seen: set[str] = set()
+    groups = []
+    for i, group in enumerate(raw):
+        if len(group) < 2:
+            raise ConfigError(source, f"colocate_groups[{i}]", "at least two role names", group)
+        for name in group:
+            if name not in names:
+                raise ConfigError(source, f"colocate_groups[{i}]", "names of roles defined under `roles`", name,
+                                  did_you_mean(str(name), names))
+            if name in seen:
+                raise ConfigError(source, f"colocate_groups[{i}]", "each role in at most one group", name)
+            seen.add(name)
+        groups.append(list(group))
+    return groups
+
+
+def _check_layout(source: str, roles: list[RoleSpec], groups: list[list[str]]) -> None:
+    by_name = {r.name: r for r in roles}
+    for i, group in enumerate(groups):
+        counts = {n: (by_name[n].gpus or by_name[n].processes) for n in group}
+        if len(set(counts.values())) > 1:
+            shown = ", ".join(f"{n}={c}" for n, c in counts.items())
+            raise ConfigError(source, f"colocate_groups[{i}]", "colocated roles with equal gpus", shown)
+    # separate units must not share fixed device ids
+    owner: dict[int, str] = {}
+    grouped = {n: tuple(g) for g in groups for n in g}
+    for role in roles:
+        if role.gpu_ids is None:
+            continue
+        unit = grouped.get(role.name, (role.name,))
+        for gid in role.gpu_ids:
+            other = owner.get(gid)
+            if other is not None and other not in unit:
+                raise ConfigError(source, f"roles.{role.name}.gpu_ids",
+                                  f"GPUs not used by role '{other}' (separate roles must not share GPUs)", gid)
+            owner[gid] = role.name

@@ -1,0 +1,114 @@
+"""Typed, frozen view of a validated config: what every later layer reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+
+def frozen_map(d: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
+    return MappingProxyType(dict(d or {}))
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role's resources. `gpus == 0` means CPU processes (`processes` of them)."""
+
+    name: str
+    gpus: int
+    processes: int
+    gpu_ids: tuple[int, ...] | None = None
+    engine: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    model: str | None = None
+    top_k: int | None = None
+    address: str | None = None
+    health_timeout_s: float = 600.0
+    server_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=frozen_map)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 120.0
+    num_cpus_per_worker: float = 1.0
+    include_dashboard: bool = False
+    runtime_env: Mapping[str, Any] = field(default_factory=frozen_map)
+
+
+@dataclass(frozen=True)
+class TorchrunOptions:
+    rdzv_backend: str = "static"
+    monitor_interval: float = 0.1
+    log_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A validated job. `accelerate` holds the accelerate keys exactly as accelerate reads them."""
+
+    source: str
+    accelerate: Mapping[str, Any]
+    backend: str = "torchrun"
+    method: str = "sft"
+    roles: tuple[RoleSpec, ...] = ()
+    colocate_groups: tuple[tuple[str, ...], ...] = ()
+    offload_model: bool = False
+    offload_optimizer: bool = False
+    offload_teacher_model: bool = False
+    sleep_level: int = 1
+    max_failures: int = 0
+    env: Mapping[str, str] = field(default_factory=frozen_map)
+    log_dir: str | None = None
+    ray: RayOptions = field(default_factory=RayOptions)
+    torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
+
+    # -- accelerate facts dualrun needs ------------------------------------------------------------
+    @property
+    def num_machines(self) -> int:
+        return int(self.accelerate.get("num_machines") or 1)
+
+    @property
+    def machine_rank(self) -> int:
+        return int(self.accelerate.get("machine_rank") or 0)
+
+    @property
+    def main_process_ip(self) -> str | None:
+        return self.accelerate.get("main_process_ip")
+
+    @property
+    def main_process_port(self) -> int | None:
+        port = self.accelerate.get("main_process_port")
+        return int(port) if port else None
+
+    @property
+    def use_cpu(self) -> bool:
+        return bool(self.accelerate.get("use_cpu")) or self.accelerate.get("distributed_type") == "MULTI_CPU"
+
+    # -- roles ------------------------------------------------------------------------------------
+    def role(self, name: str) -> RoleSpec | None:
+        return next((r for r in self.roles if r.name == name), None)
+
+    @property
+    def primary(self) -> RoleSpec:
+        """The role whose processes run the user's program: `train`, else the first role declared."""
+        return self.role("train") or self.roles[0]
+
+    @property
+    def num_processes(self) -> int:
+        return self.primary.processes
+
+    def group_of(self, name: str) -> tuple[str, ...]:
+        """The colocate group a role belongs to (itself alone when separate)."""
+        for group in self.colocate_groups:
+            if name in group:
+                return group
+        return (name,)
+
+    def is_separate(self, name: str) -> bool:
+        """A role with its own devices and processes (a server), not living inside the trainers."""
+        primary = self.primary.name
+        return name != primary and primary not in self.group_of(name)

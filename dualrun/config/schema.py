@@ -1,0 +1,134 @@
+"""The dualrun keys of a config file: one table drives validation and the generated reference."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: its type, default and meaning (rendered into docs/config-reference.md)."""
+
+    name: str
+    type: str  # bool | int | float | str | dict | list | role-map | groups | str-or-null
+    default: Any
+    doc: str
+    backends: str = "both"
+    choices: tuple = ()
+    minimum: float | None = None
+
+
+TOP_KEYS: tuple[Key, ...] = (
+    Key("backend", "str", "torchrun", "Where workers run; `--backend` overrides.", choices=("torchrun", "ray")),
+    Key("method", "str", "sft", "Method plugin: which roles exist and how the trainer is wired "
+        "(built in: sft, pt, grpo, gkd, sampling; more via the `dualrun.plugins` entry point)."),
+    Key("roles", "role-map", None, "Per-role resources, `{name: {gpus: N, ...}}`. Default: "
+        "`{train: {gpus: num_processes}}`."),
+    Key("colocate_groups", "groups", [], "Lists of roles that share the same GPUs (equal `gpus` required); "
+        "a role not in a group with `train` runs separately on its own GPUs."),
+    Key("offload_model", "bool", False, "Colocate: offload the rollout engine's weights between phases "
+        "(vLLM sleep mode; TRL `vllm_enable_sleep_mode`)."),
+    Key("offload_optimizer", "bool", False, "Offload optimizer state to CPU (DeepSpeed `offload_optimizer_device: cpu`)."),
+    Key("offload_teacher_model", "bool", False, "GKD: keep the colocated teacher on CPU between its forwards."),
+    Key("sleep_level", "int", 1, "vLLM sleep level used with `offload_model` (1: offload weights, "
+        "2: discard weights).", choices=(1, 2)),
+    Key("max_failures", "int", 0, "Restarts of the whole job after a worker or node failure; the trainer "
+        "resumes from the newest checkpoint in its output_dir.", minimum=0),
+    Key("env", "dict", {}, "Extra environment variables for every worker (values are turned into strings)."),
+    Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log`."),
+    Key("ray", "dict", {}, "Ray backend settings (see `ray.*`).", backends="ray"),
+    Key("torchrun", "dict", {}, "torchrun backend settings (see `torchrun.*`).", backends="torchrun"),
+)
+
+RAY_KEYS: tuple[Key, ...] = (
+    Key("address", "str-or-null", None, "`auto` joins the running cluster (or RAY_ADDRESS); `local` always "
+        "starts an embedded one; unset: join a running cluster if there is one, else start an embedded one.",
+        backends="ray"),
+    Key("placement_strategy", "str", "PACK", "First strategy tried for each role's placement group; "
+        "PACK falls back to SPREAD.", backends="ray", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
+    Key("placement_timeout_s", "float", 120.0, "Seconds to wait for a placement group before failing with "
+        "what was asked and what the cluster has.", backends="ray", minimum=0),
+    Key("num_cpus_per_worker", "float", 1.0, "CPUs reserved for each worker actor.", backends="ray", minimum=0),
+    Key("include_dashboard", "bool", False, "Start the dashboard of an embedded cluster.", backends="ray"),
+    Key("runtime_env", "dict", {}, "Ray runtime_env for the worker actors (e.g. `working_dir`, `pip`).",
+        backends="ray"),
+)
+
+TORCHRUN_KEYS: tuple[Key, ...] = (
+    Key("rdzv_backend", "str", "static", "torchrun rendezvous backend.", backends="torchrun",
+        choices=("static", "c10d")),
+    Key("monitor_interval", "float", 0.1, "Seconds between torchrun's checks of its workers.",
+        backends="torchrun", minimum=0),
+    Key("log_dir", "str-or-null", None, "torchrun's own `--log-dir` (per-rank stdout/stderr files).",
+        backends="torchrun"),
+)
+
+ROLE_KEYS: tuple[Key, ...] = (
+    Key("gpus", "int", None, "GPUs (processes, one each) of the role; on CPU the number of processes.", minimum=0),
+    Key("processes", "int", None, "Processes of the role when it differs from `gpus` (CPU-only roles).", minimum=1),
+    Key("gpu_ids", "str-or-null", None, "Fixed device ids on the node (torchrun), e.g. `0,1` or `[0, 1]`."),
+    Key("engine", "str", None, "Inference engine of a server role.", choices=("vllm", "transformers")),
+    Key("tensor_parallel_size", "int", 1, "Tensor-parallel size of the role's engine; must divide `gpus`.",
+        minimum=1),
+    Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine.", minimum=1),
+    Key("model", "str-or-null", None, "Model path or name the role serves (teacher, reward model)."),
+    Key("top_k", "int", None, "Teacher: number of top log-probabilities served per token.", minimum=1),
+    Key("address", "str-or-null", None, "`host:port` of a server the user started; dualrun starts none."),
+    Key("health_timeout_s", "float", 600.0, "Seconds a server may take to answer its health check.", minimum=0),
+    Key("server_args", "list", [], "Extra command-line arguments for the role's server."),
+    Key("env", "dict", {}, "Extra environment for this role's processes."),
+)
+
+SECTIONS: dict[str, tuple[Key, ...]] = {"": TOP_KEYS, "ray": RAY_KEYS, "torchrun": TORCHRUN_KEYS, "roles.<name>": ROLE_KEYS}
+
+# Accelerate keys dualrun reads itself (their meaning is accelerate's); every other accelerate key is passed
+# through to accelerate's own config loading and env preparation untouched.
+ACCELERATE_TYPES: dict[str, str] = {
+    "compute_environment": "str",
+    "distributed_type": "str",
+    "mixed_precision": "str-or-null",
+    "use_cpu": "bool",
+    "debug": "any",
+    "num_processes": "int",
+    "num_machines": "int",
+    "machine_rank": "int",
+    "main_process_ip": "str-or-null",
+    "main_process_port": "int-or-null",
+    "gpu_ids": "str-or-null",
+    "rdzv_backend": "str-or-null",
+    "same_network": "bool",
+    "main_training_function": "str",
+    "enable_cpu_affinity": "bool",
+    "downcast_bf16": "any",
+    "deepspeed_config": "dict",
+    "fsdp_config": "dict",
+    "fp8_config": "dict",
+    "parallelism_config": "dict",
+    "megatron_lm_config": "dict",
+    "mpirun_config": "dict",
+    "dynamo_config": "dict",
+    "tpu_name": "str-or-null",
+    "tpu_zone": "str-or-null",
+    "tpu_use_cluster": "bool",
+    "tpu_use_sudo": "bool",
+    "tpu_env": "list",
+    "command_file": "str-or-null",
+    "commands": "list",
+    "tpu_vm": "list",
+    # legacy spellings accelerate still converts
+    "fp16": "bool",
+    "dynamo_backend": "str",
+}
+ACCELERATE_CHOICES: dict[str, tuple] = {
+    "compute_environment": ("LOCAL_MACHINE",),
+    "distributed_type": ("NO", "MULTI_CPU", "MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM", "MULTI_XPU",
+                         "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA", "MULTI_HPU", "MULTI_SDAA", "MULTI_NEURON", "XLA"),
+    "mixed_precision": ("no", "fp16", "bf16", "fp8"),
+}
+
+# ms-swift's role-group form, converted into `roles`.
+SWIFT_KEY = "device_groups"
+
+
+def all_top_level_names() -> list[str]:
+    return [k.name for k in TOP_KEYS] + list(ACCELERATE_TYPES) + [SWIFT_KEY]

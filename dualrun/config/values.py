@@ -1,0 +1,101 @@
+"""Checking single values against a declared type, with one-line errors that name the key."""
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Any, Iterable
+
+from dualrun.errors import ConfigError
+
+_RANGE = re.compile(r"^\s*list\(\s*range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)\s*$")
+_TYPE_WORDS = {
+    "bool": "true or false",
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "dict": "a mapping",
+    "list": "a list",
+    "str-or-null": "a string or null",
+    "int-or-null": "an integer or null",
+}
+
+
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else ""
+
+
+def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), minimum: float | None = None) -> Any:
+    """Return `value` coerced to `kind`, or raise a ConfigError naming `key`."""
+    expected = _TYPE_WORDS.get(kind, kind)
+    if kind == "any":
+        return value
+    if value is None and kind.endswith("-or-null"):
+        return None
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+                value = int(value)
+            else:
+                raise ConfigError(source, key, expected, value)
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(source, key, expected, value)
+        value = float(value)
+    elif kind == "bool":
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if not isinstance(value, bool):
+            raise ConfigError(source, key, expected, value)
+    elif kind.startswith("str"):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith(("gpu_ids", "_ip")):
+            value = str(value)
+        if not isinstance(value, str):
+            raise ConfigError(source, key, expected, value)
+    elif kind == "dict":
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(source, key, expected, value)
+    elif kind == "list":
+        if value is None:
+            value = []
+        if not isinstance(value, list):
+            raise ConfigError(source, key, expected, value)
+    if choices and value not in choices:
+        shown = value
+        hint = did_you_mean(str(value), [str(c) for c in choices])
+        raise ConfigError(source, key, "one of " + ", ".join(str(c) for c in choices), shown, hint)
+    if minimum is not None and value is not None and value < minimum:
+        word = "an integer" if kind.startswith("int") else "a number"
+        raise ConfigError(source, key, f"{word} >= {minimum:g}", value)
+    return value
+
+
+def parse_ids(source: str, key: str, value: Any) -> tuple[int, ...] | None:
+    """Device ids from `0,1`, `[0, 1]`, `list(range(0, 2))` or one int. Parsed, never evaluated."""
+    if value is None or value == "all":
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(source, key, "device ids like [0, 1], '0,1' or list(range(0, 2))", value)
+    if isinstance(value, int):
+        ids: list[Any] = [value]
+    elif isinstance(value, list):
+        ids = value
+    elif isinstance(value, str):
+        m = _RANGE.match(value)
+        if m:
+            a, b, step = m.group(1), m.group(2), m.group(3)
+            start, stop = (0, int(a)) if b is None else (int(a), int(b))
+            ids = list(range(start, stop, int(step) if step else 1))
+        elif re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", value):
+            ids = [int(x) for x in value.split(",")]
+        else:
+            raise ConfigError(source, key, "device ids like [0, 1], '0,1' or list(range(0, 2))", value)
+    else:
+        raise ConfigError(source, key, "device ids like [0, 1], '0,1' or list(range(0, 2))", value)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ConfigError(source, key, "a non-empty list of device ids >= 0", value)
+    if len(set(ids)) != len(ids):
+        raise ConfigError(source, key, "distinct device ids", value)
+    return tuple(ids)

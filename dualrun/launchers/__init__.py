@@ -1,0 +1,17 @@
+"""Launchers: one per backend, all implementing `dualrun.launchers.base.Launcher`."""
+from __future__ import annotations
+
+from dualrun.launchers.base import JobResult, Launcher, Program, RankResult
+
+
+def launcher_class(backend: str) -> type[Launcher]:
+    if backend == "ray":
+        from dualrun.launchers.ray import RayLauncher
+
+        return RayLauncher
+    from dualrun.launchers.torchrun import TorchrunLauncher
+
+    return TorchrunLauncher
+
+
+__all__ = ["JobResult", "Launcher", "Program", "RankResult", "launcher_class"]

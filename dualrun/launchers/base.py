@@ -1,0 +1,115 @@
+"""The launcher interface both backends implement, and what a launch returns."""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from dualrun.config.model import JobConfig
+from dualrun.envspec import forwarded_env
+from dualrun.plan import AUTO, Cluster, Plan
+
+
+@dataclass(frozen=True)
+class Program:
+    """What the workers run: a script path or `-m module`, with the user's own arguments."""
+
+    target: str
+    args: tuple[str, ...] = ()
+    module: bool = False
+
+    def bootstrap_argv(self) -> list[str]:
+        return (["-m", self.target] if self.module else [self.target]) + list(self.args)
+
+    def display(self) -> str:
+        return " ".join((["-m"] if self.module else []) + [self.target] + list(self.args))
+
+
+@dataclass
+class RankResult:
+    label: str
+    rank: int
+    exit_code: int
+    error: str | None = None
+    result: Any = None
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    ranks: list[RankResult] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    message: str | None = None     # one line naming the failing rank and its error
+    restarts: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+class Launcher(ABC):
+    """`launch(plan) -> JobResult`. Cluster facts stay in the Plan; the launcher only runs it."""
+
+    name = "base"
+
+    def __init__(self, cfg: JobConfig, program: Program, accelerate_env: Mapping[str, str] | None = None,
+                 plugin: Any = None) -> None:
+        self.cfg = cfg
+        self.program = program
+        self.accelerate_env = dict(accelerate_env or {})
+        self.plugin = plugin
+        self.run_id = f"dualrun-{uuid.uuid4().hex[:10]}"
+
+    def cluster(self) -> "Cluster | None":
+        """The live cluster to plan onto (None: the one the config implies). May connect; never at dry run."""
+        return None
+
+    def close(self) -> None:
+        """Release what the launcher holds (a Ray connection, an embedded cluster). Idempotent."""
+
+    @abstractmethod
+    def launch(self, plan: Plan) -> JobResult:
+        """Run the plan to completion (or failure); never leaves a process behind."""
+
+    @abstractmethod
+    def describe(self, plan: Plan) -> str:
+        """The exact commands and env the launch would use (secrets redacted), for --dry_run."""
+
+    def worker_env(self, process_env: Mapping[str, str], base: Mapping[str, str] | None = None,
+                   **fill: str) -> dict[str, str]:
+        """Allow-listed launching env < accelerate's env < the plan's env, with `<auto>` values filled."""
+        env = forwarded_env() if base is None else dict(base)
+        env.update(self.accelerate_env)
+        env.update(process_env)
+        fill.setdefault("DUALRUN_RUN_ID", self.run_id)
+        fill.setdefault("TORCHELASTIC_RUN_ID", self.run_id)
+        for key, value in fill.items():
+            if env.get(key) == AUTO or key in ("DUALRUN_RUN_ID",):
+                env[key] = value
+        return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on `host` (the OS picks it; no fixed ports, so jobs never collide)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def bootstrap_cmd(program: Program, python: str | None = None) -> list[str]:
+    import sys
+
+    return [python or sys.executable, "-m", "dualrun.bootstrap"] + program.bootstrap_argv()
+
+
+def cwd() -> str:
+    return os.getcwd()
+
+
+def join_cmd(cmd: Sequence[str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(c) for c in cmd)

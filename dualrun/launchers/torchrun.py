@@ -1,0 +1,138 @@
+"""torchrun backend: runs torch.distributed.run for this node, in this process, like `accelerate launch`.
+
+Multi-node is by hand, as with accelerate: the same command on every node with `--machine_rank` and
+`--main_process_ip`. Workers get the allow-listed launching env, accelerate's env for the config and the plan's
+env; torchrun adds the rank variables itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import Mapping
+
+from dualrun.envspec import TORCHRUN_NAMES, redact
+from dualrun.errors import LaunchError
+from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd
+from dualrun.plan import AUTO, Plan
+
+
+class TorchrunLauncher(Launcher):
+    name = "torchrun"
+
+    def _port(self) -> int:
+        if not hasattr(self, "_chosen_port"):
+            port = self.cfg.main_process_port
+            if port is None:
+                port = free_port() if self.cfg.num_machines == 1 else 29500
+            self._chosen_port = port
+        return self._chosen_port
+
+    def _addr(self) -> str:
+        return self.cfg.main_process_ip or "127.0.0.1"
+
+    def node_workers(self, plan: Plan):
+        mine = [p for p in plan.workers if p.node == self.cfg.machine_rank]
+        if not mine:
+            raise LaunchError(f"the plan has no worker on machine_rank {self.cfg.machine_rank}", 2)
+        return mine
+
+    def torchrun_argv(self, plan: Plan) -> list[str]:
+        cfg = self.cfg
+        nproc = len(self.node_workers(plan))
+        argv = ["--nnodes", str(cfg.num_machines), "--nproc-per-node", str(nproc),
+                "--node-rank", str(cfg.machine_rank), "--master-addr", self._addr(),
+                "--master-port", str(self._port()), "--rdzv-backend", cfg.torchrun.rdzv_backend,
+                "--max-restarts", str(cfg.max_failures), "--monitor-interval", str(cfg.torchrun.monitor_interval)]
+        argv += ["--rdzv-id", self.rdzv_id()]
+        if cfg.torchrun.rdzv_backend != "static":
+            argv += ["--rdzv-endpoint", f"{self._addr()}:{self._port()}"]
+        log_dir = cfg.torchrun.log_dir or cfg.log_dir
+        if log_dir:
+            argv += ["--log-dir", log_dir, "--tee", "3"]
+        return argv + ["-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()
+
+    def rdzv_id(self) -> str:
+        # every node of a multi-node job must agree on it without talking: derive it from the job's address.
+        if self.cfg.num_machines > 1:
+            return f"dualrun-{self._addr()}-{self._port()}"
+        return self.run_id
+
+    def agent_env(self, plan: Plan, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The env torchrun (and so every worker) starts with; torchrun adds the rank variables."""
+        first = self.node_workers(plan)[0]
+        env = self.worker_env(first.env, MASTER_ADDR=self._addr(), MASTER_PORT=str(self._port()))
+        for name in TORCHRUN_NAMES:
+            if name in first.env:
+                env.pop(name, None)
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        env.update(extra or {})
+        return {k: v for k, v in env.items() if v != AUTO}
+
+    def describe(self, plan: Plan) -> str:
+        env = redact(self.agent_env(plan))
+        lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "
+                 f"{self.cfg.num_machines}; nothing was started",
+                 f"cd {join_cmd([os.getcwd()])}",
+                 "env -i \\"]
+        lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(env.items())]
+        lines.append("  " + join_cmd([sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)))
+        return "\n".join(lines)
+
+    def launch(self, plan: Plan) -> JobResult:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import parse_args, run
+
+        start = time.monotonic()
+        args = parse_args(self.torchrun_argv(plan))
+        env = self.agent_env(plan)
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            run(args)
+        except ChildFailedError as e:
+            return _failed(e, time.monotonic() - start)
+        except SignalException as e:
+            code = 128 + int(e.sigval)
+            name = signal.Signals(e.sigval).name
+            return JobResult(code, wall_time_s=time.monotonic() - start,
+                             message=f"stopped by {name}: every worker of the job was terminated")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        n = len(self.node_workers(plan))
+        ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
+        return JobResult(0, ranks, time.monotonic() - start)
+
+
+def _text(message) -> str:
+    if isinstance(message, dict):
+        inner = message.get("message", message)
+        if isinstance(inner, dict):
+            return str(inner.get("message", ""))
+        return str(inner)
+    return str(message or "")
+
+
+def _failed(e, wall: float) -> JobResult:
+    """One line naming the first rank that failed and the last line of its error."""
+    ranks = []
+    first = None
+    for rank, failure in sorted(e.failures.items()):
+        ranks.append(RankResult(f"rank {rank}", rank, failure.exitcode, _text(failure.message)))
+        if first is None or failure.timestamp < first[1].timestamp:
+            first = (rank, failure)
+    rank, failure = first
+    code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
+    detail = _text(failure.message).strip().splitlines()
+    tail = detail[-1] if detail else "no error message"
+    if failure.exitcode is not None and failure.exitcode < 0:
+        try:
+            tail = f"killed by {signal.Signals(-failure.exitcode).name}"
+        except ValueError:
+            pass
+    return JobResult(code, ranks, wall, message=f"train rank {rank} failed (exit code {failure.exitcode}): {tail}")

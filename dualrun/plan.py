@@ -1,0 +1,281 @@
+"""Plan: a pure function from (config, cluster) to every process, where it runs and with which env.
+
+No Ray, no torch: `dualrun plan` prints it and both launchers consume it. Values only known at launch
+time (the master port, a server's address, the run id) appear as `<auto>` until the launcher fills them in.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from dualrun.config.model import JobConfig, RoleSpec, frozen_map
+from dualrun.envspec import rank_env, redact
+from dualrun.errors import ConfigError
+
+AUTO = "<auto>"
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    address: str
+    gpus: int
+    cpus: float = 0.0
+    node_id: str = ""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the plan places onto. `source`: 'planned' (assumed from the config) or 'ray' (read live)."""
+
+    nodes: tuple[Node, ...]
+    source: str = "planned"
+
+    @staticmethod
+    def uniform(num_nodes: int, gpus_per_node: int, cpus_per_node: float = 0.0) -> "Cluster":
+        addr = lambda i: "127.0.0.1" if num_nodes == 1 else f"node{i}"  # noqa: E731
+        return Cluster(tuple(Node(i, addr(i), gpus_per_node, cpus_per_node) for i in range(num_nodes)))
+
+
+@dataclass(frozen=True)
+class Process:
+    unit: str                     # placement unit: a role, or colocated roles joined by '+'
+    roles: tuple[str, ...]        # roles living in this process
+    kind: str                     # 'worker' runs the user's program; 'server' serves a role
+    rank: int
+    world_size: int
+    node: int
+    local_rank: int
+    local_world_size: int
+    devices: tuple[int, ...]
+    env: Mapping[str, str] = field(default_factory=frozen_map)
+
+    @property
+    def label(self) -> str:
+        return f"{self.unit} rank {self.rank}" if self.kind == "worker" else f"{self.unit} server {self.rank}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str
+    method: str
+    source: str
+    cluster: Cluster
+    processes: tuple[Process, ...]
+    env: Mapping[str, str]
+    external: Mapping[str, str] = field(default_factory=frozen_map)  # role -> address of a user-run server
+    machine_rank: int | None = None    # torchrun: the node this launch is for
+
+    @property
+    def workers(self) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.kind == "worker")
+
+    @property
+    def servers(self) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.kind == "server")
+
+    def on_node(self, node: int) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.node == node)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "method": self.method,
+            "config": self.source,
+            "machine_rank": self.machine_rank,
+            "cluster": {"source": self.cluster.source,
+                        "nodes": [{"index": n.index, "address": n.address, "gpus": n.gpus, "cpus": n.cpus}
+                                  for n in self.cluster.nodes]},
+            "env": redact(self.env),
+            "external_servers": dict(self.external),
+            "processes": [
+                {"unit": p.unit, "roles": list(p.roles), "kind": p.kind, "rank": p.rank,
+                 "world_size": p.world_size, "node": p.node, "local_rank": p.local_rank,
+                 "devices": list(p.devices), "env": redact(p.env)}
+                for p in self.processes
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        """Per node: which GPU runs which role and rank."""
+        lines = [f"plan: backend={self.backend} method={self.method} config={self.source} "
+                 f"cluster={self.cluster.source} ({len(self.cluster.nodes)} node(s))"]
+        for node in self.cluster.nodes:
+            procs = self.on_node(node.index)
+            if not procs:
+                continue
+            mark = " (this machine)" if self.machine_rank == node.index else ""
+            lines.append(f"node {node.index} {node.address}{mark}: {node.gpus} GPU(s)")
+            for p in procs:
+                dev = "GPU " + ",".join(map(str, p.devices)) if p.devices else "CPU"
+                lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
+                                                          if p.kind == "worker" else ""))
+        for role, addr in self.external.items():
+            lines.append(f"external {role} server at {addr}")
+        return "\n".join(lines)
+
+
+def units(cfg: JobConfig) -> list[tuple[tuple[str, ...], RoleSpec]]:
+    """Placement units, primary first: each colocate group once, every other role alone."""
+    out: list[tuple[tuple[str, ...], RoleSpec]] = []
+    seen: set[str] = set()
+    for role in cfg.roles:
+        if role.name in seen:
+            continue
+        group = cfg.group_of(role.name)
+        seen.update(group)
+        out.append((group, role))
+    return out
+
+
+def assumed_cluster(cfg: JobConfig) -> Cluster:
+    """The cluster a config implies when none is described: num_machines equal nodes."""
+    n = cfg.num_machines
+    primary = cfg.primary
+    per_node_primary = primary.gpus // n if primary.gpus else 0
+    servers = sum(r.gpus for g, r in units(cfg)[1:] if not r.address)
+    if cfg.backend == "torchrun":
+        nodes = [Node(i, "127.0.0.1" if n == 1 else (cfg.main_process_ip or "HEAD") if i == 0 else f"node{i}",
+                      per_node_primary + (servers if i == 0 else 0)) for i in range(n)]
+        ids = [i for r in cfg.roles for i in (r.gpu_ids or ())]
+        if ids and n == 1:
+            nodes[0] = replace(nodes[0], gpus=max(nodes[0].gpus, max(ids) + 1))
+        return Cluster(tuple(nodes))
+    total = primary.gpus + servers
+    per = -(-total // n) if total else 0
+    return Cluster.uniform(n, per)
+
+
+def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping[str, str] | None = None) -> Plan:
+    """Place every process of `cfg` on `cluster` (default: the cluster the config implies)."""
+    cluster = cluster or assumed_cluster(cfg)
+    common = _common_env(cfg, extra_env)
+    free = {n.index: list(range(n.gpus)) for n in cluster.nodes}
+    procs: list[Process] = []
+    external: dict[str, str] = {}
+    for i, (group, role) in enumerate(units(cfg)):
+        unit = "+".join(group)
+        if i == 0:
+            procs += _place_workers(cfg, cluster, free, group, role, unit, common)
+            continue
+        if role.address:
+            for name in group:
+                external[name] = role.address
+            continue
+        procs.append(_place_server(cfg, cluster, free, group, role, unit, common))
+    machine_rank = cfg.machine_rank if cfg.backend == "torchrun" else None
+    return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(procs), frozen_map(common),
+                frozen_map(external), machine_rank)
+
+
+def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:
+    settings = {"offload_model": cfg.offload_model, "offload_optimizer": cfg.offload_optimizer,
+                "offload_teacher_model": cfg.offload_teacher_model, "sleep_level": cfg.sleep_level,
+                "max_failures": cfg.max_failures,
+                "roles": {r.name: {"gpus": r.gpus, "processes": r.processes, "engine": r.engine,
+                                   "tensor_parallel_size": r.tensor_parallel_size,
+                                   "data_parallel_size": r.data_parallel_size, "model": r.model,
+                                   "top_k": r.top_k, "separate": cfg.is_separate(r.name)}
+                          for r in cfg.roles}}
+    env = {"DUALRUN_BACKEND": cfg.backend, "DUALRUN_METHOD": cfg.method, "DUALRUN_RUN_ID": AUTO,
+           "DUALRUN_SETTINGS": json.dumps(settings, sort_keys=True, separators=(",", ":"))}
+    env.update(cfg.env)
+    env.update(extra or {})
+    return env
+
+
+def _take(free: dict[int, list[int]], node: int, count: int, fixed: tuple[int, ...] | None) -> tuple[int, ...]:
+    if fixed is not None:
+        for gid in fixed:
+            if gid in free[node]:
+                free[node].remove(gid)
+        return tuple(fixed)
+    got, free[node][:] = free[node][:count], free[node][count:]
+    return tuple(got)
+
+
+def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], group: tuple[str, ...],
+                   role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
+    world = role.processes
+    nodes = cluster.nodes
+    per_process_gpu = 1 if role.gpus else 0
+    if cfg.backend == "torchrun":
+        n = cfg.num_machines
+        if len(nodes) < n:
+            raise ConfigError(cfg.source, "num_machines", f"at most {len(nodes)} machines in this cluster", n)
+        per = world // n
+        slots = [(nodes[i].index, per) for i in range(n)]
+    else:
+        slots = []
+        left = world
+        for node in nodes:
+            if left == 0:
+                break
+            cap = len(free[node.index]) if per_process_gpu else left
+            take = min(cap, left)
+            if take:
+                slots.append((node.index, take))
+                left -= take
+        if left:
+            have = sum(len(v) for v in free.values())
+            raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
+                              f"at most {have} GPUs (the cluster has {sum(x.gpus for x in nodes)} in "
+                              f"{len(nodes)} node(s))", world)
+    procs: list[Process] = []
+    rank = 0
+    node_ranks = {idx: r for r, (idx, _) in enumerate(slots)}
+    for node_index, count in slots:
+        if per_process_gpu:
+            if role.gpu_ids is not None and len(slots) == 1:
+                devices = _take(free, node_index, count, role.gpu_ids)
+            else:
+                if len(free[node_index]) < count:
+                    node = nodes[node_index]
+                    raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
+                                      f"at most {len(free[node_index])} free GPUs on node {node.index}", count)
+                devices = _take(free, node_index, count, None)
+        else:
+            devices = ()
+        for local in range(count):
+            if cfg.backend == "ray":
+                mine = (devices[local],) if devices else ()
+                local_rank, local_world, visible = 0, 1, mine
+            else:
+                mine, local_rank, local_world, visible = (devices[local],) if devices else (), local, count, devices
+            env = rank_env(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                           node_rank=node_ranks[node_index], num_nodes=len(slots),
+                           master_addr=AUTO if cfg.backend == "ray" else (cfg.main_process_ip or "127.0.0.1"),
+                           master_port=cfg.main_process_port or AUTO, max_restarts=cfg.max_failures,
+                           run_id=AUTO)
+            env.update(common)
+            env.update(role.env)
+            env.update({"NODE_RANK": str(node_ranks[node_index]),
+                        "CUDA_VISIBLE_DEVICES": ",".join(map(str, visible)),
+                        "DUALRUN_ROLE": unit, "DUALRUN_ROLES": ",".join(group)})
+            procs.append(Process(unit, group, "worker", rank, world, node_index, local_rank, local_world, mine,
+                                 frozen_map(env)))
+            rank += 1
+    return procs
+
+
+def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], group: tuple[str, ...],
+                  role: RoleSpec, unit: str, common: Mapping[str, str]) -> Process:
+    need = role.gpus
+    candidates: Iterable[Node] = cluster.nodes
+    if cfg.backend == "torchrun":
+        candidates = [n for n in cluster.nodes if n.index == 0]
+    node = next((n for n in candidates if len(free[n.index]) >= need or role.gpu_ids is not None), None)
+    if node is None:
+        have = max((len(free[n.index]) for n in candidates), default=0)
+        raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
+                          f"at most {have} free GPUs on one node for a separate role", need)
+    devices = _take(free, node.index, need, role.gpu_ids) if need else ()
+    env = dict(common)
+    env.update(role.env)
+    env.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), "DUALRUN_ROLE": unit,
+                "DUALRUN_ROLES": ",".join(group)})
+    return Process(unit, group, "server", 0, 1, node.index, 0, 1, devices, frozen_map(env))

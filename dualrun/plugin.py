@@ -1,0 +1,92 @@
+"""Method plugins: which roles a method has, how they are validated, served and wired into the trainer.
+
+Built-in plugins live in the top-level `plugins/` folder (installed as `dualrun.plugins.<name>`);
+third-party ones register a `MethodPlugin` subclass (or instance) under the entry-point group `dualrun.plugins`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from typing import Any, Mapping
+
+from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.errors import ConfigError
+
+ENTRY_POINT_GROUP = "dualrun.plugins"
+ALIASES = {"pt": "sft"}
+
+
+class MethodPlugin:
+    """Base class. Override what the method needs; the defaults describe a single `train` role."""
+
+    name = "base"
+    roles: tuple[str, ...] = ("train",)          # roles the method knows
+    required_roles: tuple[str, ...] = ("train",)  # roles that must be present
+
+    # -- driver side (pure) ------------------------------------------------------------------------
+    def validate(self, cfg: JobConfig) -> None:
+        """Raise ConfigError for layouts this method cannot run."""
+        for role in cfg.roles:
+            if role.name not in self.roles:
+                raise ConfigError(cfg.source, f"roles.{role.name}",
+                                  f"a role of method '{cfg.method}' ({', '.join(self.roles)})", "an unknown role")
+        for name in self.required_roles:
+            if cfg.role(name) is None:
+                raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")
+
+    def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
+        """argv of the server a separate role runs (None: the method has no server for this role)."""
+        return None
+
+    def health_path(self, role: RoleSpec) -> str:
+        return "/health/"
+
+    def wiring_env(self, cfg: JobConfig, servers: Mapping[str, str]) -> dict[str, str]:
+        """Env for the trainer ranks, given each separate role's `host:port`."""
+        return {f"DUALRUN_{name.upper()}_ADDRESS": addr for name, addr in servers.items()}
+
+    # -- worker side -------------------------------------------------------------------------------
+    def activate(self, settings: Mapping[str, Any]) -> None:
+        """Install hooks in a worker before the user's script runs."""
+
+
+def get_plugin(name: str, source: str = "<config>") -> MethodPlugin:
+    """The plugin for `method: name`: built-in module first, then the entry-point group."""
+    name = ALIASES.get(name, name)
+    try:
+        module = importlib.import_module(f"dualrun.plugins.{name}")
+        plugin = getattr(module, "PLUGIN")
+        return plugin() if isinstance(plugin, type) else plugin
+    except ModuleNotFoundError as e:
+        if e.name != f"dualrun.plugins.{name}":
+            raise
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            plugin = ep.load()
+            return plugin() if isinstance(plugin, type) else plugin
+    raise ConfigError(source, "method", f"one of {', '.join(available())}", name)
+
+
+def available() -> list[str]:
+    import pkgutil
+
+    names = set(ALIASES)
+    try:
+        import dualrun.plugins as pkg
+
+        names.update(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+    except ImportError:
+        pass
+    from importlib.metadata import entry_points
+
+    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    return sorted(names)
+
+
+def worker_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    environ = os.environ if environ is None else environ
+    raw = environ.get("DUALRUN_SETTINGS")
+    return json.loads(raw) if raw else {}

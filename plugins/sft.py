@@ -1,0 +1,11 @@
+"""sft / pt: one `train` role; the unchanged Trainer / SFTTrainer runs in every rank."""
+from dualrun.plugin import MethodPlugin
+
+
+class SFTPlugin(MethodPlugin):
+    name = "sft"
+    roles = ("train",)
+    required_roles = ("train",)
+
+
+PLUGIN = SFTPlugin
