@@ -115,7 +115,7 @@ STARTER = """\
 backend: torchrun            # or ray (--backend overrides)
 method: {method}
 distributed_type: {dist}
-mixed_precision: {mp}
+mixed_precision: '{mp}'
 use_cpu: {cpu}
 roles:
   train: {{gpus: 2}}           # processes (one GPU each; on CPU, processes)

@@ -69,6 +69,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
 
     # accelerate's keys keep accelerate's meaning; dualrun only checks their types.
     acc: dict[str, Any] = {}
+    if raw.get("mixed_precision") is False:  # YAML reads an unquoted `no` as false
+        raw["mixed_precision"] = "no"
     for key, value in raw.items():
         if key in schema.ACCELERATE_TYPES:
             acc[key] = check(source, key, schema.ACCELERATE_TYPES[key], value,

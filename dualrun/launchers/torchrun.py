@@ -120,13 +120,13 @@ def _text(message) -> str:
 
 def _failed(e, wall: float) -> JobResult:
     """One line naming the first rank that failed and the last line of its error."""
-    ranks = []
-    first = None
-    for rank, failure in sorted(e.failures.items()):
-        ranks.append(RankResult(f"rank {rank}", rank, failure.exitcode, _text(failure.message)))
-        if first is None or failure.timestamp < first[1].timestamp:
-            first = (rank, failure)
-    rank, failure = first
+    ranks = [RankResult(f"rank {r}", r, f.exitcode, _text(f.message)) for r, f in sorted(e.failures.items())]
+    # the root cause: a rank that failed by itself (exit code > 0), not one torchrun terminated afterwards
+    own = [(f.timestamp, r, f) for r, f in e.failures.items() if f.exitcode is not None and f.exitcode > 0]
+    if own:
+        _, rank, failure = min(own, key=lambda t: (t[0], t[1]))
+    else:
+        rank, failure = e.get_first_failure()
     code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
     detail = _text(failure.message).strip().splitlines()
     tail = detail[-1] if detail else "no error message"

@@ -1,0 +1,99 @@
+"""The CLI as a user meets it: one line and exit 2 for bad input, nothing started; plan, config, env."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import dualrun
+
+MARKER_SCRIPT = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('ran')\n"
+
+
+def _one_line_error(proc):
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("config,flags,key", [
+    ("backend: torchrun\nnum_procs: 2\n", [], "num_procs"),
+    ("roles: {train: {gpus: 2}, rollout: {gpus: 1}}\ncolocate_groups: [[train, rollout]]\n", [], "colocate_groups"),
+    ("num_processes: 2\n", ["--backend", "mpi"], "--backend"),
+    ("num_processes: 2\n", ["--num_processes", "two"], "--num_processes"),
+    ("method: dpo\n", [], "method"),
+    ("roles: {train: {gpus: 2}}\nnum_processes: 3\n", [], "num_processes"),
+    ("a: [1,\n", [], "<yaml>"),
+])
+def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path, config, flags, key):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(config)
+    script = tmp_path / "train.py"
+    script.write_text(MARKER_SCRIPT)
+    marker = tmp_path / "marker"
+    proc = dualrun("launch", "--config_file", str(cfg), *flags, str(script), str(marker), cwd=tmp_path)
+    line = _one_line_error(proc)
+    assert key in line and ("bad.yaml" in line or "<command line>" in line), line
+    assert not marker.exists()
+
+
+def test_missing_script_and_missing_config(tmp_path):
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text("use_cpu: true\nnum_processes: 1\n")
+    line = _one_line_error(dualrun("launch", "--config_file", str(cfg), "nope.py", cwd=tmp_path))
+    assert "training_script" in line and "nope.py" in line
+    line = _one_line_error(dualrun("launch", "--config_file", "missing.yaml", "x.py", cwd=tmp_path))
+    assert "missing.yaml: config_file: expected an existing file" in line
+    line = _one_line_error(dualrun("launch", "--bogus-flag", "x.py", cwd=tmp_path))
+    assert "unrecognized arguments" in line or "bogus" in line
+
+
+def test_dry_run_prints_command_and_redacts_secrets(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("use_cpu: true\nroles: {train: {gpus: 2}}\nenv: {HF_TOKEN: hf_sekrit, VISIBLE: yes-me}\n")
+    script = tmp_path / "train.py"
+    script.write_text(MARKER_SCRIPT)
+    proc = dualrun("launch", "--dry_run", "--config_file", str(cfg), str(script), "--lr", "1", cwd=tmp_path,
+                   env={"WANDB_API_KEY": "wandb_sekrit", "GITHUB_TOKEN": "gh_sekrit"})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "torch.distributed.run" in out and "--nproc-per-node 2" in out and "dualrun.bootstrap" in out
+    assert "--lr 1" in out and "ACCELERATE_USE_CPU=True" in out and "VISIBLE=yes-me" in out
+    for secret in ("hf_sekrit", "wandb_sekrit", "gh_sekrit"):
+        assert secret not in out + proc.stderr
+    assert "HF_TOKEN='***'" in out and "WANDB_API_KEY='***'" in out
+    assert "GITHUB_TOKEN" not in out  # not allow-listed: never forwarded at all
+    assert not (tmp_path / "marker").exists()
+
+
+def test_plan_json_describes_every_process(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("method: gkd\nroles: {train: {gpus: 4}, teacher: {gpus: 2, model: m}}\n")
+    proc = dualrun("plan", "--json", "--config_file", str(cfg))
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [(p["unit"], p["rank"], p["devices"]) for p in data["processes"]] == [
+        ("train", 0, [0]), ("train", 1, [1]), ("train", 2, [2]), ("train", 3, [3]), ("teacher", 0, [4, 5])]
+    table = dualrun("plan", "--config_file", str(cfg)).stdout
+    assert "teacher server 0" in table and "train rank 3" in table
+
+
+def test_config_default_writes_once(tmp_path):
+    proc = dualrun("config", "default", "--cpu", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    path = tmp_path / "dualrun.yaml"
+    assert path.exists()
+    plan = dualrun("plan", "--config_file", str(path))
+    assert plan.returncode == 0 and "train rank 1" in plan.stdout
+    before = path.read_text()
+    line = _one_line_error(dualrun("config", "default", cwd=tmp_path))
+    assert "never overwrites" in line and path.read_text() == before
+
+
+def test_env_reports_versions():
+    proc = dualrun("env")
+    assert proc.returncode == 0, proc.stderr
+    for name in ("python", "torch", "ray", "transformers", "trl", "accelerate", "devices", "ray cluster reachable"):
+        assert f"{name}:" in proc.stdout
