@@ -1,6 +1,27 @@
-"""dualrun: run unchanged Hugging Face / TRL training scripts on torchrun or Ray by changing one flag."""
+"""dualrun: run unchanged Hugging Face / TRL training scripts on torchrun or Ray by changing one flag.
+
+The package import is cheap: the public API is loaded on first use.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+_LAZY = {
+    "launch": ("dualrun.api", "launch"),
+    "JobResult": ("dualrun.launchers.base", "JobResult"),
+    "load_config": ("dualrun.config", "load_config"),
+    "ConfigError": ("dualrun.errors", "ConfigError"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'dualrun' has no attribute {name!r}")

@@ -1,12 +1,13 @@
 """Run a validated job: pick the launcher, plan, (dry-)run, summarise. Shared by the CLI and `dualrun.launch`."""
 from __future__ import annotations
 
+import os
 import sys
-from typing import TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from dualrun.config.model import JobConfig
 from dualrun.errors import ConfigError
-from dualrun.launchers import JobResult, Program, launcher_class
+from dualrun.launchers import JobResult, Program, RankResult, launcher_class
 from dualrun.plan import make_plan
 from dualrun.plugin import MethodPlugin
 
@@ -42,3 +43,48 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     if result.message and not result.ok:
         print(f"dualrun: error: {result.message}", file=out, flush=True)
     return result
+
+
+def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, config: "str | Mapping[str, Any] | JobConfig | None" = None,
+           backend: str | None = None, module: bool = False, fn_args: tuple = (), fn_kwargs: dict | None = None,
+           dry_run: bool = False, **overrides: Any) -> JobResult:
+    """Run a script (path, or module with `module=True`) or a function on every worker; wait; return the result.
+
+    `config` is a YAML path, a dict of config keys, or a JobConfig; `overrides` use accelerate's names
+    (`num_processes=2`, ...). For a function, `JobResult.ranks[i].result` holds rank i's return value
+    (it must be picklable). Raises nothing for a failed job: check `result.ok` / `result.message`.
+    """
+    import tempfile
+
+    from dualrun.config import build_config, load_config
+    from dualrun.funcs import load_results, save_call
+    from dualrun.plugin import get_plugin
+
+    if isinstance(config, JobConfig):
+        cfg = config
+        if backend or overrides:
+            raise ValueError("pass overrides inside the JobConfig, or pass config as a path or dict")
+    elif isinstance(config, Mapping):
+        cfg = build_config(config, "<python>", overrides, backend)
+    else:
+        cfg = load_config(config, overrides, backend)
+    plugin = get_plugin(cfg.method, cfg.source)
+    plugin.validate(cfg)
+    if callable(target):
+        with tempfile.TemporaryDirectory(prefix="dualrun-call-") as tmp:
+            call_file = os.path.join(tmp, "call.pkl")
+            save_call(call_file, target, fn_args, fn_kwargs)
+            program = Program(getattr(target, "__name__", "function"), call_file=call_file)
+            result = run_job(cfg, program, plugin, dry_run=dry_run)
+            values = load_results(call_file)
+        by_rank = {r.rank: r for r in result.ranks}
+        for rank, value in sorted(values.items()):
+            if rank in by_rank:
+                by_rank[rank].result = value
+            else:
+                result.ranks.append(RankResult(f"rank {rank}", rank, 0, result=value))
+        result.ranks.sort(key=lambda r: r.rank)
+        return result
+    if not module and not os.path.isfile(target):
+        raise ConfigError("<python>", "target", "an existing script file", target)
+    return run_job(cfg, Program(target, tuple(args), module), plugin, dry_run=dry_run)

@@ -1,6 +1,7 @@
 """The one worker entry point of both backends.
 
-    python -m dualrun.bootstrap script.py args...      |   python -m dualrun.bootstrap -m package.module args...
+    python -m dualrun.bootstrap script.py args...  |  python -m dualrun.bootstrap -m package.module args...
+    python -m dualrun.bootstrap --call FILE   (Python API: a pickled function; its result is written beside FILE)
 
 The environment is already set when this starts (by torchrun or by the Ray worker actor). It activates the
 method plugin's hooks, then runs the user's program unchanged as `__main__` with its own argv. An uncaught
@@ -33,12 +34,23 @@ def _record(exc: BaseException) -> None:
 
 
 def _activate_plugin() -> None:
+    from dualrun.resume import activate as activate_resume
+
+    activate_resume()
     method = os.environ.get("DUALRUN_METHOD")
     if not method:
         return
     from dualrun.plugin import get_plugin, worker_settings
 
     get_plugin(method).activate(worker_settings())
+
+
+def _call(path: str) -> None:
+    """Python API: call a pickled function and leave its return value next to it for the driver."""
+    from dualrun.funcs import load_call, save_result
+
+    fn, args, kwargs = load_call(path)
+    save_result(path, os.environ.get("RANK", "0"), fn(*args, **kwargs))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m dualrun.bootstrap (script.py | -m module) [args...]")
     _activate_plugin()
     try:
-        if argv[0] == "-m":
+        if argv[0] == "--call":
+            _call(argv[1])
+        elif argv[0] == "-m":
             if len(argv) < 2:
                 sys.exit("usage: python -m dualrun.bootstrap -m module [args...]")
             sys.argv = [argv[1]] + argv[2:]

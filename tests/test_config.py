@@ -89,3 +89,13 @@ def test_swift_default_worker_is_train():
 def test_load_config_reads_yaml(write):
     path = write("c.yaml", "use_cpu: true\nroles:\n  train: {gpus: 3}\n")
     assert load_config(str(path)).num_processes == 3
+
+
+def test_config_reference_is_generated_and_current():
+    from dualrun.config.reference import render
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "config-reference.md").read_text()
+    assert doc == render(), "run: python -m dualrun.config.reference > docs/config-reference.md"
+    for section, keys in schema.SECTIONS.items():
+        for key in keys:
+            assert f"`{section + '.' if section else ''}{key.name}`" in doc

@@ -20,8 +20,11 @@ class Program:
     target: str
     args: tuple[str, ...] = ()
     module: bool = False
+    call_file: str | None = None   # Python API: a pickled function instead of a script
 
     def bootstrap_argv(self) -> list[str]:
+        if self.call_file:
+            return ["--call", self.call_file]
         return (["-m", self.target] if self.module else [self.target]) + list(self.args)
 
     def display(self) -> str:

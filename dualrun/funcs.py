@@ -1,0 +1,50 @@
+"""Shipping a Python function to workers and its return values back (used by `dualrun.launch(fn)`).
+
+cloudpickle (shipped with Ray) pickles functions defined in `__main__` or notebooks by value, so workers need
+nothing but the file. Results are written per rank beside the call file and read back by the driver.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import pickle
+from typing import Any, Callable
+
+
+def _pickler():
+    try:
+        from ray import cloudpickle
+        return cloudpickle
+    except ImportError:  # pragma: no cover - Ray is a dependency
+        try:
+            import cloudpickle
+            return cloudpickle
+        except ImportError:
+            return pickle
+
+
+def save_call(path: str, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> None:
+    with open(path, "wb") as f:
+        _pickler().dump((fn, tuple(args), dict(kwargs or {})), f)
+
+
+def load_call(path: str) -> tuple[Callable[..., Any], tuple, dict]:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def save_result(path: str, rank: str, value: Any) -> None:
+    tmp = f"{path}.result.{rank}.tmp"
+    with open(tmp, "wb") as f:
+        _pickler().dump(value, f)
+    os.replace(tmp, f"{path}.result.{rank}")
+
+
+def load_results(path: str) -> dict[int, Any]:
+    out = {}
+    for name in glob.glob(f"{glob.escape(path)}.result.*"):
+        suffix = name.rsplit(".", 1)[-1]
+        if suffix.isdigit():
+            with open(name, "rb") as f:
+                out[int(suffix)] = pickle.load(f)
+    return out

@@ -1,0 +1,45 @@
+"""After a restart, make the unchanged HF/TRL trainer resume from the newest checkpoint in its output_dir.
+
+Both backends export TORCHELASTIC_RESTART_COUNT; on a restart (> 0) `Trainer.train()` called without
+`resume_from_checkpoint` gets the newest `checkpoint-*` folder, when one exists. A value the user passed wins.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from dualrun.hooks import when_imported
+
+
+def restart_count() -> int:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def _patch(module) -> None:
+    trainer_cls = getattr(module, "Trainer", None)
+    if trainer_cls is None or getattr(trainer_cls.train, "_dualrun_resume", False):
+        return
+    original = trainer_cls.train
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint is None and restart_count() > 0:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            out = getattr(self.args, "output_dir", None)
+            last = get_last_checkpoint(out) if out and os.path.isdir(out) else None
+            if last:
+                if os.environ.get("RANK", "0") == "0":
+                    print(f"[dualrun] restart {restart_count()}: resuming from {last}", file=sys.stderr, flush=True)
+                resume_from_checkpoint = last
+        return original(self, resume_from_checkpoint, *args, **kwargs)
+
+    train._dualrun_resume = True  # type: ignore[attr-defined]
+    trainer_cls.train = train
+
+
+def activate() -> None:
+    if restart_count() > 0:
+        when_imported("transformers.trainer", _patch)
