@@ -13,6 +13,10 @@ _LAZY = {
     "JobResult": ("dualrun.launchers.base", "JobResult"),
     "load_config": ("dualrun.config", "load_config"),
     "ConfigError": ("dualrun.errors", "ConfigError"),
+    # role-splitting API (docs/roles.md)
+    **{name: ("dualrun.roles", name) for name in (
+        "worker", "function", "WorkerGroup", "init", "shutdown", "current", "WorkerError", "UnknownGroupError",
+        "GroupFuture", "register_dispatch", "register_collect")},
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -25,6 +25,12 @@ def _accelerate_env(cfg: JobConfig) -> dict[str, str]:
 def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bool = False,
             out: TextIO | None = None) -> JobResult:
     out = out or sys.stderr
+    from dualrun.roles.driver import is_role_job, local_config, run_driver
+
+    if is_role_job(program, plugin):  # a role program (docs/roles.md): once as the Ray driver, or
+        if cfg.backend == "ray":      # in every torchrun process with its groups in-process
+            return run_driver(cfg, program, dry_run=dry_run)
+        cfg = local_config(cfg)
     launcher = launcher_class(cfg.backend)(cfg, program, _accelerate_env(cfg), plugin=plugin)
     cluster = None if dry_run else launcher.cluster()
     plan = make_plan(cfg, cluster)

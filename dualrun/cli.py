@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
-    launch = sub.add_parser("launch", help="run a training script on the chosen backend")
+    launch = sub.add_parser("launch", help="run a training script on the chosen backend", allow_abbrev=False)
     _job_flags(launch)
     launch.add_argument("--dry_run", "--dry-run", dest="dry_run", action="store_true",
                         help="print the exact commands and env (secrets redacted); start nothing")
@@ -86,7 +86,7 @@ def _load(ns: argparse.Namespace):
 def cmd_plan(ns: argparse.Namespace) -> int:
     from dualrun.plan import make_plan
 
-    cfg, _ = _load(ns)
+    cfg, plugin = _load(ns)
     cluster = None
     if cfg.backend == "ray":
         from dualrun.launchers.ray_cluster import live_cluster
@@ -94,6 +94,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         cluster = live_cluster(cfg)
     plan = make_plan(cfg, cluster)
     print(plan.to_json() if ns.json else plan.table())
+    if getattr(plugin, "single_controller", False) and not ns.json:
+        from dualrun.roles.spec import groups_table, spec_from_config
+
+        print(groups_table(spec_from_config(cfg)))
     return 0
 
 

@@ -42,14 +42,14 @@ def _ranks(out):
 
 def test_two_ranks_train_together(job):
     proc = dualrun("launch", "--backend", "torchrun", "--config_file", "cpu2.yaml", "w.py", "out", "--x", "1",
-                   cwd=job, env={"SHOULD_NOT_LEAK": "1"})
+                   "--n", "3", "--config_file", "theirs.yaml", "-m", "x", cwd=job, env={"SHOULD_NOT_LEAK": "1"})
     assert proc.returncode == 0, proc.stderr
     ranks = _ranks(job / "out")
     assert len(ranks) == 2
     for i, r in enumerate(ranks):
         env = r["env"]
         assert env["WORLD_SIZE"] == "2" and env["RANK"] == str(i) and env["LOCAL_RANK"] == str(i)
-        assert r["sum"] == 3.0 and r["argv"] == ["out", "--x", "1"] and r["cwd"] == str(job)
+        assert r["sum"] == 3.0 and r["argv"] == ["out", "--x", "1", "--n", "3", "--config_file", "theirs.yaml", "-m", "x"] and r["cwd"] == str(job)
         assert env["FROM_CONFIG"] == "yes-it-is" and env["ACCELERATE_USE_CPU"] == "True"
         assert env["DUALRUN_BACKEND"] == "torchrun" and env["DUALRUN_ROLE"] == "train"
         assert "SHOULD_NOT_LEAK" not in env

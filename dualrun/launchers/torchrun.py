@@ -16,6 +16,7 @@ from dualrun.envspec import TORCHRUN_NAMES, redact
 from dualrun.errors import LaunchError
 from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd
 from dualrun.plan import AUTO, Plan
+from dualrun.servers.local import LocalServers, server_command
 
 
 class TorchrunLauncher(Launcher):
@@ -79,6 +80,11 @@ class TorchrunLauncher(Launcher):
                  "env -i \\"]
         lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(env.items())]
         lines.append("  " + join_cmd([sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)))
+        for p in plan.servers:  # started first; the port is picked free at launch
+            if p.node == self.cfg.machine_rank:
+                argv = server_command(self.cfg, self.plugin, p, "127.0.0.1", AUTO)  # type: ignore[arg-type]
+                lines.insert(2, f"# {p.label}, started first: CUDA_VISIBLE_DEVICES={p.env.get('CUDA_VISIBLE_DEVICES', '')} "
+                                + join_cmd(argv))
         return "\n".join(lines)
 
     def launch(self, plan: Plan) -> JobResult:
@@ -87,8 +93,18 @@ class TorchrunLauncher(Launcher):
         from torch.distributed.run import parse_args, run
 
         start = time.monotonic()
-        args = parse_args(self.torchrun_argv(plan))
-        env = self.agent_env(plan)
+        # separate roles: their servers start first (on their own devices), the trainers get their addresses
+        servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env))
+        try:
+            servers.start()
+        except LaunchError as e:
+            return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e))
+        # the script's own arguments bypass torchrun's parser: `--n` must not match torchrun's `--nnodes`
+        argv = self.torchrun_argv(plan)
+        script_args = self.program.bootstrap_argv()
+        args = parse_args(argv[: len(argv) - len(script_args)])
+        args.training_script_args = script_args
+        env = self.agent_env(plan, extra=servers.wiring_env())
         saved = dict(os.environ)
         os.environ.clear()
         os.environ.update(env)
@@ -104,6 +120,7 @@ class TorchrunLauncher(Launcher):
         finally:
             os.environ.clear()
             os.environ.update(saved)
+            servers.stop()
         n = len(self.node_workers(plan))
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
         return JobResult(0, ranks, time.monotonic() - start)

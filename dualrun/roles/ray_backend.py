@@ -1,0 +1,203 @@
+"""Ray execution of a group: one placement group per unit (a role, or colocated roles), one actor per worker.
+
+Each actor holds one instance of the worker class and serves calls by name. Payloads are put in the object
+store by the driver (one object per distinct share) and passed *boxed* (`[ref]`), so each actor pulls only
+the share it was given, and can report how many bytes it received (`track_bytes`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from dualrun.errors import LaunchError
+from dualrun.roles.context import (RemoteFailure, WorkerContext, WorkerError, call_safely, method_name,
+                                   set_actor_context)
+from dualrun.roles.dispatch import CollectFn
+from dualrun.roles.group import Calls, GroupFuture, bind
+from dualrun.roles.spec import ENV_MODE, GroupSpec, RolesSpec
+
+# A worker with one GPU asks for this fraction of its bundle's GPU: the placement group already reserves the
+# role's GPUs, and a small share lets colocated roles (and several classes of one role) sit on the same GPU.
+GPU_SHARE = 0.01
+CPU_SHARE = 0.01
+
+
+def _object_size(ref: Any) -> int:
+    import ray
+
+    try:
+        info = ray.experimental.get_object_locations([ref]).get(ref) or {}
+        return int(info.get("object_size") or 0)
+    except Exception:  # noqa: BLE001 - an estimate for stats only
+        return 0
+
+
+class RoleActor:
+    """The process of one worker: its context is set before the user's class is built."""
+
+    def __init__(self, factory: Callable[..., Any], group: str, rank: int, size: int, env: dict[str, str],
+                 args: tuple, kwargs: dict, track_bytes: bool) -> None:
+        os.environ.update(env)
+        os.environ[ENV_MODE] = "local"  # groups made inside a worker are local to it
+        set_actor_context(WorkerContext(group, rank, size, "ray"))
+        self.track_bytes = track_bytes
+        self.calls = 0
+        self.bytes_in = 0
+        self.obj = call_safely(factory, args, kwargs)
+
+    def ready(self) -> RemoteFailure | None:
+        return self.obj if isinstance(self.obj, RemoteFailure) else None
+
+    def call(self, method: Any, boxed: list) -> Any:
+        import ray
+
+        ref = boxed[0]
+        args, kwargs = ray.get(ref)
+        self.calls += 1
+        if self.track_bytes:
+            self.bytes_in += _object_size(ref)
+        if isinstance(self.obj, RemoteFailure):
+            return self.obj
+        return call_safely(bind(self.obj, method), args, kwargs)
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"pid": os.getpid(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "node_id": ray.get_runtime_context().get_node_id()}
+
+    def stats(self) -> dict[str, Any]:
+        return {"calls": self.calls, "bytes_in": self.bytes_in if self.track_bytes else None}
+
+
+def ensure_ray(spec: RolesSpec) -> Any:
+    """Join (or start) Ray by the Ray backend's address rules; the Connection to close, None if already up."""
+    import ray
+    from types import SimpleNamespace
+
+    from dualrun.launchers.ray_cluster import connect
+
+    if ray.is_initialized():
+        return None
+    units = {g.unit_name: g.size for g in spec.groups}
+    shim = SimpleNamespace(source=spec.source, primary=SimpleNamespace(processes=max(1, sum(units.values()))),
+                           ray=SimpleNamespace(address=spec.address, runtime_env={},
+                                               include_dashboard=spec.include_dashboard,
+                                               num_cpus_per_worker=max(spec.num_cpus_per_worker, CPU_SHARE)))
+    return connect(shim)  # type: ignore[arg-type]
+
+
+def make_placement(spec: RolesSpec, group: GroupSpec) -> Any:
+    """The placement group of `group`'s unit: one bundle per worker, waited for with the configured timeout."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    per_worker = group.gpus / group.size if group.gpus else 0
+    bundle: dict[str, float] = {"CPU": max(spec.num_cpus_per_worker, CPU_SHARE)}
+    if per_worker:
+        bundle["GPU"] = per_worker
+    pg = placement_group([dict(bundle) for _ in range(group.size)], strategy=spec.placement_strategy,
+                         name=f"dualrun-{group.unit_name}-{os.getpid()}")
+    if not pg.wait(spec.placement_timeout_s):
+        import ray
+
+        remove_placement_group(pg)
+        have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        raise LaunchError(f"{spec.source}: role(s) {group.unit_name}: {group.size} worker(s) of {bundle} could not be "
+                          f"placed within {spec.placement_timeout_s:g} s (ray.placement_timeout_s); "
+                          f"the cluster has {have} available", 2)
+    return pg
+
+
+class RayWorkers:
+    """The actors of one group, placed in its unit's placement group (one bundle per rank)."""
+
+    backend = "ray"
+
+    def __init__(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
+                 kwargs: dict) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.spec, self.factory = spec, factory
+        pg = runtime.placement(spec)
+        per_worker = spec.gpus / spec.size if spec.gpus else 0
+        num_gpus = 0 if not per_worker else (GPU_SHARE if per_worker <= 1 else per_worker)
+        remote = ray.remote(RoleActor)
+        self.actors = []
+        for rank in range(spec.size):
+            env = {**runtime.spec.env, **spec.env, "DUALRUN_ROLE": spec.name, "DUALRUN_GROUP_RANK": str(rank),
+                   "DUALRUN_GROUP_SIZE": str(spec.size)}
+            opts = remote.options(num_cpus=CPU_SHARE, num_gpus=num_gpus, max_concurrency=1,
+                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                      pg, placement_group_bundle_index=rank))
+            self.actors.append(opts.remote(factory, spec.name, rank, spec.size, env, args, kwargs,
+                                           runtime.track_bytes))
+
+    def _get(self, refs: list, ranks: list[int], method: str, timeout: float | None = None) -> list:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            return ray.get(refs, timeout=timeout)
+        except GetTimeoutError:
+            raise TimeoutError(f"{self.spec.name}.{method}: no result within {timeout} s") from None
+        except RayError:
+            for rank, ref in zip(ranks, refs):
+                try:
+                    ray.get(ref)
+                except RayError as e:
+                    text = str(e)
+                    raise WorkerError(self.spec.name, rank, method,
+                                      RemoteFailure(type(e).__name__, text.strip().splitlines()[0], text)) from None
+            raise
+
+    def wait_ready(self) -> None:
+        ranks = list(range(self.spec.size))
+        name = f"{method_name(self.factory)}()"
+        try:
+            results = self._get([a.ready.remote() for a in self.actors], ranks, name)
+        except WorkerError:
+            self.shutdown()
+            raise
+        for rank, failure in zip(ranks, results):
+            if failure is not None:
+                self.shutdown()
+                raise WorkerError(self.spec.name, rank, name, failure)
+
+    def submit(self, method: Any, calls: Calls, collect: CollectFn) -> GroupFuture:
+        import ray
+
+        puts: dict[tuple, Any] = {}
+        refs, ranks = [], []
+        for rank, args, kwargs in calls:
+            key = (tuple(map(id, args)), tuple((k, id(v)) for k, v in kwargs.items()))
+            if key not in puts:  # each distinct share goes to the object store once
+                puts[key] = ray.put((args, kwargs))
+            refs.append(self.actors[rank].call.remote(method, [puts[key]]))
+            ranks.append(rank)
+        name = method_name(method)
+
+        def is_done() -> bool:
+            return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+        return GroupFuture(self.spec.name, name, ranks, lambda t: self._get(refs, ranks, name, t), collect, is_done)
+
+    def info(self) -> list[dict[str, Any]]:
+        import ray
+
+        return [{"rank": r, **i} for r, i in enumerate(ray.get([a.info.remote() for a in self.actors]))]
+
+    def stats(self) -> list[dict[str, Any]]:
+        import ray
+
+        return [{"rank": r, **s} for r, s in enumerate(ray.get([a.stats.remote() for a in self.actors]))]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = []

@@ -1,0 +1,132 @@
+"""The role runtime of this process: which backend groups use, the config's groups, Ray placement groups.
+
+`dualrun.init()` sets it explicitly; otherwise it is made on first use from the environment a launch left:
+`DUALRUN_ROLES_MODE=ray` (set by `dualrun launch --backend ray` for a role program) means Ray, anything else
+means local. Group sizes come from `DUALRUN_ROLES_SPEC`, else from the roles in `DUALRUN_SETTINGS` (torchrun),
+else every group has one worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Callable
+
+from dualrun.roles.context import UnknownGroupError
+from dualrun.roles.spec import ENV_MODE, GroupSpec, RolesSpec, load_spec
+
+_LOCK = threading.Lock()
+_RUNTIME: "Runtime | None" = None
+BACKENDS = {"ray": "ray", "local": "local", "torchrun": "local", "python": "local"}
+
+
+class Runtime:
+    def __init__(self, spec: RolesSpec, backend: str, track_bytes: bool = False) -> None:
+        self.spec, self.backend, self.track_bytes = spec, backend, track_bytes
+        self._pgs: dict[str, Any] = {}
+        self._groups: list[Any] = []
+        self._conn: Any = None
+        if backend == "ray":
+            from dualrun.roles.ray_backend import ensure_ray
+
+            self._conn = ensure_ray(spec)
+
+    def group_spec(self, name: str) -> GroupSpec:
+        """The config's group `name`; any name (one worker) when no config is known."""
+        if not self.spec.configured:
+            return GroupSpec(name, 1, 0, (name,))
+        found = self.spec.group(name)
+        if found is None:
+            known = ", ".join(g.name for g in self.spec.groups)
+            raise UnknownGroupError(f"{self.spec.source}: group '{name}' is not a role of the config "
+                                    f"(roles: {known}); add it under `roles:` or use one of those")
+        return found
+
+    def start_workers(self, spec: GroupSpec, factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if self.backend == "ray":
+            from dualrun.roles.ray_backend import RayWorkers
+
+            return RayWorkers(self, spec, factory, args, kwargs)
+        from dualrun.roles.group import LocalWorkers
+
+        return LocalWorkers(spec, factory, args, kwargs)
+
+    def placement(self, spec: GroupSpec) -> Any:
+        """One placement group per unit, made when its first group starts and kept until shutdown."""
+        with _LOCK:
+            if spec.unit_name not in self._pgs:
+                from dualrun.roles.ray_backend import make_placement
+
+                self._pgs[spec.unit_name] = make_placement(self.spec, spec)
+            return self._pgs[spec.unit_name]
+
+    def track(self, group: Any) -> None:
+        self._groups.append(group)
+
+    def untrack(self, group: Any) -> None:
+        if group in self._groups:
+            self._groups.remove(group)
+
+    def shutdown(self) -> None:
+        """Stop every group's workers and free the placement groups (and Ray, when this runtime started it)."""
+        for group in list(self._groups):
+            group.shutdown()
+        if self._pgs:
+            from ray.util.placement_group import remove_placement_group
+
+            for pg in self._pgs.values():
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # noqa: BLE001 - the cluster may be gone already
+                    pass
+            self._pgs.clear()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _spec_from_settings() -> RolesSpec:
+    raw = os.environ.get("DUALRUN_SETTINGS")
+    roles = (json.loads(raw).get("roles") if raw else None) or {}
+    return RolesSpec(tuple(GroupSpec(n, int(r.get("processes") or 1), int(r.get("gpus") or 0), (n,),
+                                     model=r.get("model"), engine=r.get("engine")) for n, r in roles.items()),
+                     source="DUALRUN_SETTINGS")
+
+
+def init(config: Any = None, backend: str | None = None, *, track_bytes: bool = False) -> Runtime:
+    """Set up the role runtime (optional: groups call it on first use with the defaults).
+
+    config: a YAML path, a config dict, a JobConfig or a RolesSpec (default: what the launch passed).
+    backend: 'ray' or 'local' ('torchrun' and 'python' mean local); default: `DUALRUN_ROLES_MODE`, else local.
+    """
+    global _RUNTIME
+    mode = backend or os.environ.get(ENV_MODE) or "local"
+    if mode not in BACKENDS:
+        raise ValueError(f"backend={mode!r}: expected one of {sorted(BACKENDS)}")
+    spec = load_spec(config)
+    if not spec.configured and config is None:
+        spec = _spec_from_settings()
+    with _LOCK:
+        old, _RUNTIME = _RUNTIME, None
+    if old is not None:
+        old.shutdown()
+    runtime = Runtime(spec, BACKENDS[mode], track_bytes)
+    with _LOCK:
+        _RUNTIME = runtime
+    return runtime
+
+
+def get_runtime() -> Runtime:
+    if _RUNTIME is None:
+        init()
+    assert _RUNTIME is not None
+    return _RUNTIME
+
+
+def shutdown() -> None:
+    """Stop all groups of this process (actors, placement groups). Safe to call twice."""
+    global _RUNTIME
+    with _LOCK:
+        old, _RUNTIME = _RUNTIME, None
+    if old is not None:
+        old.shutdown()

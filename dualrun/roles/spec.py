@@ -1,0 +1,95 @@
+"""What the role API needs from a config: one `GroupSpec` per role, and how it travels to a driver.
+
+A group is a config role. Colocated roles (a `colocate_groups` entry, or one ms-swift device group listing
+several workers) share one *unit*: on Ray, one placement group whose bundles all of their actors use.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+ENV_SPEC = "DUALRUN_ROLES_SPEC"   # JSON of RolesSpec, set by `dualrun launch` for a role program
+ENV_MODE = "DUALRUN_ROLES_MODE"   # 'ray' (this process is the driver of a Ray job) | 'local'
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    size: int                     # workers (processes) in the group
+    gpus: int                     # 0: CPU workers
+    unit: tuple[str, ...]         # the roles sharing this group's devices (itself alone when separate)
+    env: Mapping[str, str] = field(default_factory=dict)
+    model: str | None = None
+    engine: str | None = None
+
+    @property
+    def unit_name(self) -> str:
+        return "+".join(self.unit)
+
+
+@dataclass(frozen=True)
+class RolesSpec:
+    """Groups plus the Ray settings a driver needs; serialisable to one env var."""
+
+    groups: tuple[GroupSpec, ...] = ()
+    source: str = "<no config>"
+    address: str | None = None
+    placement_strategy: str = "PACK"
+    placement_timeout_s: float = 120.0
+    num_cpus_per_worker: float = 1.0
+    include_dashboard: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def group(self, name: str) -> GroupSpec | None:
+        return next((g for g in self.groups if g.name == name), None)
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.groups)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "RolesSpec":
+        d = json.loads(text)
+        groups = tuple(GroupSpec(**{**g, "unit": tuple(g["unit"])}) for g in d.pop("groups", []))
+        return RolesSpec(groups=groups, **d)
+
+
+def spec_from_config(cfg: Any) -> RolesSpec:
+    """RolesSpec of a JobConfig (dualrun.config.model.JobConfig)."""
+    groups = tuple(GroupSpec(r.name, r.processes, r.gpus, tuple(cfg.group_of(r.name)), dict(r.env), r.model,
+                             r.engine) for r in cfg.roles)
+    ray = cfg.ray
+    return RolesSpec(groups, cfg.source, ray.address, ray.placement_strategy, ray.placement_timeout_s,
+                     ray.num_cpus_per_worker, ray.include_dashboard, dict(cfg.env))
+
+
+def load_spec(config: Any = None) -> RolesSpec:
+    """From a RolesSpec, a JobConfig, a YAML path, a config dict, or (None) the env a launch set."""
+    if isinstance(config, RolesSpec):
+        return config
+    if config is None:
+        raw = os.environ.get(ENV_SPEC)
+        return RolesSpec.from_json(raw) if raw else RolesSpec()
+    from dualrun.config.load import build_config, load_config
+
+    if isinstance(config, (str, os.PathLike)):
+        config = load_config(os.fspath(config))
+    elif isinstance(config, Mapping):
+        config = build_config(config, "<dict>")
+    return spec_from_config(config)
+
+
+def groups_table(spec: RolesSpec) -> str:
+    """What `dualrun plan` prints for a role program: each group, its workers and devices."""
+    lines = ["role groups (single controller; on Ray each worker is an actor, locally an in-process instance):"]
+    for g in spec.groups:
+        dev = f"{g.gpus} GPU(s), one per worker" if g.gpus else f"{g.size} CPU worker(s)"
+        shared = f"  shares devices with {', '.join(r for r in g.unit if r != g.name)}" if len(g.unit) > 1 else ""
+        lines.append(f"  {g.name:<10} {g.size} worker(s), {dev}{shared}")
+    return "\n".join(lines)

@@ -1,0 +1,251 @@
+"""The role API: dispatch/collect rules (pure), local groups, and the same calls on a real Ray cluster with
+fake GPUs (each group on its own GPUs), compared result for result; slice dispatch measured at ~1/N bytes."""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import pytest
+
+import dualrun
+from dualrun.roles import dispatch as D
+from dualrun.roles.runtime import Runtime
+from dualrun.roles.spec import RolesSpec, load_spec
+
+ROLES = {"roles": {"a": {"gpus": 2}, "b": {"gpus": 3}, "c": {"gpus": 1}, "d": {"gpus": 1}},
+         "colocate_groups": [["c", "d"]]}
+
+
+@dualrun.worker(group=["a", "b"])
+class Calc:
+    def __init__(self, k: int) -> None:
+        ctx = dualrun.current()
+        self.k, self.rank, self.size = k, ctx.rank, ctx.world_size
+
+    def apply(self, xs, scale=1):
+        return [x * self.k * scale + self.rank for x in xs]
+
+    @dualrun.function(group="a", dispatch="slice", collect="flatten")
+    def times(self, xs):
+        return [x * self.k for x in xs]
+
+    @dualrun.function(group="b", execute="first")
+    def head(self):
+        return self.rank
+
+    @dualrun.function(group="b")
+    def fail_on(self, rank):
+        if self.rank == rank:
+            raise ValueError(f"bad input on rank {self.rank}")
+        return self.rank
+
+    @dualrun.function(group="b")
+    def where(self):
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@dualrun.worker(group=["c", "d"])
+class Where:
+    @dualrun.function(group="c")
+    def c(self):
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    @dualrun.function(group="d")
+    def d(self):
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+class Broken:
+    def __init__(self) -> None:
+        raise RuntimeError("cannot build")
+
+
+class Sink:
+    def take(self, batch):
+        return len(batch)
+
+
+def pairs(n, i, xs, scale=1):  # a custom dispatch: worker i gets every n-th item
+    return (xs[i::n],), {"scale": scale}
+
+
+DISPATCHES = ["all", "slice", pairs]
+EXECUTES = ["all", "first"]
+COLLECTS = ["none", "flatten", lambda rs: sorted(x for r in rs for x in r)]
+
+
+# -- pure logic -----------------------------------------------------------------------------------------
+def test_bounds_cover_contiguously_and_balance():
+    for length in range(0, 12):
+        for n in range(1, 6):
+            spans = [D.bounds(length, n, i) for i in range(n)]
+            assert spans[0][0] == 0 and spans[-1][1] == length
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            sizes = [b - a for a, b in spans]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_slice_shorter_than_workers_gives_trailing_empty_shares():
+    shares = [D.dispatch_slice(4, i, [1, 2], "keep", n=5)[0] for i in range(4)]
+    assert [s[0] for s in shares] == [[1], [2], [], []]
+    assert all(s[1] == "keep" for s in shares)
+
+
+def test_slice_cuts_arrays_and_tuples_not_strings_or_dicts():
+    import numpy as np
+
+    a, k = D.dispatch_slice(2, 1, np.arange(5), (1, 2, 3), "abcd", {"x": [1, 2]})
+    assert a[0].tolist() == [3, 4] and a[1] == (3,) and a[2] == "abcd" and a[3] == {"x": [1, 2]}
+
+
+def test_execute_first_ignores_dispatch():
+    assert D.plan_calls(3, "first", "slice", ([1, 2, 3],), {}) == [(0, ([1, 2, 3],), {})]
+
+
+def test_flatten_lists_tuples_dicts():
+    assert D.collect_flatten([[1], [2, 3], []]) == [1, 2, 3]
+    assert D.collect_flatten([([1], ["a"]), ([2], ["b"])]) == ([1, 2], ["a", "b"])
+    assert D.collect_flatten([{"x": [1]}, {"x": [2]}]) == {"x": [1, 2]}
+    assert D.collect_flatten([None, None]) == []
+
+
+def test_registry_is_open_and_unknown_rules_fail_early():
+    D.register_collect("sum")(lambda rs: sum(rs))
+    assert D.resolve_collect("sum")([1, 2]) == 3
+    with pytest.raises(ValueError, match="dispatch='nope'"):
+        dualrun.function(dispatch="nope")
+    with pytest.raises(ValueError, match="execute="):
+        dualrun.function(execute="some")
+
+
+def test_decorator_checks_groups():
+    with pytest.raises(ValueError, match="needs group"):
+        @dualrun.worker(group=["a", "b"])
+        class Two:
+            @dualrun.function()
+            def f(self):
+                return 1
+    with pytest.raises(ValueError, match="not one of the class's groups"):
+        @dualrun.worker(group="a")
+        class Other:
+            @dualrun.function(group="z")
+            def f(self):
+                return 1
+
+
+def test_unknown_group_is_a_clear_error():
+    rt = Runtime(load_spec(ROLES), "local")
+    with pytest.raises(dualrun.UnknownGroupError, match="group 'zz' is not a role of the config"):
+        dualrun.WorkerGroup(Sink, "zz", runtime=rt)
+
+
+def test_spec_survives_env_round_trip():
+    spec = load_spec(ROLES)
+    assert RolesSpec.from_json(spec.to_json()) == spec
+    assert spec.group("c").unit == ("c", "d") and spec.group("b").size == 3
+
+
+def test_role_program_detection(tmp_path):
+    from dualrun.roles.driver import is_role_program
+
+    yes = tmp_path / "a.py"
+    yes.write_text("import dualrun\n@dualrun.worker(group='x')\nclass A: pass\n")
+    no = tmp_path / "b.py"
+    no.write_text("from trl import SFTTrainer\nprint('train')\n")
+    assert is_role_program(str(yes)) and not is_role_program(str(no))
+
+
+def test_local_proxy_and_errors():
+    dualrun.init(ROLES, backend="local")
+    try:
+        calc = Calc(3)
+        assert calc.times(list(range(5))) == [0, 3, 6, 9, 12]
+        assert calc.head() == [0]
+        with pytest.raises(dualrun.WorkerError) as err:
+            calc.fail_on(2)
+        assert err.value.rank == 2 and "bad input on rank 2" in err.value.remote_traceback
+        with pytest.raises(AttributeError, match="only its @dualrun.function methods"):
+            calc.apply
+        with pytest.raises(dualrun.WorkerError, match="cannot build"):
+            dualrun.WorkerGroup(Broken, "a")
+    finally:
+        dualrun.shutdown()
+
+
+# -- Ray (fake GPUs) vs local ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests folder
+    tmp = tempfile.mkdtemp(prefix="drr", dir="/tmp")
+    ray.init(address="local", num_gpus=8, num_cpus=8, include_dashboard=False, _temp_dir=tmp,
+             log_to_driver=False)
+    runtime = dualrun.init(ROLES, backend="ray", track_bytes=True)
+    yield runtime
+    dualrun.shutdown()
+    ray.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_every_combination_equal_on_ray_and_local(ray_cluster):
+    local = Runtime(load_spec(ROLES), "local")
+    on_ray = dualrun.WorkerGroup(Calc, "b", (2,))
+    here = dualrun.WorkerGroup(Calc, "b", (2,), runtime=local)
+    assert on_ray.backend == "ray" and here.backend == "local" and on_ray.size == here.size == 3
+    xs = list(range(10))
+    futures, expected = [], []
+    for dispatch in DISPATCHES:
+        for execute in EXECUTES:
+            for collect in COLLECTS:
+                kw = dict(dispatch=dispatch, execute=execute, collect=collect)
+                futures.append(on_ray.run_async("apply", xs, scale=3, **kw))
+                expected.append(here.run(Calc.apply, xs, scale=3, **kw))
+    got = [f.result(timeout=60) for f in futures]
+    assert got == expected
+    assert got[7] == [0, 6, 12, 18, 25, 31, 37, 44, 50, 56]   # slice, all, flatten: x * 2 * 3 + rank
+    on_ray.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_proxy_on_ray_places_groups_on_their_own_gpus(ray_cluster):
+    calc, where = Calc(3), Where()
+    assert calc.times(list(range(7))) == [0, 3, 6, 9, 12, 15, 18]
+    assert calc.head() == [0]
+    a = [i["CUDA_VISIBLE_DEVICES"] for i in calc.groups["a"].info()]
+    b = calc.where()
+    c, d = where.c(), where.d()
+    assert len(set(a)) == 2 and len(set(b)) == 3 and c == d          # colocated c and d share their GPU
+    assert not set(a) & set(b) and not (set(a) | set(b)) & set(c)     # separate groups never share
+    with pytest.raises(dualrun.WorkerError) as err:
+        calc.fail_on(1)
+    assert err.value.group == "b" and err.value.rank == 1
+    assert "bad input on rank 1" in str(err.value) and "fail_on" in err.value.remote_traceback
+    with pytest.raises(dualrun.WorkerError, match="b worker rank 0 failed in .*Broken.*cannot build"):
+        dualrun.WorkerGroup(Broken, "b")
+    with pytest.raises(dualrun.UnknownGroupError):
+        dualrun.WorkerGroup(Sink, "nope")
+    calc.shutdown()
+    where.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_slice_moves_one_nth_per_worker(ray_cluster):
+    group = dualrun.WorkerGroup(Sink, "b")
+    batch = [bytes(64 * 1024) for _ in range(60)]   # ~3.9 MB
+    total = sum(map(len, batch))
+    assert group.run("take", batch, dispatch="slice") == [20, 20, 20]
+    sliced = [s["bytes_in"] for s in group.stats()]
+    assert group.run("take", batch) == [60, 60, 60]
+    both = [s["bytes_in"] for s in group.stats()]
+    broadcast = [b - s for b, s in zip(both, sliced)]
+    for got in sliced:
+        assert abs(got - total / 3) < 0.05 * total / 3, (sliced, total)
+    for got in broadcast:
+        assert abs(got - total) < 0.05 * total, (broadcast, total)
+    group.shutdown()
