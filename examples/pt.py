@@ -57,7 +57,6 @@ def main():
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()
-    trainer.end()  # finish trackers and destroy the process group
 
 
 if __name__ == "__main__":
