@@ -155,6 +155,10 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
     cluster = cluster or assumed_cluster(cfg)
     common = _common_env(cfg, extra_env)
     free = {n.index: list(range(n.gpus)) for n in cluster.nodes}
+    if cfg.backend == "torchrun" and cluster.nodes:
+        # fixed ids (`gpu_ids`) are reserved up front, so no role takes them by count: separate roles never share
+        fixed = {gid for r in cfg.roles for gid in (r.gpu_ids or ())}
+        free[cluster.nodes[0].index] = [g for g in free[cluster.nodes[0].index] if g not in fixed]
     procs: list[Process] = []
     external: dict[str, str] = {}
     for i, (group, role) in enumerate(units(cfg)):
@@ -193,7 +197,7 @@ def _take(free: dict[int, list[int]], node: int, count: int, fixed: tuple[int, .
         for gid in fixed:
             if gid in free[node]:
                 free[node].remove(gid)
-        return tuple(fixed)
+        return tuple(fixed)  # already reserved by make_plan (torchrun)
     got, free[node][:] = free[node][:count], free[node][count:]
     return tuple(got)
 

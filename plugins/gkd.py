@@ -1,12 +1,142 @@
-"""gkd: roles `train`, `teacher` and optional `rollout`. A colocated teacher lives in the trainer processes;
-a separate teacher is served on its own GPUs and the trainer asks it for top-k log-probabilities."""
+"""gkd: roles `train`, `teacher` and optional `rollout`.
+
+A colocated teacher lives in the trainer processes and supports full-vocabulary distillation (no `top_k`) or
+top-k (`top_k: K`). A separate teacher is served on its own GPUs (vLLM; the transformers CPU engine where there
+are none) and is top-k only: the server returns the top-k log-probabilities of each position. The unchanged
+GKDTrainer then gets, instead of loading its teacher, a stand-in whose forward asks the teacher server
+(`dualrun.servers.teacher.RemoteTeacher`); ServerDistillationConfig gets `teacher_model_server_url`. A separate
+`rollout` points DistillationConfig's vLLM server mode at its server, as for GRPO.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Any, Mapping
+
+from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.errors import ConfigError
+from dualrun.hooks import when_imported
 from dualrun.plugin import MethodPlugin
+from dualrun.plugins.grpo import ROLLOUT_SERVES, wire_rollout
+from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.servers.wiring import fill_defaults, say
+
+FULL_VOCAB_HINT = ("a teacher server returns only the top-k log-probabilities of each token; for full-vocabulary "
+                   "distillation colocate the teacher with the trainer: colocate_groups: [[train, teacher]]")
 
 
 class GKDPlugin(MethodPlugin):
     name = "gkd"
     roles = ("train", "teacher", "rollout")
     required_roles = ("train",)
+
+    def validate(self, cfg: JobConfig) -> None:
+        super().validate(cfg)
+        teacher = cfg.role("teacher")
+        if teacher is not None and cfg.is_separate("teacher"):
+            if not teacher.top_k:
+                raise ConfigError(cfg.source, "roles.teacher.top_k", "a top-k of at least 1 for a separate teacher",
+                                  "full-vocabulary distillation" if teacher.top_k is None else teacher.top_k,
+                                  FULL_VOCAB_HINT)
+            validate_server_role(cfg, teacher, "the teacher model")
+        rollout = cfg.role("rollout")
+        if rollout is not None and cfg.is_separate("rollout"):
+            validate_server_role(cfg, rollout, ROLLOUT_SERVES)
+
+    def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
+        if role.name not in ("teacher", "rollout") or not role.model:
+            return None
+        return server_argv(cfg, role, role.model, host, port, rollout=role.name == "rollout")
+
+    def health_path(self, role: RoleSpec) -> str:
+        return HEALTH_PATH
+
+    def activate(self, settings: Mapping[str, Any]) -> None:
+        teacher = (settings.get("roles") or {}).get("teacher") or {}
+        top_k = int(teacher.get("top_k") or 0)
+        address = os.environ.get("DUALRUN_TEACHER_ADDRESS")
+        if teacher.get("separate") and address:
+            when_imported("trl.experimental.gkd.gkd_trainer",
+                          lambda m: serve_gkd_teacher(m.GKDTrainer, address, top_k, teacher.get("model")))
+            when_imported("trl.trainer.distillation_config", lambda m: fill_defaults(
+                m.DistillationConfig, lambda c: _server_distillation_fields(c, address, top_k)))
+        elif teacher and top_k:
+            when_imported("trl.experimental.gkd.gkd_trainer", lambda m: truncate_gkd_teacher(m.GKDTrainer, top_k))
+        rollout = os.environ.get("DUALRUN_ROLLOUT_ADDRESS")
+        if rollout:
+            when_imported("trl.trainer.distillation_config", lambda m: wire_rollout(m, "DistillationConfig", rollout))
+
+
+def _server_distillation_fields(config: Any, address: str, top_k: int) -> dict[str, Any]:
+    """ServerDistillationConfig: the teacher server's URL, and the role's top-k where TRL allows it (beta == 0)."""
+    if not hasattr(config, "teacher_model_server_url"):
+        return {}
+    fields: dict[str, Any] = {"teacher_model_server_url": f"http://{address}"}
+    if getattr(config, "beta", None) == 0 and top_k:
+        fields["loss_top_k"] = top_k
+    return fields
+
+
+def _teacher_config(teacher: Any, model: Any, role_model: str | None) -> Any:
+    """The teacher's model config (its vocabulary size is all GKD reads), without loading any weights."""
+    from transformers import AutoConfig
+
+    if getattr(teacher, "config", None) is not None:
+        return teacher.config
+    for source in (teacher, role_model, model):
+        if isinstance(source, str):
+            try:
+                return AutoConfig.from_pretrained(source)
+            except (OSError, ValueError):
+                continue
+    return model.config
+
+
+def serve_gkd_teacher(cls: type, address: str, top_k: int, role_model: str | None) -> None:
+    """GKDTrainer gets a RemoteTeacher instead of loading (or using) its own teacher model."""
+    from dualrun.servers.teacher import RemoteTeacher
+
+    if getattr(cls.__init__, "_dualrun", False):
+        return
+    init = cls.__init__
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        config = bound.arguments.get("args")
+        if getattr(config, "seq_kd", False):
+            raise ValueError("GKDConfig.seq_kd=True generates with the teacher, but roles.teacher is a separate "
+                             "server that returns top-k log-probabilities only; " + FULL_VOCAB_HINT.split("; ")[1])
+        if config is not None and getattr(config, "teacher_model_init_kwargs", None) is not None:
+            config.teacher_model_init_kwargs = None  # nothing is loaded here: the teacher role loads it
+        teacher = bound.arguments.get("teacher_model")
+        bound.arguments["teacher_model"] = RemoteTeacher(address, top_k,
+                                                         _teacher_config(teacher, bound.arguments.get("model"),
+                                                                         role_model))
+        say(f"GKD teacher served by the teacher role at {address} (top-{top_k} log-probabilities)")
+        init(*bound.args, **bound.kwargs)
+
+    __init__._dualrun = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+def truncate_gkd_teacher(cls: type, top_k: int) -> None:
+    """A colocated teacher with `top_k`: GKD distils the same top-k distribution a teacher server would give."""
+    from dualrun.servers.teacher import TruncatedTeacher
+
+    if getattr(cls.__init__, "_dualrun", False):
+        return
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.teacher_model = TruncatedTeacher(self.teacher_model, top_k)
+
+    __init__._dualrun = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
 
 
 PLUGIN = GKDPlugin

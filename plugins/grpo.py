@@ -1,12 +1,50 @@
 """grpo: roles `train` and `rollout`. Colocated rollout generates inside the trainer (TRL's own path, or vLLM
-colocate mode when vLLM is installed); a separate rollout runs `trl vllm-serve` on its own GPUs."""
+colocate mode when vLLM is installed); a separate rollout runs `trl vllm-serve` on its own GPUs (the CPU engine
+where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
+`vllm_server_host/port`, each only where the user left it at its default."""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.hooks import when_imported
 from dualrun.plugin import MethodPlugin
+from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.servers.wiring import fill_defaults, rollout_fields, say
+
+ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
+
+
+def wire_rollout(module: Any, config_class: str, address: str) -> None:
+    """Point `module.<config_class>` at the rollout server (fields left at defaults only)."""
+    fill_defaults(getattr(module, config_class), rollout_fields(address),
+                  lambda cfg, filled: say(f"{type(cfg).__name__}: {filled} (rollout server)"))
 
 
 class GRPOPlugin(MethodPlugin):
     name = "grpo"
     roles = ("train", "rollout")
     required_roles = ("train",)
+
+    def validate(self, cfg: JobConfig) -> None:
+        super().validate(cfg)
+        rollout = cfg.role("rollout")
+        if rollout is not None and cfg.is_separate("rollout"):
+            validate_server_role(cfg, rollout, ROLLOUT_SERVES)
+
+    def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
+        if role.name != "rollout" or not role.model:
+            return None
+        return server_argv(cfg, role, role.model, host, port, rollout=True)
+
+    def health_path(self, role: RoleSpec) -> str:
+        return HEALTH_PATH
+
+    def activate(self, settings: Mapping[str, Any]) -> None:
+        address = os.environ.get("DUALRUN_ROLLOUT_ADDRESS")
+        if address:
+            when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
 
 
 PLUGIN = GRPOPlugin

@@ -72,7 +72,8 @@ ROLE_KEYS: tuple[Key, ...] = (
         minimum=1),
     Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine.", minimum=1),
     Key("model", "str-or-null", None, "Model path or name the role serves (teacher, reward model)."),
-    Key("top_k", "int", None, "Teacher: number of top log-probabilities served per token.", minimum=1),
+    Key("top_k", "int", None, "Teacher: top-k log-probabilities distilled per token (unset or 0: full "
+        "vocabulary, colocated teacher only; a separate teacher needs >= 1).", minimum=0),
     Key("address", "str-or-null", None, "`host:port` of a server the user started; dualrun starts none."),
     Key("health_timeout_s", "float", 600.0, "Seconds a server may take to answer its health check.", minimum=0),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server."),

@@ -1,0 +1,139 @@
+"""The servers a torchrun plan places on this machine: started before the trainers, stopped after them.
+
+One machine: each server binds 127.0.0.1 on a port the OS picks. Several machines (torchrun by hand, like
+accelerate): the servers run on machine 0, bind 0.0.0.0, and every machine derives the same port from
+`main_process_port` (as torchrun's own rendezvous does), because the machines do not talk before the job.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Mapping, TextIO
+
+from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.errors import LaunchError
+from dualrun.plan import Plan, Process
+from dualrun.servers.process import ServerError, ServerProcess
+
+_PORT_IN_USE = ("address already in use", "errno 98")
+
+
+def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
+    """The role whose settings a server process uses: the first of its unit."""
+    role = cfg.role(proc.roles[0])
+    assert role is not None
+    return role
+
+
+def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: int) -> list[str]:
+    for name in proc.roles:
+        role = cfg.role(name)
+        argv = plugin.server_command(cfg, role, host, port) if plugin is not None and role is not None else None
+        if argv:
+            return [str(a) for a in argv]
+    raise LaunchError(f"method '{cfg.method}' has no server for the separate role(s) {', '.join(proc.roles)}", 2)
+
+
+def addresses(plan: Plan, started: Mapping[int, str]) -> dict[str, str]:
+    """role -> host:port for every server role: the plan's servers (by index) and the user's own (`address:`)."""
+    out = dict(plan.external)
+    for index, addr in started.items():
+        for name in plan.servers[index].roles:
+            out[name] = addr
+    return out
+
+
+class LocalServers:
+    """Start, health-check and stop the plan's servers for this machine (`cfg.machine_rank`)."""
+
+    def __init__(self, cfg: JobConfig, plugin: Any, plan: Plan, env_for: Callable[[Process], dict[str, str]],
+                 log_dir: str | None = None, stream: TextIO | None = sys.stderr) -> None:
+        self.cfg, self.plugin, self.plan, self.env_for, self.stream = cfg, plugin, plan, env_for, stream
+        self.log_dir = log_dir or cfg.torchrun.log_dir or cfg.log_dir
+        self.running: dict[int, ServerProcess] = {}  # plan.servers index ->
+        self.addresses: dict[str, str] = dict(plan.external)
+
+    def _endpoint(self, index: int) -> tuple[str, str, int]:
+        """(bind host, advertised host, port) of the plan's `index`-th server."""
+        from dualrun.launchers.base import free_port
+
+        if self.cfg.num_machines == 1:
+            return "127.0.0.1", "127.0.0.1", free_port("127.0.0.1")
+        base = self.cfg.main_process_port or 29500
+        return "0.0.0.0", self.cfg.main_process_ip or "127.0.0.1", base + 1 + index
+
+    def _log_path(self, proc: Process) -> str:
+        if not self.log_dir:
+            self.log_dir = tempfile.mkdtemp(prefix="dualrun-servers-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        return os.path.join(self.log_dir, f"{proc.unit}-server-{proc.rank}.log")
+
+    def _spawn(self, index: int, proc: Process) -> ServerProcess:
+        bind, advertised, port = self._endpoint(index)
+        argv = server_command(self.cfg, self.plugin, proc, bind, port)
+        role = server_role(self.cfg, proc)
+        server = ServerProcess(proc.label, argv, self.env_for(proc), bind, port,
+                               health_path=self.plugin.health_path(role), timeout_s=role.health_timeout_s,
+                               log_path=self._log_path(proc), stream=self.stream)
+        server.advertised = f"{advertised}:{port}"  # type: ignore[attr-defined]
+        return server.start()
+
+    def start(self) -> dict[str, str]:
+        """Start every server of this machine, wait until all are healthy; role -> address of all servers.
+
+        On any failure every server started so far is stopped and a LaunchError carries the log's tail."""
+        try:
+            started: dict[int, str] = {}
+            for index, proc in enumerate(self.plan.servers):
+                if proc.node != self.cfg.machine_rank:  # another machine runs it; its address is derived
+                    _, advertised, port = self._endpoint(index)
+                    started[index] = f"{advertised}:{port}"
+                    continue
+                self.running[index] = self._spawn(index, proc)
+            for index, proc in enumerate(self.plan.servers):  # all start at once, then each is waited for
+                if index in self.running:
+                    self.running[index] = self._wait(index, proc, self.running[index])
+                    started[index] = self.running[index].advertised  # type: ignore[attr-defined]
+        except ServerError as e:
+            self.stop()
+            raise LaunchError(str(e)) from None
+        except BaseException:
+            self.stop()
+            raise
+        self.addresses = addresses(self.plan, started)
+        return self.addresses
+
+    def _wait(self, index: int, proc: Process, server: ServerProcess) -> ServerProcess:
+        deadline = time.monotonic() + server.timeout_s
+        for attempt in range(3):
+            try:
+                server.wait_healthy(deadline)
+                return server
+            except ServerError as e:
+                lost_port = any(s in e.tail.lower() for s in _PORT_IN_USE) and self.cfg.num_machines == 1
+                if not lost_port or attempt == 2:
+                    raise
+                server.stop()  # the free port was taken between picking and binding it: pick another
+                server = self._spawn(index, proc)
+                self.running[index] = server
+        return server
+
+    def wiring_env(self) -> dict[str, str]:
+        """Env for the trainer ranks: the plugin's wiring of the servers' addresses."""
+        if not self.addresses or self.plugin is None:
+            return {}
+        return dict(self.plugin.wiring_env(self.cfg, self.addresses))
+
+    def stop(self) -> None:
+        """Stop every server started here (idempotent); used on success, failure and interruption alike."""
+        for server in list(self.running.values()):
+            server.stop()
+        self.running.clear()
+
+    def __enter__(self) -> "LocalServers":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,171 @@
+"""One server process on this node: start it, wait until its health endpoint answers, stop it.
+
+Why a process group: engines such as vLLM start helper processes of their own; stopping the group leaves
+nothing behind. Why a tee thread: the user sees the server's output live (prefixed with its label) and an
+error can quote the log's last lines without reading the file back.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Mapping, Sequence, TextIO
+
+TAIL_LINES = 30
+
+
+class ServerError(RuntimeError):
+    """A server failed to start or to become healthy; the message ends with the tail of its log."""
+
+    def __init__(self, label: str, reason: str, tail: str = "", log_path: str | None = None) -> None:
+        self.label, self.reason, self.tail, self.log_path = label, reason, tail, log_path
+        text = f"{label} {reason}"
+        if log_path:
+            text += f" (log: {log_path})"
+        if tail.strip():
+            text += "\n--- last lines of its log ---\n" + tail.rstrip()
+        super().__init__(text)
+
+    def one_line(self) -> str:
+        last = next((ln for ln in reversed(self.tail.strip().splitlines()) if ln.strip()), "")
+        return f"{self.label} {self.reason}" + (f": {last.strip()}" if last else "")
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    """True when `url` answers 200. Proxies are bypassed: servers are always addressed directly."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux only, best effort)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux / no libc: the launcher's finally still stops it
+        pass
+
+
+class ServerProcess:
+    """A server command bound to `host:port`, whose health is `GET http://host:port<health_path>` == 200."""
+
+    def __init__(self, label: str, argv: Sequence[str], env: Mapping[str, str], host: str, port: int,
+                 health_path: str = "/health", timeout_s: float = 600.0, log_path: str | None = None,
+                 stream: TextIO | None = sys.stderr, check_host: str | None = None,
+                 die_with_parent: bool = True) -> None:
+        self.label, self.argv, self.env = label, list(argv), dict(env)
+        self.host, self.port, self.health_path, self.timeout_s = host, port, health_path, timeout_s
+        self.log_path, self.stream, self.die_with_parent = log_path, stream, die_with_parent
+        # a server bound to 0.0.0.0 is checked on loopback: the check runs on the server's own node
+        self.check_host = check_host or ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+        self.proc: subprocess.Popen | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._reader: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.check_host}:{self.port}{self.health_path}"
+
+    def tail(self) -> str:
+        return "\n".join(self._tail)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> "ServerProcess":
+        log = open(self.log_path, "a", buffering=1) if self.log_path else None  # noqa: SIM115 - closed by reader
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace", bufsize=1,
+                preexec_fn=_die_with_parent if self.die_with_parent else None)
+        except OSError as e:
+            if log:
+                log.close()
+            raise ServerError(self.label, f"could not start `{self.argv[0]}`: {e}") from None
+        self._reader = threading.Thread(target=self._pump, args=(self.proc.stdout, log),
+                                        name=f"dualrun-{self.label}", daemon=True)
+        self._reader.start()
+        return self
+
+    def _pump(self, pipe, log) -> None:
+        prefix = f"[{self.label}] "
+        try:
+            for line in pipe:
+                self._tail.append(line.rstrip("\n"))
+                if log:
+                    log.write(line)
+                if self.stream is not None:
+                    try:
+                        self.stream.write(prefix + line)
+                        self.stream.flush()
+                    except (ValueError, OSError):
+                        pass
+        finally:
+            if log:
+                log.close()
+
+    def wait_healthy(self, deadline: float | None = None) -> None:
+        """Block until healthy; ServerError (with the log's tail) on exit or when the timeout passes."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout_s
+        delay = 0.1
+        while True:
+            if self.proc is None:
+                raise ServerError(self.label, "was never started")
+            code = self.proc.poll()
+            if code is not None:
+                self._drain()
+                raise ServerError(self.label, f"exited with code {code} before it became healthy",
+                                  self.tail(), self.log_path)
+            if http_ok(self.health_url, timeout=min(2.0, max(0.1, deadline - time.monotonic()))):
+                return
+            if time.monotonic() >= deadline:
+                raise ServerError(self.label, f"did not become healthy within {self.timeout_s:g} s "
+                                              f"({self.health_url})", self.tail(), self.log_path)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 1.0)
+
+    def _drain(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the whole process group, SIGKILL after `grace_s`. Idempotent; returns the exit code."""
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        if self.proc.poll() is None:
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(pgid, signal.SIGKILL)  # helpers the server left behind, or the server itself
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
+        self._drain()
+        return self.proc.returncode
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

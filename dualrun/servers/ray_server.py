@@ -1,0 +1,191 @@
+"""Separate roles on Ray: each server runs from an actor in its own placement group, on any node.
+
+Why an actor per server: it holds the role's bundle (Ray gives it the GPUs and sets CUDA_VISIBLE_DEVICES), so
+the server's devices can never be a trainer's. Two phases, like the trainers' rendezvous: the actor reports its
+node IP, GPUs and a free port on its node; the driver builds the command with the plugin (which stays on the
+driver) and the actor starts it and waits for health there. The trainers then get `ip:port`.
+
+The Ray launcher uses it as:
+
+    servers = RayServers(cfg, plugin, plan, run_id, env_for=..., bundle=launcher.bundle)
+    servers.start()                      # LaunchError (with the server's log tail) when one never gets healthy
+    base.update(servers.wiring_env())    # every rank's env
+    ...                                  # finally: servers.stop()
+
+The actor module is imported by Ray worker processes: it needs only the standard library (and ray).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from typing import Any, Callable, Mapping
+
+from dualrun.servers.process import ServerError, ServerProcess
+
+_PORT_IN_USE = ("address already in use", "errno 98")
+
+
+class ServerActor:
+    """One server on the actor's node. Threaded actor: `stop` may run while `start` still waits for health."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.server: ServerProcess | None = None
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return {"ip": ip, "port": port, "gpus": [str(g) for g in ray.get_gpu_ids()],
+                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def start(self, argv: list[str], env: dict[str, str], host: str, port: int, health_path: str,
+              timeout_s: float, log_path: str | None) -> dict[str, Any]:
+        """Start and wait for health; a dict (never an exception: it must cross Ray intact)."""
+        if argv and argv[0] == "<python>":
+            argv = [sys.executable] + argv[1:]
+        if log_path is None:
+            log_path = os.path.join(tempfile.mkdtemp(prefix="dualrun-server-"), "server.log")
+        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+        self.server = ServerProcess(self.label, argv, env, host, port, health_path, timeout_s, log_path,
+                                    stream=sys.stderr)
+        try:
+            self.server.start().wait_healthy()
+        except ServerError as e:
+            self.server.stop()
+            return {"ok": False, "error": str(e), "port_in_use": any(s in e.tail.lower() for s in _PORT_IN_USE)}
+        return {"ok": True, "address": self.server.address, "pid": self.server.proc.pid if self.server.proc else None}
+
+    def alive(self) -> bool:
+        return self.server is not None and self.server.alive()
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        return self.server.stop(grace_s) if self.server is not None else None
+
+
+class RayServers:
+    """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown."""
+
+    def __init__(self, cfg: Any, plugin: Any, plan: Any, run_id: str,
+                 env_for: Callable[[Any], dict[str, str]], bundle: Callable[[Any], dict[str, float]]) -> None:
+        self.cfg, self.plugin, self.plan, self.run_id = cfg, plugin, plan, run_id
+        self.env_for, self.bundle = env_for, bundle
+        self.actors: list[Any] = []
+        self.pgs: list[Any] = []
+        self.infos: list[dict[str, Any]] = []
+        self.addresses: dict[str, str] = dict(plan.external)
+
+    def start(self) -> dict[str, str]:
+        """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
+        from dualrun.errors import LaunchError
+
+        if not self.plan.servers:
+            return self.addresses
+        from ray.exceptions import RayError
+
+        try:
+            self._place()
+            started = self._start_all()
+        except RayError as e:
+            self.stop()
+            raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
+        except BaseException:
+            self.stop()
+            raise
+        from dualrun.servers.local import addresses
+
+        self.addresses = addresses(self.plan, started)
+        return self.addresses
+
+    def _place(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from dualrun.launchers import ray_cluster
+
+        cls = ray.remote(ServerActor)
+        for p in self.plan.servers:
+            b = self.bundle(p)
+            ray_cluster.check_resources(self.cfg, p.roles[0], [b])
+            pg = ray_cluster.placement_group(self.cfg, f"{self.run_id}-{p.unit}-server-{p.rank}", [b])
+            self.pgs.append(pg)
+            ray_cluster.wait_placed(self.cfg, pg, p.roles[0], [b])
+            self.actors.append(cls.options(
+                num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0), max_concurrency=4, max_restarts=0,
+                name=f"{self.run_id}-{p.unit}-server-{p.rank}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(p.label))
+
+    def _start_all(self) -> dict[int, str]:
+        import ray
+
+        from dualrun.errors import LaunchError
+        from dualrun.servers.local import server_command, server_role
+
+        todo = list(range(len(self.plan.servers)))
+        started: dict[int, str] = {}
+        for attempt in range(3):
+            self.infos = ray.get([a.where.remote() for a in self.actors])
+            refs = {}
+            for i in todo:
+                p, info = self.plan.servers[i], self.infos[i]
+                role = server_role(self.cfg, p)
+                argv = server_command(self.cfg, self.plugin, p, info["ip"], info["port"])
+                env = dict(self.env_for(p))
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(info["gpus"])
+                log = (os.path.abspath(os.path.join(self.cfg.log_dir, f"{p.unit}-server-{p.rank}.log"))
+                       if self.cfg.log_dir else None)
+                refs[i] = self.actors[i].start.remote(argv, env, info["ip"], info["port"],
+                                                      self.plugin.health_path(role), role.health_timeout_s, log)
+            retry = []
+            for i, ref in refs.items():
+                result = ray.get(ref)
+                if result["ok"]:
+                    started[i] = result["address"]
+                elif result["port_in_use"] and attempt < 2:
+                    retry.append(i)
+                else:
+                    raise LaunchError(result["error"])
+            if not retry:
+                return started
+            todo = retry
+        return started
+
+    def wiring_env(self) -> dict[str, str]:
+        if not self.addresses or self.plugin is None:
+            return {}
+        return dict(self.plugin.wiring_env(self.cfg, self.addresses))
+
+    def server_devices(self) -> Mapping[str, list[str]]:
+        """label -> the GPU ids Ray gave each server (what tests compare with the trainers')."""
+        return {p.label: info["gpus"] for p, info in zip(self.plan.servers, self.infos)}
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop every server, kill its actor, remove its placement group (idempotent)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        refs = []
+        for a in self.actors:
+            try:
+                refs.append(a.stop.remote(grace_s))
+            except Exception:  # noqa: BLE001 - an actor already gone needs no stopping
+                pass
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=grace_s + 5)
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors, self.pgs = [], []

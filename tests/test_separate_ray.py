@@ -1,0 +1,98 @@
+"""The Ray half of separate roles, on a real local Ray cluster with fake GPUs: the teacher server runs in an actor
+of its own placement group (its own GPU), serves the teacher for real, fails with its log tail when it never gets
+healthy, and leaves no process, actor or placement group behind. (RayServers is what the Ray launcher calls.)"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from test_servers import _gone, tiny_assets
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_assets(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(address="local", num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=True,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+    yield ray
+    ray.shutdown()
+
+
+def _servers(tiny: Path, **teacher: object):
+    from dualrun.config import build_config
+    from dualrun.envspec import forwarded_env
+    from dualrun.launchers import ray_cluster as rc
+    from dualrun.launchers.base import Program
+    from dualrun.launchers.ray import RayLauncher
+    from dualrun.plan import make_plan
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.ray_server import RayServers
+
+    spec = {"gpus": 1, "model": str(tiny / "teacher"), "top_k": 5, "engine": "transformers", "health_timeout_s": 90}
+    spec.update(teacher)
+    cfg = build_config({"backend": "ray", "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": spec}}, "t.yaml")
+    plugin = get_plugin("gkd")
+    plugin.validate(cfg)
+    plan = make_plan(cfg, rc.cluster_of(rc.alive_nodes()))
+    launcher = RayLauncher(cfg, Program("t.py"), {}, plugin=plugin)
+    servers = RayServers(cfg, plugin, plan, launcher.run_id, env_for=lambda p: launcher.worker_env(
+        p.env, base=forwarded_env()), bundle=launcher.bundle)
+    return plan, servers
+
+
+def test_teacher_server_in_its_own_placement_group(ray_cluster, tiny):
+    from ray.util import placement_group_table
+
+    from dualrun.servers.process import http_ok
+    from dualrun.servers.teacher import teacher_client
+
+    plan, servers = _servers(tiny)
+    trainer_gpus = {d for p in plan.workers for d in p.devices}
+    assert [p.devices for p in plan.servers] != [] and not trainer_gpus & set(plan.servers[0].devices)
+    try:
+        addresses = servers.start()
+        address = addresses["teacher"]
+        assert servers.wiring_env() == {"DUALRUN_TEACHER_ADDRESS": address}
+        gpus = servers.server_devices()["teacher server 0"]
+        assert len(gpus) == 1, gpus                                         # the actor holds exactly its GPU
+        assert ray_cluster.available_resources().get("GPU", 0) == 2          # ... leaving the trainers' two
+        client = teacher_client(f"http://{address}")
+        got = client.get_sequence_logprobs([[1, 5, 9, 12]], [1], top_logprobs=5)
+        assert len(got["logprobs"][0]) == 3 and len(got["logprobs"][0][0]) == 5
+        pid = ray_cluster.get(servers.actors[0].where.remote())["pid"]
+    finally:
+        servers.stop()
+    assert not http_ok(f"http://{address}/health")
+    assert servers.actors == [] and servers.pgs == []
+    time.sleep(1)
+    assert _gone(pid)
+    assert all(t["state"] == "REMOVED" for t in placement_group_table().values())
+
+
+def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(ray_cluster, tiny):
+    from dualrun.errors import LaunchError
+
+    _, servers = _servers(tiny, health_timeout_s=2, server_args=["--startup-delay", "60"])
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        servers.start()
+    assert time.monotonic() - t0 < 60
+    assert "teacher server 0 did not become healthy within 2 s" in str(e.value)
+    assert "dualrun engine: loading" in str(e.value)
+    assert servers.actors == [] and servers.pgs == []
+    deadline = time.monotonic() + 10
+    while ray_cluster.available_resources().get("GPU", 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray_cluster.available_resources().get("GPU", 0) == 3
+    assert os.environ.get("DUALRUN_TEACHER_ADDRESS") is None

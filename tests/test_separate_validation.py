@@ -1,0 +1,109 @@
+"""Layout rules for separate roles: each bad config is one ConfigError line naming the key (exit code 2)."""
+from __future__ import annotations
+
+import pytest
+
+from dualrun.config import build_config
+from dualrun.errors import ConfigError
+from dualrun.plan import make_plan
+from dualrun.plugin import get_plugin
+
+T = {"gpus": 1, "model": "/m/teacher", "top_k": 8}
+R = {"gpus": 1, "model": "/m/student"}
+
+BAD = [
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {"gpus": 1, "model": "/m/t"}}}, "roles.teacher.top_k",
+     "full-vocabulary distillation (a teacher server returns only the top-k"),
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "top_k": 0}}}, "roles.teacher.top_k",
+     "colocate_groups: [[train, teacher]]"),
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {"gpus": 1, "top_k": 4}}}, "roles.teacher.model",
+     "the model path the teacher server serves"),
+    ("gkd", {"use_cpu": True, "roles": {"train": {"gpus": 2}, "teacher": {**T, "engine": "vllm"}}},
+     "roles.teacher.engine", "vLLM needs GPUs"),
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "gpus": 4, "tensor_parallel_size": 2,
+                                                          "data_parallel_size": 4}}},
+     "roles.teacher.data_parallel_size", "tensor_parallel_size x data_parallel_size = roles.teacher.gpus (4)"),
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "gpus": 4, "tensor_parallel_size": 2}}},
+     None, None),  # data_parallel_size left at 1: two replicas of TP 2 use the four GPUs
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "gpus": 2, "engine": "transformers",
+                                                          "tensor_parallel_size": 2}}},
+     "roles.teacher.tensor_parallel_size", "1 with engine `transformers`"),
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "gpus": 3, "tensor_parallel_size": 2}}},
+     "roles.teacher.tensor_parallel_size", "divisor"),
+    ("gkd", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 1}, "teacher": T}}, "roles.rollout.model",
+     "the model being trained"),
+    ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 2}}}, "roles.rollout.model", "rollout server"),
+    ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {**R, "gpus": 2}}, "colocate_groups": [["train", "rollout"]]},
+     None, None),  # colocated: no server, no model needed -> valid
+    ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 1}}, "colocate_groups": [["train", "rollout"]]},
+     "colocate_groups[0]", "equal gpus"),
+    ("grpo", {"roles": {"train": {"gpu_ids": [0, 1]}, "rollout": {**R, "gpu_ids": [1]}}}, "roles.rollout.gpu_ids",
+     "must not share GPUs"),
+]
+
+
+@pytest.mark.parametrize("method,raw,key,expected", BAD, ids=[f"{b[0]}-{b[2]}-{i}" for i, b in enumerate(BAD)])
+def test_layout_rules(method, raw, key, expected):
+    def check():
+        cfg = build_config({"method": method, **raw}, "bad.yaml")
+        get_plugin(method).validate(cfg)
+        return cfg
+
+    if key is None:
+        check()
+        return
+    with pytest.raises(ConfigError) as e:
+        check()
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("bad.yaml: ") and f": {key}:" in line, line
+    assert expected in line, line
+    assert e.value.exit_code == 2
+
+
+@pytest.mark.parametrize("teacher", [{"gpus": 2}, {"gpus": 2, "top_k": 16}])
+def test_colocated_teacher_supports_full_vocabulary_and_top_k(teacher):
+    cfg = build_config({"method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": teacher},
+                        "colocate_groups": [["train", "teacher"]]}, "ok.yaml")
+    get_plugin("gkd").validate(cfg)
+    assert not make_plan(cfg).servers
+
+
+def test_user_run_teacher_needs_no_model_but_top_k():
+    cfg = build_config({"method": "gkd", "roles": {"train": {"gpus": 2},
+                                                   "teacher": {"address": "10.0.0.5:8000", "top_k": 4}}}, "ok.yaml")
+    get_plugin("gkd").validate(cfg)
+    plan = make_plan(cfg)
+    assert plan.external == {"teacher": "10.0.0.5:8000"} and not plan.servers
+    assert get_plugin("gkd").wiring_env(cfg, plan.external) == {"DUALRUN_TEACHER_ADDRESS": "10.0.0.5:8000"}
+
+
+def test_separate_roles_never_share_gpus():
+    """A fixed id of one role is never handed to another role by count (torchrun, one machine)."""
+    cfg = build_config({"method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": {**T, "gpu_ids": [1]},
+                                                   "rollout": {**R, "gpus": 1}}}, "ok.yaml")
+    get_plugin("gkd").validate(cfg)
+    plan = make_plan(cfg)
+    used = [d for p in plan.processes for d in p.devices]
+    assert len(used) == len(set(used)) == 4
+    assert next(p for p in plan.servers if p.unit == "teacher").devices == (1,)
+    assert {p.env["CUDA_VISIBLE_DEVICES"] for p in plan.workers} == {"0,2"}
+
+
+def test_server_commands_per_engine():
+    plugin = get_plugin("gkd")
+    teacher_spec = {**T, "gpus": 2, "tensor_parallel_size": 2, "server_args": ["--max-model-len", "4096"]}
+    cfg = build_config({"method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": teacher_spec, "rollout": R}},
+                       "x.yaml")
+    teacher, rollout = cfg.role("teacher"), cfg.role("rollout")
+    argv = plugin.server_command(cfg, teacher, "127.0.0.1", 8123)
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/teacher"]
+    assert "--tensor-parallel-size" in argv and argv[argv.index("--tensor-parallel-size") + 1] == "2"
+    assert argv[-2:] == ["--max-model-len", "4096"] and "8123" in argv
+    assert argv[argv.index("--data-parallel-size") + 1] == "1"
+    roll = plugin.server_command(cfg, rollout, "127.0.0.1", 8124)
+    assert roll[1:3] == ["-m", "trl.scripts.vllm_serve"] and roll[roll.index("--model") + 1] == "/m/student"
+    cpu = build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": R}}, "c.yaml")
+    assert get_plugin("grpo").server_command(cpu, cpu.role("rollout"), "127.0.0.1", 1)[1:3] == [
+        "-m", "dualrun.engines.transformers_server"]
+    assert plugin.server_command(cfg, cfg.role("train"), "h", 1) is None
+    assert plugin.health_path(teacher) == "/health"

@@ -1,0 +1,198 @@
+"""Server lifecycle and the CPU engine, with real processes and real HTTP on 127.0.0.1 (no torchrun, no Ray)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from dualrun.servers.process import ServerError, ServerProcess, http_ok
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A stand-in server: healthy after DELAY s; with CHILD it also starts a grandchild (must die with the group).
+STANDIN = r"""
+import os, sys, time, subprocess
+from http.server import BaseHTTPRequestHandler, HTTPServer
+port, delay = int(sys.argv[1]), float(sys.argv[2])
+print("stand-in starting", flush=True)
+if os.environ.get("CHILD"):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(f"child pid {child.pid}", flush=True)
+if os.environ.get("CRASH"):
+    raise SystemExit("stand-in: cannot load the model")
+time.sleep(delay)
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    def log_message(self, *a): pass
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def tiny_assets(factory) -> Path:
+    """examples/make_tiny_model.py once per session (it does nothing on a complete dir)."""
+    out = factory.getbasetemp() / "tiny"
+    if not (out / "teacher" / "config.json").exists():
+        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out)],
+                       check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_assets(tmp_path_factory)
+
+
+def _free() -> int:
+    from dualrun.launchers.base import free_port
+
+    return free_port()
+
+
+def _standin(tmp_path, delay=0.0, timeout=20.0, **env) -> ServerProcess:
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    port = _free()
+    full = dict(os.environ, **env)
+    return ServerProcess("teacher server 0", [sys.executable, str(script), str(port), str(delay)], full,
+                         "127.0.0.1", port, "/health", timeout, str(tmp_path / "s.log"), stream=None)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_start_healthy_stop_kills_the_group(tmp_path):
+    server = _standin(tmp_path, delay=0.5, CHILD="1").start()
+    server.wait_healthy()
+    assert http_ok(server.health_url) and server.alive()
+    child = int(next(ln for ln in server.tail().splitlines() if ln.startswith("child pid")).split()[-1])
+    pid = server.proc.pid
+    server.stop(grace_s=5)
+    assert _gone(pid) and _gone(child), "the server and its helpers must all be gone"
+    assert not http_ok(server.health_url)
+    assert "stand-in starting" in (tmp_path / "s.log").read_text()
+    server.stop()  # idempotent
+
+
+def test_never_healthy_fails_within_timeout_with_log_tail(tmp_path):
+    server = _standin(tmp_path, delay=60, timeout=1.5).start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        server.wait_healthy()
+    assert time.monotonic() - t0 < 5
+    text = str(e.value)
+    assert "did not become healthy within 1.5 s" in text and "stand-in starting" in text and "s.log" in text
+    server.stop()
+    assert _gone(server.proc.pid)
+
+
+def test_exit_before_healthy_is_reported_at_once(tmp_path):
+    server = _standin(tmp_path, delay=60, timeout=60, CRASH="1").start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerError) as e:
+        server.wait_healthy()
+    assert time.monotonic() - t0 < 10
+    assert "exited with code 1" in str(e.value) and "cannot load the model" in str(e.value)
+    assert "cannot load the model" in e.value.one_line()
+
+
+def test_missing_command_is_a_server_error(tmp_path):
+    server = ServerProcess("rollout server 0", ["/nonexistent/vllm"], {}, "127.0.0.1", _free())
+    with pytest.raises(ServerError, match="could not start"):
+        server.start()
+
+
+# -- the CPU engine ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny):
+    from dualrun.engines.transformers_server import Engine, make_handler
+
+    eng = Engine(str(tiny / "teacher"))
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(eng))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield eng, f"127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+
+
+def test_engine_scores_top_k_like_the_model(engine, tiny):
+    """TRL's own client asks for prompt logprobs; the answer is the teacher's real top-k."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dualrun.servers.teacher import teacher_client
+
+    _, address = engine
+    client = teacher_client(f"http://{address}")
+    seq = [1, 5, 9, 12, 7, 30]
+    got = client.get_sequence_logprobs([seq], [2], top_logprobs=3, temperature=1.0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny / "teacher")).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
+    for j, pos in enumerate(range(2, len(seq))):
+        values, ids = torch.topk(ref[pos - 1], 3)
+        assert got["logprob_token_ids"][0][j] == ids.tolist()
+        assert got["logprobs"][0][j] == pytest.approx(values.tolist(), abs=1e-5)
+        assert got["actual_logprobs"][0][j][0] == pytest.approx(ref[pos - 1, seq[pos]].item(), abs=1e-5)
+
+
+def test_engine_generates_and_reports_models(engine):
+    from dualrun.servers.teacher import teacher_client
+
+    eng, address = engine
+    client = teacher_client(f"http://{address}")
+    assert client.model == eng.name
+    out = client.generate([[1, 5, 9], "what is 1 plus 2 ?"], n=2, max_tokens=4, logprobs=2,
+                          generation_kwargs={"seed": 3})
+    assert len(out["prompt_ids"]) == 2 and out["prompt_ids"][0] == [1, 5, 9] and len(out["completion_ids"]) == 4
+    assert all(1 <= len(c) <= 4 for c in out["completion_ids"])
+    assert all(len(step) >= 2 for seq in out["logprob_token_ids"] for step in seq)
+    assert http_ok(f"http://{address}/health") and http_ok(f"http://{address}/get_world_size")
+
+
+def test_remote_teacher_equals_the_local_teacher_cut_to_top_k(engine, tiny):
+    """Left padding, a masked row tail, several rows: each position gets the teacher's top-k plus the tail."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dualrun.servers.teacher import RemoteTeacher, truncate_logits
+
+    _, address = engine
+    teacher = RemoteTeacher(address, 4, AutoConfig.from_pretrained(str(tiny / "teacher")))
+    ids = torch.tensor([[1, 5, 9, 12, 7, 30], [0, 0, 1, 8, 8, 2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])
+    got = torch.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits, -1)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny / "teacher")).eval()
+    for row, (start, end) in enumerate([(0, 5), (2, 6)]):
+        with torch.no_grad():
+            ref = torch.log_softmax(truncate_logits(model(ids[row:row + 1, start:end]).logits, 4), -1)[0]
+        assert torch.allclose(got[row, start:end - 1], ref[:-1], atol=1e-4)
+
+
+def test_topk_to_logits_keeps_top_k_and_tail_mass():
+    import torch
+
+    from dualrun.servers.teacher import topk_to_logits
+
+    lps = torch.log(torch.tensor([[0.5, 0.2, float("nan")]])).nan_to_num(nan=float("-inf"))
+    ids = torch.tensor([[3, 0, 0]])
+    probs = torch.softmax(topk_to_logits(lps, ids, 6), -1)[0]
+    assert probs[3].item() == pytest.approx(0.5) and probs[0].item() == pytest.approx(0.2)
+    assert probs[[1, 2, 4, 5]].tolist() == pytest.approx([0.075] * 4)
+    with pytest.raises(ValueError, match="share a tokenizer"):
+        topk_to_logits(lps, torch.tensor([[9, 0, 0]]), 6)
