@@ -35,8 +35,10 @@ def _record(exc: BaseException) -> None:
 
 def _activate_plugin() -> None:
     from dualrun.resume import activate as activate_resume
+    from dualrun.trainer_defaults import activate as activate_defaults
 
     activate_resume()
+    activate_defaults()
     method = os.environ.get("DUALRUN_METHOD")
     if not method:
         return

@@ -13,6 +13,6 @@ if [ ! -f "$STAMP" ]; then
   python -m pip install -q --upgrade pip
   # The CPU build of torch first: a plain `torch` requirement would pull a multi-GB CUDA build.
   python -m pip install -q -c "$ROOT/constraints.txt" "torch==2.13.0"
-  python -m pip install -q -c "$ROOT/constraints.txt" -e "$ROOT[test]"
+  python -m pip install -q -c "$ROOT/constraints.txt" -e "$ROOT[test,deepspeed]"
   touch "$STAMP"
 fi

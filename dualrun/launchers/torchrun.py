@@ -83,8 +83,8 @@ class TorchrunLauncher(Launcher):
         for p in plan.servers:  # started first; the port is picked free at launch
             if p.node == self.cfg.machine_rank:
                 argv = server_command(self.cfg, self.plugin, p, "127.0.0.1", AUTO)  # type: ignore[arg-type]
-                lines.insert(2, f"# {p.label}, started first: CUDA_VISIBLE_DEVICES={p.env.get('CUDA_VISIBLE_DEVICES', '')} "
-                                + join_cmd(argv))
+                devices = p.env.get("CUDA_VISIBLE_DEVICES", "")
+                lines.insert(2, f"# {p.label}, started first: CUDA_VISIBLE_DEVICES={devices} " + join_cmd(argv))
         return "\n".join(lines)
 
     def launch(self, plan: Plan) -> JobResult:
