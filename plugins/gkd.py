@@ -63,6 +63,11 @@ class GKDPlugin(MethodPlugin):
                 m.DistillationConfig, lambda c: _server_distillation_fields(c, address, top_k)))
         elif teacher and top_k:
             when_imported("trl.experimental.gkd.gkd_trainer", lambda m: truncate_gkd_teacher(m.GKDTrainer, top_k))
+        if teacher and not teacher.get("separate") and teacher.get("model"):
+            # a colocated teacher named in the config: GKDConfig loads it, unless the script names its own
+            when_imported("trl.experimental.gkd.gkd_config", lambda m: fill_defaults(
+                m.GKDConfig, {"teacher_model_name_or_path": teacher["model"]},
+                lambda cfg, filled: say(f"GKDConfig: {filled} (roles.teacher.model)")))
         rollout = os.environ.get("DUALRUN_ROLLOUT_ADDRESS")
         if rollout:
             when_imported("trl.trainer.distillation_config", lambda m: wire_rollout(m, "DistillationConfig", rollout))

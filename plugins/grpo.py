@@ -45,6 +45,23 @@ class GRPOPlugin(MethodPlugin):
         address = os.environ.get("DUALRUN_ROLLOUT_ADDRESS")
         if address:
             when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
+            return
+        fields = colocate_fields(settings)
+        if fields:
+            when_imported("trl.trainer.grpo_config", lambda m: fill_defaults(
+                m.GRPOConfig, fields, lambda cfg, filled: say(f"GRPOConfig: {filled} (colocated rollout)")))
+
+
+def colocate_fields(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A rollout colocated with the trainer on vLLM: TRL's colocate mode, sleep mode from `offload_model`.
+
+    With `engine: transformers` (or no rollout role) TRL generates with the trainer's own model: nothing to fill."""
+    rollout = (settings.get("roles") or {}).get("rollout") or {}
+    if not rollout or rollout.get("separate") or rollout.get("engine") != "vllm":
+        return {}
+    return {"use_vllm": True, "vllm_mode": "colocate",
+            "vllm_tensor_parallel_size": int(rollout.get("tensor_parallel_size") or 1),
+            "vllm_enable_sleep_mode": bool(settings.get("offload_model"))}
 
 
 PLUGIN = GRPOPlugin

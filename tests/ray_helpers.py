@@ -1,0 +1,134 @@
+"""Helpers for the Ray backend tests: a fake-GPU multi-node cluster on loopback, and leftover counters.
+
+Every cluster a test starts lives in its own short temp dir (Ray's unix sockets need short paths, and its
+`ray_current_cluster` file must not leak into other jobs); tests stop what they start and never `ray stop`.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+
+class FakeGpuCluster:
+    """`ray.cluster_utils.Cluster` with `nodes` nodes of `gpus` fake GPUs; this process is connected as a driver
+    so tests can count actors and placement groups."""
+
+    def __init__(self, nodes: int = 2, gpus: int = 2, cpus: int = 2) -> None:
+        import ray
+        from ray.cluster_utils import Cluster
+
+        self.temp_dir = tempfile.mkdtemp(prefix="drt", dir="/tmp")
+        args = dict(num_cpus=cpus, num_gpus=gpus, node_ip_address="127.0.0.1", include_dashboard=False,
+                    temp_dir=self.temp_dir)
+        self.cluster = Cluster(initialize_head=True, head_node_args=args)
+        for _ in range(nodes - 1):
+            self.cluster.add_node(**args)
+        self.cluster.wait_for_nodes()
+        self.address = self.cluster.address
+        ray.init(address=self.address, log_to_driver=False)
+
+    def alive_actors(self) -> list[dict[str, Any]]:
+        import ray
+
+        return [a for a in ray._private.state.actors().values() if a.get("State") != "DEAD"]
+
+    def live_placement_groups(self) -> list[dict[str, Any]]:
+        import ray
+
+        return [p for p in ray.util.placement_group_table().values() if p.get("state") != "REMOVED"]
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def eventually(check: Callable[[], Any], timeout: float = 15.0, every: float = 0.2) -> Any:
+    """The first truthy value of `check()` within `timeout` s (cleanup in Ray is asynchronous), else the last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
+
+
+def pids_matching(marker: str) -> list[int]:
+    """Processes whose command line contains `marker` (a test's unique path), this process excluded."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            out.append(int(entry.name))
+    return out
+
+
+def ray_env(**extra: str) -> dict[str, str]:
+    """Env for a `dualrun` subprocess: no inherited RAY_ADDRESS, a private Ray temp dir (RAY_TMPDIR, short for
+    Ray's socket paths; removed when the test session ends)."""
+    tmp = tempfile.mkdtemp(prefix="drt", dir="/tmp")
+    atexit.register(shutil.rmtree, tmp, True)
+    env = {"RAY_ADDRESS": "", "RAY_TMPDIR": tmp}
+    env.update(extra)
+    return env
+
+
+DUMP_ENV = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], "env_%s.json" % os.environ["RANK"]), "w") as f:
+    json.dump(dict(os.environ), f, sort_keys=True)
+"""
+
+GLOO = """
+import json, os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("rank", dist.get_rank(), "sum", t.item(), "cwd", os.getcwd(), flush=True)
+print("to stderr from", dist.get_rank(), file=sys.stderr, flush=True)
+dist.destroy_process_group()
+"""
+
+CRASH = """
+import os, sys, time
+print("started", os.environ["RANK"], flush=True)
+if os.environ["RANK"] == "1":
+    time.sleep(1.0)   # let rank 0 get going: the failure must stop a running rank
+    raise ValueError("rank one is broken")
+time.sleep(120)
+"""
+
+SLEEP = """
+import os, sys, time
+print("ready", os.environ["RANK"], flush=True)
+time.sleep(120)
+"""
+
+KILL_ACTOR = """
+import os, signal, time
+print("ready", os.environ["RANK"], flush=True)
+if os.environ["RANK"] == "1":
+    time.sleep(0.5)
+    os.kill(os.getppid(), signal.SIGKILL)   # the rank's Ray actor dies under it
+time.sleep(120)
+"""
+
+FAIL_FIRST_ATTEMPT = """
+import os, sys
+print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
+    sys.exit(7)
+"""

@@ -1,0 +1,214 @@
+"""The Ray backend on real Ray (loopback only, fake GPUs): env parity with torchrun, two nodes, failures, cleanup."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import dualrun
+from ray_helpers import (CRASH, DUMP_ENV, FAIL_FIRST_ATTEMPT, GLOO, KILL_ACTOR, SLEEP, FakeGpuCluster, eventually, pids_matching,
+                         ray_env)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+CPU2 = "use_cpu: true\nroles: {train: {gpus: 2}}\nenv: {FROM_CONFIG: yes}\n"
+# values a backend defines itself; every other value, and every name, must be the same on both backends
+BACKEND_DEFINED = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "DUALRUN_RUN_ID", "TORCHELASTIC_RUN_ID",
+                   "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_USE_AGENT_STORE", "DUALRUN_BACKEND"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = FakeGpuCluster(nodes=2, gpus=2, cpus=2)
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "out").mkdir()
+    for name, text in {"dump.py": DUMP_ENV, "gloo.py": GLOO, "crash.py": CRASH, "sleep.py": SLEEP,
+                       "kill_actor.py": KILL_ACTOR, "flaky.py": FAIL_FIRST_ATTEMPT, "cpu2.yaml": CPU2}.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def _envs(out: Path) -> list[dict[str, str]]:
+    files = sorted(out.glob("env_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    return [json.loads(p.read_text()) for p in files]
+
+
+def _assert_clean(cluster: FakeGpuCluster, marker: str) -> None:
+    assert eventually(lambda: not cluster.alive_actors()), cluster.alive_actors()
+    assert eventually(lambda: not cluster.live_placement_groups()), cluster.live_placement_groups()
+    assert eventually(lambda: not pids_matching(marker)), pids_matching(marker)
+
+
+def test_env_names_equal_torchrun(job, cluster):
+    """Same config file, only --backend differs: same variable names, same values except backend-defined ones."""
+    (job / "tr").mkdir()
+    (job / "ry").mkdir()
+    env = ray_env(RAY_ADDRESS=cluster.address)
+    t = dualrun("launch", "--backend", "torchrun", "--config_file", "cpu2.yaml", "dump.py", "tr", cwd=job, env=env)
+    assert t.returncode == 0, t.stderr
+    r = dualrun("launch", "--backend", "ray", "--config_file", "cpu2.yaml", "dump.py", "ry", cwd=job, env=env)
+    assert r.returncode == 0, r.stderr
+    tr, ry = _envs(job / "tr"), _envs(job / "ry")
+    assert len(tr) == len(ry) == 2
+    for a, b in zip(tr, ry):
+        assert sorted(a) == sorted(b)
+        differ = {k for k in a if a[k] != b[k]}
+        assert differ <= BACKEND_DEFINED, {k: (a[k], b[k]) for k in differ - BACKEND_DEFINED}
+    assert [e["LOCAL_RANK"] for e in ry] == ["0", "0"] and ry[0]["LOCAL_WORLD_SIZE"] == "1"
+    assert ry[0]["DUALRUN_BACKEND"] == "ray" and ry[0]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    assert not any(k.startswith("RAY_") for k in ry[0])
+
+
+def test_two_nodes_one_gpu_each(job, cluster):
+    """4 GPU ranks on 2 nodes x 2 fake GPUs: both nodes used, distinct GPU per node, LOCAL_RANK=0, one master."""
+    (job / "gpu4.yaml").write_text(f"roles: {{train: {{gpus: 4}}}}\nray: {{address: '{cluster.address}'}}\n")
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "gpu4.yaml", "dump.py", "out", cwd=job,
+                   env=ray_env())
+    assert proc.returncode == 0, proc.stderr
+    envs = _envs(job / "out")
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {e["NODE_RANK"] for e in envs} == {"0", "1"} and {e["GROUP_WORLD_SIZE"] for e in envs} == {"2"}
+    assert all(e["NODE_RANK"] == e["GROUP_RANK"] for e in envs)
+    slots = {(e["NODE_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs}
+    assert len(slots) == 4 and all(len(gpu.split(",")) == 1 and gpu in ("0", "1") for _, gpu in slots)
+    assert {e["LOCAL_RANK"] for e in envs} == {"0"} and {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and len({e["MASTER_PORT"] for e in envs}) == 1
+    assert envs[0]["NODE_RANK"] == "0" and envs[0]["ACCELERATE_USE_CPU"] == "False"
+    _assert_clean(cluster, str(job))
+
+
+def test_crash_on_rank_1_stops_everything(job, cluster):
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "cpu2.yaml", "crash.py", str(job), cwd=job,
+                   env=ray_env(RAY_ADDRESS=cluster.address), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "train rank 1 failed (exit code 1): ValueError: rank one is broken" in proc.stderr
+    assert "[train rank 1] ValueError: rank one is broken" in proc.stderr
+    assert "[train rank 0] started 0" in proc.stdout
+    _assert_clean(cluster, str(job))
+
+
+def test_dead_actor_is_a_failure(job, cluster):
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "cpu2.yaml", "kill_actor.py", str(job), cwd=job,
+                   env=ray_env(RAY_ADDRESS=cluster.address), timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "train rank 1 failed" in proc.stderr and "actor died" in proc.stderr
+    _assert_clean(cluster, str(job))
+
+
+def test_max_failures_restarts_the_whole_job(job, cluster):
+    (job / "retry.yaml").write_text(CPU2 + "max_failures: 1\n")
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "retry.yaml", "flaky.py", str(job), cwd=job,
+                   env=ray_env(RAY_ADDRESS=cluster.address), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "train rank 1 failed (exit code 7)" in proc.stderr and "restarting the job (1/1)" in proc.stderr
+    assert "[train rank 0] attempt 1" in proc.stdout and "[train rank 1] attempt 1" in proc.stdout
+    assert "after 1 restart(s)" in proc.stderr
+    _assert_clean(cluster, str(job))
+
+
+def test_more_gpus_than_the_cluster_has(job, cluster):
+    (job / "gpu6.yaml").write_text("roles: {train: {gpus: 6}}\nray: {placement_timeout_s: 60}\n")
+    start = time.monotonic()
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "gpu6.yaml", "dump.py", "out", cwd=job,
+                   env=ray_env(RAY_ADDRESS=cluster.address))
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - start < 30
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "roles.train.gpus" in line and "6" in line and "4" in line, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not cluster.live_placement_groups()
+
+
+def test_unplaceable_group_times_out(job, cluster):
+    """STRICT_SPREAD of 3 bundles over 2 nodes can never be placed: a clear error after the timeout."""
+    (job / "spread.yaml").write_text("roles: {train: {gpus: 3}}\n"
+                                     "ray: {placement_strategy: STRICT_SPREAD, placement_timeout_s: 3}\n")
+    start = time.monotonic()
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "spread.yaml", "dump.py", "out", cwd=job,
+                   env=ray_env(RAY_ADDRESS=cluster.address))
+    took = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    assert "could not be placed within ray.placement_timeout_s=3 s" in proc.stderr
+    assert "STRICT_SPREAD" in proc.stderr and "Traceback" not in proc.stderr
+    assert took < 20
+    _assert_clean(cluster, str(job))
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_on_the_driver_stops_the_job(job, cluster, sig, code):
+    env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address))
+    driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file",
+                               "cpu2.yaml", "sleep.py", str(job)], cwd=job, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    seen = set()
+    while len(seen) < 2:
+        line = driver.stdout.readline()
+        assert line, driver.stderr.read()
+        if line.startswith("[train rank") and "ready" in line:
+            seen.add(line.split("]")[0])
+    assert len(pids_matching(str(job))) >= 2
+    sent = time.monotonic()
+    driver.send_signal(sig)
+    got = driver.wait(timeout=15)
+    assert time.monotonic() - sent < 10
+    err = driver.stderr.read()
+    assert got == code, err
+    assert f"stopped by {sig.name}" in err
+    _assert_clean(cluster, str(job))
+
+
+def test_plan_shows_the_live_cluster(job, cluster):
+    (job / "gpu4.yaml").write_text(f"roles: {{train: {{gpus: 4}}}}\nray: {{address: '{cluster.address}'}}\n")
+    proc = dualrun("plan", "--backend", "ray", "--config_file", "gpu4.yaml", cwd=job, env=ray_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "cluster=ray (2 node(s))" in proc.stdout
+    assert "node 0 127.0.0.1: 2 GPU(s)" in proc.stdout and "node 1 127.0.0.1: 2 GPU(s)" in proc.stdout
+    assert not cluster.alive_actors()
+
+
+def test_plan_without_a_cluster_starts_none(job):
+    env = ray_env()
+    proc = dualrun("plan", "--backend", "ray", "--config_file", "cpu2.yaml", cwd=job, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "cluster=planned" in proc.stdout
+    assert not pids_matching(env["RAY_TMPDIR"]) and not list(Path(env["RAY_TMPDIR"]).iterdir())
+
+
+def test_embedded_cluster_gloo_run(job):
+    """No cluster running, no address: an embedded Ray runs a real gloo job and leaves no Ray process behind."""
+    env = ray_env()
+    (job / "cfg.yaml").write_text(CPU2 + "log_dir: logs\n")
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "cfg.yaml", "gloo.py", str(job), cwd=job, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert f"[train rank {rank}] rank {rank} sum 3.0 cwd {job}" in proc.stdout
+        assert f"[train rank {rank}] to stderr from {rank}" in proc.stderr
+        log = (job / "logs" / f"train_{rank}.log").read_text()
+        assert f"rank {rank} sum 3.0" in log and f"to stderr from {rank}" in log
+    assert "job succeeded" in proc.stderr
+    assert eventually(lambda: not pids_matching(env["RAY_TMPDIR"])), pids_matching(env["RAY_TMPDIR"])
+    assert not pids_matching(str(job))
+
+
+def test_dry_run_starts_nothing(job):
+    env = ray_env()
+    proc = dualrun("launch", "--dry_run", "--backend", "ray", "--config_file", "cpu2.yaml", "dump.py", "out",
+                   cwd=job, env=dict(env, HF_TOKEN="hf_secret_value"))
+    assert proc.returncode == 0, proc.stderr
+    assert "backend=ray" in proc.stdout and "nothing was started" in proc.stdout
+    assert "MASTER_ADDR='<auto>'" in proc.stdout and "HF_TOKEN='***'" in proc.stdout
+    assert "hf_secret_value" not in proc.stdout
+    assert "# train rank 1:" in proc.stdout and "RANK=1" in proc.stdout
+    assert not list(Path(env["RAY_TMPDIR"]).iterdir())
+

@@ -1,0 +1,35 @@
+"""The promise itself: the unchanged TRL SFT example gives the same losses on torchrun and on Ray (embedded cluster)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, dualrun
+from ray_helpers import pids_matching, ray_env
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
+
+SFT = REPO / "examples" / "sft.py"
+TINY = REPO / "examples" / "make_tiny_model.py"
+
+
+@pytest.mark.skipif(not (SFT.exists() and TINY.exists()), reason="examples/sft.py not there yet")
+def test_sft_losses_equal_on_torchrun_and_ray(tmp_path):
+    subprocess.run([sys.executable, str(TINY), "--out", str(tmp_path / "tiny")], check=True, capture_output=True)
+    (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    args = [str(SFT), "--model_name_or_path", "tiny/model", "--dataset_path", "tiny/data/sft.jsonl", "--seed", "7",
+            "--save_strategy", "no"]
+    env = ray_env()
+    losses = {}
+    for backend in ("torchrun", "ray"):
+        proc = dualrun("launch", "--backend", backend, "--config_file", "cpu2.yaml", *args, "--output_dir",
+                       f"out_{backend}", cwd=tmp_path, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        history = json.loads((tmp_path / f"out_{backend}" / "trainer_state.json").read_text())["log_history"]
+        losses[backend] = [h["loss"] for h in history if "loss" in h]
+    assert len(losses["ray"]) >= 4
+    assert losses["ray"] == losses["torchrun"]
+    assert not pids_matching(env["RAY_TMPDIR"]) and not pids_matching(str(SFT))
