@@ -3,6 +3,7 @@ of its own placement group (its own GPU), serves the teacher for real, fails wit
 healthy, and leaves no process, actor or placement group behind. (RayServers is what the Ray launcher calls.)"""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -96,3 +97,27 @@ def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(ray_cluster, tin
         time.sleep(0.2)
     assert ray_cluster.available_resources().get("GPU", 0) == 3
     assert os.environ.get("DUALRUN_TEACHER_ADDRESS") is None
+
+
+@pytest.mark.timeout(300)
+def test_gkd_with_a_separate_teacher_on_the_ray_backend(tmp_path, tiny):
+    """`dualrun launch --backend ray`: the teacher role is its own actor/placement group; the trainers get its
+    address, train, and nothing of the job is left afterwards."""
+    from conftest import dualrun
+    from ray_helpers import pids_matching, ray_env
+
+    from test_separate_torchrun import ASSETS, _teacher_yaml
+
+    (tmp_path / "job.yaml").write_text(_teacher_yaml(tiny))
+    (tmp_path / "out").mkdir()
+    env = ray_env(TRL_EXPERIMENTAL_SILENCE="1")
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
+                   "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
+                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", cwd=tmp_path, env=env,
+                   timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text()) for i in range(2)]
+    assert {r["teacher"] for r in ranks} == {"RemoteTeacher"}
+    assert len({r["teacher_address"] for r in ranks}) == 1
+    assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 2
+    assert not pids_matching(env["RAY_TMPDIR"]) and not pids_matching(str(tiny / "teacher"))

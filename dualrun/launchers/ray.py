@@ -49,6 +49,8 @@ class RayLauncher(Launcher):
         self._conn = None
         self._signal: int | None = None
         self._stop_time: float | None = None
+        self._servers: Any = None
+        self._wiring: dict[str, str] = {}
 
     # -- cluster -------------------------------------------------------------------------------------------------
     def cluster(self) -> Cluster | None:
@@ -121,18 +123,21 @@ class RayLauncher(Launcher):
             lines.append(f"# {p.label}: bundle {self.bundle(p)}, planned node {p.node}")
             lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(own.items())]
         for p in plan.servers:
-            lines.append(f"# {p.label}: bundle {self.bundle(p)} (separate roles are not supported on ray yet)")
+            lines.append(f"# {p.label}: bundle {self.bundle(p)}, started (and healthy) before the trainers")
         return "\n".join(lines)
 
     # -- launch --------------------------------------------------------------------------------------------------
     def launch(self, plan: Plan) -> JobResult:
         """Run the job; on failure restart the whole job up to max_failures times (torchrun's semantics)."""
         start = time.monotonic()
-        self.start_servers(plan)
         if self._conn is None:
             self.cluster()
         restore = self._trap_signals()
         try:
+            try:
+                self.start_servers(plan)
+            except LaunchError as e:
+                return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e))
             attempt = 0
             while True:
                 result = self._attempt(plan, attempt)
@@ -142,17 +147,22 @@ class RayLauncher(Launcher):
                 print(f"dualrun: {result.message}; restarting the job ({attempt}/{self.cfg.max_failures})",
                       file=sys.stderr, flush=True)
         finally:
+            if self._servers is not None:   # servers stay up across restarts, go with the job
+                self._servers.stop()
             restore()
         result.restarts = attempt
         result.wall_time_s = time.monotonic() - start
         return result
 
     def start_servers(self, plan: Plan) -> None:
-        """Separate roles (servers) on Ray: issue 4. A clear error instead of a half-started job."""
-        if plan.servers:
-            names = ", ".join(sorted({p.unit for p in plan.servers}))
-            raise LaunchError(f"separate roles on the ray backend are not supported yet ({names}): colocate them "
-                              "with train (colocate_groups) or use --backend torchrun", 2)
+        """Separate roles: each server in its own placement group and actor, healthy before any trainer starts;
+        the trainers get the plugin's wiring of their addresses (also for user-run servers, `address:`)."""
+        from dualrun.servers.ray_server import RayServers
+
+        self._servers = RayServers(self.cfg, self.plugin, plan, self.run_id,
+                                   env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle)
+        self._servers.start()
+        self._wiring = self._servers.wiring_env()
 
     def _trap_signals(self):
         """SIGTERM/SIGINT only set a flag, checked between Ray calls (at most 1 s apart): raising inside a Ray
@@ -241,6 +251,7 @@ class RayLauncher(Launcher):
             r.env = self.rank_env(plan, r.proc, base, master_addr=master["ip"], master_port=str(master["port"]),
                                   gpus=",".join(r.info["gpus"]), node_rank=order.index(r.info["node_id"]),
                                   num_nodes=len(order), error_file=err, restart=attempt)
+            r.env.update(self._wiring)
             log = os.path.abspath(os.path.join(log_dir, f"{r.proc.unit}_{r.proc.rank}.log")) if log_dir else None
             refs.append(r.actor.start.remote(argv, r.env, os.getcwd(), log))
         self._get(refs, "start the program")
