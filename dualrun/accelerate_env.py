@@ -5,8 +5,6 @@ export exactly what `accelerate launch` would. Imports accelerate (and torch) la
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import logging
 import os
 import tempfile
@@ -40,12 +38,13 @@ def accelerate_env(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> 
                 "--main_process_ip", "127.0.0.1", "dualrun_placeholder.py"]
         parser = launch_command_parser()
         args = parser.parse_args(argv)
-        sink = io.StringIO()
+        # accelerate reports defaults through logging and warnings only (no prints): silence those, and nothing
+        # process-wide like sys.stdout, since this may run in a thread while the launcher connects to Ray.
         logger = logging.getLogger("accelerate.commands.launch")
         level = logger.level
         logger.setLevel(logging.ERROR)
         try:
-            with warnings.catch_warnings(), contextlib.redirect_stderr(sink), contextlib.redirect_stdout(sink):
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 args, defaults, mp_from_config = _validate_launch_command(args)
                 if args.use_deepspeed:

@@ -31,8 +31,22 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
         if cfg.backend == "ray":      # in every torchrun process with its groups in-process
             return run_driver(cfg, program, dry_run=dry_run)
         cfg = local_config(cfg)
-    launcher = launcher_class(cfg.backend)(cfg, program, _accelerate_env(cfg), plugin=plugin)
-    cluster = None if dry_run else launcher.cluster()
+    launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
+    if dry_run:
+        launcher.accelerate_env = _accelerate_env(cfg)
+        cluster = None
+    else:
+        # accelerate's env needs torch imported (~2-3 s); Ray needs its cluster joined or started: overlap them
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="dualrun-accelerate-env") as pool:
+            pending = pool.submit(_accelerate_env, cfg)
+            try:
+                cluster = launcher.cluster()
+            except BaseException:
+                launcher.close()
+                raise
+            launcher.accelerate_env = pending.result()
     plan = make_plan(cfg, cluster)
     if dry_run:
         print(plan.table(), file=sys.stdout)
