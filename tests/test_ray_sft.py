@@ -20,7 +20,8 @@ TINY = REPO / "examples" / "make_tiny_model.py"
 def test_sft_losses_equal_on_torchrun_and_ray(tmp_path):
     subprocess.run([sys.executable, str(TINY), "--out", str(tmp_path / "tiny")], check=True, capture_output=True)
     (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
-    args = [str(SFT), "--model_name_or_path", "tiny/model", "--dataset_path", "tiny/data/sft.jsonl", "--seed", "7",
+    args = [str(SFT), "--model_name_or_path", str(tmp_path / "tiny" / "model"), "--dataset_path", "tiny/data/sft.jsonl",
+            "--seed", "7",
             "--save_strategy", "no"]
     env = ray_env()
     losses = {}
@@ -32,4 +33,4 @@ def test_sft_losses_equal_on_torchrun_and_ray(tmp_path):
         losses[backend] = [h["loss"] for h in history if "loss" in h]
     assert len(losses["ray"]) >= 4
     assert losses["ray"] == losses["torchrun"]
-    assert not pids_matching(env["RAY_TMPDIR"]) and not pids_matching(str(SFT))
+    assert not pids_matching(env["RAY_TMPDIR"]) and not pids_matching(str(tmp_path))

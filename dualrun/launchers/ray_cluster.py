@@ -152,7 +152,8 @@ def embedded_cpus(cfg: JobConfig) -> int:
     """CPUs to declare for an embedded cluster: enough bundles for every worker and every CPU server of a separate
     role (a logical count, not cores)."""
     workers = cfg.primary.processes
-    servers = sum(1 for r in cfg.roles if cfg.is_separate(r.name) and not r.address and not r.gpus
+    roles = getattr(cfg, "roles", ())   # role programs pass a minimal stand-in without roles
+    servers = sum(1 for r in roles if cfg.is_separate(r.name) and not r.address and not r.gpus
                   and r.name == cfg.group_of(r.name)[0])
     return max(1, math.ceil(workers * cfg.ray.num_cpus_per_worker + servers * max(cfg.ray.num_cpus_per_worker, 1.0)))
 
