@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from dualrun.config.model import JobConfig
@@ -25,6 +26,7 @@ def _accelerate_env(cfg: JobConfig) -> dict[str, str]:
 def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bool = False,
             out: TextIO | None = None) -> JobResult:
     out = out or sys.stderr
+    started = time.monotonic()
     from dualrun.roles.driver import is_role_job, local_config, run_driver
 
     if is_role_job(program, plugin):  # a role program (docs/roles.md): once as the Ray driver, or
@@ -53,16 +55,47 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
         print(launcher.describe(plan), file=sys.stdout)
         return JobResult(0)
     print(f"dualrun: {plan.table()}", file=out, flush=True)
+    print(f"dualrun: {_startup_line(cfg, plan)}", file=out, flush=True)
     try:
         result = launcher.launch(plan)
     finally:
         launcher.close()
     status = "succeeded" if result.ok else f"failed (exit code {result.exit_code})"
-    print(f"dualrun: job {status} in {result.wall_time_s:.1f} s"
+    total = time.monotonic() - started
+    print(f"dualrun: job {status} in {total:.1f} s (workers {result.wall_time_s:.1f} s)"
           + (f" after {result.restarts} restart(s)" if result.restarts else ""), file=out, flush=True)
+    if result.ranks:
+        ranks = ", ".join(f"{r.label}: {_exit_word(r.exit_code)}" for r in sorted(result.ranks, key=lambda r: r.rank))
+        print(f"dualrun: {ranks}", file=out, flush=True)
     if result.message and not result.ok:
         print(f"dualrun: error: {result.message}", file=out, flush=True)
+    result.wall_time_s = total
     return result
+
+
+def _startup_line(cfg: JobConfig, plan: Any) -> str:
+    """What starts and where its output goes, before anything starts."""
+    units: dict[str, int] = {}
+    for p in plan.processes:
+        key = f"{p.unit} {'worker' if p.kind == 'worker' else 'server'}"
+        units[key] = units.get(key, 0) + 1
+    what = ", ".join(f"{n} {u}{'s' if n > 1 else ''}" for u, n in units.items())
+    logs = f"output prefixed per rank, also in {cfg.log_dir}/<role>_<rank>.log" if cfg.log_dir else (
+        "output prefixed per rank" if cfg.backend == "ray" else "output of every rank on this terminal")
+    return f"starting {what} on {cfg.backend}; {logs}"
+
+
+def _exit_word(code: int | None) -> str:
+    if code == 0:
+        return "ok"
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit {code}"
 
 
 def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, config: "str | Mapping[str, Any] | JobConfig | None" = None,

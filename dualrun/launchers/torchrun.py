@@ -111,7 +111,7 @@ class TorchrunLauncher(Launcher):
         try:
             run(args)
         except ChildFailedError as e:
-            return _failed(e, time.monotonic() - start)
+            return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit)
         except SignalException as e:
             code = 128 + int(e.sigval)
             name = signal.Signals(e.sigval).name
@@ -135,9 +135,9 @@ def _text(message) -> str:
     return str(message or "")
 
 
-def _failed(e, wall: float) -> JobResult:
+def _failed(e, wall: float, unit: str = "train") -> JobResult:
     """One line naming the first rank that failed and the last line of its error."""
-    ranks = [RankResult(f"rank {r}", r, f.exitcode, _text(f.message)) for r, f in sorted(e.failures.items())]
+    ranks = [RankResult(f"{unit} rank {r}", r, f.exitcode, _text(f.message)) for r, f in sorted(e.failures.items())]
     # the root cause: a rank that failed by itself (exit code > 0), not one torchrun terminated afterwards
     own = [(f.timestamp, r, f) for r, f in e.failures.items() if f.exitcode is not None and f.exitcode > 0]
     if own:
@@ -152,4 +152,4 @@ def _failed(e, wall: float) -> JobResult:
             tail = f"killed by {signal.Signals(-failure.exitcode).name}"
         except ValueError:
             pass
-    return JobResult(code, ranks, wall, message=f"train rank {rank} failed (exit code {failure.exitcode}): {tail}")
+    return JobResult(code, ranks, wall, message=f"{unit} rank {rank} failed (exit code {failure.exitcode}): {tail}")
