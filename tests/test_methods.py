@@ -19,7 +19,10 @@ METHODS = {
     "pt": ("pt.py", ["--dataset_path", "tiny/data/pt.jsonl"]),
     "grpo": ("grpo.py", ["--dataset_path", "tiny/data/prompts.jsonl"]),
     "gkd": ("gkd.py", ["--dataset_path", "tiny/data/gkd.jsonl", "--teacher_model_name_or_path", "tiny/teacher"]),
+    # the teacher as a separate role (its own process / actor), top-k distillation served over HTTP
+    "gkd_separate_teacher": ("gkd.py", ["--dataset_path", "tiny/data/gkd.jsonl"]),
 }
+CONFIGS = {"gkd_separate_teacher": (REPO / "configs" / "gkd_cpu_separate_teacher.yaml").read_text()}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,8 @@ def workdir(tmp_path_factory):
     subprocess.run([sys.executable, str(EXAMPLES / "make_tiny_model.py"), "--out", str(root / "tiny")], check=True,
                    capture_output=True)
     for method in METHODS:
-        (root / f"{method}.yaml").write_text(f"use_cpu: true\nmethod: {method}\nroles: {{train: {{gpus: 2}}}}\n")
+        text = CONFIGS.get(method, f"use_cpu: true\nmethod: {method}\nroles: {{train: {{gpus: 2}}}}\n")
+        (root / f"{method}.yaml").write_text(text)
     return root
 
 
