@@ -212,3 +212,33 @@ def test_dry_run_starts_nothing(job):
     assert "# train rank 1:" in proc.stdout and "RANK=1" in proc.stdout
     assert not list(Path(env["RAY_TMPDIR"]).iterdir())
 
+
+
+def test_embedded_cluster_is_loopback_only_without_dashboard(job):
+    """Security: the embedded Ray binds to 127.0.0.1 and starts no dashboard unless `ray.include_dashboard`."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, **ray_env())
+    (job / "hold.py").write_text("import pathlib, sys, time\npathlib.Path(sys.argv[1], 'up').touch()\ntime.sleep(4)\n")
+    (job / "one.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 1}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file", "one.yaml",
+                             "hold.py", str(job)], cwd=job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert eventually(lambda: (job / "up").exists(), timeout=120)
+        cmds = []
+        for pid in pids_matching(env["RAY_TMPDIR"]):
+            try:
+                cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                pass
+        assert any("raylet" in c for c in cmds), cmds
+        # Ray always runs a minimal dashboard process; without include_dashboard it must have no web frontend
+        heads = [c for c in cmds if "dashboard/dashboard.py" in c]
+        assert all("--disable-frontend" in c and "--host=127.0.0.1" in c for c in heads), heads
+        ips = {part.split("=", 1)[1] for c in cmds for part in c.split() if part.startswith("--node-ip-address=")}
+        assert ips == {"127.0.0.1"}, ips
+    finally:
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err

@@ -183,6 +183,9 @@ def connect(cfg: JobConfig, allow_start: bool = True) -> Connection | None:
         kwargs["runtime_env"] = dict(cfg.ray.runtime_env)
     try:
         if address is None:
+            # an embedded cluster is this job's alone: no usage-stats reporting (Ray would otherwise run a
+            # reporting dashboard module and contact its servers); the user can still opt in with the variable
+            os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             ray.init(address="local", num_cpus=embedded_cpus(cfg), include_dashboard=cfg.ray.include_dashboard,
                      _node_ip_address="127.0.0.1", **kwargs)
         else:
