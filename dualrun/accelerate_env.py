@@ -62,3 +62,60 @@ def accelerate_env(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> 
         os.unlink(path)
     env["ACCELERATE_USE_CPU"] = str(bool(args.cpu or args.use_cpu or cfg.use_cpu))
     return {k: str(v) for k, v in env.items() if k not in _PLAN_OWNED and before.get(k) != v}
+
+
+# -- cache -------------------------------------------------------------------------------------------------------
+# Importing accelerate imports torch (2-3 s, ~200 MiB) in the driver, which a Ray launch otherwise never needs.
+# The result depends only on the versions, the config's accelerate keys, the process counts, the working directory
+# and a few inherited variables, so it is cached on disk (DUALRUN_CACHE=0 turns the cache off).
+_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "MEGATRON_", "OMP_", "KMP_", "MKL_", "PYTHONPATH", "DS_", "CUDA_", "NCCL_")
+
+
+def _cache_path(cfg: JobConfig, environ: Mapping[str, str]) -> str | None:
+    import hashlib
+    import json
+    from importlib import metadata
+
+    if environ.get("DUALRUN_CACHE", "1") == "0":
+        return None
+
+    def version(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    from dualrun import __version__
+
+    key = json.dumps({
+        "v": [__version__, version("accelerate"), version("deepspeed"), version("torch")],
+        "acc": dict(cfg.accelerate), "n": [cfg.num_processes, cfg.num_machines, cfg.machine_rank, cfg.use_cpu],
+        "cwd": os.getcwd(), "env": sorted((k, v) for k, v in environ.items() if k.startswith(_ENV_PREFIXES)),
+    }, sort_keys=True, default=str)
+    root = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "dualrun", "accelerate-env", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def cached_accelerate_env(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`accelerate_env`, from the on-disk cache when this exact setup was computed before."""
+    import json
+
+    environ = os.environ if environ is None else environ
+    path = _cache_path(cfg, environ)
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return dict(json.load(f))
+        except (OSError, ValueError):
+            pass
+    env = accelerate_env(cfg, environ)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(env, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return env

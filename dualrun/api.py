@@ -14,10 +14,10 @@ from dualrun.plugin import MethodPlugin
 
 
 def _accelerate_env(cfg: JobConfig) -> dict[str, str]:
-    from dualrun.accelerate_env import accelerate_env
+    from dualrun.accelerate_env import cached_accelerate_env
 
     try:
-        return accelerate_env(cfg)
+        return cached_accelerate_env(cfg)
     except (ValueError, TypeError, KeyError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(cfg.source, "accelerate keys", "a config accelerate accepts", msg) from None
@@ -58,8 +58,13 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     print(f"dualrun: {_startup_line(cfg, plan)}", file=out, flush=True)
     try:
         result = launcher.launch(plan)
+        _summarise(result, started, out)
     finally:
-        launcher.close()
+        launcher.close()   # after the summary: shutting an embedded Ray down takes a second or two
+    return result
+
+
+def _summarise(result: JobResult, started: float, out: TextIO) -> None:
     status = "succeeded" if result.ok else f"failed (exit code {result.exit_code})"
     total = time.monotonic() - started
     print(f"dualrun: job {status} in {total:.1f} s (workers {result.wall_time_s:.1f} s)"
@@ -70,7 +75,6 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     if result.message and not result.ok:
         print(f"dualrun: error: {result.message}", file=out, flush=True)
     result.wall_time_s = total
-    return result
 
 
 def _startup_line(cfg: JobConfig, plan: Any) -> str:

@@ -6,6 +6,7 @@ script cannot tell the backends apart except by values the backend defines (LOCA
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 from typing import Mapping
 
@@ -36,6 +37,7 @@ _SECRET_PATTERNS = ("*_TOKEN", "*_KEY", "*_SECRET", "*_PASSWORD", "HF_TOKEN", "W
 REDACTED = "***"
 
 
+@functools.lru_cache(maxsize=4096)
 def is_secret(name: str) -> bool:
     upper = name.upper()
     return any(fnmatch.fnmatchcase(upper, p) for p in _SECRET_PATTERNS)

@@ -27,6 +27,7 @@ from typing import Any
 
 STDOUT, STDERR = 1, 2
 _TAIL = 40          # stderr lines kept for the failure message
+_LINGER_S = 0.2
 _BATCH = 2000       # most lines handed over per `lines` call
 
 
@@ -185,6 +186,9 @@ class RankWorker:
             item = self.queue.get(timeout=timeout)
         except queue.Empty:
             return out
+        # after the first line, keep collecting briefly: one remote call per burst of output, not per line,
+        # so streaming logs costs the training next to nothing (a step's log + progress bar arrive together)
+        until = time.monotonic() + _LINGER_S
         while True:
             if item is None:
                 if out:
@@ -194,8 +198,9 @@ class RankWorker:
             out.append(item)
             if len(out) >= _BATCH:
                 return out
+            left = until - time.monotonic()
             try:
-                item = self.queue.get_nowait()
+                item = self.queue.get(timeout=left) if left > 0 else self.queue.get_nowait()
             except queue.Empty:
                 return out
 

@@ -1,0 +1,38 @@
+"""accelerate's own env preparation, and its on-disk cache (so a Ray driver need not import torch)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from dualrun.accelerate_env import accelerate_env, cached_accelerate_env
+from dualrun.config import build_config
+
+
+def test_env_is_what_accelerate_exports():
+    cfg = build_config({"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
+                        "fsdp_config": {"fsdp_version": 2, "fsdp_offload_params": True}}, "x.yaml")
+    env = accelerate_env(cfg, {})
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    assert env["FSDP_OFFLOAD_PARAMS"] == "true" and env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+    assert "MASTER_PORT" not in env and "CUDA_VISIBLE_DEVICES" not in env  # the plan owns those
+
+
+def test_cache_gives_the_same_env_without_importing_torch(tmp_path):
+    cfg = build_config({"use_cpu": True, "roles": {"train": {"gpus": 2}}}, "x.yaml")
+    environ = {"XDG_CACHE_HOME": str(tmp_path)}
+    first = cached_accelerate_env(cfg, environ)
+    assert first == accelerate_env(cfg, environ)
+    assert list(tmp_path.glob("dualrun/accelerate-env/*.json"))
+    code = ("import sys, os; from dualrun.config import build_config; "
+            "from dualrun.accelerate_env import cached_accelerate_env; "
+            "cfg = build_config({'use_cpu': True, 'roles': {'train': {'gpus': 2}}}, 'x.yaml'); "
+            f"env = cached_accelerate_env(cfg, {{'XDG_CACHE_HOME': {str(tmp_path)!r}}}); "
+            "print(env['ACCELERATE_USE_CPU'], 'torch' in sys.modules, 'accelerate' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["True", "False", "False"], out.stderr
+
+
+def test_cache_can_be_turned_off(tmp_path):
+    cfg = build_config({"use_cpu": True}, "x.yaml")
+    cached_accelerate_env(cfg, {"XDG_CACHE_HOME": str(tmp_path), "DUALRUN_CACHE": "0"})
+    assert not list(tmp_path.glob("dualrun/**/*.json"))
