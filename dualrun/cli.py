@@ -179,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("dualrun: interrupted\n")
         return 130
+    except BrokenPipeError:  # `dualrun plan | head`: the reader left; not an error of ours
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
 
 
 def entry() -> None:

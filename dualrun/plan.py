@@ -219,7 +219,13 @@ def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]],
         for node in nodes:
             if left == 0:
                 break
-            cap = len(free[node.index]) if per_process_gpu else left
+            if per_process_gpu:
+                cap = len(free[node.index])
+            elif node.cpus and cfg.ray.num_cpus_per_worker:   # a live cluster: Ray packs CPU ranks per node too
+                cap = int(node.cpus // cfg.ray.num_cpus_per_worker) or 0
+                cap = cap if node.index != nodes[-1].index else left
+            else:
+                cap = left
             take = min(cap, left)
             if take:
                 slots.append((node.index, take))

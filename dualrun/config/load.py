@@ -95,6 +95,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     for key in schema.TOP_KEYS:
         if key.name in raw and key.name not in ("roles", "colocate_groups"):
             values[key.name] = check(source, key.name, key.type, raw[key.name], key.choices, key.minimum)
+    if values.pop("use_ray", False) and "backend" not in values:
+        values["backend"] = "ray"
     if backend is not None:
         values["backend"] = check(CLI_SOURCE, "--backend", "str", backend, ("torchrun", "ray"))
     if "method" in values and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", values["method"]):

@@ -20,6 +20,8 @@ class Key:
 
 TOP_KEYS: tuple[Key, ...] = (
     Key("backend", "str", "torchrun", "Where workers run; `--backend` overrides.", choices=("torchrun", "ray")),
+    Key("use_ray", "bool", False, "ms-swift's spelling: `use_ray: true` means `backend: ray` (when `backend` is "
+        "not set)."),
     Key("method", "str", "sft", "Method plugin: which roles exist and how the trainer is wired "
         "(built in: sft, pt, grpo, gkd, sampling; more via the `dualrun.plugins` entry point)."),
     Key("roles", "role-map", None, "Per-role resources, `{name: {gpus: N, ...}}`. Default: "
