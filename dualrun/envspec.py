@@ -27,7 +27,7 @@ FORWARD_ALLOWLIST = (
     "PYTHONDONTWRITEBYTECODE", "LD_LIBRARY_PATH", "LD_PRELOAD", "LIBRARY_PATH",
     "HF_*", "HUGGINGFACE_*", "TRANSFORMERS_*", "TOKENIZERS_*", "DATASETS_*", "TRL_*", "ACCELERATE_*",
     "WANDB_*", "MLFLOW_*", "TENSORBOARD_*", "COMET_*", "NCCL_*", "CUDA_*", "NVIDIA_*", "TORCH_*", "TORCHINDUCTOR_*",
-    "TRITON_*", "PYTORCH_*", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_*", "GLOO_*", "VLLM_*", "DS_*",
+    "TRITON_*", "PYTORCH_*", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_*", "NVPL_*", "BLIS_*", "GLOO_*", "VLLM_*", "DS_*",
     "DEEPSPEED_*", "XDG_*", "SSL_CERT_*", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
     "http_proxy", "https_proxy", "no_proxy", "DUALRUN_*",
 )

@@ -95,6 +95,15 @@ class Launcher(ABC):
         return env
 
 
+def report_servers(addresses: Mapping[str, str], external: Mapping[str, str]) -> None:
+    """A live line per separate role once its server answers (user-run ones are only named)."""
+    import sys
+
+    for role, addr in addresses.items():
+        how = "user-run server at" if role in external else "server healthy at"
+        print(f"dualrun: {role}: {how} {addr}", file=sys.stderr, flush=True)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now on `host` (the OS picks it; no fixed ports, so jobs never collide)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

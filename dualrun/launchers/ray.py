@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
-from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd
+from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd, report_servers
 from dualrun.plan import AUTO, Cluster, Plan, Process
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
@@ -162,6 +162,7 @@ class RayLauncher(Launcher):
         self._servers = RayServers(self.cfg, self.plugin, plan, self.run_id,
                                    env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle)
         self._servers.start()
+        report_servers(self._servers.addresses, plan.external)
         self._wiring = self._servers.wiring_env()
 
     def _trap_signals(self):
@@ -238,6 +239,10 @@ class RayLauncher(Launcher):
         for r, info in zip(ranks, infos):
             r.info = info
         master = next(r for r in ranks if r.proc.rank == 0).info
+        nodes = len({r.info["node_id"] for r in ranks})
+        units = sorted({r.proc.unit for r in ranks})
+        print(f"dualrun: {', '.join(units)}: {len(ranks)} worker(s) placed on {nodes} node(s), master "
+              f"{master['ip']}:{master['port']}; starting the program", file=sys.stderr, flush=True)
         order: list[str] = []
         for r in ranks:
             if r.info["node_id"] not in order:

@@ -14,7 +14,7 @@ from typing import Mapping
 
 from dualrun.envspec import TORCHRUN_NAMES, redact
 from dualrun.errors import LaunchError
-from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd
+from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd, report_servers
 from dualrun.plan import AUTO, Plan
 from dualrun.servers.local import LocalServers, server_command
 
@@ -97,6 +97,7 @@ class TorchrunLauncher(Launcher):
         servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env))
         try:
             servers.start()
+            report_servers(servers.addresses, plan.external)
         except LaunchError as e:
             return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e))
         # the script's own arguments bypass torchrun's parser: `--n` must not match torchrun's `--nnodes`
