@@ -40,6 +40,26 @@ def _patch(module) -> None:
     trainer_cls.train = train
 
 
+def _fresh_store_keys(module) -> None:
+    """torchrun's static rendezvous keeps ONE agent TCPStore across restarts and workers use it without a
+    per-attempt prefix (torch assumes a new store per retry), so a restarted rank can read the previous attempt's
+    gloo/NCCL addresses and fail with "connection refused". Scope this attempt's keys by the restart count."""
+    original = module._create_c10d_store
+    if getattr(original, "_dualrun", False):
+        return
+    attempt = restart_count()
+
+    def create(*args, **kwargs):
+        from torch.distributed import PrefixStore
+
+        return PrefixStore(f"dualrun/attempt_{attempt}", original(*args, **kwargs))
+
+    create._dualrun = True  # type: ignore[attr-defined]
+    module._create_c10d_store = create
+
+
 def activate() -> None:
     if restart_count() > 0:
         when_imported("transformers.trainer", _patch)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            when_imported("torch.distributed.rendezvous", _fresh_store_keys)

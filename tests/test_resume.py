@@ -1,0 +1,28 @@
+"""Restart hooks: only on a restart; the agent store's keys are scoped per attempt (torch's static rendezvous
+reuses one store across restarts)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+CODE = """
+from dualrun.resume import activate; activate()
+import sys, torch.distributed
+r = sys.modules['torch.distributed.rendezvous']
+print(getattr(r._create_c10d_store, '_dualrun', False))
+"""
+
+
+def _patched(**env: str) -> str:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    full.update(env)
+    out = subprocess.run([sys.executable, "-c", CODE], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_store_keys_scoped_on_restart_only():
+    assert _patched(TORCHELASTIC_RESTART_COUNT="1", TORCHELASTIC_USE_AGENT_STORE="True") == "True"
+    assert _patched(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_USE_AGENT_STORE="True") == "False"
+    assert _patched(TORCHELASTIC_RESTART_COUNT="2", TORCHELASTIC_USE_AGENT_STORE="False") == "False"
