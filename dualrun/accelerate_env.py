@@ -74,18 +74,12 @@ _ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "MEGATRON_", "OMP_", "KMP_", "MKL_", "P
 def _cache_path(cfg: JobConfig, environ: Mapping[str, str]) -> str | None:
     import hashlib
     import json
-    from importlib import metadata
 
     if environ.get("DUALRUN_CACHE", "1") == "0":
         return None
 
-    def version(name: str) -> str | None:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return None
-
     from dualrun import __version__
+    from dualrun.envinfo import version
 
     key = json.dumps({
         "v": [__version__, version("accelerate"), version("deepspeed"), version("torch")],

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from dualrun.config.model import JobConfig
-from dualrun.errors import ConfigError
+from dualrun.errors import ConfigError, killed_by
 from dualrun.launchers import JobResult, Program, RankResult, launcher_class
 from dualrun.plan import make_plan
 from dualrun.plugin import MethodPlugin
@@ -92,14 +92,7 @@ def _startup_line(cfg: JobConfig, plan: Any) -> str:
 def _exit_word(code: int | None) -> str:
     if code == 0:
         return "ok"
-    if code is not None and code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            pass
-    return f"exit {code}"
+    return killed_by(code) or f"exit {code}"
 
 
 def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, config: "str | Mapping[str, Any] | JobConfig | None" = None,

@@ -4,6 +4,18 @@ from __future__ import annotations
 from typing import Any
 
 
+def killed_by(exit_code: int | None) -> str | None:
+    """'killed by SIGKILL' for a negative exit code (a process ended by a signal), else None."""
+    import signal
+
+    if exit_code is None or exit_code >= 0:
+        return None
+    try:
+        return f"killed by {signal.Signals(-exit_code).name}"
+    except ValueError:
+        return None
+
+
 class DualrunError(Exception):
     """Base class: anything dualrun reports to the user as one line."""
 

@@ -151,10 +151,12 @@ def _refresh_config() -> None:
 def embedded_cpus(cfg: JobConfig) -> int:
     """CPUs to declare for an embedded cluster: enough bundles for every worker and every CPU server of a separate
     role (a logical count, not cores)."""
+    from dualrun.plan import units
+
     workers = cfg.primary.processes
-    roles = getattr(cfg, "roles", ())   # role programs pass a minimal stand-in without roles
-    servers = sum(1 for r in roles if cfg.is_separate(r.name) and not r.address and not r.gpus
-                  and r.name == cfg.group_of(r.name)[0])
+    # one CPU bundle per separate unit that dualrun starts a CPU server for (role programs pass a minimal
+    # stand-in without roles)
+    servers = sum(1 for _, r in units(cfg)[1:] if not r.address and not r.gpus) if hasattr(cfg, "roles") else 0
     return max(1, math.ceil(workers * cfg.ray.num_cpus_per_worker + servers * max(cfg.ray.num_cpus_per_worker, 1.0)))
 
 

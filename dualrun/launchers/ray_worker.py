@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Any
 
+from dualrun.errors import killed_by
+
 STDOUT, STDERR = 1, 2
 _TAIL = 40          # stderr lines kept for the failure message
 _LINGER_S = 0.2
@@ -171,11 +173,8 @@ class RankWorker:
                     return str(msg).strip()
             except (OSError, ValueError, AttributeError):
                 pass
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                pass
+        if killed_by(code):
+            return killed_by(code)
         lines = [t for t in self.tail if t.strip()]
         return "\n".join(lines[-10:]) if lines else "no error output"
 

@@ -13,7 +13,7 @@ import time
 from typing import Mapping
 
 from dualrun.envspec import TORCHRUN_NAMES, redact
-from dualrun.errors import LaunchError
+from dualrun.errors import LaunchError, killed_by
 from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd, report_servers
 from dualrun.plan import AUTO, Plan
 from dualrun.servers.local import LocalServers, server_command
@@ -148,9 +148,5 @@ def _failed(e, wall: float, unit: str = "train") -> JobResult:
     code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
     detail = _text(failure.message).strip().splitlines()
     tail = detail[-1] if detail else "no error message"
-    if failure.exitcode is not None and failure.exitcode < 0:
-        try:
-            tail = f"killed by {signal.Signals(-failure.exitcode).name}"
-        except ValueError:
-            pass
+    tail = killed_by(failure.exitcode) or tail
     return JobResult(code, ranks, wall, message=f"{unit} rank {rank} failed (exit code {failure.exitcode}): {tail}")

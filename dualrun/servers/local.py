@@ -45,6 +45,13 @@ def addresses(plan: Plan, started: Mapping[int, str]) -> dict[str, str]:
     return out
 
 
+def wiring_env(cfg: JobConfig, plugin: Any, addresses: Mapping[str, str]) -> dict[str, str]:
+    """Env for the trainer ranks: the plugin's wiring of the servers' addresses (either backend)."""
+    if not addresses or plugin is None:
+        return {}
+    return dict(plugin.wiring_env(cfg, addresses))
+
+
 class LocalServers:
     """Start, health-check and stop the plan's servers for this machine (`cfg.machine_rank`)."""
 
@@ -122,9 +129,7 @@ class LocalServers:
 
     def wiring_env(self) -> dict[str, str]:
         """Env for the trainer ranks: the plugin's wiring of the servers' addresses."""
-        if not self.addresses or self.plugin is None:
-            return {}
-        return dict(self.plugin.wiring_env(self.cfg, self.addresses))
+        return wiring_env(self.cfg, self.plugin, self.addresses)
 
     def stop(self) -> None:
         """Stop every server started here (idempotent); used on success, failure and interruption alike."""

@@ -157,9 +157,9 @@ class RayServers:
         return started
 
     def wiring_env(self) -> dict[str, str]:
-        if not self.addresses or self.plugin is None:
-            return {}
-        return dict(self.plugin.wiring_env(self.cfg, self.addresses))
+        from dualrun.servers.local import wiring_env
+
+        return wiring_env(self.cfg, self.plugin, self.addresses)
 
     def server_devices(self) -> Mapping[str, list[str]]:
         """label -> the GPU ids Ray gave each server (what tests compare with the trainers')."""
