@@ -30,17 +30,22 @@ FORWARD_ALLOWLIST = (
     "TRITON_*", "PYTORCH_*", "OMP_*", "MKL_*", "KMP_*", "OPENBLAS_*", "NVPL_*", "BLIS_*", "GLOO_*", "VLLM_*", "DS_*",
     "DEEPSPEED_*", "XDG_*", "SSL_CERT_*", "REQUESTS_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
     "http_proxy", "https_proxy", "no_proxy", "DUALRUN_*",
+    # fabrics (EFA, InfiniBand), AMD devices, checkpoint storage credentials, extension builds
+    "FI_*", "UCX_*", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "AWS_*", "GOOGLE_APPLICATION_CREDENTIALS",
+    "CC", "CXX", "MAX_JOBS",
 )
 
 _SECRET_PATTERNS = ("*_TOKEN", "*_KEY", "*_SECRET", "*_PASSWORD", "HF_TOKEN", "WANDB_API_KEY", "*TOKEN*", "*SECRET*",
                     "*PASSWORD*", "*API_KEY*")
 REDACTED = "***"
+# Cloud credentials for checkpoint storage: forwarded, never printed (AWS_ACCESS_KEY_ID has no secret-looking word).
+_CREDENTIAL_NAMES = ("AWS_*", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
 @functools.lru_cache(maxsize=4096)
 def is_secret(name: str) -> bool:
     upper = name.upper()
-    return any(fnmatch.fnmatchcase(upper, p) for p in _SECRET_PATTERNS)
+    return any(fnmatch.fnmatchcase(upper, p) for p in _SECRET_PATTERNS + _CREDENTIAL_NAMES)
 
 
 def redact(env: Mapping[str, str]) -> dict[str, str]:

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, dualrun
+from dualrun.progress import looks_like_bar
 from ray_helpers import pids_matching, ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -31,6 +32,10 @@ def test_sft_losses_equal_on_torchrun_and_ray(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         history = json.loads((tmp_path / f"out_{backend}" / "trainer_state.json").read_text())["log_history"]
         losses[backend] = [h["loss"] for h in history if "loss" in h]
+        if backend == "ray":   # the 8-step bar stays readable: rank 0 only, not one line per redraw
+            bars = [ln for ln in proc.stderr.splitlines() if looks_like_bar(ln)]
+            assert all(ln.startswith("[train rank 0] ") for ln in bars), bars
+            assert 1 <= sum("/8 [" in ln for ln in bars) <= 2, bars
     assert len(losses["ray"]) >= 4
     assert losses["ray"] == losses["torchrun"]
     assert not pids_matching(env["RAY_TMPDIR"]) and not pids_matching(str(tmp_path))

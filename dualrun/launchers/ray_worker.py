@@ -10,6 +10,7 @@ This module is imported by Ray worker processes: keep it free of torch and of th
 """
 from __future__ import annotations
 
+import codecs
 import collections
 import ctypes
 import json
@@ -26,6 +27,7 @@ import time
 from typing import Any
 
 from dualrun.errors import killed_by
+from dualrun.progress import PROGRESS_ENV, Collapser, show_progress
 
 STDOUT, STDERR = 1, 2
 _TAIL = 40          # stderr lines kept for the failure message
@@ -66,6 +68,7 @@ class RankWorker:
         self.error_file: str | None = None
         self.spawner: threading.Thread | None = None
         self.end = 0.0
+        self.show_bars = True
 
     def info(self, pick_port: bool = False) -> dict[str, Any]:
         """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks a free port."""
@@ -83,6 +86,7 @@ class RankWorker:
         if not os.path.isdir(cwd):
             raise RuntimeError(f"the launching directory {cwd} does not exist on this node")
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
+        self.show_bars = show_progress(env.get(PROGRESS_ENV, "rank0"), env.get("RANK"))
         if self.error_file:
             os.makedirs(os.path.dirname(self.error_file), exist_ok=True)
         if log_path:
@@ -120,28 +124,29 @@ class RankWorker:
         self.end = time.time()
 
     def _read(self, stream: int, pipe) -> None:
-        """Split the pipe into lines ('\\n' or '\\r', so progress bars still flow) and queue them."""
-        buf = b""
+        """Read the pipe; the log file gets every line and redraw, the driver the collapsed lines (progress.py)."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        collapser = Collapser(show_bars=self.show_bars)
+        log = self._log_line if self.log is not None else None
         while True:
             chunk = pipe.read1(65536)
             if not chunk:
                 break
-            buf += chunk
-            parts = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
-            buf = parts.pop()
-            for part in parts:
-                self._emit(stream, part.decode("utf-8", "replace"))
-        if buf:
-            self._emit(stream, buf.decode("utf-8", "replace"))
+            for line in collapser.feed(decoder.decode(chunk), log):
+                self._emit(stream, line)
+        for line in collapser.feed(decoder.decode(b"", final=True), log) + collapser.close(log):
+            self._emit(stream, line)
         pipe.close()
+
+    def _log_line(self, text: str) -> None:
+        with self.log_lock:
+            if self.log is not None:
+                self.log.write(text + "\n")
+                self.log.flush()
 
     def _emit(self, stream: int, text: str) -> None:
         if stream == STDERR and text.strip():
             self.tail.append(text)
-        if self.log is not None:
-            with self.log_lock:
-                self.log.write(text + "\n")
-                self.log.flush()
         self.queue.put((stream, text))
 
     def wait(self) -> dict[str, Any]:
