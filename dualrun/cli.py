@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="config helpers")
     csub = config.add_subparsers(dest="config_command", parser_class=_Parser)
     default = csub.add_parser("default", help="write a starter config (never overwrites)")
-    default.add_argument("path", nargs="?", default="dualrun.yaml")
+    default.add_argument("path", nargs="?", default=None, help="where to write it (default dualrun.yaml)")
+    default.add_argument("--config_file", "--config-file", dest="config_file", default=None,
+                         help="accelerate's spelling of the path")
     default.add_argument("--method", default="sft", choices=("sft", "pt", "grpo", "gkd"))
     default.add_argument("--cpu", action="store_true", help="a CPU config (gloo, no GPUs)")
 
@@ -124,38 +126,22 @@ def _note_dropped_env(cfg: Any) -> None:
         print(f"dualrun: {line}", file=sys.stderr, flush=True)
 
 
-STARTER = """\
-# dualrun config: accelerate's keys keep accelerate's meaning; dualrun adds backend, method, roles, ...
-# Run it with:  dualrun launch --config_file {path} train.py --your --args
-backend: torchrun            # or ray (--backend overrides)
-method: {method}
-distributed_type: {dist}
-mixed_precision: '{mp}'
-use_cpu: {cpu}
-roles:
-  train: {{gpus: 2}}           # processes (one GPU each; on CPU, processes)
-{extra}max_failures: 0              # restarts from the newest checkpoint in output_dir
-env: {{}}                      # extra environment for every worker
-ray:
-  address: null              # null: join a running cluster, else start a local one
-  placement_timeout_s: 120
-"""
-
-
 def cmd_config_default(ns: argparse.Namespace) -> int:
-    if os.path.exists(ns.path):
-        raise ConfigError(ns.path, "path", "a file that does not exist yet (dualrun never overwrites)",
+    from dualrun.config.starter import detected_devices, starter_text
+
+    path = ns.config_file or ns.path or "dualrun.yaml"
+    if ns.config_file and ns.path and ns.path != ns.config_file:
+        raise ConfigError("<command line>", "--config_file", f"the same path as the positional one ({ns.path})",
+                          ns.config_file)
+    if os.path.exists(path):
+        raise ConfigError(path, "path", "a file that does not exist yet (dualrun never overwrites)",
                           "an existing file")
-    extra = ""
-    if ns.method == "grpo":
-        extra = "  # rollout: {gpus: 2, engine: vllm}   # separate vLLM server (GPU only)\n"
-    elif ns.method == "gkd":
-        extra = "  # teacher: {gpus: 1, model: PATH, top_k: 20}   # separate teacher server\n"
-    text = STARTER.format(path=ns.path, method=ns.method, dist="MULTI_CPU" if ns.cpu else "MULTI_GPU",
-                          mp="no" if ns.cpu else "bf16", cpu="true" if ns.cpu else "false", extra=extra)
-    with open(ns.path, "x", encoding="utf-8") as f:
+    devices, dist = (0, "NO") if ns.cpu else detected_devices()
+    text = starter_text(path, ns.method, ns.cpu, devices, dist)
+    with open(path, "x", encoding="utf-8") as f:
         f.write(text)
-    print(f"wrote {ns.path}")
+    found = "CPU config" if ns.cpu else (f"{devices} GPU(s) found" if devices else "no GPU found: a CPU config")
+    print(f"wrote {path} ({found})")
     return 0
 
 
@@ -178,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "config":
             if ns.config_command != "default":
-                parser.error("usage: dualrun config default [PATH] [--method M] [--cpu]")
+                parser.error("usage: dualrun config default [PATH | --config_file PATH] [--method M] [--cpu]")
             return cmd_config_default(ns)
         if ns.command not in commands:
             parser.print_help()

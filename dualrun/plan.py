@@ -179,7 +179,7 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
 def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:
     settings = {"offload_model": cfg.offload_model, "offload_optimizer": cfg.offload_optimizer,
                 "offload_teacher_model": cfg.offload_teacher_model, "sleep_level": cfg.sleep_level,
-                "max_failures": cfg.max_failures,
+                "max_failures": cfg.max_failures, "collective_timeout_s": cfg.collective_timeout_s,
                 "roles": {r.name: {"gpus": r.gpus, "processes": r.processes, "engine": r.engine,
                                    "tensor_parallel_size": r.tensor_parallel_size,
                                    "data_parallel_size": r.data_parallel_size, "model": r.model,

@@ -97,3 +97,31 @@ def test_env_reports_versions():
     assert proc.returncode == 0, proc.stderr
     for name in ("python", "torch", "ray", "transformers", "trl", "accelerate", "devices", "ray cluster reachable"):
         assert f"{name}:" in proc.stdout
+
+
+def test_config_default_takes_accelerates_flag_and_counts_this_machines_gpus(tmp_path):
+    import torch
+
+    proc = dualrun("config", "default", "--config_file", "acc.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "acc.yaml").read_text()
+    gpus = torch.cuda.device_count()
+    if gpus:
+        assert f"train: {{gpus: {gpus}}}" in text and "use_cpu: false" in text
+    else:
+        assert "no GPU found" in proc.stdout and "use_cpu: true" in text
+    assert dualrun("plan", "--config_file", "acc.yaml", cwd=tmp_path).returncode == 0
+    line = _one_line_error(dualrun("config", "default", "x.yaml", "--config_file", "y.yaml", cwd=tmp_path))
+    assert "--config_file" in line and not (tmp_path / "x.yaml").exists()
+
+
+def test_starter_for_a_gpu_machine_plans_one_rank_per_gpu(tmp_path):
+    from dualrun.config import load_config
+    from dualrun.config.starter import starter_text
+    from dualrun.plan import make_plan
+
+    path = tmp_path / "g.yaml"
+    path.write_text(starter_text(str(path), "sft", False, 4, "MULTI_GPU"))
+    cfg = load_config(str(path), {}, None)
+    assert cfg.num_processes == 4 and cfg.accelerate["distributed_type"] == "MULTI_GPU" and not cfg.use_cpu
+    assert "train rank 3" in make_plan(cfg).table()

@@ -61,6 +61,7 @@ class JobConfig:
     offload_teacher_model: bool = False
     sleep_level: int = 1
     max_failures: int = 0
+    collective_timeout_s: float | None = None
     env: Mapping[str, str] = field(default_factory=frozen_map)
     log_dir: str | None = None
     ray: RayOptions = field(default_factory=RayOptions)

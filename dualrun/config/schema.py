@@ -36,6 +36,10 @@ TOP_KEYS: tuple[Key, ...] = (
         "2: discard weights).", choices=(1, 2)),
     Key("max_failures", "int", 0, "Restarts of the whole job after a worker or node failure; the trainer "
         "resumes from the newest checkpoint in its output_dir.", minimum=0),
+    Key("collective_timeout_s", "float", None, "Seconds a collective (all-reduce, barrier, ...) may wait for the "
+        "other ranks before failing: TrainingArguments' `ddp_timeout` where left at its default, and "
+        "`torch.distributed.init_process_group`'s `timeout` where the script passes none. Unset: the "
+        "libraries' own defaults (HF: 1800 s).", minimum=1),
     Key("env", "dict", {}, "Extra environment variables for every worker (values are turned into strings)."),
     Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log`."),
     Key("ray", "dict", {}, "Ray backend settings (see `ray.*`).", backends="ray"),
