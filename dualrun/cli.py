@@ -1,4 +1,4 @@
-"""`dualrun` command line: launch | plan | config default | env.
+"""`dualrun` command line: launch | plan | check | config default | env.
 
 Bad input ends with exit code 2 and one line on stderr (file, key, what was expected); nothing is started.
 """
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="accelerate's spelling of the path")
     default.add_argument("--method", default="sft", choices=("sft", "pt", "grpo", "gkd"))
     default.add_argument("--cpu", action="store_true", help="a CPU config (gloo, no GPUs)")
+
+    check = sub.add_parser("check", help="pre-flight: every node's versions, directory, GPUs, ports, addresses")
+    _job_flags(check)
 
     sub.add_parser("env", help="versions, devices and whether a Ray cluster is reachable")
     return parser
@@ -145,6 +148,13 @@ def cmd_config_default(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(ns: argparse.Namespace) -> int:
+    from dualrun.check import run_check
+
+    cfg, _ = _load(ns)
+    return run_check(cfg)
+
+
 def cmd_env(ns: argparse.Namespace) -> int:
     from dualrun.envinfo import report
 
@@ -160,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"dualrun {__version__}")
         return 0
-    commands = {"launch": cmd_launch, "plan": cmd_plan, "env": cmd_env}
+    commands = {"launch": cmd_launch, "plan": cmd_plan, "check": cmd_check, "env": cmd_env}
     try:
         if ns.command == "config":
             if ns.config_command != "default":

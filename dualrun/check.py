@@ -1,0 +1,177 @@
+"""`dualrun check --config_file F`: find what would make a job hang or fail before starting it.
+
+Why: on Ray the usual causes of a hang are nodes that differ from the driver (another torch or TRL, the
+launching directory missing), a plan the nodes cannot hold, or nodes that cannot reach the head. We ask every
+node once (a zero-CPU task pinned to it, under the config's runtime_env), compare with the driver, and print
+one line per problem (exit 1) or a table of the nodes (exit 0). On torchrun the same for this machine: the
+packages, its GPUs against the plan, the ports the plan binds here, and the route to the master address.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from dualrun.config.model import JobConfig
+from dualrun.errors import DualrunError
+from dualrun.node_facts import CHECKED_PACKAGES, can_bind, facts, routes_to
+from dualrun.plan import Cluster, Plan, make_plan
+
+_PROBE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class NodeReport:
+    """One machine: where it is, its GPUs, what the plan puts there, and its facts (node_facts.facts)."""
+
+    name: str
+    gpus: int
+    planned_gpus: int
+    facts: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+
+
+def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
+    """Pure: every way `node` differs from the driver or cannot serve the plan, one phrase each."""
+    out = []
+    f = node.facts
+    if f["python"] != driver["python"]:
+        out.append(f"python {f['python']}, the driver has {driver['python']}")
+    for name in CHECKED_PACKAGES:
+        mine, theirs = f["versions"].get(name), driver["versions"].get(name)
+        if mine != theirs:
+            out.append(f"{name} {mine or 'not installed'}, the driver has {theirs or 'not installed'}")
+    if not f["directory_ok"]:
+        out.append(f"the launching directory {f['directory']} does not exist there (use a shared filesystem or "
+                   "ray.runtime_env: {working_dir: .})")
+    if node.planned_gpus > node.gpus:
+        out.append(f"the plan puts {node.planned_gpus} GPU(s) there, it has {node.gpus}")
+    for address, why in f["reach"].items():
+        if why:
+            out.append(f"cannot reach {address} ({why})")
+    return [f"{node.name}: {p}" for p in out]
+
+
+def table(nodes: list[NodeReport]) -> str:
+    head = ["node", "gpus (plan/has)", "python", *CHECKED_PACKAGES, "directory", "reach"]
+    rows = [head]
+    for n in nodes:
+        f = n.facts
+        rows.append([n.name, f"{n.planned_gpus}/{n.gpus}", f["python"],
+                     *[f["versions"].get(p) or "-" for p in CHECKED_PACKAGES],
+                     "ok" if f["directory_ok"] else "missing",
+                     ", ".join(f["reach"]) + " ok" if f["reach"] else "-"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _planned_gpus(plan: Plan | None, node: int) -> int:
+    return sum(len(p.devices) for p in plan.on_node(node)) if plan else 0
+
+
+def _plan(cfg: JobConfig, cluster: Cluster | None, problems: list[str]) -> Plan | None:
+    try:
+        return make_plan(cfg, cluster)
+    except DualrunError as e:
+        problems.append(f"plan: {e}")
+        return None
+
+
+def _directory(cfg: JobConfig) -> str | None:
+    """The directory every node must have: the launching one, unless runtime_env.working_dir ships it."""
+    return None if cfg.ray.runtime_env.get("working_dir") else os.getcwd()
+
+
+def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dualrun.launchers.ray_cluster import alive_nodes, cluster_of, connect, resolve_address
+
+    problems: list[str] = []
+    working_dir = cfg.ray.runtime_env.get("working_dir")
+    if working_dir and "://" not in str(working_dir) and not os.path.isdir(str(working_dir)):
+        return [f"ray.runtime_env.working_dir: {working_dir} does not exist on the driver"], []
+    if resolve_address(cfg) is None:   # `dualrun launch` would start an embedded cluster: this machine alone
+        problems, nodes = check_torchrun(cfg)
+        return problems, nodes
+    conn = connect(cfg, allow_start=False)
+    if conn is None:
+        return [f"ray.address: could not connect to the Ray cluster at {resolve_address(cfg)}"], []
+    try:
+        raw = alive_nodes()
+        cluster = cluster_of(raw)
+        plan = _plan(cfg, cluster, problems)
+        gcs = ray.get_runtime_context().gcs_address
+        host, _, port = gcs.rpartition(":")
+        probe = ray.remote(num_cpus=0, max_retries=0)(facts)
+        refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(_directory(cfg), [(host, int(port))]) for n in raw]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PROBE_TIMEOUT_S)
+        driver = facts()
+        nodes = []
+        for i, (n, ref) in enumerate(zip(raw, refs)):
+            name = f"node {i} {n.get('NodeManagerAddress', '?')}"
+            if ref not in ready:
+                problems.append(f"{name}: did not answer within {_PROBE_TIMEOUT_S:g} s (a runtime_env that does "
+                                "not install there, or no free worker process)")
+                continue
+            try:
+                report = NodeReport(name, cluster.nodes[i].gpus, _planned_gpus(plan, i), ray.get(ref))
+            except Exception as e:  # noqa: BLE001 - a node that cannot run the probe is a problem of its own
+                problems.append(f"{name}: the check failed there: {str(e).strip().splitlines()[-1]}")
+                continue
+            problems += compare(driver, report)
+            nodes.append(report)
+        return problems, nodes
+    finally:
+        conn.close()
+
+
+def check_torchrun(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
+    """This machine (machine_rank) against the plan, and the master address from here."""
+    problems: list[str] = []
+    plan = _plan(cfg, None, problems)
+    here = facts(os.getcwd())
+    for name in CHECKED_PACKAGES:
+        if here["versions"][name] is None:
+            problems.append(f"this machine: {name} is not installed")
+    gpus = 0 if cfg.use_cpu else _local_gpus()
+    node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here)
+    problems += compare(here, node)
+    master = cfg.main_process_ip or "127.0.0.1"
+    if cfg.machine_rank == 0 and (cfg.main_process_port or cfg.num_machines > 1):
+        port = cfg.main_process_port or 29500
+        why = can_bind(master if cfg.main_process_ip else "0.0.0.0", port)
+        if why:
+            problems.append(f"main_process_port: {master}:{port} cannot be listened on here ({why})")
+    if cfg.num_machines > 1 and plan is not None:
+        base = cfg.main_process_port or 29500
+        for i, proc in enumerate(plan.servers):
+            if proc.node == cfg.machine_rank:
+                why = can_bind("0.0.0.0", base + 1 + i)
+                if why:
+                    problems.append(f"{proc.label}: port {base + 1 + i} is not free here ({why})")
+    if cfg.machine_rank > 0:
+        why = routes_to(master)
+        if why:
+            problems.append(f"main_process_ip: no route to {master} from this machine ({why})")
+    return problems, [node]
+
+
+def _local_gpus() -> int:
+    from dualrun.config.starter import detected_devices
+
+    return detected_devices()[0]
+
+
+def run_check(cfg: JobConfig) -> int:
+    """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0)."""
+    problems, nodes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg)
+    if problems:
+        for p in problems:
+            print(f"dualrun check: {p}")
+        return 1
+    print(table(nodes))
+    print(f"dualrun check: {len(nodes)} node(s) ready for backend={cfg.backend}")
+    return 0

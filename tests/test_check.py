@@ -1,0 +1,96 @@
+"""`dualrun check`: a pre-flight that finds what would make a job hang or fail, before anything starts.
+
+Ray: two local nodes, the second with a planted mismatch - its raylet's PYTHONPATH holds the metadata of
+another TRL version, so Python on that node honestly reports it (as `pip list` would there)."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+
+import pytest
+
+from conftest import dualrun
+from dualrun.check import NodeReport, compare
+from dualrun.node_facts import facts
+from ray_helpers import ray_env
+
+
+def test_compare_names_each_difference_once():
+    driver = facts()
+    node = facts("/no/such/dir", [("127.0.0.1", 1)])
+    node["versions"] = dict(node["versions"], trl="0.0.1")
+    problems = compare(driver, NodeReport("node 1 10.0.0.2", gpus=1, planned_gpus=2, facts=node))
+    assert len(problems) == 4, problems
+    assert all(p.startswith("node 1 10.0.0.2: ") for p in problems)
+    text = "\n".join(problems)
+    assert f"trl 0.0.1, the driver has {driver['versions']['trl']}" in text
+    assert "/no/such/dir does not exist" in text and "2 GPU(s) there, it has 1" in text
+    assert "cannot reach 127.0.0.1:1" in text
+    assert compare(driver, NodeReport("n", 0, 0, facts())) == []
+
+
+@pytest.mark.e2e
+def test_torchrun_check_finds_a_busy_port_and_an_unreachable_master(tmp_path):
+    (tmp_path / "ok.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    ok = dualrun("check", "--config_file", "ok.yaml", cwd=tmp_path)
+    assert ok.returncode == 0 and "node 0 (this machine)" in ok.stdout and "trl" in ok.stdout, ok.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        (tmp_path / "busy.yaml").write_text(f"use_cpu: true\nroles: {{train: {{gpus: 2}}}}\nmain_process_ip: "
+                                            f"127.0.0.1\nmain_process_port: {port}\n")
+        proc = dualrun("check", "--config_file", "busy.yaml", cwd=tmp_path)
+    assert proc.returncode == 1 and proc.stdout.strip().splitlines() == [
+        f"dualrun check: main_process_port: 127.0.0.1:{port} cannot be listened on here (Address already in use)"]
+    (tmp_path / "far.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\nnum_machines: 2\nmachine_rank: 1\n"
+                                       "main_process_ip: 10.255.255.1\n")
+    far = dualrun("check", "--config_file", "far.yaml", cwd=tmp_path)
+    assert far.returncode == 1 and "no route to 10.255.255.1" in far.stdout, far.stdout + far.stderr
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="drc", dir="/tmp")
+    saved = os.environ.get("RAY_TMPDIR")
+    os.makedirs(f"{temp}/ray")
+    os.environ["RAY_TMPDIR"] = temp        # Ray's "current cluster" file stays ours, not /tmp/ray's
+    fake = tempfile.mkdtemp(prefix="drc-site", dir="/tmp")
+    info = f"{fake}/trl-0.0.1.dist-info"
+    os.makedirs(info)
+    with open(f"{info}/METADATA", "w") as f:
+        f.write("Metadata-Version: 2.1\nName: trl\nVersion: 0.0.1\n")
+    args = dict(num_cpus=1, num_gpus=1, node_ip_address="127.0.0.1", include_dashboard=False, temp_dir=temp)
+    c = Cluster(initialize_head=True, head_node_args=args)
+    c.wait_for_nodes()
+    yield c, dict(args, env_vars={"PYTHONPATH": fake})
+    c.shutdown()
+    if saved is None:
+        os.environ.pop("RAY_TMPDIR", None)
+    else:
+        os.environ["RAY_TMPDIR"] = saved
+    shutil.rmtree(temp, ignore_errors=True)
+    shutil.rmtree(fake, ignore_errors=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_ray_check_passes_then_finds_the_planted_version_mismatch(tmp_path, cluster):
+    c, planted = cluster
+    for name, gpus in (("one", 1), ("two", 2)):
+        (tmp_path / f"{name}.yaml").write_text(f"backend: ray\nray: {{address: '{c.address}'}}\n"
+                                              f"roles: {{train: {{gpus: {gpus}}}}}\n")
+    ok = dualrun("check", "--config_file", "one.yaml", cwd=tmp_path, env=ray_env(), timeout=120)
+    assert ok.returncode == 0 and "node 0 127.0.0.1  1/1" in ok.stdout, ok.stdout + ok.stderr
+    short = dualrun("check", "--config_file", "two.yaml", cwd=tmp_path, env=ray_env(), timeout=120)
+    assert short.returncode == 1 and "plan:" in short.stdout and "roles.train.gpus" in short.stdout, short.stdout
+    c.add_node(**planted)
+    c.wait_for_nodes()
+    two = dualrun("check", "--config_file", "two.yaml", cwd=tmp_path, env=ray_env(), timeout=120)
+    lines = two.stdout.strip().splitlines()
+    assert two.returncode == 1 and len(lines) == 1, two.stdout + two.stderr
+    assert lines[0].startswith("dualrun check: node 1 127.0.0.1: trl 0.0.1, the driver has "), lines
