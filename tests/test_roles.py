@@ -249,3 +249,46 @@ def test_slice_moves_one_nth_per_worker(ray_cluster):
     for got in broadcast:
         assert abs(got - total) < 0.05 * total, (broadcast, total)
     group.shutdown()
+
+
+# -- a group's own torch.distributed rendezvous ------------------------------------------------------------
+class Reducer:
+    """Joins its group's process group with no arguments (the group's RANK/WORLD_SIZE/MASTER_* env)."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        ctx = dualrun.current()
+        assert os.environ["RANK"] == str(ctx.rank) and os.environ["WORLD_SIZE"] == str(ctx.world_size)
+        assert os.environ["MASTER_PORT"] == str(ctx.master_port)
+        dist.init_process_group("gloo")
+
+    def total(self, x):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(x)])
+        dist.all_reduce(t)
+        return t.item(), dist.get_rank(), dist.get_world_size()
+
+
+def by_rank(length, i, *args, **kwargs):
+    """A dispatch function with ms-swift's signature `(n, i, *args, **kwargs) -> (args, kwargs)`."""
+    return [args[0][i]], {}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_two_worker_group_all_reduces_in_its_own_process_group(ray_cluster):
+    group = dualrun.WorkerGroup(Reducer, "a")
+    assert group.run("total", [1, 2], dispatch=by_rank) == [(3.0, 0, 2), (3.0, 1, 2)]
+    group.shutdown()
+
+
+def test_local_workers_get_their_groups_rendezvous():
+    runtime = Runtime(load_spec(ROLES), "local")
+    group = dualrun.WorkerGroup(lambda: dualrun.current(), "a", runtime=runtime)
+    ctxs = group.run(lambda ctx: ctx)
+    assert [c.rank for c in ctxs] == [0, 1] and {c.world_size for c in ctxs} == {2}
+    assert len({(c.master_addr, c.master_port) for c in ctxs}) == 1 and ctxs[0].master_port
+    assert group.run(lambda ctx, x: x, [5, 7], dispatch=by_rank) == [5, 7]

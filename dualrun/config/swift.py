@@ -23,6 +23,8 @@ def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, An
         raise ConfigError(source, "device_groups", "a mapping of group names to {device, ranks, workers}", raw)
     roles: dict[str, dict[str, Any]] = {}
     groups: list[list[str]] = []
+    nproc = raw.get("nproc_per_node")
+    nnodes = raw.get("nnodes", 1)
     for gname, group in raw.items():
         key = f"device_groups.{gname}"
         if gname in ("nproc_per_node", "nnodes"):
@@ -46,6 +48,8 @@ def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, An
         else:
             ids = parse_ids(source, f"{key}.ranks", ranks)
             count = len(ids or ())
+        if device == "GPU" and isinstance(nproc, int) and isinstance(nnodes, int):
+            ids = _node_local(source, f"{key}.ranks", ranks, ids, count, nproc, nnodes)
         workers = group.get("workers")
         if isinstance(workers, str):
             workers = [workers]
@@ -64,3 +68,16 @@ def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, An
     if not roles:
         raise ConfigError(source, "device_groups", "at least one group with workers")
     return roles, groups
+
+
+def _node_local(source: str, key: str, raw: Any, ids: tuple[int, ...] | None, count: int, nproc: int,
+                nnodes: int) -> tuple[int, ...] | None:
+    """ms-swift's ranks are global device indices (node = rank // nproc_per_node): check them against
+    nproc_per_node * nnodes; a group on the first node keeps its device ids, one on (or spanning) other nodes
+    keeps only its count and is placed by count like any role (dualrun's gpu_ids name devices of one node)."""
+    limit = nproc * nnodes
+    if (ids and max(ids) >= limit) or count > limit:
+        raise ConfigError(source, key, f"device ranks below nproc_per_node * nnodes = {limit}", raw)
+    if ids is None:
+        return None
+    return ids if max(ids) < nproc else None

@@ -15,12 +15,15 @@ from dualrun.errors import DualrunError
 
 @dataclass(frozen=True)
 class WorkerContext:
-    """Where the current code runs: inside worker `rank` of `group` (of `world_size`)."""
+    """Where the current code runs: inside worker `rank` of `group` (of `world_size`), and the group's own
+    torch.distributed rendezvous (roles/rendezvous.py)."""
 
     group: str
     rank: int
     world_size: int
     backend: str  # 'ray' | 'local'
+    master_addr: str | None = None
+    master_port: int | None = None
 
 
 _CTX: contextvars.ContextVar[WorkerContext | None] = contextvars.ContextVar("dualrun_worker", default=None)

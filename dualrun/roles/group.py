@@ -51,11 +51,14 @@ class LocalWorkers:
     backend = "local"
 
     def __init__(self, spec: GroupSpec, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        from dualrun.roles.rendezvous import free_port
+
         self.spec = spec
         self.objs: list[Any] = []
         self.calls = [0] * spec.size
+        self.master = ("127.0.0.1", free_port())   # the group's rendezvous, as on Ray (WorkerContext)
         for rank in range(spec.size):
-            with as_worker(WorkerContext(spec.name, rank, spec.size, "local")):
+            with as_worker(self._context(rank)):
                 obj = call_safely(factory, args, kwargs)
             if isinstance(obj, RemoteFailure):
                 raise WorkerError(spec.name, rank, f"{method_name(factory)}()", obj)
@@ -65,9 +68,12 @@ class LocalWorkers:
         results = []
         for rank, args, kwargs in calls:
             self.calls[rank] += 1
-            with as_worker(WorkerContext(self.spec.name, rank, self.spec.size, "local")):
+            with as_worker(self._context(rank)):
                 results.append(call_safely(bind(self.objs[rank], method), args, kwargs))
         return GroupFuture(self.spec.name, method_name(method), [c[0] for c in calls], lambda _t: results, collect)
+
+    def _context(self, rank: int) -> WorkerContext:
+        return WorkerContext(self.spec.name, rank, self.spec.size, "local", *self.master)
 
     def info(self) -> list[dict[str, Any]]:
         import os

@@ -14,6 +14,7 @@ from dualrun.roles.context import (RemoteFailure, WorkerContext, WorkerError, ca
                                    set_actor_context)
 from dualrun.roles.dispatch import CollectFn
 from dualrun.roles.group import Calls, GroupFuture, bind
+from dualrun.roles.rendezvous import group_env, pick_address
 from dualrun.roles.spec import ENV_MODE, GroupSpec, RolesSpec
 
 # A worker with one GPU asks for this fraction of its bundle's GPU: the placement group already reserves the
@@ -39,7 +40,8 @@ class RoleActor:
                  args: tuple, kwargs: dict, track_bytes: bool) -> None:
         os.environ.update(env)
         os.environ[ENV_MODE] = "local"  # groups made inside a worker are local to it
-        set_actor_context(WorkerContext(group, rank, size, "ray"))
+        set_actor_context(WorkerContext(group, rank, size, "ray", env.get("MASTER_ADDR"),
+                                        int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None))
         self.track_bytes = track_bytes
         self.calls = 0
         self.bytes_in = 0
@@ -68,6 +70,10 @@ class RoleActor:
 
     def stats(self) -> dict[str, Any]:
         return {"calls": self.calls, "bytes_in": self.bytes_in if self.track_bytes else None}
+
+
+def spec_timeout(runtime: Any) -> float:
+    return max(60.0, float(runtime.spec.placement_timeout_s))
 
 
 def ensure_ray(spec: RolesSpec) -> Any:
@@ -124,9 +130,13 @@ class RayWorkers:
         num_gpus = 0 if not per_worker else (GPU_SHARE if per_worker <= 1 else per_worker)
         remote = ray.remote(RoleActor)
         self.actors = []
+        # the group's own rendezvous: rank 0's bundle names the address before any worker starts
+        where = ray.remote(num_cpus=CPU_SHARE, max_retries=0)(pick_address).options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+        self.master = ray.get(where.remote(), timeout=spec_timeout(runtime))
         for rank in range(spec.size):
             env = {**runtime.spec.env, **spec.env, "DUALRUN_ROLE": spec.name, "DUALRUN_GROUP_RANK": str(rank),
-                   "DUALRUN_GROUP_SIZE": str(spec.size)}
+                   "DUALRUN_GROUP_SIZE": str(spec.size), **group_env(rank, spec.size, *self.master)}
             opts = remote.options(num_cpus=CPU_SHARE, num_gpus=num_gpus, max_concurrency=1,
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
                                       pg, placement_group_bundle_index=rank))

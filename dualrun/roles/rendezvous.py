@@ -1,0 +1,32 @@
+"""A torch.distributed rendezvous of a role group's own: its workers can form a process group among themselves.
+
+Why: ms-swift-style programs shard a sampler or reward model over the workers of one group (tensor parallel
+vLLM, an all-gather of scores). Each worker gets torchrun's names for its group - RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT - so `torch.distributed.init_process_group()` with no
+arguments joins its group. MASTER_ADDR is the node of the group's rank 0 (its placement bundle), the port one
+that was free there, picked before any worker starts (as the Ray backend does for the trainer ranks).
+
+Imported inside Ray tasks: no torch, no Ray at import time.
+"""
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def pick_address() -> tuple[str, int]:
+    """Run on rank 0's node: its address and a port free there."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def group_env(rank: int, size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The variables worker `rank` of a group of `size` needs for `init_process_group()` within its group."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
