@@ -1,0 +1,148 @@
+"""A one-node SLURM cluster for tests: munged, slurmctld and slurmd on 127.0.0.1, all state in one temp dir.
+
+Installs Debian's `slurm-wlm` and `munge` when they are missing and this runs as root (CI does): apt-get runs in
+the machine's own network namespace (the tests run in a loopback-only one). Stops only what it started, by pid.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+NEEDED = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo", "srun", "scontrol")
+
+
+def _missing() -> list[str]:
+    return [b for b in NEEDED if shutil.which(b) is None and not Path(f"/usr/sbin/{b}").exists()]
+
+
+def ensure_installed() -> str | None:
+    """None when SLURM is usable, else why not (the reason a test skips with)."""
+    if not _missing():
+        return None
+    if os.geteuid() != 0:
+        return f"SLURM is not installed ({', '.join(_missing())} missing) and installing it needs root"
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = "apt-get update -q && apt-get install -y -q --no-install-recommends slurm-wlm munge"
+    # the loopback-only namespace has no network: the package manager runs in PID 1's namespace
+    for prefix in ([], ["nsenter", "--net=/proc/1/ns/net"]):
+        proc = subprocess.run(prefix + ["bash", "-c", install], env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode == 0 and not _missing():
+            return None
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return f"could not install slurm-wlm and munge with apt-get: {tail[0]}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CONF = """\
+ClusterName=dualrun
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={root}/munge/sock
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SchedulerType=sched/builtin
+MpiDefault=none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+ReturnToService=2
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class OneNodeSlurm:
+    """Start with `start()`, submit with `sbatch()`, always `stop()`."""
+
+    def __init__(self, root: Path, cpus: int | None = None) -> None:
+        self.root = root
+        self.cpus = cpus or os.cpu_count() or 1
+        self.env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
+        self.pids: list[int] = []
+
+    def start(self) -> "OneNodeSlurm":
+        r = self.root
+        for d in ("state", "spool", "munge"):
+            (r / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(r / "munge", 0o700)
+        key = r / "munge" / "munge.key"
+        subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
+        os.chmod(key, 0o400)
+        # glibc's getaddrinfo(AI_ADDRCONFIG), which SLURM uses, resolves nothing while 127.0.0.1 is the only
+        # IPv4 address; a second loopback address (on lo, in this test's own namespace) makes it resolve.
+        subprocess.run(["ip", "addr", "add", "127.0.0.2/32", "dev", "lo"], capture_output=True)
+        subprocess.run(["munged", "--force", "-S", str(r / "munge" / "sock"), "--key-file", str(key),
+                        "--pid-file", str(r / "munge" / "pid"), "--log-file", str(r / "munge" / "log"),
+                        "--seed-file", str(r / "munge" / "seed")], check=True, capture_output=True)
+        self._remember(r / "munge" / "pid")
+        (r / "slurm.conf").write_text(CONF.format(root=r, cpus=self.cpus, ctld_port=_free_port(),
+                                                  d_port=_free_port()))
+        subprocess.run(["slurmctld", "-i"], env=self.env, check=True, capture_output=True)
+        self._remember(r / "slurmctld.pid")
+        subprocess.run(["slurmd", "-N", "localhost"], env=self.env, check=True, capture_output=True)
+        self._remember(r / "slurmd.pid")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            out = subprocess.run(["sinfo", "-h", "-o", "%t"], env=self.env, capture_output=True, text=True)
+            if out.stdout.strip() == "idle":
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"the SLURM node never became idle: {self.logs()}")
+
+    def _remember(self, pidfile: Path) -> None:
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.pids.append(int(pidfile.read_text().split()[0]))
+
+    def sbatch(self, script: Path, *options: str, env: dict[str, str], cwd: Path,
+               timeout: float) -> tuple[int, str]:
+        """Submit `script`, wait for the job; (its exit code, its output file's text)."""
+        out = self.root / f"job-{time.monotonic_ns()}.out"
+        proc = subprocess.run(["sbatch", "--wait", "-o", str(out), *options, str(script)], cwd=cwd,
+                              env={**env, "SLURM_CONF": self.env["SLURM_CONF"]}, capture_output=True, text=True,
+                              timeout=timeout)
+        text = out.read_text(errors="replace") if out.exists() else ""
+        return proc.returncode, text + proc.stderr
+
+    def logs(self) -> str:
+        return "".join((self.root / f).read_text(errors="replace")[-2000:]
+                       for f in ("slurmctld.log", "slurmd.log") if (self.root / f).exists())
+
+    def stop(self) -> None:
+        for pid in reversed(self.pids):       # slurmd, slurmctld, then munged
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        self.pids = []
