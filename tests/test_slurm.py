@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 
 from conftest import REPO, loopback_only
 from slurm_helpers import OneNodeSlurm, ensure_installed
-from test_recipes import free_port, pids_of, shell_env, stop_cluster
+from test_recipes import free_port, pids_of, shell_env, stop_cluster, tiny  # noqa: F401 - tiny is a fixture
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SLURM = REPO / "examples" / "multi-node" / "slurm"
@@ -37,14 +35,6 @@ def slurm():
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out)], check=True,
-                   capture_output=True, timeout=120)
-    return out
 
 
 @pytest.mark.timeout(900)
