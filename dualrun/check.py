@@ -92,12 +92,15 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
     working_dir = cfg.ray.runtime_env.get("working_dir")
     if working_dir and "://" not in str(working_dir) and not os.path.isdir(str(working_dir)):
         return [f"ray.runtime_env.working_dir: {working_dir} does not exist on the driver"], []
-    if resolve_address(cfg) is None:   # `dualrun launch` would start an embedded cluster: this machine alone
-        problems, nodes = check_torchrun(cfg)
-        return problems, nodes
-    conn = connect(cfg, allow_start=False)
+    try:
+        address = resolve_address(cfg)
+        conn = None if address is None else connect(cfg, allow_start=False)
+    except DualrunError as e:
+        return [str(e)], []
+    if address is None:   # `dualrun launch` would start an embedded cluster: this machine alone
+        return check_torchrun(cfg)
     if conn is None:
-        return [f"ray.address: could not connect to the Ray cluster at {resolve_address(cfg)}"], []
+        return [f"ray.address: could not connect to the Ray cluster at {address}"], []
     try:
         raw = alive_nodes()
         cluster = cluster_of(raw)

@@ -94,3 +94,11 @@ def test_ray_check_passes_then_finds_the_planted_version_mismatch(tmp_path, clus
     lines = two.stdout.strip().splitlines()
     assert two.returncode == 1 and len(lines) == 1, two.stdout + two.stderr
     assert lines[0].startswith("dualrun check: node 1 127.0.0.1: trl 0.0.1, the driver has "), lines
+
+
+def test_ray_check_names_an_unreachable_cluster(tmp_path):
+    (tmp_path / "far.yaml").write_text("backend: ray\nray: {address: '127.0.0.1:1'}\nuse_cpu: true\n"
+                                       "roles: {train: {gpus: 2}}\n")
+    proc = dualrun("check", "--config_file", "far.yaml", cwd=tmp_path, env={"RAY_ADDRESS": ""})
+    assert proc.returncode == 1 and proc.stdout.strip().splitlines() == [
+        "dualrun check: ray.address: could not connect to the Ray cluster at 127.0.0.1:1"], proc.stdout + proc.stderr

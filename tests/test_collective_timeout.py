@@ -25,7 +25,7 @@ if dist.get_rank() == 0:
     except Exception:
         print("timed out after %.0f s" % (time.monotonic() - t0), flush=True)
 else:
-    time.sleep(10)     # never joins the all-reduce
+    time.sleep(8)      # never joins the all-reduce
 os._exit(0)
 """
 
@@ -53,10 +53,10 @@ def test_ddp_timeout_is_filled_only_where_left_at_default(tmp_path):
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
 def test_a_hung_all_reduce_fails_after_the_configured_seconds(tmp_path, backend):
     (tmp_path / "hang.py").write_text(HANG)
-    (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\ncollective_timeout_s: 3\n")
+    (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\ncollective_timeout_s: 2\n")
     proc = dualrun("launch", "--backend", backend, "--config_file", "cpu2.yaml", "hang.py", cwd=tmp_path,
                    env=ray_env(), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if "timed out after" in ln or "no timeout" in ln)
     seconds = float(line.rsplit(" ", 2)[-2])
-    assert 2 <= seconds <= 8, line
+    assert 1 <= seconds <= 6, line   # without the key: 8 s, when rank 1 leaves
