@@ -68,6 +68,17 @@ def test_topk_memory_benchmark_runs_and_the_top_k_path_is_smaller(tmp_path):
 
 
 @pytest.mark.e2e
+def test_router_overhead_benchmark_runs(tmp_path):
+    out = tmp_path / "router.md"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "router_overhead.py"), "--requests", "30",
+                        "--warmup", "5", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "| one prompt (to one replica) |" in text and "| two prompts (split over both) |" in text
+    assert "after 60 more routed requests" in text
+
+
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_one_real_repetition_of_the_torchrun_variants(tmp_path):
     r = _run("--reps", "1", "--steps", "4", "--variants", "torchrun,dualrun-torchrun", "--no-warmup",
