@@ -181,10 +181,11 @@ def report(rows: list[dict], batch: int, seq: int, k: int) -> str:
         "- Teacher step: dense, a (B, T, V) float32 tensor (its peak about twice that: `topk_to_logits` builds it "
         "from an expanded copy); top-k, (B, T, k) float32 log-probabilities and int64 ids, 12·B·T·k bytes, "
         "independent of V (its peak is below what the resident-size counter resolves here).",
-        "- The whole step also holds the student side, which both paths share in kind: the student's own (B, T, V) "
-        "log-softmax, the mixture terms of the beta-JSD and the gradient of the student logits. The top-k loss "
-        "builds no teacher-sized (B, T, V) tensor, so it needs fewer of them; the student's logits stay "
-        "vocabulary-sized, as they are in any GKD step.",
+        "- Whole step: both paths hold the student logits (not counted: they exist before the step) and their "
+        "gradient (one B x T x V). The dense path adds the teacher tensor and the loss's vocabulary-sized "
+        "temporaries (log-softmax of both sides, the mixture, the two KL terms) and keeps them for backward; the "
+        "top-k loss runs a chunk of positions at a time (backward recomputes each chunk), so it adds one chunk's "
+        "temporaries (about 16 MB each), whatever the sequence length.",
         f"- At the size in issue 13 (batch 4, 2,048 tokens, vocabulary 152,064, k {k}): the dense teacher tensor "
         f"alone is {big * 152064 * 4 / 1e9:.2f} GB per rank; the top-k tensors are {big * k * 12 / 1e6:.2f} MB.",
         f"- Machine: {platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}, "

@@ -68,6 +68,20 @@ def test_equals_the_dense_loss(beta, temperature, reduction):
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_many_small_chunks_give_the_same_loss_and_gradient(monkeypatch, beta):
+    """The loss runs a chunk of positions at a time (forward, and backward by recomputing each chunk)."""
+    from dualrun.servers import topk_loss
+
+    monkeypatch.setattr(topk_loss, "ROW_ELEMENTS", 2 * V)  # 2 positions per chunk: 4 chunks per row of 7
+    student, topk, labels = _case(seed=3)
+    (dense, dense_grad), (sparse, sparse_grad) = _both(student, topk, V, labels=labels, beta=beta)
+    assert sparse.item() == pytest.approx(dense.item(), abs=1e-5)
+    assert torch.allclose(sparse_grad, dense_grad, atol=1e-6)
+    flat = topk_loss.topk_jsd_per_position(student[0], TopK(topk.logprobs[0], topk.token_ids[0]), V, beta)
+    assert flat.shape == (T,)  # one position dimension works too
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_top_k_covering_the_vocabulary_and_a_clamped_tail(beta):
     """k == vocabulary (no token outside the entries) and entries whose mass reaches 1 (the 1e-8 tail floor)."""
     student, topk, labels = _case(seed=1, k=16, vocab=16)

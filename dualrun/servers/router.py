@@ -6,6 +6,10 @@ Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data paralle
 server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
 What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp, one kept-alive
 connection pool to the replicas). Status: a tested component; the launchers do not start it yet.
+
+Known differences from one engine: a split request with sampling and a `seed` gives each part the same seed, so
+sampled completions differ from one engine's (greedy ones are identical); `/server_info` and `/v1/models` are
+the first replica's; a `stream: true` completion goes to one replica whole.
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ Why: a teacher server returns, per position, the top-k log-probabilities and the
 describe (`teacher.topk_to_logits`: the k tokens exactly, the remaining mass spread evenly over the other tokens) has
 only k + 1 distinct values per position, so every sum over the vocabulary that TRL's `generalized_jsd_loss` takes
 splits into a sum over the k tokens plus (count of the other tokens) x (one value). The teacher side then stays
-(batch, sequence, k); only the student's own logits are vocabulary-sized, as they are anyway.
+(batch, sequence, k); only the student's own logits are vocabulary-sized, as they are anyway, and the loss takes
+them a chunk of positions at a time, so its temporaries do not grow with the sequence either.
 
 Semantics are TRL 1.16's `GKDTrainer.generalized_jsd_loss`: the same beta cases (0: KL(teacher || student), 1:
 KL(student || teacher), else the beta-mixture JSD), temperature on both sides, labels == -100 masked, and the same
@@ -12,7 +13,7 @@ reductions (`num_items_in_batch` first, then batchmean / sum / mean). A test com
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -48,7 +49,6 @@ class _Teacher(NamedTuple):
 def _teacher(topk: TopK, vocab_size: int, temperature: float) -> _Teacher:
     valid = torch.isfinite(topk.logprobs)
     ids = torch.where(valid, topk.token_ids, torch.zeros_like(topk.token_ids))
-    check_token_ids(ids, vocab_size)
     lps = topk.logprobs
     probs = torch.where(valid, lps.exp(), torch.zeros_like(lps))
     n_rest = (vocab_size - valid.sum(-1)).to(lps.dtype)             # the tokens outside the entries
@@ -71,10 +71,9 @@ def _plogp(log_p: torch.Tensor) -> torch.Tensor:
     return log_p.exp() * log_p
 
 
-def topk_jsd_per_position(student_logits: torch.Tensor, topk: TopK, vocab_size: int, beta: float = 0.5,
-                          temperature: float = 1.0) -> torch.Tensor:
-    """(..., V) student logits and the teacher's top-k -> (...) divergence per position: TRL's per-element
-    `jsd` summed over the vocabulary."""
+def _jsd_rows(student_logits: torch.Tensor, topk: TopK, vocab_size: int, beta: float,
+              temperature: float) -> torch.Tensor:
+    """The divergence per position, in plain autograd ops (each makes a few student-sized temporaries)."""
     t = _teacher(topk, vocab_size, temperature)
     s = torch.log_softmax(student_logits / temperature, dim=-1)
     s_top = s.gather(-1, t.ids)
@@ -101,6 +100,57 @@ def topk_jsd_per_position(student_logits: torch.Tensor, topk: TopK, vocab_size: 
     sum_q = _masked_sum(_plogp(t.top), t.valid) + torch.where(has_rest, t.n_rest * _plogp(t.rest), zero)
     sum_p = _plogp(s).sum(-1)
     return b * sum_q + (1 - b) * sum_p - sum_m
+
+
+ROW_ELEMENTS = 1 << 22  # positions x vocabulary per chunk: the temporaries of one chunk stay around 16 MB each
+
+
+class _ChunkedJSD(torch.autograd.Function):
+    """`_jsd_rows` a chunk of positions at a time, forward and backward (recomputed per chunk): memory beyond the
+    student logits and their gradient is one chunk's temporaries, not several (batch, sequence, vocabulary)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, lps: torch.Tensor, ids: torch.Tensor, vocab_size: int,
+                beta: float, temperature: float) -> torch.Tensor:
+        ctx.save_for_backward(logits, lps, ids)
+        ctx.args = (vocab_size, beta, temperature)
+        out = logits.new_empty(logits.shape[:-1], dtype=torch.promote_types(logits.dtype, lps.dtype))
+        for b, rows in _chunks(logits):
+            out[b, rows] = _jsd_rows(logits[b, rows], TopK(lps[b, rows], ids[b, rows]), *ctx.args)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, lps, ids = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for b, rows in _chunks(logits):
+            with torch.enable_grad():
+                x = logits[b, rows].detach().requires_grad_(True)
+                values = _jsd_rows(x, TopK(lps[b, rows], ids[b, rows]), *ctx.args)
+                (grad[b, rows],) = torch.autograd.grad(values, x, grad_out[b, rows])
+        return grad, None, None, None, None, None
+
+
+def _chunks(logits: torch.Tensor) -> Iterator[tuple[int, slice]]:
+    """(batch row, slice of positions) covering a (batch, positions, vocabulary) tensor."""
+    step = max(1, ROW_ELEMENTS // max(1, logits.shape[-1]))
+    for b in range(logits.shape[0]):
+        for start in range(0, logits.shape[1], step):
+            yield b, slice(start, start + step)
+
+
+def topk_jsd_per_position(student_logits: torch.Tensor, topk: TopK, vocab_size: int, beta: float = 0.5,
+                          temperature: float = 1.0) -> torch.Tensor:
+    """(..., V) student logits and the teacher's top-k -> (...) divergence per position: TRL's per-element
+    `jsd` summed over the vocabulary, computed a chunk of positions at a time."""
+    check_token_ids(torch.where(torch.isfinite(topk.logprobs), topk.token_ids, 0), vocab_size)
+    lead = student_logits.shape[:-1]
+    as3d = (lambda x: x.reshape(-1, *x.shape[-2:]) if x.dim() > 2 else x.unsqueeze(0))
+    if len(lead) == 0:
+        raise ValueError("student logits need at least one position dimension")
+    out = _ChunkedJSD.apply(as3d(student_logits), as3d(topk.logprobs), as3d(topk.token_ids), vocab_size, beta,
+                            temperature)
+    return out.reshape(lead)
 
 
 def topk_generalized_jsd_loss(student_logits: torch.Tensor, topk: TopK, vocab_size: int,
