@@ -1,10 +1,10 @@
 """Router overhead per request on loopback: the same requests straight to a replica and through the router.
 
-    unshare -n bash -c 'ip link set lo up; python benchmarks/router_overhead.py'      # about 30 s
+    unshare -n bash -c 'ip link set lo up; python benchmarks/router_overhead.py'      # about 40 s
 
 Two stub replicas (processes that answer at once, so that the time measured is transport, not inference) stand
 behind `dualrun.servers.router` (a process). One client with a kept-alive connection alternates: a request straight
-to replica 0, the same request through the router. Two kinds: a single-prompt /v1/completions (goes to one replica
+to replica 0, the same request through the router, the two kinds below interleaved. Two kinds: a single-prompt /v1/completions (goes to one replica
 whole) and a two-prompt one (split over both replicas, answers merged). Added latency = router percentile minus
 direct percentile. The router's resident memory is read before and after the timed requests. Writes
 results/router.md.
@@ -99,16 +99,17 @@ def measure(requests_n: int, warmup: int) -> dict:
                     session.post(url, json=body).raise_for_status()
         result["rss_before"] = _rss(router.proc.pid)
         t0 = time.perf_counter()
-        for name, body in kinds.items():
-            times: dict[str, list[float]] = {"direct": [], "router": []}
-            for _ in range(requests_n):
+        times = {name: {"direct": [], "router": []} for name in kinds}
+        for _ in range(requests_n):  # kinds and paths interleaved, so load from other jobs hits them alike
+            for name, body in kinds.items():
                 for via, url in urls.items():
                     t = time.perf_counter()
                     r = session.post(url, json=body)
-                    times[via].append((time.perf_counter() - t) * 1000)
+                    times[name][via].append((time.perf_counter() - t) * 1000)
                     r.raise_for_status()
+        for name, by_path in times.items():
             result["kinds"][name] = {via: {"p50": _pct(v, 50), "p99": _pct(v, 99), "mean": statistics.fmean(v)}
-                                     for via, v in times.items()}
+                                     for via, v in by_path.items()}
         result["seconds"] = time.perf_counter() - t0
         result["rss_after"] = _rss(router.proc.pid)
         result["routed"] = requests_n * len(kinds)
@@ -145,7 +146,7 @@ def report(res: dict, requests_n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=3000, help="timed requests per kind and path")
+    p.add_argument("--requests", type=int, default=5000, help="timed requests per kind and path")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--out", default=OUT)
     p.add_argument("--stub", type=int, help=argparse.SUPPRESS)
