@@ -143,14 +143,18 @@ def topk_jsd_per_position(student_logits: torch.Tensor, topk: TopK, vocab_size: 
                           temperature: float = 1.0) -> torch.Tensor:
     """(..., V) student logits and the teacher's top-k -> (...) divergence per position: TRL's per-element
     `jsd` summed over the vocabulary, computed a chunk of positions at a time."""
-    check_token_ids(torch.where(torch.isfinite(topk.logprobs), topk.token_ids, 0), vocab_size)
     lead = student_logits.shape[:-1]
-    as3d = (lambda x: x.reshape(-1, *x.shape[-2:]) if x.dim() > 2 else x.unsqueeze(0))
     if len(lead) == 0:
         raise ValueError("student logits need at least one position dimension")
-    out = _ChunkedJSD.apply(as3d(student_logits), as3d(topk.logprobs), as3d(topk.token_ids), vocab_size, beta,
+    check_token_ids(torch.where(torch.isfinite(topk.logprobs), topk.token_ids, 0), vocab_size)
+    out = _ChunkedJSD.apply(_as_3d(student_logits), _as_3d(topk.logprobs), _as_3d(topk.token_ids), vocab_size, beta,
                             temperature)
     return out.reshape(lead)
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """(..., positions, last) as (rows, positions, last); a view for the usual (batch, positions, last)."""
+    return x.reshape(-1, *x.shape[-2:]) if x.dim() > 2 else x.unsqueeze(0)
 
 
 def topk_generalized_jsd_loss(student_logits: torch.Tensor, topk: TopK, vocab_size: int,
