@@ -3,9 +3,11 @@
 A colocated teacher lives in the trainer processes and supports full-vocabulary distillation (no `top_k`) or
 top-k (`top_k: K`). A separate teacher is served on its own GPUs (vLLM; the transformers CPU engine where there
 are none) and is top-k only: the server returns the top-k log-probabilities of each position. The unchanged
-GKDTrainer then gets, instead of loading its teacher, a stand-in whose forward asks the teacher server
-(`dualrun.servers.teacher.RemoteTeacher`); ServerDistillationConfig gets `teacher_model_server_url`. A separate
-`rollout` points DistillationConfig's vLLM server mode at its server, as for GRPO.
+GKDTrainer then gets, instead of loading its teacher, a stand-in that asks the teacher server
+(`dualrun.servers.teacher.RemoteTeacher`) and a `compute_loss` that takes GKD's loss from the top-k answer without
+a vocabulary-sized teacher tensor (`dualrun.servers.topk_loss`); ServerDistillationConfig gets
+`teacher_model_server_url`. A separate `rollout` points DistillationConfig's vLLM server mode at its server, as for
+GRPO.
 """
 from __future__ import annotations
 
@@ -99,11 +101,12 @@ def _teacher_config(teacher: Any, model: Any, role_model: str | None) -> Any:
 
 
 def serve_gkd_teacher(cls: type, address: str, top_k: int, role_model: str | None) -> None:
-    """GKDTrainer gets a RemoteTeacher instead of loading (or using) its own teacher model."""
-    from dualrun.servers.teacher import RemoteTeacher
+    """GKDTrainer gets a RemoteTeacher instead of loading (or using) its own teacher model, and the top-k loss."""
+    from dualrun.servers.teacher import RemoteTeacher, use_topk_loss
 
     if getattr(cls.__init__, "_dualrun", False):
         return
+    use_topk_loss(cls)
     init = cls.__init__
     signature = inspect.signature(init)
 

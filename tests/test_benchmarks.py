@@ -50,6 +50,34 @@ def test_schedule_is_round_robin_and_rotates():
         assert idx == list(range(idx[0], idx[0] + len(idx)))
 
 
+def test_topk_memory_benchmark_runs_and_the_top_k_path_is_smaller(tmp_path):
+    """Small vocabularies: both paths give the same loss; the top-k teacher holds B x T x k, the dense one
+    B x T x V; the whole top-k step peaks below the dense one."""
+    import json
+
+    out, rows = tmp_path / "topk.md", tmp_path / "topk.json"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "topk_memory.py"), "--vocab", "4000", "16000",
+                        "--seq", "64", "--k", "8", "--out", str(out), "--json", str(rows)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "| 16,000 |" in out.read_text()
+    for row in json.loads(rows.read_text()):
+        assert row["loss_topk"] == pytest.approx(row["loss_dense"], abs=1e-5)
+        assert row["held_topk"] == 64 * 8 * 12 and row["held_dense"] == 64 * row["vocab"] * 4
+        assert row["step_topk"] < row["step_dense"]
+
+
+@pytest.mark.e2e
+def test_router_overhead_benchmark_runs(tmp_path):
+    out = tmp_path / "router.md"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "router_overhead.py"), "--requests", "30",
+                        "--warmup", "5", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "| one prompt (to one replica) |" in text and "| two prompts (split over both) |" in text
+    assert "after 60 more routed requests" in text
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_one_real_repetition_of_the_torchrun_variants(tmp_path):

@@ -2,17 +2,26 @@
 
 Why a stand-in module: GKD's trainer calls `self.teacher_model(input_ids=..., attention_mask=...).logits`; replacing
 the model by this module moves that forward to the teacher role over the network and leaves the user's script and
-TRL's loss untouched. The server returns only the top-k log-probabilities per position (TRL's `VLLMClient`
-asks for them), so the logits it hands back describe the top-k tokens exactly and spread the remaining mass
-evenly over the other tokens: top-k distillation with a tail, never full vocabulary.
+TRL's loss semantics untouched. The server returns only the top-k log-probabilities per position (TRL's
+`VLLMClient` asks for them): the distribution they describe holds the top-k tokens exactly and spreads the remaining
+mass evenly over the other tokens, top-k distillation with a tail, never full vocabulary.
+
+Why a loss of our own: `forward` would have to hand GKD a (batch, sequence, vocabulary) tensor of that distribution
+(about 5 GB per rank for a 152k vocabulary, 2k tokens, batch 4). `use_topk_loss` makes GKDTrainer's `compute_loss`
+ask `RemoteTeacher.topk` instead and compute the same loss from (batch, sequence, k) tensors (`topk_loss`);
+`forward` stays for code that calls the teacher itself (a subclass with its own `compute_loss`).
 """
 from __future__ import annotations
 
+import functools
+import sys
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
+
+from dualrun.servers.topk_loss import TopK, check_token_ids, topk_generalized_jsd_loss
 
 
 def teacher_client(base_url: str, timeout_s: float = 60.0) -> Any:
@@ -50,9 +59,7 @@ def topk_to_logits(logprobs: torch.Tensor, token_ids: torch.Tensor, vocab_size: 
     lps = torch.where(valid, logprobs, first_lps)
     has_any = valid.any(-1, keepdim=True)
     lps = torch.where(has_any, lps, base.expand_as(lps))               # no entry at all: leave uniform
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(f"the teacher server returned token id {int(ids.max())}, outside the student's vocabulary "
-                         f"of {vocab_size}: teacher and student must share a tokenizer")
+    check_token_ids(ids, vocab_size)
     return out.scatter(-1, ids, lps)
 
 
@@ -79,7 +86,9 @@ class RemoteTeacher(nn.Module):
             self._client = teacher_client(f"http://{self.address}")
         return self._client
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
+    def topk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TopK:
+        """(batch, sequence, k) log-probabilities (-inf where the server sent none: padding, the last token) and
+        token ids on `input_ids`' device; the entry at position j is the distribution predicting token j + 1."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         mask = attention_mask.bool().cpu()
@@ -87,7 +96,9 @@ class RemoteTeacher(nn.Module):
         positions = [m.nonzero(as_tuple=True)[0] for m in mask]
         seqs = [ids[i, pos].tolist() for i, pos in enumerate(positions)]
         scoring = [i for i, s in enumerate(seqs) if len(s) > 1]
-        logits = torch.zeros(ids.shape[0], ids.shape[1], self.vocab_size)
+        shape = (ids.shape[0], ids.shape[1], self.top_k)
+        logprobs = torch.full(shape, float("-inf"))
+        token_ids = torch.zeros(shape, dtype=torch.long)
         if scoring:
             result = self.client.get_sequence_logprobs(
                 sequences=[seqs[i] for i in scoring], prompt_lengths=[1] * len(scoring), top_logprobs=self.top_k,
@@ -95,14 +106,60 @@ class RemoteTeacher(nn.Module):
             for row, i in enumerate(scoring):
                 lps = torch.tensor(result["logprobs"][row], dtype=torch.float32).reshape(-1, self.top_k)
                 tids = torch.tensor(result["logprob_token_ids"][row], dtype=torch.long).reshape(-1, self.top_k)
-                # the entry for sequence token j+1 is the distribution predicted at position j
-                logits[i, positions[i][: lps.shape[0]]] = topk_to_logits(lps, tids, self.vocab_size)
-        return SimpleNamespace(logits=logits.to(input_ids.device))
+                logprobs[i, positions[i][: lps.shape[0]]] = lps
+                token_ids[i, positions[i][: lps.shape[0]]] = tids
+        check_token_ids(torch.where(torch.isfinite(logprobs), token_ids, 0), self.vocab_size)
+        return TopK(logprobs.to(input_ids.device), token_ids.to(input_ids.device))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_: Any) -> Any:
+        """The dense (batch, sequence, vocabulary) logits of the top-k-plus-tail distribution (positions without
+        an entry: uniform). Only for callers that need a model-like teacher; GKD's own loss uses `topk`."""
+        topk = self.topk(input_ids, attention_mask)
+        return SimpleNamespace(logits=topk_to_logits(topk.logprobs, topk.token_ids, self.vocab_size))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a separate teacher role serves top-k log-probabilities, not generation (seq_kd=True): "
                            "colocate the teacher (colocate_groups: [[train, teacher]]) to generate with it")
 
+
+def remote_teacher(trainer: Any) -> RemoteTeacher | None:
+    """The trainer's RemoteTeacher, also when accelerate / DeepSpeed wrapped it (`.module`)."""
+    teacher = getattr(trainer, "teacher_model", None)
+    for candidate in (teacher, getattr(teacher, "module", None)):
+        if isinstance(candidate, RemoteTeacher):
+            return candidate
+    return None
+
+
+def use_topk_loss(cls: type) -> None:
+    """GKDTrainer's `compute_loss`, when its teacher is a RemoteTeacher: TRL 1.16's steps (student forward, teacher
+    in eval mode without gradients, the causal shift, `generalized_jsd_loss` with `beta` and its defaults) with the
+    teacher kept as top-k. A trainer class that overrides `generalized_jsd_loss` keeps the dense path, so its own
+    loss still sees full logits."""
+    if getattr(cls.compute_loss, "_dualrun", False):
+        return
+    dense_compute_loss = cls.compute_loss
+    dense_loss = cls.generalized_jsd_loss
+    empty_cache = getattr(sys.modules.get(cls.__module__), "empty_cache", lambda: None)
+
+    @functools.wraps(dense_compute_loss)
+    def compute_loss(self: Any, model: Any, inputs: Any, return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        teacher = remote_teacher(self)
+        if teacher is None or type(self).generalized_jsd_loss is not dense_loss:
+            return dense_compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+        student_outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        self.teacher_model.eval()
+        with torch.no_grad():
+            topk = teacher.topk(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"])
+        loss = topk_generalized_jsd_loss(
+            student_outputs.logits[:, :-1, :], TopK(topk.logprobs[:, :-1], topk.token_ids[:, :-1]),
+            teacher.vocab_size, labels=inputs["labels"][:, 1:], beta=self.beta, num_items_in_batch=num_items_in_batch)
+        empty_cache()
+        return (loss, student_outputs) if return_outputs else loss
+
+    compute_loss._dualrun = True  # type: ignore[attr-defined]
+    cls.compute_loss = compute_loss  # type: ignore[method-assign]
 
 
 class TruncatedTeacher(nn.Module):

@@ -1,0 +1,117 @@
+"""What the router does with each request of TRL's server protocol: pure logic, no sockets (`router.py` serves it).
+
+Why a table: TRL 1.16's `VLLMClient` speaks a fixed set of endpoints, and each needs one of a few treatments when
+several engine replicas stand behind one address — health and world size are aggregated, generation is spread
+(a request carrying many prompts is split and its answers put back in order), and the weight-transfer calls are
+fanned out to every replica, each with its own rank offset in the trainer's one NCCL group (the layout verl and
+OpenRLHF use). Anything not in the table is refused with a line that says so.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+# treatments
+HEALTH = "health"            # 200 only when every replica answers 200
+WORLD_SIZE = "world_size"    # the replicas' world sizes summed
+FIRST = "first"              # every replica serves the same model and config: the first one answers
+SPLIT = "split"              # many prompts: cut into one chunk per replica, answers reassembled in order
+ONE = "one"                  # one replica (the least busy) takes the whole request
+INIT_WEIGHTS = "init"        # to every replica at once, each with its own rank offset
+ALL = "all"                  # to every replica at once (they block together in NCCL); all must succeed
+
+ROUTES: dict[tuple[str, str], str] = {
+    ("GET", "/health"): HEALTH,
+    ("GET", "/server_info"): FIRST,
+    ("GET", "/get_world_size"): WORLD_SIZE,
+    ("GET", "/v1/models"): FIRST,
+    ("POST", "/v1/completions"): SPLIT,
+    ("POST", "/v1/chat/completions"): ONE,
+    ("POST", "/v1/chat/completions/render"): ONE,
+    ("POST", "/inference/v1/generate"): ONE,
+    ("POST", "/init_weight_transfer_engine"): INIT_WEIGHTS,
+    ("POST", "/start_weight_update"): ALL,
+    ("POST", "/update_weights"): ALL,
+    ("POST", "/finish_weight_update"): ALL,
+    ("POST", "/reset_prefix_cache"): ALL,
+    ("POST", "/close_communicator"): ALL,
+}
+STATS_PATH = "/router/stats"  # the router's own: requests per replica
+
+
+def route(method: str, path: str) -> str | None:
+    """The treatment of `method path` (query string and trailing slash ignored), None when it is not served."""
+    return ROUTES.get((method.upper(), path.split("?")[0].rstrip("/") or "/"))
+
+
+def unknown_endpoint(method: str, path: str) -> str:
+    served = ", ".join(f"{m} {p}" for m, p in ROUTES)
+    return f"the dualrun router does not forward {method} {path.split('?')[0]}; it serves {served}"
+
+
+def prompts_of(body: dict) -> list[Any] | None:
+    """The prompts of a /v1/completions body as a list, or None when it carries a single prompt (one string or one
+    list of token ids), which goes to one replica whole."""
+    raw = body.get("prompt")
+    if isinstance(raw, str) or not isinstance(raw, list) or not raw:
+        return None
+    if all(isinstance(t, int) for t in raw):
+        return None
+    return raw
+
+
+def chunks(count: int, replicas: int) -> list[tuple[int, int]]:
+    """(start, stop) of `count` prompts cut into at most `replicas` contiguous, nearly equal parts."""
+    parts = max(1, min(count, replicas))
+    size, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + size + (1 if i < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def split_completion(body: dict, prompts: Sequence[Any], replicas: int) -> list[tuple[int, dict]]:
+    """One /v1/completions body per chunk: (first prompt's index, body with only that chunk's prompts)."""
+    return [(start, {**body, "prompt": list(prompts[start:stop])}) for start, stop in chunks(len(prompts), replicas)]
+
+
+def merge_completions(parts: Sequence[tuple[int, dict]], n: int) -> dict:
+    """The answers of the chunks as one answer: choices prompt-major in the original order (`index` renumbered),
+    usage summed, the rest from the first chunk."""
+    merged = dict(parts[0][1])
+    choices = []
+    for start, answer in parts:
+        for choice in answer.get("choices", []):
+            choice = dict(choice)
+            if isinstance(choice.get("index"), int):
+                choice["index"] += start * n
+            choices.append(choice)
+    merged["choices"] = choices
+    usages = [answer.get("usage") for _, answer in parts if isinstance(answer.get("usage"), dict)]
+    if usages:
+        keys = {k for u in usages for k, v in u.items() if isinstance(v, int)}
+        merged["usage"] = {**usages[0], **{k: sum(int(u.get(k) or 0) for u in usages) for k in keys}}
+    return merged
+
+
+def rank_offsets(world_sizes: Sequence[int], first: int) -> list[int]:
+    """Each replica's first rank in the trainer's group: the client's offset (its own ranks come first), then the
+    replicas one after the other."""
+    return [first + before for before in itertools.accumulate([0, *world_sizes[:-1]])]
+
+
+def init_bodies(body: dict, world_sizes: Sequence[int]) -> list[dict]:
+    """/init_weight_transfer_engine per replica: the client's `init_info` with that replica's `rank_offset`.
+    ValueError when the group the client announces cannot hold every replica's workers."""
+    info = body.get("init_info")
+    if not isinstance(info, dict) or not isinstance(info.get("rank_offset"), int):
+        raise ValueError("/init_weight_transfer_engine needs {'init_info': {'rank_offset': int, 'world_size': int, "
+                         "...}}")
+    total = sum(world_sizes)
+    if isinstance(info.get("world_size"), int) and info["world_size"] < info["rank_offset"] + total:
+        raise ValueError(f"init_info.world_size {info['world_size']} cannot hold rank_offset {info['rank_offset']} "
+                         f"plus the {total} workers of the replicas behind this router ({list(world_sizes)})")
+    return [{**body, "init_info": {**info, "rank_offset": offset}}
+            for offset in rank_offsets(world_sizes, info["rank_offset"])]
