@@ -30,8 +30,10 @@ _QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 
 
 def _reachable(address: str, timeout: float = _PROBE_S) -> bool:
-    """Can we open a TCP connection to a GCS `host:port` (ray:// client addresses are not probed)?"""
-    if "://" in address:
+    """Can we open a TCP connection to a GCS `host:port` or a Ray client's `ray://host:port`?"""
+    if address.startswith("ray://"):
+        address = address[len("ray://"):].split("/", 1)[0]
+    elif "://" in address:
         return True
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -170,9 +172,10 @@ def connect(cfg: JobConfig, allow_start: bool = True) -> Connection | None:
     if address is not None and not _reachable(address):
         if not allow_start:
             return None
-        raise LaunchError(f"could not reach the Ray cluster at {address} (ray.address / RAY_ADDRESS): check it is "
-                          f"running (`ray status --address {address}`) and reachable from here, or set "
-                          "ray.address: local to start one for this job", 1)
+        given = cfg.ray.address not in (None, "auto")   # else it came from RAY_ADDRESS (or `ray start`)
+        raise ConfigError(cfg.source if given else "<environment>", "ray.address" if given else "RAY_ADDRESS",
+                          "a Ray cluster reachable from here (`ray status --address ...`; ray.address: local "
+                          "starts one for the job)", address)
     saved: dict[str, str | None] = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE")}  # ray.init may set it
     if address is not None and _needs_token(address):
         _set_auth_mode("token")
