@@ -85,7 +85,7 @@ class ConfigError(DualrunError):
         super().__init__(self.line())
 
     def line(self) -> str:
-        source = str(self.source)
+        source = str(self.source) or "''"
         source = escaped(source if len(source) <= 80 else "..." + source[-77:])
         msg = f"{source}: {cut(escaped(str(self.key)), 80)}: expected {cut(escaped(self.expected), 140)}"
         if self.got is not None:

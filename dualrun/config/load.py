@@ -23,7 +23,7 @@ _ROLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 def load_config(path: str | None, overrides: Mapping[str, Any] | None = None,
                 backend: str | None = None) -> JobConfig:
     """Build the JobConfig for `path` (None: flags only). CLI overrides win over the file."""
-    raw = read_yaml(path) if path else {}
+    raw = read_yaml(path) if path is not None else {}   # no file keeps the defaults; `--config_file ''` does not
     return build_config(raw, path or CLI_SOURCE, overrides or {}, backend)
 
 
