@@ -105,8 +105,11 @@ class Plan:
         """Per node: which GPU runs which role and rank."""
         lines = [f"plan: backend={self.backend} method={self.method} config={self.source} "
                  f"cluster={self.cluster.source} ({len(self.cluster.nodes)} node(s))"]
+        by_node: dict[int, list[Process]] = {}
+        for p in self.processes:   # once, not per node: 65536 ranks on 8192 nodes stay fast
+            by_node.setdefault(p.node, []).append(p)
         for node in self.cluster.nodes:
-            procs = self.on_node(node.index)
+            procs = by_node.get(node.index)
             if not procs:
                 continue
             mark = " (this machine)" if self.machine_rank == node.index else ""

@@ -6,6 +6,7 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
+from dualrun.config import schema
 from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions
 from dualrun.envspec import reserved
 from dualrun.errors import ConfigError
@@ -30,9 +31,16 @@ def check_ray_address(source: str, address: str | None) -> None:
 
 
 def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], roles: Sequence[RoleSpec],
-              groups: Sequence[Sequence[str]], ray: RayOptions, torchrun: TorchrunOptions) -> None:
+              groups: Sequence[Sequence[str]], ray: RayOptions, torchrun: TorchrunOptions,
+              from_flags: bool = False) -> None:
+    """`from_flags`: the primary role's size came from `--num_processes`."""
     backend = values.get("backend", "torchrun")
     machines = int(acc.get("num_machines") or 1)
+    if backend == "torchrun" and roles and -(-roles[0].processes // machines) > schema.MAX_PER_MACHINE:
+        key = "--num_processes" if from_flags else f"roles.{roles[0].name}.gpus"
+        raise ConfigError("<command line>" if from_flags else source, key, f"at most {schema.MAX_PER_MACHINE} "
+                          "processes per machine on torchrun (raise num_machines, or use the Ray backend)",
+                          roles[0].processes)
     rank = int(acc.get("machine_rank") or 0)
     if backend == "torchrun" and machines > 1 and rank >= 1 and not acc.get("main_process_ip"):
         raise ConfigError(source, "main_process_ip", f"the address of machine 0 (num_machines={machines}, "

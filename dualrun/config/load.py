@@ -82,7 +82,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     env = _env(source, "env", values.pop("env", {}))
     ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
     tr_opts = TorchrunOptions(**_section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS))
-    checks.check_job(source, acc, values, roles, groups, ray_opts, tr_opts)
+    checks.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
 
     if acc.get("num_processes") is None or "num_processes" in overrides:
         acc["num_processes"] = roles[0].processes

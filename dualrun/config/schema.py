@@ -27,6 +27,7 @@ MAX_YAML_NODES = 100_000
 MAX_PROCESSES = 65_536        # processes of one role (and so the world size of a job)
 MAX_MACHINES = 16_384
 MAX_DEVICE_ID = 1_023         # a device id on one node
+MAX_PER_MACHINE = MAX_DEVICE_ID + 1   # torchrun processes on one machine
 MAX_SECONDS = 7 * 24 * 3600.0
 MAX_RESTARTS = 1_000
 MAX_CPUS = 4_096.0            # CPUs of one process
@@ -37,6 +38,7 @@ LIMITS: tuple[tuple[str, Any, str], ...] = (
     ("YAML values", MAX_YAML_NODES, "scalars, lists and mappings, aliases expanded"),
     ("processes of a role / num_processes", MAX_PROCESSES, "the world size of one job"),
     ("num_machines", MAX_MACHINES, "nodes of one job"),
+    ("processes per machine (torchrun)", MAX_PER_MACHINE, "num_processes / num_machines"),
     ("device ids", f"0-{MAX_DEVICE_ID}", "`gpu_ids`, `device_groups` ranks (ranges are bounded before expanding)"),
     ("ports", "1-65535", "`main_process_port`, `address` ports; unset for a free one"),
     ("timeouts and intervals", f"{MAX_SECONDS:g} s", "finite numbers (no .nan, no .inf)"),
