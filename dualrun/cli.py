@@ -17,9 +17,9 @@ OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        from dualrun.errors import one_line
+        from dualrun.envspec import redact_text
 
-        sys.stderr.write(one_line(f"{self.prog}: error: {message}") + "\n")
+        sys.stderr.write(one_line(redact_text(f"{self.prog}: error: {message}")) + "\n")
         sys.exit(2)
 
 

@@ -45,12 +45,14 @@ def cut(text: str, limit: int) -> str:
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
-    """A user's value as it may appear in a message: strings quoted, everything escaped and cut short; bounded work
-    even for a huge or self-referencing value (a YAML alias bomb)."""
+    """A user's value as it may appear in a message: escaped and cut short (and then quoted); bounded work even for a
+    huge or self-referencing value (a YAML alias bomb)."""
     import reprlib
 
-    if isinstance(value, str):
-        return "'" + cut(escaped(value[: limit * 8]), limit) + "'"
+    if isinstance(value, str):   # quoted when it has to be: escaped, cut, empty, padded or quoted itself
+        text = cut(escaped(value[: limit * 8]), limit)
+        plain = text == value and value.strip() == value and value and not any(q in value for q in "'\"`")
+        return text if plain else "'" + text.replace("'", "\\'") + "'"
     r = reprlib.Repr()
     r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 2, 4, 4, 3, 3
     r.maxstring = r.maxother = r.maxlong = limit
@@ -97,7 +99,7 @@ class ConfigError(DualrunError):
                 got = redact_data(self.got)
                 msg += ", got " + shown(got)
         if self.hint:
-            msg += f" ({cut(escaped(self.hint), SHOWN_CHARS)})"
+            msg += f" ({cut(escaped(self.hint), 200)})"
         return cut(msg, LINE_CHARS)
 
 

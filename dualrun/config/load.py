@@ -1,7 +1,7 @@
 """Read a YAML config (accelerate keys + dualrun keys), apply CLI overrides, validate, freeze."""
 from __future__ import annotations
 
-import os
+import datetime
 import re
 from typing import Any, Mapping
 
@@ -119,7 +119,7 @@ def _env(source: str, key: str, raw: Mapping[Any, Any]) -> Mapping[str, str]:
         if reserved(name):
             raise ConfigError(source, f"{key}.{name}", "a variable dualrun does not set itself (dualrun sets the "
                               "rank, address and device variables for every process)", "a reserved name")
-        if not isinstance(value, (str, int, float)):   # (bool is an int) not a list, set, date or binary
+        if not isinstance(value, (str, int, float, datetime.date)):   # (bool is an int) no list, set or binary
             raise ConfigError(source, f"{key}.{name}", "a string, number or boolean", value)
         out[name] = str(value).lower() if isinstance(value, bool) else str(value)
     return frozen_map(out)

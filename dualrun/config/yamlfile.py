@@ -45,26 +45,26 @@ def read_text(path: str) -> str:
         raise ConfigError(path, "config_file", "a readable UTF-8 YAML file", type(e).__name__) from None
 
 
-def _loader(source: str):
+def _loader():
     import yaml
 
-    class BoundedLoader(yaml.SafeLoader):
-        """SafeLoader (the pure-Python composer, so nesting is counted while composing)."""
+    return getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # libyaml: 60000 list items in 0.1 s, not 8 s
 
-        depth = 0
 
-        def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
-            self.depth += 1
-            try:
-                if self.depth > schema.MAX_YAML_DEPTH:
-                    mark = self.peek_event().start_mark
-                    raise ConfigError(source, "<yaml>", f"at most {schema.MAX_YAML_DEPTH} levels of nesting",
-                                      f"more at line {mark.line + 1}")
-                return super().compose_node(parent, index)
-            finally:
-                self.depth -= 1
+def _check_depth(source: str, text: str) -> None:
+    """Nesting as written, from the parser's events (libyaml's parser does not recurse; its composer does, so
+    this runs first)."""
+    import yaml
 
-    return BoundedLoader
+    depth = 0
+    for event in yaml.parse(text, Loader=_loader()):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > schema.MAX_YAML_DEPTH:
+                raise ConfigError(source, "<yaml>", f"at most {schema.MAX_YAML_DEPTH} levels of nesting",
+                                  f"more at line {event.start_mark.line + 1}")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
 
 
 def _check_nodes(source: str, root: Any) -> None:
@@ -120,7 +120,8 @@ def parse(source: str, text: str) -> Any:
 
     loader = None
     try:
-        loader = _loader(source)(text)   # reading checks every character: a NUL is an error here already
+        _check_depth(source, text)
+        loader = _loader()(text)
         root = loader.get_single_node()
         if root is None:
             return None
@@ -128,8 +129,9 @@ def parse(source: str, text: str) -> Any:
         return loader.construct_document(root)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        problem = getattr(e, "problem", None) or "syntax error"
+        where = (f"line {mark.line + 1}, column {mark.column + 1}" if mark else
+                 f"character {e.position + 1}" if isinstance(getattr(e, "position", None), int) else "unknown position")
+        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or "syntax error"
         raise ConfigError(source, "<yaml>", "valid YAML", f"{problem} at {where}") from None
     except RecursionError:
         raise ConfigError(source, "<yaml>", f"at most {schema.MAX_YAML_DEPTH} levels of nesting",
