@@ -37,6 +37,10 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
             return run_driver(cfg, program, dry_run=dry_run)
         cfg = local_config(cfg)
     launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
+    if cfg.backend == "ray" and not dry_run:
+        from dualrun.launchers.ray_cluster import check_reachable
+
+        check_reachable(cfg)
     if dry_run:
         launcher.accelerate_env = _accelerate_env(cfg)
         cluster = None

@@ -36,11 +36,8 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
     """`from_flags`: the primary role's size came from `--num_processes`."""
     backend = values.get("backend", "torchrun")
     machines = int(acc.get("num_machines") or 1)
-    if backend == "torchrun" and roles and -(-roles[0].processes // machines) > schema.MAX_PER_MACHINE:
-        key = "--num_processes" if from_flags else f"roles.{roles[0].name}.gpus"
-        raise ConfigError("<command line>" if from_flags else source, key, f"at most {schema.MAX_PER_MACHINE} "
-                          "processes per machine on torchrun (raise num_machines, or use the Ray backend)",
-                          roles[0].processes)
+    if backend == "torchrun" and roles:
+        _check_machine_size(source, roles, groups, machines, from_flags)
     rank = int(acc.get("machine_rank") or 0)
     if backend == "torchrun" and machines > 1 and rank >= 1 and not acc.get("main_process_ip"):
         raise ConfigError(source, "main_process_ip", f"the address of machine 0 (num_machines={machines}, "
@@ -62,3 +59,21 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
         if reserved(str(name)):
             raise ConfigError(source, f"ray.runtime_env.env_vars.{name}", "a variable dualrun does not set itself",
                               "a reserved name")
+
+
+def _check_machine_size(source: str, roles: Sequence[RoleSpec], groups: Sequence[Sequence[str]], machines: int,
+                        from_flags: bool) -> None:
+    """torchrun runs every process of a machine there, and the servers of separate roles on machine 0: bound both."""
+    limit = schema.MAX_PER_MACHINE
+    primary = roles[0]
+    if -(-primary.processes // machines) > limit:
+        key = "--num_processes" if from_flags else f"roles.{primary.name}.gpus"
+        raise ConfigError("<command line>" if from_flags else source, key, f"at most {limit} processes per "
+                          "machine on torchrun (raise num_machines, or use the Ray backend)", primary.processes)
+    with_primary = next((set(g) for g in groups if primary.name in g), {primary.name})
+    servers = [r for r in roles if r.name not in with_primary and not r.address]
+    used = primary.gpus // machines + sum(r.gpus for r in servers)
+    if servers and used > limit:
+        biggest = max(servers, key=lambda r: r.gpus)
+        raise ConfigError(source, f"roles.{biggest.name}.gpus", f"at most {limit} GPUs on machine 0 with the "
+                          "trainers' (torchrun starts separate roles' servers there)", biggest.gpus)

@@ -35,8 +35,11 @@ def read_text(path: str) -> str:
     too_big = f"at most {limit // 1024} KiB (a config, not data)"
     if st.st_size > limit:
         raise ConfigError(path, "config_file", too_big, f"{st.st_size} bytes")
-    try:
-        with open(path, "rb") as f:
+    try:   # non-blocking, and checked again once open: a file swapped for a FIFO meanwhile cannot block us
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(path, "config_file", "a regular YAML file", "not a regular file")
             data = f.read(limit + 1)   # bounded even when the size on disk lies (/proc files)
         if len(data) > limit:
             raise ConfigError(path, "config_file", too_big, f"more than {limit} bytes")

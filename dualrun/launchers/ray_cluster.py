@@ -83,6 +83,23 @@ def resolve_address(cfg: JobConfig) -> str | None:
                       "(`ray start --head`), set RAY_ADDRESS, or set ray.address: null to start one for this job", 2)
 
 
+def _unreachable(cfg: JobConfig, address: str) -> ConfigError:
+    given = cfg.ray.address not in (None, "auto")   # else it came from RAY_ADDRESS (or `ray start`)
+    return ConfigError(cfg.source if given else "<environment>", "ray.address" if given else "RAY_ADDRESS",
+                       "a Ray cluster reachable from here (`ray status --address ...`; ray.address: local "
+                       "starts one for the job)", address)
+
+
+def check_reachable(cfg: JobConfig) -> None:
+    """Before anything heavy starts (torch for accelerate's env, Ray itself): an address given in the config or in
+    RAY_ADDRESS must answer, so a wrong one fails in about 2 s."""
+    address = cfg.ray.address if cfg.ray.address not in (None, "auto", "local") else None
+    if address is None and cfg.ray.address != "local":
+        address = os.environ.get("RAY_ADDRESS", "").strip() or None
+    if address not in (None, "auto", "local") and not _reachable(address):
+        raise _unreachable(cfg, address)
+
+
 def _token_available() -> bool:
     return bool((Path.home() / ".ray" / "auth_token").exists() or os.environ.get("RAY_AUTH_TOKEN")
                 or os.environ.get("RAY_AUTH_TOKEN_PATH"))
@@ -172,10 +189,7 @@ def connect(cfg: JobConfig, allow_start: bool = True) -> Connection | None:
     if address is not None and not _reachable(address):
         if not allow_start:
             return None
-        given = cfg.ray.address not in (None, "auto")   # else it came from RAY_ADDRESS (or `ray start`)
-        raise ConfigError(cfg.source if given else "<environment>", "ray.address" if given else "RAY_ADDRESS",
-                          "a Ray cluster reachable from here (`ray status --address ...`; ray.address: local "
-                          "starts one for the job)", address)
+        raise _unreachable(cfg, address)
     saved: dict[str, str | None] = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE")}  # ray.init may set it
     if address is not None and _needs_token(address):
         _set_auth_mode("token")
