@@ -37,6 +37,9 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
             return run_driver(cfg, program, dry_run=dry_run)
         cfg = local_config(cfg)
     launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
+    # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
+    # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address
+    early = make_plan(cfg) if dry_run or cfg.backend == "torchrun" else None
     if cfg.backend == "ray" and not dry_run:
         from dualrun.launchers.ray_cluster import check_reachable
 
@@ -57,7 +60,7 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
             except BaseException:
                 launcher.close()
                 raise
-    plan = make_plan(cfg, cluster)
+    plan = early if cluster is None and early is not None else make_plan(cfg, cluster)
     if dry_run:
         print(plan.table(), file=sys.stdout)
         print(launcher.describe(plan), file=sys.stdout)
