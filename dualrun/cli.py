@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any, Sequence
 
@@ -67,7 +68,7 @@ def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             continue
         if kind is int:
-            if not value.strip().lstrip("-").isdigit() or len(value) > 30:
+            if not re.fullmatch(r"\s*-?\d{1,30}\s*", value):   # bounded: int() of 10^6 digits takes seconds
                 raise ConfigError("<command line>", flag, "an integer", value)
             value = int(value)
         out[flag[2:]] = value

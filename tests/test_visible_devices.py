@@ -72,6 +72,7 @@ def test_torchrun_ranks_run_on_the_visible_gpus(job):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ray_ranks_get_the_gpus_their_node_was_started_with(job, monkeypatch):
     """A Ray node started with CUDA_VISIBLE_DEVICES=3,4 (2 fake GPUs): Ray hands ranks those ids, whatever the
