@@ -155,3 +155,11 @@ def test_last_resort_handler_is_one_line(monkeypatch, capsys, tmp_path, started,
     assert cli.main(["launch", str(tmp_path / "t.py")]) == code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unexpected RuntimeError" in err and "sk-oops" not in err, err
+
+
+def test_dualrun_env_hides_a_password_in_ray_address(monkeypatch):
+    from dualrun.envinfo import ray_reachable
+
+    monkeypatch.setenv("RAY_ADDRESS", "ray://admin:sekrit-pw@127.0.0.1:1\x1b[2J")
+    line = ray_reachable()
+    assert "sekrit-pw" not in line and "\x1b" not in line and line.startswith("no (")
