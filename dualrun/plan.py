@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
 from dualrun.envspec import rank_env, redact
-from dualrun.errors import ConfigError
+from dualrun.errors import ConfigError, escaped
 
 AUTO = "<auto>"
 
@@ -103,7 +103,7 @@ class Plan:
 
     def table(self) -> str:
         """Per node: which GPU runs which role and rank."""
-        lines = [f"plan: backend={self.backend} method={self.method} config={self.source} "
+        lines = [f"plan: backend={self.backend} method={self.method} config={escaped(self.source)} "
                  f"cluster={self.cluster.source} ({len(self.cluster.nodes)} node(s))"]
         by_node: dict[int, list[Process]] = {}
         for p in self.processes:   # once, not per node: 65536 ranks on 8192 nodes stay fast

@@ -163,3 +163,11 @@ def test_dualrun_env_hides_a_password_in_ray_address(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "ray://admin:sekrit-pw@127.0.0.1:1\x1b[2J")
     line = ray_reachable()
     assert "sekrit-pw" not in line and "\x1b" not in line and line.startswith("no (")
+
+
+def test_plan_header_escapes_the_config_path(tmp_path):
+    name = "odd\nTraceback\x1b[31m.yaml"
+    (tmp_path / name).write_text("use_cpu: true\nnum_processes: 1\n")
+    proc = dualrun("plan", "--config_file", name, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].endswith("cluster=planned (1 node(s))") and "\x1b" not in proc.stdout
