@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from dualrun.config.model import JobConfig
-from dualrun.errors import ConfigError, killed_by
+from dualrun.errors import ConfigError, killed_by, mark_started
 from dualrun.launchers import JobResult, Program, RankResult, launcher_class
 from dualrun.plan import make_plan
 from dualrun.plugin import MethodPlugin
@@ -18,7 +18,8 @@ def _accelerate_env(cfg: JobConfig) -> dict[str, str]:
 
     try:
         return cached_accelerate_env(cfg)
-    except (ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - accelerate refuses configs with many kinds of error (fp8 without its
+        # backend raises ImportError/RuntimeError): every one is about the accelerate keys
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(cfg.source, "accelerate keys", "a config accelerate accepts", msg) from None
 
@@ -31,9 +32,18 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
 
     if is_role_job(program, plugin):  # a role program (docs/roles.md): once as the Ray driver, or
         if cfg.backend == "ray":      # in every torchrun process with its groups in-process
+            if not dry_run:
+                mark_started()
             return run_driver(cfg, program, dry_run=dry_run)
         cfg = local_config(cfg)
     launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
+    # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
+    # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address
+    early = make_plan(cfg) if dry_run or cfg.backend == "torchrun" else None
+    if cfg.backend == "ray" and not dry_run:
+        from dualrun.launchers.ray_cluster import check_reachable
+
+        check_reachable(cfg)
     if dry_run:
         launcher.accelerate_env = _accelerate_env(cfg)
         cluster = None
@@ -43,13 +53,14 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
 
         with ThreadPoolExecutor(1, thread_name_prefix="dualrun-accelerate-env") as pool:
             pending = pool.submit(_accelerate_env, cfg)
+            mark_started()
             try:
                 cluster = launcher.cluster()
+                launcher.accelerate_env = pending.result()
             except BaseException:
                 launcher.close()
                 raise
-            launcher.accelerate_env = pending.result()
-    plan = make_plan(cfg, cluster)
+    plan = early if cluster is None and early is not None else make_plan(cfg, cluster)
     if dry_run:
         print(plan.table(), file=sys.stdout)
         print(launcher.describe(plan), file=sys.stdout)

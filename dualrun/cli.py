@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Any, Sequence
 
-from dualrun.errors import ConfigError, DualrunError
+from dualrun.errors import ConfigError, DualrunError, one_line
 
 OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine_rank", int),
                   ("--main_process_ip", str), ("--main_process_port", int), ("--mixed_precision", str))
@@ -17,7 +18,9 @@ OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        from dualrun.envspec import redact_text
+
+        sys.stderr.write(one_line(redact_text(f"{self.prog}: error: {message}")) + "\n")
         sys.exit(2)
 
 
@@ -70,10 +73,9 @@ def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
         if value is None:
             continue
         if kind is int:
-            try:
-                value = int(value)
-            except ValueError:
-                raise ConfigError("<command line>", flag, "an integer", value) from None
+            if not re.fullmatch(r"\s*-?\d{1,30}\s*", value):   # bounded: int() of 10^6 digits takes seconds
+                raise ConfigError("<command line>", flag, "an integer", value)
+            value = int(value)
         out[flag[2:]] = value
     return out
 
@@ -97,6 +99,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         from dualrun.launchers.ray_cluster import live_cluster
 
         cluster = live_cluster(cfg)
+        if cluster is None and cfg.ray.address not in (None, "auto", "local"):
+            raise ConfigError(cfg.source, "ray.address", "a Ray cluster reachable from here (checked for 2 s)",
+                              cfg.ray.address)
     plan = make_plan(cfg, cluster)
     print(plan.to_json() if ns.json else plan.table())
     if getattr(plugin, "single_controller", False) and not ns.json:
@@ -112,7 +117,11 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
     cfg, plugin = _load(ns)
     program = Program(ns.training_script, tuple(ns.training_script_args), ns.module)
-    if not ns.module and not os.path.isfile(ns.training_script):
+    if ns.module:
+        from dualrun.config.program import check_module
+
+        check_module(cfg, ns.training_script)
+    elif not os.path.isfile(ns.training_script):
         raise ConfigError("<command line>", "training_script", "an existing script file", ns.training_script)
     _note_dropped_env(cfg)
     result = run_job(cfg, program, plugin, dry_run=ns.dry_run)
@@ -141,8 +150,12 @@ def cmd_config_default(ns: argparse.Namespace) -> int:
                           "an existing file")
     devices, dist = (0, "NO") if ns.cpu else detected_devices()
     text = starter_text(path, ns.method, ns.cpu, devices, dist)
-    with open(path, "x", encoding="utf-8") as f:
-        f.write(text)
+    try:
+        with open(path, "x", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:   # a missing folder, no permission, a read-only disk
+        raise ConfigError(path, "path", "a new file in an existing, writable folder", e.strerror or
+                          type(e).__name__) from None
     found = "CPU config" if ns.cpu else (f"{devices} GPU(s) found" if devices else "no GPU found: a CPU config")
     print(f"wrote {path} ({found})")
     return 0
@@ -181,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return commands[ns.command](ns)
     except DualrunError as e:
-        sys.stderr.write(f"dualrun: error: {e}\n")
+        sys.stderr.write(f"dualrun: error: {one_line(str(e), 1000)}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("dualrun: interrupted\n")
@@ -192,6 +205,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except Exception as e:  # noqa: BLE001 - the last resort: a bug of ours is still one line, never a traceback
+        return _unexpected(e)
+
+
+def _unexpected(e: Exception) -> int:
+    """One line for an exception nothing else caught: exit 2 when nothing had started (it was raised while checking
+    the input), 1 after. DUALRUN_DEBUG=1 prints the traceback too."""
+    from dualrun.envspec import redact_text
+    from dualrun.errors import has_started
+
+    if os.environ.get("DUALRUN_DEBUG") == "1":
+        import traceback
+
+        traceback.print_exc()
+    when = "while starting the job" if has_started() else "before anything started"
+    detail = redact_text((str(e)[:2000].strip().splitlines() or [""])[0])
+    sys.stderr.write(one_line(f"dualrun: error: unexpected {type(e).__name__} {when}: {detail} "
+                              "(DUALRUN_DEBUG=1 shows the traceback)") + "\n")
+    return 1 if has_started() else 2
 
 
 def entry() -> None:

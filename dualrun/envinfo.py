@@ -27,11 +27,15 @@ def ray_reachable() -> str:
         except OSError:
             return "no (no running cluster found; `dualrun launch --backend ray` starts a local one)"
     host, _, port = addr.replace("ray://", "").rpartition(":")
+    from dualrun.envspec import redact_text
+    from dualrun.errors import one_line
+
+    shown = one_line(redact_text(addr), 120)   # a password in the URL stays hidden, escapes stay text
     try:
         with socket.create_connection((host, int(port)), timeout=1.0):
-            return f"yes ({addr})"
+            return f"yes ({shown})"
     except (OSError, ValueError):
-        return f"no ({addr} does not answer)"
+        return f"no ({shown} does not answer)"
 
 
 def devices() -> str:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
-from typing import Mapping
+import re
+from typing import Any, Mapping, Sequence
 
 # Exactly the names torch.distributed.run (torch 2.x) gives each worker.
 TORCHRUN_NAMES = (
@@ -18,6 +19,18 @@ TORCHRUN_NAMES = (
     "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
 )
+
+# Set by dualrun for every process (its rank, rendezvous address, devices, role): a config's `env:` must not
+# override them, or ranks would meet on the wrong address or run on the wrong GPUs. OMP_NUM_THREADS stays the user's.
+RESERVED_ENV = tuple(n for n in TORCHRUN_NAMES if n != "OMP_NUM_THREADS") + (
+    "NODE_RANK", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "TORCHELASTIC_*",
+    "DUALRUN_BACKEND", "DUALRUN_METHOD", "DUALRUN_ROLE", "DUALRUN_ROLES", "DUALRUN_RUN_ID", "DUALRUN_SETTINGS",
+    "DUALRUN_ROLES_MODE", "DUALRUN_ROLES_SPEC", "DUALRUN_*_ADDRESS")
+
+
+def reserved(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in RESERVED_ENV)
+
 
 # Variables of the launching environment that reach workers. Everything else stays on the driver.
 # Extend with DUALRUN_FORWARD_ENV="MY_VAR,OTHER_*" or put values under `env:` in the config.
@@ -35,22 +48,108 @@ FORWARD_ALLOWLIST = (
     "CC", "CXX", "MAX_JOBS",
 )
 
-_SECRET_PATTERNS = ("*_TOKEN", "*_KEY", "*_SECRET", "*_PASSWORD", "HF_TOKEN", "WANDB_API_KEY", "*TOKEN*", "*SECRET*",
-                    "*PASSWORD*", "*API_KEY*")
+# The one redaction rule: what counts as a secret and how it is hidden, for env names, config keys, server flags
+# (`--api-key X`) and URLs with credentials. Names are split into words (`DB_PASSWD` -> DB, PASSWD; `apiKey` ->
+# APIKEY), so `TOKENIZERS_PARALLELISM` or `--max-num-batched-tokens` stay visible.
+_SECRET_WORDS = frozenset({"TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS", "PASSWD", "PASS", "PWD",
+                           "PASSPHRASE", "CREDENTIAL", "CREDENTIALS", "CREDS", "APIKEY", "ACCESSKEY", "SECRETKEY",
+                           "PRIVATEKEY", "KEY", "AUTHORIZATION", "COOKIE", "SIGNATURE"})
+_NOT_SECRET = frozenset({"PWD", "OLDPWD"})        # the shell's working directories
+_URL_CREDENTIALS = re.compile(r"(?i)((?:\b[a-z][a-z0-9+.-]*://)?)([^/\s:@'\"]*):([^/\s@'\"]+)@")
 REDACTED = "***"
-# Cloud credentials for checkpoint storage: forwarded, never printed (AWS_ACCESS_KEY_ID has no secret-looking word).
+# Cloud credentials for checkpoint storage: forwarded, never printed, whatever their words (AWS_REGION too).
 _CREDENTIAL_NAMES = ("AWS_*", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
 @functools.lru_cache(maxsize=4096)
 def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(fnmatch.fnmatchcase(upper, p) for p in _SECRET_PATTERNS + _CREDENTIAL_NAMES)
+    """Does a variable, config key or flag name (`HF_TOKEN`, `env.DB_PASSWD`, `--api-key`) hold a secret?"""
+    last = str(name).rsplit(".", 1)[-1].lstrip("-").upper()
+    if last in _NOT_SECRET:
+        return False
+    if any(fnmatch.fnmatchcase(last, p) for p in _CREDENTIAL_NAMES):
+        return True
+    return any(word in _SECRET_WORDS for word in re.split(r"[^A-Z0-9]+", last))
+
+
+_FLAG_VALUE = re.compile(r"(--?[A-Za-z][A-Za-z0-9_.-]*)([ =]+)([^\s]+)")
+
+
+def redact_text(text: str) -> str:
+    """`text` with the password of any `scheme://user:password@host` and the value after a secret flag
+    (`--api-key X`) hidden."""
+    text = _URL_CREDENTIALS.sub(lambda m: f"{m.group(1)}{m.group(2)}:{REDACTED}@", text)
+    return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if is_secret(m.group(1)) else m.group(0),
+                           text)
+
+
+def redact_value(name: str, value: str) -> str:
+    """A variable's value safe to print: hidden for a secret name; for JSON (DUALRUN_SETTINGS, a roles spec),
+    every secret-named key inside hidden; URL passwords and secret flags hidden everywhere."""
+    if is_secret(name) and value:
+        return REDACTED
+    if value[:1] in ("{", "[") and len(value) < 1_000_000:
+        import json
+
+        try:
+            data = json.loads(value)
+        except ValueError:
+            return redact_text(value)
+        return json.dumps(_redact_tree(data), separators=(",", ":"))
+    return redact_text(value)
+
+
+def _redact_tree(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: REDACTED if is_secret(str(k)) and v not in ("", None) else _redact_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        strings = [a if isinstance(a, str) else "" for a in value]
+        return [b if isinstance(a, str) else _redact_tree(a) for a, b in zip(value, redact_argv(strings))]
+    return redact_text(value) if isinstance(value, str) else value
 
 
 def redact(env: Mapping[str, str]) -> dict[str, str]:
     """A copy safe to print: secret-looking names keep their key, lose their value."""
-    return {k: (REDACTED if is_secret(k) and v else v) for k, v in env.items()}
+    return {k: redact_value(k, v) for k, v in env.items()}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """A command line safe to print: `--api-key X` / `--api-key=X` / `--hf_token X` lose their value."""
+    out: list[str] = []
+    hide_next = False
+    for arg in map(str, argv):
+        if hide_next and not arg.startswith("--"):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        flag, eq, value = arg.partition("=")
+        if arg.startswith("-") and is_secret(flag):
+            if eq:
+                out.append(f"{flag}={REDACTED}")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(redact_text(arg))
+    return out
+
+
+def redact_data(value: Any, depth: int = 3) -> Any:
+    """A (shortened) copy of a config value safe to print: secret-named mapping keys and secret flags lose their
+    values, URLs their passwords. Looks at no more than 20 items per level, `depth` levels deep."""
+    if isinstance(value, str):
+        return redact_text(value[:2000])
+    if depth <= 0:
+        return "..." if isinstance(value, (dict, list, tuple)) else value
+    if isinstance(value, dict):
+        return {k: (REDACTED if is_secret(str(k)) else redact_data(v, depth - 1))
+                for k, v in list(value.items())[:20]}
+    if isinstance(value, (list, tuple)):
+        items = list(value[:20])
+        flat = redact_argv([a if isinstance(a, str) else "" for a in items])
+        return [redact_data(a, depth - 1) if not isinstance(a, str) else b for a, b in zip(items, flat)]
+    return value
 
 
 def allowed(name: str, extra: tuple[str, ...] = ()) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
 from dualrun.envspec import rank_env, redact
-from dualrun.errors import ConfigError
+from dualrun.errors import ConfigError, escaped
 
 AUTO = "<auto>"
 
@@ -23,6 +23,7 @@ class Node:
     gpus: int
     cpus: float = 0.0
     node_id: str = ""
+    device_ids: tuple[int, ...] = ()   # the node's GPU ids when not 0..gpus-1 (the shell's CUDA_VISIBLE_DEVICES)
 
 
 @dataclass(frozen=True)
@@ -102,10 +103,13 @@ class Plan:
 
     def table(self) -> str:
         """Per node: which GPU runs which role and rank."""
-        lines = [f"plan: backend={self.backend} method={self.method} config={self.source} "
+        lines = [f"plan: backend={self.backend} method={self.method} config={escaped(self.source)} "
                  f"cluster={self.cluster.source} ({len(self.cluster.nodes)} node(s))"]
+        by_node: dict[int, list[Process]] = {}
+        for p in self.processes:   # once, not per node: 65536 ranks on 8192 nodes stay fast
+            by_node.setdefault(p.node, []).append(p)
         for node in self.cluster.nodes:
-            procs = self.on_node(node.index)
+            procs = by_node.get(node.index)
             if not procs:
                 continue
             mark = " (this machine)" if self.machine_rank == node.index else ""
@@ -132,12 +136,47 @@ def units(cfg: JobConfig) -> list[tuple[tuple[str, ...], RoleSpec]]:
     return out
 
 
-def assumed_cluster(cfg: JobConfig) -> Cluster:
-    """The cluster a config implies when none is described: num_machines equal nodes."""
+def visible_devices(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
+    """The launching shell's CUDA_VISIBLE_DEVICES as ids, where it decides the job's GPUs (None: it does not).
+
+    torchrun and accelerate run a node's ranks on the GPUs the shell makes visible, and a local Ray cluster
+    started for the job holds only those too; a Ray cluster that is joined has its own GPUs on its own nodes."""
+    import os
+
+    if not any(r.gpus for r in cfg.roles):
+        return None
+    environ = os.environ if environ is None else environ
+    raw = environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    if cfg.backend == "ray" and (cfg.ray.address not in (None, "local") or environ.get("RAY_ADDRESS")
+                                 or cfg.num_machines > 1):
+        return None
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    if parts and parts[0] == "-1":
+        parts = []
+    if not all(p.isdigit() and len(p) < 5 for p in parts) or len(set(parts)) != len(parts):
+        raise ConfigError("<environment>", "CUDA_VISIBLE_DEVICES", "distinct GPU ids like 3,4 (dualrun plans "
+                          "on ids; unset it to plan on all GPUs)", raw)
+    return tuple(int(p) for p in parts)
+
+
+def assumed_cluster(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> Cluster:
+    """The cluster a config implies when none is described: num_machines equal nodes, on the GPUs the launching
+    shell makes visible (CUDA_VISIBLE_DEVICES) when it sets them."""
     n = cfg.num_machines
     primary = cfg.primary
     per_node_primary = primary.gpus // n if primary.gpus else 0
     servers = sum(r.gpus for g, r in units(cfg)[1:] if not r.address)
+    visible = visible_devices(cfg, environ)
+    if visible is not None:
+        for role in cfg.roles:
+            outside = sorted(set(role.gpu_ids or ()) - set(visible))
+            if outside:
+                raise ConfigError(cfg.source, f"roles.{role.name}.gpu_ids", "ids among the launching shell's "
+                                  f"CUDA_VISIBLE_DEVICES={','.join(map(str, visible))}", outside[0])
+        hosts = ["127.0.0.1"] if n == 1 else [(cfg.main_process_ip or "HEAD")] + [f"node{i}" for i in range(1, n)]
+        return Cluster(tuple(Node(i, hosts[i], len(visible), device_ids=visible) for i in range(n)))
     if cfg.backend == "torchrun":
         nodes = [Node(i, "127.0.0.1" if n == 1 else (cfg.main_process_ip or "HEAD") if i == 0 else f"node{i}",
                       per_node_primary + (servers if i == 0 else 0)) for i in range(n)]
@@ -154,7 +193,7 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
     """Place every process of `cfg` on `cluster` (default: the cluster the config implies)."""
     cluster = cluster or assumed_cluster(cfg)
     common = _common_env(cfg, extra_env)
-    free = {n.index: list(range(n.gpus)) for n in cluster.nodes}
+    free = {n.index: list(n.device_ids or range(n.gpus)) for n in cluster.nodes}
     if cfg.backend == "torchrun" and cluster.nodes:
         # fixed ids (`gpu_ids`) are reserved up front, so no role takes them by count: separate roles never share
         fixed = {gid for r in cfg.roles for gid in (r.gpu_ids or ())}
@@ -246,7 +285,8 @@ def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]],
                 if len(free[node_index]) < count:
                     node = nodes[node_index]
                     raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
-                                      f"at most {len(free[node_index])} free GPUs on node {node.index}", count)
+                                      f"at most {len(free[node_index])} free GPUs on node {node.index}"
+                                      + _visible_note(node), count)
                 devices = _take(free, node_index, count, None)
         else:
             devices = ()
@@ -282,10 +322,17 @@ def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], 
     if node is None:
         have = max((len(free[n.index]) for n in candidates), default=0)
         raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
-                          f"at most {have} free GPUs on one node for a separate role", need)
+                          f"at most {have} free GPUs on one node for a separate role"
+                          + _visible_note(next(iter(candidates), None)), need)
     devices = _take(free, node.index, need, role.gpu_ids) if need else ()
     env = dict(common)
     env.update(role.env)
     env.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), "DUALRUN_ROLE": unit,
                 "DUALRUN_ROLES": ",".join(group)})
     return Process(unit, group, "server", 0, 1, node.index, 0, 1, devices, frozen_map(env))
+
+
+def _visible_note(node: Node | None) -> str:
+    if node is None or not node.device_ids:
+        return ""
+    return f" (the launching shell's CUDA_VISIBLE_DEVICES={','.join(map(str, node.device_ids))})"

@@ -54,13 +54,16 @@ class MethodPlugin:
 def get_plugin(name: str, source: str = "<config>") -> MethodPlugin:
     """The plugin for `method: name`: built-in module first, then the entry-point group."""
     name = ALIASES.get(name, name)
-    try:
-        module = importlib.import_module(f"dualrun.plugins.{name}")
-        plugin = getattr(module, "PLUGIN")
-        return plugin() if isinstance(plugin, type) else plugin
-    except ModuleNotFoundError as e:
-        if e.name != f"dualrun.plugins.{name}":
-            raise
+    if not name.startswith("_"):   # `__init__` and private helpers are modules of the package, not plugins
+        try:
+            module = importlib.import_module(f"dualrun.plugins.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dualrun.plugins.{name}":
+                raise
+        else:
+            plugin = getattr(module, "PLUGIN", None)
+            if plugin is not None:
+                return plugin() if isinstance(plugin, type) else plugin
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):

@@ -47,6 +47,31 @@ CASES = [
      "device_groups.g.ranks", "device ids"),
     ({"roles": {"train": {"gpus": 1}}, "device_groups": {"g": {"ranks": 1, "workers": ["x"]}}}, "device_groups",
      "not both"),
+    # issue 12: bounds, finite numbers, ports
+    ({"roles": {"train": {"gpus": 300_000_000}}}, "roles.train.gpus", "<= 65536"),
+    ({"num_processes": 10**11}, "num_processes", "<= 65536"),
+    ({"ray": {"placement_timeout_s": float("nan")}}, "ray.placement_timeout_s", "a finite number"),
+    ({"ray": {"placement_timeout_s": float("inf")}}, "ray.placement_timeout_s", "a finite number"),
+    ({"ray": {"placement_timeout_s": 10**400}}, "ray.placement_timeout_s", "a finite number"),
+    ({"main_process_port": 0}, "main_process_port", "[1, 65535]"),
+    ({"device_groups": {"g": {"ranks": "list(range(0, 4, 0))", "workers": ["train"]}}}, "device_groups.g.ranks",
+     "step other than 0"),
+    ({"device_groups": {"g": {"ranks": "list(range(0, 10**12))", "workers": ["train"]}}}, "device_groups.g.ranks",
+     "device ids like"),
+    ({"device_groups": {"g": {"ranks": "list(range(0, 1000000000000))", "workers": ["train"]}}},
+     "device_groups.g.ranks", "device ids in [0, 1023]"),
+    ({"device_groups": {"nproc_per_node": 2, "g": {"ranks": [1, 2], "workers": ["train"]}}},
+     "device_groups.g.ranks", "below nproc_per_node=2"),
+    # issue 12: accepted before, but ranks would land on the wrong GPUs or address
+    ({"env": {"RANK": 1}}, "env.RANK", "does not set itself"),
+    ({"roles": {"train": {"gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "1"}}}}, "roles.train.env.CUDA_VISIBLE_DEVICES",
+     "does not set itself"),
+    ({"env": {"OK": {1, 2}}}, "env.OK", "a string, number or boolean"),
+    ({"num_machines": 2, "num_processes": 2, "machine_rank": 1}, "main_process_ip", "address of machine 0"),
+    ({"gpu_ids": "0", "num_processes": 2}, "gpu_ids", "at least 2 ids"),
+    ({"ray": {"address": "ray://u:p@h:1"}}, "ray.address", "HOST:PORT"),
+    ({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 2}, "rollout": {"gpus": 2, "engine": "vllm"}},
+      "colocate_groups": [["train", "rollout"]]}, "roles.rollout.engine", "separate vLLM server"),
 ]
 
 
@@ -88,3 +113,24 @@ def test_unknown_method_and_roles():
     cfg = build_config({"roles": {"train": {"gpus": 1}, "critic": {"gpus": 1}}}, "m.yaml")
     with pytest.raises(ConfigError, match="roles.critic"):
         get_plugin("sft").validate(cfg)
+
+
+def test_a_separate_vllm_on_cpu_and_a_multi_node_rank_0_stay_valid():
+    build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 2}, "rollout": {"gpus": 1,
+                  "engine": "vllm", "model": "m"}}}, "ok.yaml")
+    build_config({"num_machines": 2, "num_processes": 2, "machine_rank": 0}, "ok.yaml")
+    build_config({"num_machines": 2, "num_processes": 2, "machine_rank": 1, "backend": "ray"}, "ok.yaml")
+    build_config({"env": {"OMP_NUM_THREADS": 4, "MY_RANK_NAME": "x"}}, "ok.yaml")
+
+
+def test_log_dir_that_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match="log_dir: expected a directory"):
+        build_config({"log_dir": str(tmp_path / "f")}, "bad.yaml")
+    build_config({"log_dir": str(tmp_path / "new")}, "ok.yaml")
+
+
+def test_empty_file_is_an_error_but_no_file_keeps_the_defaults(write):
+    with pytest.raises(ConfigError, match="<top level>: expected a mapping.*an empty file"):
+        load_config(str(write("empty.yaml", "")))
+    assert load_config(None).num_processes == 1

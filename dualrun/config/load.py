@@ -1,14 +1,16 @@
 """Read a YAML config (accelerate keys + dualrun keys), apply CLI overrides, validate, freeze."""
 from __future__ import annotations
 
-import os
+import datetime
 import re
 from typing import Any, Mapping
 
-from dualrun.config import schema
+from dualrun.config import checks, schema
 from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
 from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
+from dualrun.config.yamlfile import read_yaml
+from dualrun.envspec import reserved
 from dualrun.errors import ConfigError
 
 CLI_SOURCE = "<command line>"
@@ -18,37 +20,10 @@ OVERRIDABLE = ("num_processes", "num_machines", "machine_rank", "main_process_ip
 _ROLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 
 
-def read_yaml(path: str) -> dict[str, Any]:
-    """The file's top-level mapping, or a one-line ConfigError (missing, unreadable, not YAML)."""
-    import yaml
-
-    if not os.path.exists(path):
-        raise ConfigError(path, "config_file", "an existing file", "no such file")
-    if os.path.isdir(path):
-        raise ConfigError(path, "config_file", "a YAML file", "a directory")
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(path, "config_file", "a readable UTF-8 YAML file", type(e).__name__) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        problem = getattr(e, "problem", None) or "syntax error"
-        raise ConfigError(path, "<yaml>", "valid YAML", f"{problem} at {where}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(path, "<top level>", "a mapping of keys to values", type(data).__name__)
-    return data
-
-
 def load_config(path: str | None, overrides: Mapping[str, Any] | None = None,
                 backend: str | None = None) -> JobConfig:
     """Build the JobConfig for `path` (None: flags only). CLI overrides win over the file."""
-    raw = read_yaml(path) if path else {}
+    raw = read_yaml(path) if path is not None else {}   # no file keeps the defaults; `--config_file ''` does not
     return build_config(raw, path or CLI_SOURCE, overrides or {}, backend)
 
 
@@ -73,33 +48,24 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         raw["mixed_precision"] = "no"
     for key, value in raw.items():
         if key in schema.ACCELERATE_TYPES:
-            acc[key] = check(source, key, schema.ACCELERATE_TYPES[key], value,
-                             schema.ACCELERATE_CHOICES.get(key, ()))
+            acc[key] = _accelerate_value(source, key, value)
     for key, value in overrides.items():
-        if key not in OVERRIDABLE:
-            continue
-        acc[key] = check(CLI_SOURCE, f"--{key}", schema.ACCELERATE_TYPES[key], value,
-                         schema.ACCELERATE_CHOICES.get(key, ()))
-    for key in ("num_processes", "num_machines"):
-        if key in acc and acc[key] is not None and acc[key] < 1:
-            src = CLI_SOURCE if key in overrides else source
-            raise ConfigError(src, key if src == source else f"--{key}", "an integer >= 1", acc[key])
+        if key in OVERRIDABLE:
+            acc[key] = _accelerate_value(CLI_SOURCE, key, value)
     if acc.get("machine_rank") is not None and not 0 <= acc["machine_rank"] < int(acc.get("num_machines") or 1):
         raise ConfigError(CLI_SOURCE if "machine_rank" in overrides else source, "machine_rank",
                           f"an integer in [0, num_machines={acc.get('num_machines') or 1})", acc["machine_rank"])
-    port = acc.get("main_process_port")
-    if port is not None and not 0 <= port <= 65535:
-        raise ConfigError(source, "main_process_port", "a port number in [0, 65535]", port)
 
     values: dict[str, Any] = {}
     for key in schema.TOP_KEYS:
         if key.name in raw and key.name not in ("roles", "colocate_groups"):
-            values[key.name] = check(source, key.name, key.type, raw[key.name], key.choices, key.minimum)
+            values[key.name] = check(source, key.name, key.type, raw[key.name], key.choices, key.minimum,
+                                     key.maximum)
     if values.pop("use_ray", False) and "backend" not in values:
         values["backend"] = "ray"
     if backend is not None:
         values["backend"] = check(CLI_SOURCE, "--backend", "str", backend, ("torchrun", "ray"))
-    if "method" in values and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", values["method"]):
+    if "method" in values and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", values["method"]):
         raise ConfigError(source, "method", "a plugin name (letters, digits, _)", values["method"])
 
     raw_roles = raw.get("roles")
@@ -113,9 +79,10 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     groups = _groups(source, raw_groups, roles)
     _check_layout(source, roles, groups)
 
-    env = {str(k): _env_value(source, f"env.{k}", v) for k, v in values.pop("env", {}).items()}
+    env = _env(source, "env", values.pop("env", {}))
     ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
     tr_opts = TorchrunOptions(**_section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS))
+    checks.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
 
     if acc.get("num_processes") is None or "num_processes" in overrides:
         acc["num_processes"] = roles[0].processes
@@ -133,10 +100,29 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
                      ray=ray_opts, torchrun=tr_opts, **values)
 
 
-def _env_value(source: str, key: str, value: Any) -> str:
-    if isinstance(value, (dict, list)) or value is None:
-        raise ConfigError(source, key, "a string, number or boolean", value)
-    return str(value).lower() if isinstance(value, bool) else str(value)
+def _accelerate_value(source: str, key: str, value: Any) -> Any:
+    """One accelerate key checked for its type, choices and bounds (a flag is named `--key`)."""
+    name = f"--{key}" if source == CLI_SOURCE else key
+    value = check(source, name, schema.ACCELERATE_TYPES[key], value, schema.ACCELERATE_CHOICES.get(key, ()))
+    if key == "main_process_port" and value is not None and not 1 <= value <= 65535:
+        raise ConfigError(source, name, "a port number in [1, 65535] (unset: a free port)", value)
+    low, high = schema.ACCELERATE_BOUNDS.get(key, (None, None))
+    return check(source, name, schema.ACCELERATE_TYPES[key], value, (), low, high)
+
+
+def _env(source: str, key: str, raw: Mapping[Any, Any]) -> Mapping[str, str]:
+    """An `env:` mapping as strings; variables dualrun itself sets per rank are refused (they would put ranks on
+    the wrong GPUs or addresses)."""
+    out = {}
+    for name, value in raw.items():
+        name = str(name)
+        if reserved(name):
+            raise ConfigError(source, f"{key}.{name}", "a variable dualrun does not set itself (dualrun sets the "
+                              "rank, address and device variables for every process)", "a reserved name")
+        if not isinstance(value, (str, int, float, datetime.date)):   # (bool is an int) no list, set or binary
+            raise ConfigError(source, f"{key}.{name}", "a string, number or boolean", value)
+        out[name] = str(value).lower() if isinstance(value, bool) else str(value)
+    return frozen_map(out)
 
 
 def _section(source: str, name: str, raw: Mapping[str, Any], keys: tuple[schema.Key, ...]) -> dict[str, Any]:
@@ -147,7 +133,7 @@ def _section(source: str, name: str, raw: Mapping[str, Any], keys: tuple[schema.
             raise ConfigError(source, f"{name}.{key}", f"a known `{name}` key", "an unknown key",
                               did_you_mean(str(key), known))
         spec = known[key]
-        out[key] = check(source, f"{name}.{key}", spec.type, value, spec.choices, spec.minimum)
+        out[key] = check(source, f"{name}.{key}", spec.type, value, spec.choices, spec.minimum, spec.maximum)
     if "runtime_env" in out or "env" in out:
         for k in ("runtime_env", "env"):
             if k in out:
@@ -180,7 +166,7 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
             if key == "gpu_ids":
                 vals[key] = parse_ids(source, f"roles.{name}.gpu_ids", value)
             else:
-                vals[key] = check(source, f"roles.{name}.{key}", k.type, value, k.choices, k.minimum)
+                vals[key] = check(source, f"roles.{name}.{key}", k.type, value, k.choices, k.minimum, k.maximum)
         if name == "train" and "num_processes" in overrides:
             vals["gpus"] = overrides["num_processes"]
             vals.pop("processes", None)
@@ -209,11 +195,10 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
             raise ConfigError(source, f"roles.{name}.tensor_parallel_size", f"a divisor of roles.{name}.gpus={gpus}",
                               tp)
         addr = vals.get("address")
-        if addr is not None and not re.fullmatch(r"[^\s:/]+:\d{1,5}", addr):
-            raise ConfigError(source, f"roles.{name}.address", "host:port", addr)
+        if addr is not None and not checks.host_port(addr):
+            raise ConfigError(source, f"roles.{name}.address", "host:port with a port in [1, 65535]", addr)
         server_args = tuple(str(a) for a in vals.pop("server_args", []))
-        env = frozen_map({str(k): _env_value(source, f"roles.{name}.env.{k}", v)
-                          for k, v in vals.pop("env", {}).items()})
+        env = _env(source, f"roles.{name}.env", vals.pop("env", {}))
         vals.pop("gpus", None)
         vals.pop("processes", None)
         roles.append(RoleSpec(name=name, gpus=gpus, processes=processes, server_args=server_args, env=env, **vals))
@@ -226,7 +211,10 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
             raise ConfigError(source, "num_processes", f"the same count as roles.train ({train.processes})", n)
     if acc.get("gpu_ids") not in (None, "all") and roles[0].gpu_ids is None and not cpu:
         ids = parse_ids(source, "gpu_ids", acc["gpu_ids"])
-        if ids is not None and len(ids) >= roles[0].gpus:
+        if ids is not None and len(ids) < roles[0].gpus:  # accelerate would widen nothing: too few GPUs named
+            raise ConfigError(source, "gpu_ids", f"at least {roles[0].gpus} ids (one per process of "
+                              f"roles.{roles[0].name})", acc["gpu_ids"])
+        if ids is not None:
             from dataclasses import replace
 
             roles[0] = replace(roles[0], gpu_ids=ids[: roles[0].gpus] if acc.get("num_machines", 1) == 1 else None)

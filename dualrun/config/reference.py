@@ -25,17 +25,25 @@ def render() -> str:
             kind = k.type + (f" ({' / '.join(map(str, k.choices))})" if k.choices else "")
             if k.minimum is not None:
                 kind += f", >= {k.minimum:g}"
+            if k.maximum is not None:
+                kind += f", <= {k.maximum:g}"
             name = f"{section}.{k.name}" if section else k.name
             out.append(f"| `{name}` | {kind} | {_default(k.default)} | {k.backends} | {k.doc} |")
         out.append("")
     out += ["## accelerate keys", "",
             "Passed to accelerate's own config loading and env preparation unchanged; dualrun checks their types.",
             "", "| key | type |", "|---|---|"]
-    out += [f"| `{name}` | {kind} |" for name, kind in schema.ACCELERATE_TYPES.items()]
+    for name, kind in schema.ACCELERATE_TYPES.items():
+        low_high = schema.ACCELERATE_BOUNDS.get(name)
+        out.append(f"| `{name}` | {kind}" + (f", {low_high[0]}-{low_high[1]}" if low_high else "") + " |")
     out += ["", "## ms-swift `device_groups`", "",
             "`device_groups: {nproc_per_node: N, <group>: {device: GPU|CPU, ranks: list(range(a, b)) | [ids] | "
             "count, workers: [roles]}}` is converted to `roles` (workers of one group are colocated). `ranks` is "
             "parsed, never evaluated; the worker name `default` means `train`.", ""]
+    out += ["## Limits", "", "Inputs past these end with one line and exit code 2 before anything starts.", "",
+            "| what | at most | note |", "|---|---|---|"]
+    out += [f"| {what} | {limit} | {note} |" for what, limit, note in schema.LIMITS]
+    out.append("")
     return "\n".join(out)
 
 

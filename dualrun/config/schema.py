@@ -16,6 +16,33 @@ class Key:
     backends: str = "both"
     choices: tuple = ()
     minimum: float | None = None
+    maximum: float | None = None
+
+
+# Bounds: what a cluster can hold and what a config file may be. Validation reads them from here; the reference
+# lists them. A count past these is a typo or an attack, never a job.
+MAX_CONFIG_BYTES = 256 * 1024
+MAX_YAML_DEPTH = 50
+MAX_YAML_NODES = 100_000
+MAX_PROCESSES = 65_536        # processes of one role (and so the world size of a job)
+MAX_MACHINES = 16_384
+MAX_DEVICE_ID = 1_023         # a device id on one node
+MAX_PER_MACHINE = MAX_DEVICE_ID + 1   # torchrun processes on one machine
+MAX_SECONDS = 7 * 24 * 3600.0
+MAX_RESTARTS = 1_000
+MAX_CPUS = 4_096.0            # CPUs of one process
+MAX_TOP_K = 1_000_000         # a vocabulary's size
+LIMITS: tuple[tuple[str, Any, str], ...] = (
+    ("config file", f"{MAX_CONFIG_BYTES // 1024} KiB", "a regular file (not a FIFO or device), UTF-8 YAML"),
+    ("YAML nesting", MAX_YAML_DEPTH, "levels, aliases expanded"),
+    ("YAML values", MAX_YAML_NODES, "scalars, lists and mappings, aliases expanded"),
+    ("processes of a role / num_processes", MAX_PROCESSES, "the world size of one job"),
+    ("num_machines", MAX_MACHINES, "nodes of one job"),
+    ("processes per machine (torchrun)", MAX_PER_MACHINE, "num_processes / num_machines"),
+    ("device ids", f"0-{MAX_DEVICE_ID}", "`gpu_ids`, `device_groups` ranks (ranges are bounded before expanding)"),
+    ("ports", "1-65535", "`main_process_port`, `address` ports; unset for a free one"),
+    ("timeouts and intervals", f"{MAX_SECONDS:g} s", "finite numbers (no .nan, no .inf)"),
+)
 
 
 TOP_KEYS: tuple[Key, ...] = (
@@ -35,11 +62,11 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("sleep_level", "int", 1, "vLLM sleep level used with `offload_model` (1: offload weights, "
         "2: discard weights).", choices=(1, 2)),
     Key("max_failures", "int", 0, "Restarts of the whole job after a worker or node failure; the trainer "
-        "resumes from the newest checkpoint in its output_dir.", minimum=0),
+        "resumes from the newest checkpoint in its output_dir.", minimum=0, maximum=MAX_RESTARTS),
     Key("collective_timeout_s", "float", None, "Seconds a collective (all-reduce, barrier, ...) may wait for the "
         "other ranks before failing: TrainingArguments' `ddp_timeout` where left at its default, and "
         "`torch.distributed.init_process_group`'s `timeout` where the script passes none. Unset: the "
-        "libraries' own defaults (HF: 1800 s).", minimum=1),
+        "libraries' own defaults (HF: 1800 s).", minimum=1, maximum=MAX_SECONDS),
     Key("env", "dict", {}, "Extra environment variables for every worker (values are turned into strings)."),
     Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log`."),
     Key("ray", "dict", {}, "Ray backend settings (see `ray.*`).", backends="ray"),
@@ -53,8 +80,9 @@ RAY_KEYS: tuple[Key, ...] = (
     Key("placement_strategy", "str", "PACK", "First strategy tried for each role's placement group; "
         "PACK falls back to SPREAD.", backends="ray", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
     Key("placement_timeout_s", "float", 120.0, "Seconds to wait for a placement group before failing with "
-        "what was asked and what the cluster has.", backends="ray", minimum=0),
-    Key("num_cpus_per_worker", "float", 1.0, "CPUs reserved for each worker actor.", backends="ray", minimum=0),
+        "what was asked and what the cluster has.", backends="ray", minimum=0, maximum=MAX_SECONDS),
+    Key("num_cpus_per_worker", "float", 1.0, "CPUs reserved for each worker actor.", backends="ray", minimum=0,
+        maximum=MAX_CPUS),
     Key("include_dashboard", "bool", False, "Start the dashboard of an embedded cluster.", backends="ray"),
     Key("runtime_env", "dict", {}, "Ray runtime_env for the worker actors (e.g. `working_dir`, `pip`).",
         backends="ray"),
@@ -64,24 +92,27 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
     Key("rdzv_backend", "str", "static", "torchrun rendezvous backend.", backends="torchrun",
         choices=("static", "c10d")),
     Key("monitor_interval", "float", 0.1, "Seconds between torchrun's checks of its workers.",
-        backends="torchrun", minimum=0),
+        backends="torchrun", minimum=0, maximum=MAX_SECONDS),
     Key("log_dir", "str-or-null", None, "torchrun's own `--log-dir` (per-rank stdout/stderr files).",
         backends="torchrun"),
 )
 
 ROLE_KEYS: tuple[Key, ...] = (
-    Key("gpus", "int", None, "GPUs (processes, one each) of the role; on CPU the number of processes.", minimum=0),
-    Key("processes", "int", None, "Processes of the role when it differs from `gpus` (CPU-only roles).", minimum=1),
+    Key("gpus", "int", None, "GPUs (processes, one each) of the role; on CPU the number of processes.", minimum=0,
+        maximum=MAX_PROCESSES),
+    Key("processes", "int", None, "Processes of the role when it differs from `gpus` (CPU-only roles).", minimum=1,
+        maximum=MAX_PROCESSES),
     Key("gpu_ids", "str-or-null", None, "Fixed device ids on the node (torchrun), e.g. `0,1` or `[0, 1]`."),
     Key("engine", "str", None, "Inference engine of a server role.", choices=("vllm", "transformers")),
     Key("tensor_parallel_size", "int", 1, "Tensor-parallel size of the role's engine; must divide `gpus`.",
-        minimum=1),
-    Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine.", minimum=1),
+        minimum=1, maximum=MAX_PROCESSES),
+    Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine.", minimum=1, maximum=MAX_PROCESSES),
     Key("model", "str-or-null", None, "Model path or name the role serves (teacher, reward model)."),
     Key("top_k", "int", None, "Teacher: top-k log-probabilities distilled per token (unset or 0: full "
-        "vocabulary, colocated teacher only; a separate teacher needs >= 1).", minimum=0),
+        "vocabulary, colocated teacher only; a separate teacher needs >= 1).", minimum=0, maximum=MAX_TOP_K),
     Key("address", "str-or-null", None, "`host:port` of a server the user started; dualrun starts none."),
-    Key("health_timeout_s", "float", 600.0, "Seconds a server may take to answer its health check.", minimum=0),
+    Key("health_timeout_s", "float", 600.0, "Seconds a server may take to answer its health check.", minimum=0,
+        maximum=MAX_SECONDS),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
 )
@@ -125,6 +156,13 @@ ACCELERATE_TYPES: dict[str, str] = {
     # legacy spellings accelerate still converts
     "fp16": "bool",
     "dynamo_backend": "str",
+}
+# Bounds dualrun checks on accelerate's counts: (minimum, maximum).
+ACCELERATE_BOUNDS: dict[str, tuple[int, int]] = {
+    "num_processes": (1, MAX_PROCESSES),
+    "num_machines": (1, MAX_MACHINES),
+    "machine_rank": (0, MAX_MACHINES - 1),
+    "main_process_port": (1, 65535),
 }
 ACCELERATE_CHOICES: dict[str, tuple] = {
     "compute_environment": ("LOCAL_MACHINE",),

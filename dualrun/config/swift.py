@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dualrun.config.schema import MAX_DEVICE_ID, MAX_MACHINES, MAX_PROCESSES
 from dualrun.config.values import check, parse_ids
 from dualrun.errors import ConfigError
 
@@ -24,11 +25,14 @@ def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, An
     roles: dict[str, dict[str, Any]] = {}
     groups: list[list[str]] = []
     nproc = raw.get("nproc_per_node")
+    if nproc is not None:
+        nproc = check(source, "device_groups.nproc_per_node", "int", nproc, minimum=1, maximum=MAX_DEVICE_ID + 1)
     nnodes = raw.get("nnodes", 1)
+    if raw.get("nnodes") is not None:
+        nnodes = check(source, "device_groups.nnodes", "int", raw["nnodes"], minimum=1, maximum=MAX_MACHINES)
     for gname, group in raw.items():
         key = f"device_groups.{gname}"
         if gname in ("nproc_per_node", "nnodes"):
-            check(source, key, "int", group, minimum=1)
             continue
         if not isinstance(group, dict):
             raise ConfigError(source, key, "a mapping with device, ranks and workers", group)
@@ -42,9 +46,7 @@ def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, An
         if ranks is None:
             raise ConfigError(source, f"{key}.ranks", "device ranks like list(range(0, 2)), [0, 1] or a count")
         if isinstance(ranks, int) and not isinstance(ranks, bool):
-            if ranks < 1:
-                raise ConfigError(source, f"{key}.ranks", "a count >= 1", ranks)
-            ids, count = None, ranks
+            ids, count = None, check(source, f"{key}.ranks", "int", ranks, minimum=1, maximum=MAX_PROCESSES)
         else:
             ids = parse_ids(source, f"{key}.ranks", ranks)
             count = len(ids or ())

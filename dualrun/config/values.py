@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from typing import Any, Iterable
 
+from dualrun.config.schema import MAX_DEVICE_ID, MAX_PROCESSES
 from dualrun.errors import ConfigError
 
 _RANGE = re.compile(r"^\s*list\(\s*range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)\s*$")
@@ -25,8 +27,10 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f"did you mean '{close[0]}'?" if close else ""
 
 
-def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), minimum: float | None = None) -> Any:
-    """Return `value` coerced to `kind`, or raise a ConfigError naming `key`."""
+def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), minimum: float | None = None,
+          maximum: float | None = None) -> Any:
+    """Return `value` coerced to `kind`, or raise a ConfigError naming `key`. Numbers must be finite and within
+    [minimum, maximum]."""
     expected = _TYPE_WORDS.get(kind, kind)
     if kind == "any":
         return value
@@ -34,14 +38,19 @@ def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), min
         return None
     if kind.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and re.fullmatch(r"-?\d+", value.strip()):
+            if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,30}\s*", value):
                 value = int(value)
             else:
                 raise ConfigError(source, key, expected, value)
     elif kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(source, key, expected, value)
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise ConfigError(source, key, "a finite number", value) from None
+        if not math.isfinite(value):
+            raise ConfigError(source, key, "a finite number", value)
     elif kind == "bool":
         if isinstance(value, str) and value.lower() in ("true", "false"):
             value = value.lower() == "true"
@@ -64,11 +73,13 @@ def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), min
             raise ConfigError(source, key, expected, value)
     if choices and value not in choices:
         shown = value
-        hint = did_you_mean(str(value), [str(c) for c in choices])
+        hint = did_you_mean(str(value)[:100], [str(c) for c in choices])
         raise ConfigError(source, key, "one of " + ", ".join(str(c) for c in choices), shown, hint)
+    word = "an integer" if kind.startswith("int") else "a number"
     if minimum is not None and value is not None and value < minimum:
-        word = "an integer" if kind.startswith("int") else "a number"
         raise ConfigError(source, key, f"{word} >= {minimum:g}", value)
+    if maximum is not None and value is not None and value > maximum:
+        raise ConfigError(source, key, f"{word} <= {maximum:g}", value)
     return value
 
 
@@ -81,21 +92,28 @@ def parse_ids(source: str, key: str, value: Any) -> tuple[int, ...] | None:
     if isinstance(value, int):
         ids: list[Any] = [value]
     elif isinstance(value, list):
-        ids = value
+        ids = value[: MAX_PROCESSES + 1]
     elif isinstance(value, str):
         m = _RANGE.match(value)
         if m:
             a, b, step = m.group(1), m.group(2), m.group(3)
             start, stop = (0, int(a)) if b is None else (int(a), int(b))
-            ids = list(range(start, stop, int(step) if step else 1))
+            if step is not None and int(step) == 0:
+                raise ConfigError(source, key, "a range with a step other than 0", value)
+            ids = range(start, stop, int(step) if step else 1)  # lazy: bounded before it is expanded
+            if len(ids) > MAX_DEVICE_ID + 1 or (len(ids) and max(ids[0], ids[-1]) > MAX_DEVICE_ID):
+                raise ConfigError(source, key, f"device ids in [0, {MAX_DEVICE_ID}]", value)
+            ids = list(ids)
         elif re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", value):
-            ids = [int(x) for x in value.split(",")]
+            ids = [int(x) for x in value.split(",")[: MAX_PROCESSES + 1]]
         else:
             raise ConfigError(source, key, "device ids like [0, 1], '0,1' or list(range(0, 2))", value)
     else:
         raise ConfigError(source, key, "device ids like [0, 1], '0,1' or list(range(0, 2))", value)
     if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise ConfigError(source, key, "a non-empty list of device ids >= 0", value)
+    if max(ids) > MAX_DEVICE_ID:
+        raise ConfigError(source, key, f"device ids in [0, {MAX_DEVICE_ID}]", max(ids))
     if len(set(ids)) != len(ids):
         raise ConfigError(source, key, "distinct device ids", value)
     return tuple(ids)

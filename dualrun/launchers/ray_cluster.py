@@ -30,8 +30,10 @@ _QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 
 
 def _reachable(address: str, timeout: float = _PROBE_S) -> bool:
-    """Can we open a TCP connection to a GCS `host:port` (ray:// client addresses are not probed)?"""
-    if "://" in address:
+    """Can we open a TCP connection to a GCS `host:port` or a Ray client's `ray://host:port`?"""
+    if address.startswith("ray://"):
+        address = address[len("ray://"):].split("/", 1)[0]
+    elif "://" in address:
         return True
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -79,6 +81,23 @@ def resolve_address(cfg: JobConfig) -> str | None:
                           f"({', '.join(live)}): set ray.address (or RAY_ADDRESS) to the one to use", 2)
     raise LaunchError(f"{cfg.source}: ray.address: 'auto' found no running Ray cluster: start one "
                       "(`ray start --head`), set RAY_ADDRESS, or set ray.address: null to start one for this job", 2)
+
+
+def _unreachable(cfg: JobConfig, address: str) -> ConfigError:
+    given = cfg.ray.address not in (None, "auto")   # else it came from RAY_ADDRESS (or `ray start`)
+    return ConfigError(cfg.source if given else "<environment>", "ray.address" if given else "RAY_ADDRESS",
+                       "a Ray cluster reachable from here (`ray status --address ...`; ray.address: local "
+                       "starts one for the job)", address)
+
+
+def check_reachable(cfg: JobConfig) -> None:
+    """Before anything heavy starts (torch for accelerate's env, Ray itself): an address given in the config or in
+    RAY_ADDRESS must answer, so a wrong one fails in about 2 s."""
+    address = cfg.ray.address if cfg.ray.address not in (None, "auto", "local") else None
+    if address is None and cfg.ray.address != "local":
+        address = os.environ.get("RAY_ADDRESS", "").strip() or None
+    if address not in (None, "auto", "local") and not _reachable(address):
+        raise _unreachable(cfg, address)
 
 
 def _token_available() -> bool:
@@ -170,9 +189,7 @@ def connect(cfg: JobConfig, allow_start: bool = True) -> Connection | None:
     if address is not None and not _reachable(address):
         if not allow_start:
             return None
-        raise LaunchError(f"could not reach the Ray cluster at {address} (ray.address / RAY_ADDRESS): check it is "
-                          f"running (`ray status --address {address}`) and reachable from here, or set "
-                          "ray.address: local to start one for this job", 1)
+        raise _unreachable(cfg, address)
     saved: dict[str, str | None] = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE")}  # ray.init may set it
     if address is not None and _needs_token(address):
         _set_auth_mode("token")

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Mapping
 
-from dualrun.envspec import TORCHRUN_NAMES, redact
+from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError, killed_by
 from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd, report_servers
 from dualrun.plan import AUTO, Plan
@@ -84,7 +84,8 @@ class TorchrunLauncher(Launcher):
             if p.node == self.cfg.machine_rank:
                 argv = server_command(self.cfg, self.plugin, p, "127.0.0.1", AUTO)  # type: ignore[arg-type]
                 devices = p.env.get("CUDA_VISIBLE_DEVICES", "")
-                lines.insert(2, f"# {p.label}, started first: CUDA_VISIBLE_DEVICES={devices} " + join_cmd(argv))
+                lines.insert(2, f"# {p.label}, started first: CUDA_VISIBLE_DEVICES={devices} "
+                             + join_cmd(redact_argv(argv)))
         return "\n".join(lines)
 
     def launch(self, plan: Plan) -> JobResult:

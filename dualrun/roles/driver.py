@@ -31,10 +31,12 @@ def _is_role_decorator(node: ast.expr) -> bool:
 def is_role_program(path: str) -> bool:
     """A cheap static look at the script (never imports or runs it)."""
     try:
+        if os.path.getsize(path) > 8 * 1024 * 1024:   # a script, not data: not worth parsing here
+            return False
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return False
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError, RecursionError, MemoryError):
+        return False   # not readable or too deep for the parser: not a role program (python reports the rest)
     for node in ast.walk(tree):
         if isinstance(node, ast.ClassDef) and any(_is_role_decorator(d) for d in node.decorator_list):
             return True
@@ -85,6 +87,7 @@ def driver_env(cfg: Any, run_id: str) -> dict[str, str]:
 
 def run_driver(cfg: Any, program: Any, dry_run: bool = False) -> Any:
     """Run the role program as the single driver; returns a JobResult (exit code of the driver)."""
+    from dualrun.envspec import redact_value
     from dualrun.launchers.base import JobResult, RankResult, bootstrap_cmd, join_cmd
 
     spec = spec_from_config(cfg)
@@ -93,7 +96,7 @@ def run_driver(cfg: Any, program: Any, dry_run: bool = False) -> Any:
     if dry_run:
         print(groups_table(spec))
         print(f"# dualrun dry run: backend=ray, role program run once as the driver; nothing was started\n"
-              f"{ENV_MODE}=ray {ENV_SPEC}='{spec.to_json()}' {join_cmd(cmd)}")
+              f"{ENV_MODE}=ray {ENV_SPEC}='{redact_value(ENV_SPEC, spec.to_json())}' {join_cmd(cmd)}")
         return JobResult(0)
     print(f"dualrun: {groups_table(spec)}", file=sys.stderr, flush=True)
     start = time.monotonic()
