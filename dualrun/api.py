@@ -64,8 +64,10 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     if dry_run:
         print(plan.table(), file=sys.stdout)
         print(launcher.describe(plan), file=sys.stdout)
+        _note_dropped_env(cfg, out)
         return JobResult(0)
     print(f"dualrun: {plan.table()}", file=out, flush=True)
+    _note_dropped_env(cfg, out)   # only once the job is valid: a bad input stays one line
     print(f"dualrun: {_startup_line(cfg, plan)}", file=out, flush=True)
     try:
         result = launcher.launch(plan)
@@ -73,6 +75,16 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     finally:
         launcher.close()   # after the summary: shutting an embedded Ray down takes a second or two
     return result
+
+
+def _note_dropped_env(cfg: JobConfig, out: TextIO) -> None:
+    """`MY_FLAG=1 dualrun launch ...`: name (never print values of) what will not reach the workers."""
+    from dualrun.envnotice import dropped_line
+
+    given = set(cfg.env) | {k for r in cfg.roles for k in r.env}
+    line = dropped_line({k: v for k, v in os.environ.items() if k not in given})
+    if line:
+        print(f"dualrun: {line}", file=out, flush=True)
 
 
 def _summarise(result: JobResult, started: float, out: TextIO) -> None:

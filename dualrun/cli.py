@@ -123,19 +123,8 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         check_module(cfg, ns.training_script)
     elif not os.path.isfile(ns.training_script):
         raise ConfigError("<command line>", "training_script", "an existing script file", ns.training_script)
-    _note_dropped_env(cfg)
     result = run_job(cfg, program, plugin, dry_run=ns.dry_run)
     return result.exit_code
-
-
-def _note_dropped_env(cfg: Any) -> None:
-    """`MY_FLAG=1 dualrun launch ...`: name (never print values of) what will not reach the workers."""
-    from dualrun.envnotice import dropped_line
-
-    given = set(cfg.env) | {k for r in cfg.roles for k in r.env}
-    line = dropped_line({k: v for k, v in os.environ.items() if k not in given})
-    if line:
-        print(f"dualrun: {line}", file=sys.stderr, flush=True)
 
 
 def cmd_config_default(ns: argparse.Namespace) -> int:

@@ -61,7 +61,7 @@ CASES = [
     ({"device_groups": {"g": {"ranks": "list(range(0, 1000000000000))", "workers": ["train"]}}},
      "device_groups.g.ranks", "device ids in [0, 1023]"),
     ({"device_groups": {"nproc_per_node": 2, "g": {"ranks": [1, 2], "workers": ["train"]}}},
-     "device_groups.g.ranks", "below nproc_per_node=2"),
+     "device_groups.g.ranks", "below nproc_per_node * nnodes = 2"),
     # issue 12: accepted before, but ranks would land on the wrong GPUs or address
     ({"env": {"RANK": 1}}, "env.RANK", "does not set itself"),
     ({"roles": {"train": {"gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "1"}}}}, "roles.train.env.CUDA_VISIBLE_DEVICES",
