@@ -1,6 +1,7 @@
 """After a restart, make the unchanged HF/TRL trainer resume from the newest checkpoint in its output_dir.
 
-Both backends export TORCHELASTIC_RESTART_COUNT; on a restart (> 0) `Trainer.train()` called without
+Both backends export TORCHELASTIC_RESTART_COUNT (torchrun adds DUALRUN_JOB_RESTARTS when dualrun restarted
+the job with fresh servers); on a restart (> 0) `Trainer.train()` called without
 `resume_from_checkpoint` gets the newest `checkpoint-*` folder, when one exists. A value the user passed wins.
 """
 from __future__ import annotations
@@ -12,10 +13,14 @@ from dualrun.hooks import when_imported
 
 
 def restart_count() -> int:
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        return 0
+    """Restarts so far: torchrun's own (workers) plus dualrun's (the whole job, after a server died)."""
+    total = 0
+    for name in ("TORCHELASTIC_RESTART_COUNT", "DUALRUN_JOB_RESTARTS"):
+        try:
+            total += int(os.environ.get(name, "0"))
+        except ValueError:
+            pass
+    return total
 
 
 def _patch(module) -> None:
