@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
 from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd, report_servers
+from dualrun.launchers.ray_results import failure, first_line, value
 from dualrun.plan import AUTO, Cluster, Plan, Process
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
@@ -228,7 +229,7 @@ class RayLauncher(Launcher):
                 self._start(plan, ranks, attempt)
                 return self._supervise(ranks)
             except RayError as e:
-                raise LaunchError(f"the Ray workers could not start: {_first(e)}", 1) from None
+                raise LaunchError(f"the Ray workers could not start: {first_line(e)}", 1) from None
             except _Interrupted as e:
                 code = 128 + e.signum
                 self._stop_all(ranks)
@@ -314,7 +315,8 @@ class RayLauncher(Launcher):
                 break
             for ref in ready:
                 if ref in watch:
-                    self._server_died(watch.pop(ref), ref)
+                    watch.pop(ref)
+                    self._server_failure = self._server_failure or self._servers.why_ended(ref)
                     if deadline is None:
                         self._stop_all(ranks, wait=False)
                         deadline = time.monotonic() + _SHUTDOWN_S
@@ -333,7 +335,7 @@ class RayLauncher(Launcher):
                 try:
                     r.result = ray.get(ref)
                 except RayActorError as e:
-                    r.result = {"exit_code": 1, "end": time.time(), "error": f"its Ray actor died ({_first(e)})"}
+                    r.result = {"exit_code": 1, "end": time.time(), "error": f"its Ray actor died ({first_line(e)})"}
                 if r.result["exit_code"] != 0 and not failed:
                     failed.append(i)
                     self._stop_all(ranks, wait=False)
@@ -341,40 +343,14 @@ class RayLauncher(Launcher):
         if failed and watch and self._server_failure is None:   # did the ranks fail because a server died?
             done, _ = ray.wait(list(watch), num_returns=1, timeout=0.5)
             for ref in done:
-                self._server_died(watch[ref], ref)
+                self._server_failure = self._servers.why_ended(ref)
         results = [RankResult(r.proc.label, r.proc.rank, r.result["exit_code"] if r.result else -15,
                               r.result.get("error") if r.result else None) for r in ranks]
         if self._server_failure is not None:
             return JobResult(1, results, message=self._server_failure)
         if not failed:
-            return JobResult(0, [RankResult(r.proc.label, r.proc.rank, 0, result=_value(r.result)) for r in ranks])
-        return self._failure(ranks, failed[0])
-
-    def _server_died(self, label: str, ref: Any) -> None:
-        """Record the first server that ended while the job ran: its label, exit code and log's last lines."""
-        import ray
-        from ray.exceptions import RayError
-
-        if self._server_failure is not None:
-            return
-        try:
-            self._server_failure = ray.get(ref)
-        except RayError as e:
-            self._server_failure = f"{label}: its Ray actor died ({_first(e)})"
-
-    def _failure(self, ranks: list[_Rank], first: int) -> JobResult:
-        """One line naming the rank that failed first (before we stopped the others) and its error's last line."""
-        stop = self._stop_time or float("inf")
-        own = [r for r in ranks if r.result and r.result["exit_code"] != 0 and r.result["end"] <= stop]
-        culprit = min(own, key=lambda r: (r.result["end"], r.proc.rank)) if own else ranks[first]
-        res = culprit.result
-        code = res["exit_code"]
-        detail = (res.get("error") or "").strip().splitlines()
-        tail = detail[-1] if detail else "no error message"
-        results = [RankResult(r.proc.label, r.proc.rank, r.result["exit_code"] if r.result else -15,
-                              r.result.get("error") if r.result else None) for r in ranks]
-        return JobResult(code if code > 0 else 1, results,
-                         message=f"{culprit.proc.label} failed (exit code {code}): {tail}")
+            return JobResult(0, [RankResult(r.proc.label, r.proc.rank, 0, result=value(r.result)) for r in ranks])
+        return failure(ranks, failed[0], self._stop_time)
 
     def _print(self, r: _Rank, batch: list[tuple[int, str]]) -> None:
         prefix = f"[{r.proc.label}] "
@@ -424,17 +400,3 @@ class RayLauncher(Launcher):
                 remove_pg(pg)
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _value(result: dict[str, Any] | None) -> Any:
-    """Python API: a rank's return value, pickled on its node and returned by its actor."""
-    import pickle
-
-    data = (result or {}).get("value")
-    return pickle.loads(data) if data is not None else None
-
-
-def _first(e: BaseException) -> str:
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return lines[0][:200] if lines else type(e).__name__
-

@@ -168,6 +168,17 @@ class RayServers:
             todo = retry
         return started
 
+    def why_ended(self, ref: Any) -> str:
+        """For a `watch` ref that resolved: the server's label, exit code and log's last lines."""
+        import ray
+        from ray.exceptions import RayError
+
+        try:
+            return ray.get(ref)
+        except RayError as e:
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
+            return f"{self.watch.get(ref, 'a server')}: its Ray actor died ({lines[0][:200]})"
+
     def used(self) -> set[str]:
         """`ip:port` of every server this attempt started (a restart avoids them)."""
         return {f"{info['ip']}:{info['port']}" for info in self.infos}
