@@ -127,7 +127,9 @@ class TorchrunLauncher(Launcher):
         args = parse_args(argv[: len(argv) - len(script_args)])
         args.training_script_args = script_args
         args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
-        extra = dict(servers.wiring_env(), DUALRUN_JOB_RESTARTS=str(attempt))
+        extra = servers.wiring_env()
+        if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
+            extra["DUALRUN_JOB_RESTARTS"] = str(attempt)
         env = self.agent_env(plan, extra=extra)
         saved = dict(os.environ)
         os.environ.clear()
