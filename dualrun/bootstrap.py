@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("usage: python -m dualrun.bootstrap (script.py | -m module) [args...]")
     from dualrun import exit_guard
 
+    from dualrun.servers.store_wiring import share
+
+    share()   # multi-node torchrun: the servers' addresses, from the machine that started them
     _activate_plugin()
     exit_guard.activate()
     ended: BaseException | None = None

@@ -99,3 +99,27 @@ def test_max_failures_restarts_with_a_fresh_server_on_a_fresh_port(tmp_path, tin
     assert json.loads((out / "address_1_1.json").read_text()) == second
     assert all((out / f"step_{r}_{s}").exists() for r in (0, 1) for s in range(STEPS))
     assert eventually(lambda: not _server_pids(tiny))
+
+
+def test_multi_node_torchrun_servers_take_free_ports(tmp_path, tiny):
+    """Two machines by hand (one host): machine 0 starts the teacher on a free port; machine 1's ranks read its
+    address from torchrun's store. Both ranks use the same server; nothing sits on main_process_port + 1."""
+    from dualrun.ports import free_port
+
+    port = free_port()
+    (tmp_path / "job.yaml").write_text(
+        f"use_cpu: true\nmethod: gkd\nroles:\n  train: {{gpus: 2}}\n"
+        f"  teacher: {{gpus: 1, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90}}\n")
+    (tmp_path / "out").mkdir()
+    cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml", "--num_machines", "2",
+           "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+           str(ASSETS / "uses_teacher.py"), str(tmp_path / "out"), "2"]
+    procs = [subprocess.Popen([c.format(rank=r) for c in cmd], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=200) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    seen = [json.loads((tmp_path / "out" / f"address_0_{r}.json").read_text()) for r in (0, 1)]
+    assert seen[0] == seen[1] and seen[0].startswith("127.0.0.1:")
+    assert int(seen[0].rpartition(":")[2]) != port + 1
+    assert all((tmp_path / "out" / f"step_{r}_1").exists() for r in (0, 1))
+    assert eventually(lambda: not _server_pids(tiny))
