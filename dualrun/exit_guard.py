@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import functools
 import gc
 import io
 import os
@@ -140,8 +141,6 @@ def exit_code(exc: BaseException | None) -> int:
 
 def bound(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
     """`fn` run in a daemon thread and waited for at most DUALRUN_EXIT_TIMEOUT_S; its errors are re-raised."""
-    import functools
-
     @functools.wraps(fn)
     def bounded(*args: Any, **kwargs: Any) -> Any:
         box: dict[str, Any] = {}
@@ -177,7 +176,21 @@ def _bound_teardown(module: Any) -> None:
     original = c10d.destroy_process_group
     if getattr(original, "_dualrun_bounded", False):
         return
-    bounded = bound(original, "destroy_process_group()")
+
+    def destroy(*args: Any, **kwargs: Any) -> Any:
+        # the teardown runs in a helper thread: give it the caller's CUDA device (a new thread starts on device 0)
+        torch = sys.modules.get("torch")
+        device = torch.cuda.current_device() if torch is not None and torch.cuda.is_initialized() else None
+
+        def run() -> Any:
+            if device is not None:
+                torch.cuda.set_device(device)
+            return original(*args, **kwargs)
+
+        return bound(run, "destroy_process_group()")()
+
+    bounded = functools.wraps(original)(destroy)
+    bounded._dualrun_bounded = True  # type: ignore[attr-defined]
     c10d.destroy_process_group = bounded
     dist.destroy_process_group = bounded
 
