@@ -23,6 +23,21 @@ def restart_count() -> int:
     return total
 
 
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` that was written to the end (its trainer_state.json, written last, exists).
+
+    A rank killed while rank 0 saved leaves a `checkpoint-N` folder without it; resuming from that one fails."""
+    import re
+
+    steps = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            steps.append((int(m.group(1)), path))
+    return max(steps)[1] if steps else None
+
+
 def _patch(module) -> None:
     trainer_cls = getattr(module, "Trainer", None)
     if trainer_cls is None or getattr(trainer_cls.train, "_dualrun_resume", False):
@@ -31,10 +46,8 @@ def _patch(module) -> None:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is None and restart_count() > 0:
-            from transformers.trainer_utils import get_last_checkpoint
-
             out = getattr(self.args, "output_dir", None)
-            last = get_last_checkpoint(out) if out and os.path.isdir(out) else None
+            last = last_complete_checkpoint(out) if out and os.path.isdir(out) else None
             if last:
                 if os.environ.get("RANK", "0") == "0":
                     print(f"[dualrun] restart {restart_count()}: resuming from {last}", file=sys.stderr, flush=True)
