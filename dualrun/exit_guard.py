@@ -90,7 +90,12 @@ def _watchdog(code: int, timeout: float, what: str) -> threading.Event:
 
 
 def _join_threads() -> None:
-    """What Python does first at exit: wait for the program's non-daemon threads."""
+    """What Python does first at exit: its thread-exit callbacks (concurrent.futures' executors shut down there),
+    then wait for the program's non-daemon threads. Python's own `threading._shutdown` where it has one."""
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+        return
     me = threading.current_thread()
     for t in threading.enumerate():
         if t is not me and not t.daemon and t is not threading.main_thread():

@@ -43,6 +43,10 @@ elif mode == "destroy":
     c10d.ProcessGroup.shutdown = lambda self: time.sleep(3600)   # the gloo teardown that never returns
     dist.destroy_process_group()
     print("after destroy", flush=True)
+elif mode == "pool":                          # an executor never shut down: Python's exit shuts it down
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(2)
+    pool.submit(print, "pool ran", flush=True).result()
 elif mode == "raise":
     raise RuntimeError("boom on purpose")
 atexit.register(print, "atexit ran", flush=True)
@@ -80,7 +84,7 @@ def _bootstrap(tmp_path: Path, *args: str, timeout_s: str = "2") -> tuple[subpro
     return proc, time.monotonic() - start
 
 
-@pytest.mark.parametrize("mode", ["atexit", "thread", "del"])
+@pytest.mark.parametrize("mode", ["atexit", "thread", "del", "pool"])
 @pytest.mark.parametrize("code", [0, 3])
 def test_a_teardown_that_never_returns_still_exits_with_the_programs_code(tmp_path, mode, code):
     proc, took = _bootstrap(tmp_path, mode, str(code))
@@ -88,7 +92,7 @@ def test_a_teardown_that_never_returns_still_exits_with_the_programs_code(tmp_pa
     assert took < 30
     assert "program done" in proc.stdout
     assert (tmp_path / "unclosed_0.txt").read_text() == "written, never closed\n"
-    if mode == "del":   # finalization is skipped: no wait at all, and the exit handlers did run
+    if mode in ("del", "pool"):   # no wait at all (finalization skipped; executors shut down), exit handlers ran
         assert "atexit ran" in proc.stdout and "did not finish" not in proc.stderr
     else:               # the watchdog: one line with the program's code, then where it was stuck
         assert f"dualrun: rank 0: the program ended (exit code {code}) but its exit" in proc.stderr
