@@ -103,7 +103,7 @@ class TorchrunLauncher(Launcher):
             print(f"dualrun: {servers.failure.one_line()}; restarting the job with fresh servers "
                   f"({attempt}/{self.cfg.max_failures})", file=sys.stderr, flush=True)
             if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
-                del self._chosen_port   # a fresh rendezvous port too
+                self.__dict__.pop("_chosen_port", None)   # a fresh rendezvous port too
         result.restarts = attempt
         result.wall_time_s = time.monotonic() - start
         return result
