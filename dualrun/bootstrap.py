@@ -6,7 +6,8 @@
 The environment is already set when this starts (by torchrun or by the Ray worker actor). It activates the
 method plugin's hooks, then runs the user's program unchanged as `__main__` with its own argv. An uncaught
 exception is recorded in TORCHELASTIC_ERROR_FILE (torch's format) so the launcher can name the failing rank
-and its error, whichever backend ran it.
+and its error, whichever backend ran it. Once the program has ended, the rank exits with the program's own code even
+when the process-group teardown hangs (dualrun/exit_guard.py).
 """
 from __future__ import annotations
 
@@ -47,12 +48,34 @@ def _activate_plugin() -> None:
     get_plugin(method).activate(worker_settings())
 
 
-def _call(path: str) -> None:
+def _call(path: str) -> object:
     """Python API: call a pickled function and leave its return value next to it for the driver."""
     from dualrun.funcs import load_call, save_result
 
     fn, args, kwargs = load_call(path)
-    save_result(path, os.environ.get("RANK", "0"), fn(*args, **kwargs))
+    value = fn(*args, **kwargs)
+    save_result(path, os.environ.get("RANK", "0"), value)
+    return value
+
+
+def _run(argv: list[str]) -> object:
+    """Run the program; return its globals (kept alive: freeing them runs destructors, a teardown of its own)."""
+    if argv[0] == "--call":
+        return _call(argv[1])
+    elif argv[0] == "-m":
+        if len(argv) < 2:
+            sys.exit("usage: python -m dualrun.bootstrap -m module [args...]")
+        sys.argv = [argv[1]] + argv[2:]
+        return runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        sys.argv = argv
+        here = os.path.dirname(os.path.abspath(script))
+        if sys.path and sys.path[0] in ("", os.getcwd()):
+            sys.path[0] = here  # exactly what `python script.py` would have
+        else:
+            sys.path.insert(0, here)
+        return runpy.run_path(script, run_name="__main__")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,29 +84,25 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     if not argv:
         sys.exit("usage: python -m dualrun.bootstrap (script.py | -m module) [args...]")
+    from dualrun import exit_guard
+
+    from dualrun.servers.store_wiring import share
+
+    share()   # multi-node torchrun: the servers' addresses, from the machine that started them
     _activate_plugin()
+    exit_guard.activate()
+    ended: BaseException | None = None
+    kept = None
     try:
-        if argv[0] == "--call":
-            _call(argv[1])
-        elif argv[0] == "-m":
-            if len(argv) < 2:
-                sys.exit("usage: python -m dualrun.bootstrap -m module [args...]")
-            sys.argv = [argv[1]] + argv[2:]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            script = argv[0]
-            sys.argv = argv
-            here = os.path.dirname(os.path.abspath(script))
-            if sys.path and sys.path[0] in ("", os.getcwd()):
-                sys.path[0] = here  # exactly what `python script.py` would have
-            else:
-                sys.path.insert(0, here)
-            runpy.run_path(script, run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - recorded, then re-raised unchanged
+        kept = _run(argv)
+    except SystemExit as exc:
+        ended = exc
+    except BaseException as exc:  # noqa: BLE001 - recorded and printed as Python would, then the rank exits
         _record(exc)
-        raise
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        ended = exc
+    # the program has ended: this rank exits now, with its code, whatever the teardown does (dualrun/exit_guard.py)
+    exit_guard.finish(exit_guard.exit_code(ended), keep=kept)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """Shipping a Python function to workers and its return values back (used by `dualrun.launch(fn)`).
 
 cloudpickle (shipped with Ray) pickles functions defined in `__main__` or notebooks by value, so workers need
-nothing but the file. Results are written per rank beside the call file and read back by the driver.
+nothing but the file. Results are written per rank beside the call file. Under torchrun the driver reads them back;
+on Ray the call file's bytes travel through each rank's actor (written on its own node) and each rank's result
+comes back as the actor's return value, so no node needs to read another node's disk.
 """
 from __future__ import annotations
 
@@ -33,11 +35,15 @@ def load_call(path: str) -> tuple[Callable[..., Any], tuple, dict]:
         return pickle.load(f)
 
 
+def result_path(path: str, rank: str | int) -> str:
+    return f"{path}.result.{rank}"
+
+
 def save_result(path: str, rank: str, value: Any) -> None:
-    tmp = f"{path}.result.{rank}.tmp"
+    tmp = f"{result_path(path, rank)}.tmp"
     with open(tmp, "wb") as f:
         _pickler().dump(value, f)
-    os.replace(tmp, f"{path}.result.{rank}")
+    os.replace(tmp, result_path(path, rank))
 
 
 def load_results(path: str) -> dict[int, Any]:

@@ -1,6 +1,7 @@
 """After a restart, make the unchanged HF/TRL trainer resume from the newest checkpoint in its output_dir.
 
-Both backends export TORCHELASTIC_RESTART_COUNT; on a restart (> 0) `Trainer.train()` called without
+Both backends export TORCHELASTIC_RESTART_COUNT (torchrun adds DUALRUN_JOB_RESTARTS when dualrun restarted
+the job with fresh servers); on a restart (> 0) `Trainer.train()` called without
 `resume_from_checkpoint` gets the newest `checkpoint-*` folder, when one exists. A value the user passed wins.
 """
 from __future__ import annotations
@@ -12,10 +13,29 @@ from dualrun.hooks import when_imported
 
 
 def restart_count() -> int:
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    except ValueError:
-        return 0
+    """Restarts so far: torchrun's own (workers) plus dualrun's (the whole job, after a server died)."""
+    total = 0
+    for name in ("TORCHELASTIC_RESTART_COUNT", "DUALRUN_JOB_RESTARTS"):
+        try:
+            total += int(os.environ.get(name, "0"))
+        except ValueError:
+            pass
+    return total
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` that was written to the end (its trainer_state.json, written last, exists).
+
+    A rank killed while rank 0 saved leaves a `checkpoint-N` folder without it; resuming from that one fails."""
+    import re
+
+    steps = []
+    for name in os.listdir(output_dir):
+        m = re.fullmatch(r"checkpoint-(\d+)", name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isfile(os.path.join(path, "trainer_state.json")):
+            steps.append((int(m.group(1)), path))
+    return max(steps)[1] if steps else None
 
 
 def _patch(module) -> None:
@@ -26,10 +46,8 @@ def _patch(module) -> None:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint is None and restart_count() > 0:
-            from transformers.trainer_utils import get_last_checkpoint
-
             out = getattr(self.args, "output_dir", None)
-            last = get_last_checkpoint(out) if out and os.path.isdir(out) else None
+            last = last_complete_checkpoint(out) if out and os.path.isdir(out) else None
             if last:
                 if os.environ.get("RANK", "0") == "0":
                     print(f"[dualrun] restart {restart_count()}: resuming from {last}", file=sys.stderr, flush=True)

@@ -18,17 +18,33 @@ class FakeGpuCluster:
     """`ray.cluster_utils.Cluster` with `nodes` nodes of `gpus` fake GPUs; this process is connected as a driver
     so tests can count actors and placement groups."""
 
-    def __init__(self, nodes: int = 2, gpus: int = 2, cpus: int = 2) -> None:
+    def __init__(self, nodes: int = 2, gpus: int = 2, cpus: int = 2, node_tmpdirs: list[str] | None = None) -> None:
+        """`node_tmpdirs`: each node's TMPDIR (its raylet and so its workers see it), as on separate machines."""
         import ray
         from ray.cluster_utils import Cluster
 
         self.temp_dir = tempfile.mkdtemp(prefix="drt", dir="/tmp")
+        os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
         args = dict(num_cpus=cpus, num_gpus=gpus, node_ip_address="127.0.0.1", include_dashboard=False,
                     temp_dir=self.temp_dir)
-        self.cluster = Cluster(initialize_head=True, head_node_args=args)
-        for _ in range(nodes - 1):
-            self.cluster.add_node(**args)
-        self.cluster.wait_for_nodes()
+        # Ray's `ray_current_cluster` file goes to $RAY_TMPDIR/ray: this cluster's own dir, never /tmp/ray
+        saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "TMPDIR")}
+        os.environ["RAY_TMPDIR"] = self.temp_dir
+        try:
+            for i in range(nodes):
+                if node_tmpdirs:
+                    os.environ["TMPDIR"] = node_tmpdirs[i]
+                if i == 0:
+                    self.cluster = Cluster(initialize_head=True, head_node_args=args)
+                else:
+                    self.cluster.add_node(**args)
+            self.cluster.wait_for_nodes()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self.address = self.cluster.address
         ray.init(address=self.address, log_to_driver=False)
 

@@ -51,7 +51,7 @@ def _run_and_kill(tmp_path, tiny, backend, max_failures):
     log = open(tmp_path / f"{out}.log", "w+")   # a file, not a pipe: a full pipe would stall the job
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + 240
-    while not (tmp_path / out / "checkpoint-20").exists():
+    while not (tmp_path / out / "checkpoint-20" / "trainer_state.json").exists():   # written last: complete
         assert proc.poll() is None and time.monotonic() < deadline, "never reached the first checkpoint"
         time.sleep(0.05)
     victims = _workers(out)

@@ -112,6 +112,29 @@ def test_exit_before_healthy_is_reported_at_once(tmp_path):
     assert "cannot load the model" in e.value.one_line()
 
 
+def test_a_server_that_dies_is_named_with_its_code_and_log(tmp_path):
+    """What the watchers of both backends report: label, exit code (and signal), the log's last lines."""
+    import signal
+
+    server = _standin(tmp_path).start()
+    try:
+        server.wait_healthy()
+        os.kill(server.proc.pid, signal.SIGKILL)
+        err = server.wait_exit()
+    finally:
+        server.stop()
+    assert str(err).startswith("teacher server 0 exited with code -9 (killed by SIGKILL) while the job was running")
+    assert "--- last lines of its log ---" in str(err) and "stand-in starting" in str(err)
+    assert err.one_line().endswith(": stand-in starting")
+
+
+def test_free_port_never_returns_an_avoided_port():
+    from dualrun.ports import free_port
+
+    taken = {free_port() for _ in range(5)}
+    assert all(free_port(avoid=taken) not in taken for _ in range(20))
+
+
 def test_missing_command_is_a_server_error(tmp_path):
     server = ServerProcess("rollout server 0", ["/nonexistent/vllm"], {}, "127.0.0.1", _free())
     with pytest.raises(ServerError, match="could not start"):

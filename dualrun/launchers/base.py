@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from typing import Any, Mapping, Sequence
 from dualrun.config.model import JobConfig
 from dualrun.envspec import forwarded_env
 from dualrun.plan import AUTO, Cluster, Plan
+from dualrun.ports import free_port  # noqa: F401 - re-exported for callers and tests
 
 
 @dataclass(frozen=True)
@@ -102,13 +102,6 @@ def report_servers(addresses: Mapping[str, str], external: Mapping[str, str]) ->
     for role, addr in addresses.items():
         how = "user-run server at" if role in external else "server healthy at"
         print(f"dualrun: {role}: {how} {addr}", file=sys.stderr, flush=True)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on `host` (the OS picks it; no fixed ports, so jobs never collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def bootstrap_cmd(program: Program, python: str | None = None) -> list[str]:

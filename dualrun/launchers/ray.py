@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
 from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd, report_servers
+from dualrun.launchers.ray_results import failure, first_line, value
 from dualrun.plan import AUTO, Cluster, Plan, Process
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
@@ -51,6 +52,7 @@ class RayLauncher(Launcher):
         self._stop_time: float | None = None
         self._servers: Any = None
         self._wiring: dict[str, str] = {}
+        self._server_failure: str | None = None   # why the last attempt ended, when a server died
 
     # -- cluster -------------------------------------------------------------------------------------------------
     def cluster(self) -> Cluster | None:
@@ -128,40 +130,58 @@ class RayLauncher(Launcher):
 
     # -- launch --------------------------------------------------------------------------------------------------
     def launch(self, plan: Plan) -> JobResult:
-        """Run the job; on failure restart the whole job up to max_failures times (torchrun's semantics)."""
+        """Run the job; on failure restart the whole job up to max_failures times (torchrun's semantics). Servers
+        stay up across restarts of the trainers; a server that died is replaced by a fresh one on a fresh port."""
         start = time.monotonic()
         if self._conn is None:
             self.cluster()
         restore = self._trap_signals()
+        attempt, used = 0, set()
         try:
-            try:
-                self.start_servers(plan)
-            except LaunchError as e:
-                return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e))
-            attempt = 0
             while True:
+                if self._servers is None:
+                    try:
+                        self.start_servers(plan, attempt, used)
+                    except LaunchError as e:
+                        result = JobResult(e.exit_code, message=str(e))
+                        break
+                    except _Interrupted as e:
+                        result = JobResult(128 + e.signum, message=f"stopped by {e}: every server was stopped")
+                        break
                 result = self._attempt(plan, attempt)
                 if result.ok or result.exit_code in (130, 143) or attempt >= self.cfg.max_failures:
                     break
                 attempt += 1
-                print(f"dualrun: {result.message}; restarting the job ({attempt}/{self.cfg.max_failures})",
+                if self._server_failure is not None:   # fresh servers; never the dead one's address
+                    used |= self._servers.used()
+                    self._servers.stop(grace_s=_STOP_GRACE_S)
+                    self._servers = None
+                first = (result.message or "").splitlines()[0] if result.message else "the job failed"
+                print(f"dualrun: {first}; restarting the job ({attempt}/{self.cfg.max_failures})",
                       file=sys.stderr, flush=True)
         finally:
-            if self._servers is not None:   # servers stay up across restarts, go with the job
-                self._servers.stop()
+            if self._servers is not None:   # servers go with the job
+                self._servers.stop(grace_s=_STOP_GRACE_S if self._signal is not None else 10.0)
+                self._servers = None
             restore()
         result.restarts = attempt
         result.wall_time_s = time.monotonic() - start
         return result
 
-    def start_servers(self, plan: Plan) -> None:
+    def start_servers(self, plan: Plan, attempt: int = 0, avoid: "set[str] | frozenset[str]" = frozenset()) -> None:
         """Separate roles: each server in its own placement group and actor, healthy before any trainer starts;
-        the trainers get the plugin's wiring of their addresses (also for user-run servers, `address:`)."""
+        the trainers get the plugin's wiring of their addresses (also for user-run servers, `address:`).
+        Signals are seen while Ray places and starts them."""
         from dualrun.servers.ray_server import RayServers
 
         self._servers = RayServers(self.cfg, self.plugin, plan, self.run_id,
-                                   env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle)
-        self._servers.start()
+                                   env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle,
+                                   check=self._check_signal, attempt=attempt, avoid=avoid)
+        try:
+            self._servers.start()
+        except BaseException:
+            self._servers = None   # start() stopped what it had started
+            raise
         report_servers(self._servers.addresses, plan.external)
         self._wiring = self._servers.wiring_env()
 
@@ -189,6 +209,7 @@ class RayLauncher(Launcher):
         from dualrun.launchers import ray_cluster
 
         self._stop_time = None
+        self._server_failure = None
 
         pgs: list[Any] = []
         ranks: list[_Rank] = []
@@ -208,7 +229,7 @@ class RayLauncher(Launcher):
                 self._start(plan, ranks, attempt)
                 return self._supervise(ranks)
             except RayError as e:
-                raise LaunchError(f"the Ray workers could not start: {_first(e)}", 1) from None
+                raise LaunchError(f"the Ray workers could not start: {first_line(e)}", 1) from None
             except _Interrupted as e:
                 code = 128 + e.signum
                 self._stop_all(ranks)
@@ -249,6 +270,13 @@ class RayLauncher(Launcher):
                 order.append(r.info["node_id"])
         base = forwarded_env()
         argv = ["<python>", "-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()
+        call = None
+        if self.program.call_file:   # Python API: the pickled call travels to each node through its actor
+            from dualrun.launchers.ray_worker import CALL
+
+            with open(self.program.call_file, "rb") as f:
+                call = f.read()
+            argv = ["<python>", "-m", "dualrun.bootstrap", "--call", CALL]
         log_dir = self.cfg.log_dir
         refs = []
         for r in ranks:
@@ -258,22 +286,13 @@ class RayLauncher(Launcher):
                                   num_nodes=len(order), error_file=err, restart=attempt)
             r.env.update(self._wiring)
             log = os.path.abspath(os.path.join(log_dir, f"{r.proc.unit}_{r.proc.rank}.log")) if log_dir else None
-            refs.append(r.actor.start.remote(argv, r.env, os.getcwd(), log))
+            refs.append(r.actor.start.remote(argv, r.env, os.getcwd(), log, call))
         self._get(refs, "start the program")
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
-        """ray.get that still sees signals and gives up with one line (a runtime_env that never installs...)."""
-        import ray
+        from dualrun.launchers.ray_cluster import wait_refs
 
-        limit = max(60.0, self.cfg.ray.placement_timeout_s)
-        deadline = time.monotonic() + limit
-        while True:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-            self._check_signal()
-            if len(ready) == len(refs):
-                return ray.get(refs)
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the Ray workers did not {what} within {limit:g} s", 1)
+        return wait_refs(refs, what, max(60.0, self.cfg.ray.placement_timeout_s), self._check_signal)
 
     def _supervise(self, ranks: list[_Rank]) -> JobResult:
         """Wait on exits and output; the first failure (or a dead actor) stops every rank."""
@@ -284,16 +303,24 @@ class RayLauncher(Launcher):
         for i, r in enumerate(ranks):
             pending[r.actor.wait.remote()] = ("exit", i)
             pending[r.actor.lines.remote()] = ("out", i)
+        watch = dict(self._servers.watch) if self._servers is not None else {}   # a server that ends
         failed: list[int] = []
         deadline = None
         while pending:
             timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            ready, _ = ray.wait(list(pending) + list(watch), num_returns=1, timeout=timeout)
             if deadline is None:
                 self._check_signal()
             if deadline is not None and time.monotonic() >= deadline and not ready:
                 break
             for ref in ready:
+                if ref in watch:
+                    watch.pop(ref)
+                    self._server_failure = self._server_failure or self._servers.why_ended(ref)
+                    if deadline is None:
+                        self._stop_all(ranks, wait=False)
+                        deadline = time.monotonic() + _SHUTDOWN_S
+                    continue
                 kind, i = pending.pop(ref)
                 r = ranks[i]
                 if kind == "out":
@@ -308,28 +335,22 @@ class RayLauncher(Launcher):
                 try:
                     r.result = ray.get(ref)
                 except RayActorError as e:
-                    r.result = {"exit_code": 1, "end": time.time(), "error": f"its Ray actor died ({_first(e)})"}
+                    r.result = {"exit_code": 1, "end": time.time(), "error": f"its Ray actor died ({first_line(e)})"}
                 if r.result["exit_code"] != 0 and not failed:
                     failed.append(i)
                     self._stop_all(ranks, wait=False)
                     deadline = time.monotonic() + _SHUTDOWN_S
-        if not failed:
-            return JobResult(0, [RankResult(r.proc.label, r.proc.rank, 0) for r in ranks])
-        return self._failure(ranks, failed[0])
-
-    def _failure(self, ranks: list[_Rank], first: int) -> JobResult:
-        """One line naming the rank that failed first (before we stopped the others) and its error's last line."""
-        stop = self._stop_time or float("inf")
-        own = [r for r in ranks if r.result and r.result["exit_code"] != 0 and r.result["end"] <= stop]
-        culprit = min(own, key=lambda r: (r.result["end"], r.proc.rank)) if own else ranks[first]
-        res = culprit.result
-        code = res["exit_code"]
-        detail = (res.get("error") or "").strip().splitlines()
-        tail = detail[-1] if detail else "no error message"
+        if failed and watch and self._server_failure is None:   # did the ranks fail because a server died?
+            done, _ = ray.wait(list(watch), num_returns=1, timeout=0.5)
+            for ref in done:
+                self._server_failure = self._servers.why_ended(ref)
         results = [RankResult(r.proc.label, r.proc.rank, r.result["exit_code"] if r.result else -15,
                               r.result.get("error") if r.result else None) for r in ranks]
-        return JobResult(code if code > 0 else 1, results,
-                         message=f"{culprit.proc.label} failed (exit code {code}): {tail}")
+        if self._server_failure is not None:
+            return JobResult(1, results, message=self._server_failure)
+        if not failed:
+            return JobResult(0, [RankResult(r.proc.label, r.proc.rank, 0, result=value(r.result)) for r in ranks])
+        return failure(ranks, failed[0], self._stop_time)
 
     def _print(self, r: _Rank, batch: list[tuple[int, str]]) -> None:
         prefix = f"[{r.proc.label}] "
@@ -379,9 +400,3 @@ class RayLauncher(Launcher):
                 remove_pg(pg)
             except Exception:  # noqa: BLE001
                 pass
-
-
-def _first(e: BaseException) -> str:
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return lines[0][:200] if lines else type(e).__name__
-

@@ -323,6 +323,21 @@ def wait_placed(cfg: JobConfig, pg: Any, role: str, bundles: list[dict[str, floa
                           "gpus, change ray.placement_strategy or raise the timeout", 1)
 
 
+def wait_refs(refs: list[Any], what: str, limit: float, check: Callable[[], None] = lambda: None) -> list[Any]:
+    """`ray.get(refs)` that calls `check` every second (so a signal is seen within a second) and gives up
+    after `limit` s with one line (a runtime_env that never installs, an actor that never starts...)."""
+    import ray
+
+    deadline = time.monotonic() + limit
+    while True:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        check()
+        if len(ready) == len(refs):
+            return ray.get(refs)
+        if time.monotonic() > deadline:
+            raise LaunchError(f"the Ray workers did not {what} within {limit:g} s", 1)
+
+
 def _shape(bundles: list[dict[str, float]]) -> str:
     kinds = sorted({tuple(sorted(b.items())) for b in bundles})
     return " + ".join("{" + ", ".join(f"{k}: {v:g}" for k, v in kind) + "}" for kind in kinds)

@@ -18,7 +18,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,8 +27,10 @@ from typing import Any
 
 from dualrun.errors import killed_by
 from dualrun.progress import PROGRESS_ENV, Collapser, show_progress
+from dualrun.ports import free_port
 
 STDOUT, STDERR = 1, 2
+CALL = "<call>"     # stands for the pickled call's file on the actor's node
 _TAIL = 40          # stderr lines kept for the failure message
 _LINGER_S = 0.2
 _BATCH = 2000       # most lines handed over per `lines` call
@@ -41,12 +42,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - best effort; not Linux
         pass
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class RankWorker:
@@ -69,6 +64,8 @@ class RankWorker:
         self.spawner: threading.Thread | None = None
         self.end = 0.0
         self.show_bars = True
+        self.call_file: str | None = None
+        self.rank = "0"
 
     def info(self, pick_port: bool = False) -> dict[str, Any]:
         """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks a free port."""
@@ -77,16 +74,24 @@ class RankWorker:
         ctx = ray.get_runtime_context()
         return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "tmp": self.tmp, "pid": os.getpid(),
-                "port": _free_port() if pick_port else None}
+                "port": free_port("") if pick_port else None}
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None = None) -> int:
-        """Start the rank's program; returns its pid. `argv[0]` '<python>' means this node's interpreter."""
+    def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None = None,
+              call: bytes | None = None) -> int:
+        """Start the rank's program; returns its pid. `argv[0]` '<python>' means this node's interpreter; with
+        `call` (a pickled function, Python API) the argument '<call>' becomes its file in this actor's temp dir."""
         if argv and argv[0] == "<python>":
             argv = [sys.executable] + argv[1:]
+        if call is not None:
+            self.call_file = os.path.join(self.tmp, "call.pkl")
+            with open(self.call_file, "wb") as f:
+                f.write(call)
+            argv = [self.call_file if a == CALL else a for a in argv]
         if not os.path.isdir(cwd):
             raise RuntimeError(f"the launching directory {cwd} does not exist on this node")
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
         self.show_bars = show_progress(env.get(PROGRESS_ENV, "rank0"), env.get("RANK"))
+        self.rank = env.get("RANK", "0")
         if self.error_file:
             os.makedirs(os.path.dirname(self.error_file), exist_ok=True)
         if log_path:
@@ -161,9 +166,22 @@ class RankWorker:
             with self.log_lock:
                 self.log.close()
                 self.log = None
-        self.result = {"exit_code": code, "end": end, "error": self._error(code) if code else None}
+        self.result = {"exit_code": code, "end": end, "error": self._error(code) if code else None,
+                       "value": self._value()}
         self.queue.put(None)
         return self.result
+
+    def _value(self) -> bytes | None:
+        """Python API: the pickled return value the rank left beside its call file (bytes travel back)."""
+        if self.call_file is None:
+            return None
+        from dualrun.funcs import result_path
+
+        try:
+            with open(result_path(self.call_file, self.rank), "rb") as f:
+                return f.read()
+        except OSError:
+            return None
 
     def _error(self, code: int) -> str:
         """The error the rank recorded (torch's error-file format), else its last stderr lines."""

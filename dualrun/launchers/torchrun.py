@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Mapping
 
@@ -89,43 +90,81 @@ class TorchrunLauncher(Launcher):
         return "\n".join(lines)
 
     def launch(self, plan: Plan) -> JobResult:
+        """Run torchrun for this node; a server that dies ends the job (or, with max_failures, restarts it with
+        fresh servers on fresh ports: torchrun restarts the workers, dualrun the servers)."""
+        start = time.monotonic()
+        used_ports: set[int] = set()
+        attempt = 0
+        while True:
+            result, servers = self._attempt(plan, attempt, used_ports)
+            used_ports |= servers.ports_used
+            if servers.failure is None or attempt >= self.cfg.max_failures:
+                break
+            attempt += 1
+            print(f"dualrun: {servers.failure.one_line()}; restarting the job with fresh servers "
+                  f"({attempt}/{self.cfg.max_failures})", file=sys.stderr, flush=True)
+            if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
+                self.__dict__.pop("_chosen_port", None)   # a fresh rendezvous port too
+        result.restarts = attempt
+        result.wall_time_s = time.monotonic() - start
+        return result
+
+    def _attempt(self, plan: Plan, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
         start = time.monotonic()
         # separate roles: their servers start first (on their own devices), the trainers get their addresses
-        servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env))
+        servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid_ports=used_ports)
         try:
             servers.start()
             report_servers(servers.addresses, plan.external)
         except LaunchError as e:
-            return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e))
+            return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e)), servers
         # the script's own arguments bypass torchrun's parser: `--n` must not match torchrun's `--nnodes`
         argv = self.torchrun_argv(plan)
         script_args = self.program.bootstrap_argv()
         args = parse_args(argv[: len(argv) - len(script_args)])
         args.training_script_args = script_args
-        env = self.agent_env(plan, extra=servers.wiring_env())
+        args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
+        extra = servers.wiring_env()
+        if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
+            extra["DUALRUN_JOB_RESTARTS"] = str(attempt)
+        env = self.agent_env(plan, extra=extra)
         saved = dict(os.environ)
         os.environ.clear()
         os.environ.update(env)
+        if threading.current_thread() is threading.main_thread():
+            # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
+            servers.watch(lambda _: os.kill(os.getpid(), signal.SIGTERM))
         try:
             run(args)
         except ChildFailedError as e:
-            return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit)
+            servers.unwatch()
+            if servers.check() is not None:   # a server died first and the workers failed for it: the cause
+                return _server_died(servers, start), servers
+            return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
         except SignalException as e:
+            servers.unwatch()
+            if servers.failure is not None:
+                return _server_died(servers, start), servers
             code = 128 + int(e.sigval)
             name = signal.Signals(e.sigval).name
             return JobResult(code, wall_time_s=time.monotonic() - start,
-                             message=f"stopped by {name}: every worker of the job was terminated")
+                             message=f"stopped by {name}: every worker of the job was terminated"), servers
         finally:
+            servers.stop()
             os.environ.clear()
             os.environ.update(saved)
-            servers.stop()
         n = len(self.node_workers(plan))
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
-        return JobResult(0, ranks, time.monotonic() - start)
+        return JobResult(0, ranks, time.monotonic() - start), servers
+
+
+def _server_died(servers: LocalServers, start: float) -> JobResult:
+    """The job ended because a server died: name it, its exit code and its log's last lines."""
+    return JobResult(1, wall_time_s=time.monotonic() - start, message=str(servers.failure))
 
 
 def _text(message) -> str:

@@ -1,16 +1,17 @@
 """The servers a torchrun plan places on this machine: started before the trainers, stopped after them.
 
-One machine: each server binds 127.0.0.1 on a port the OS picks. Several machines (torchrun by hand, like
-accelerate): the servers run on machine 0, bind 0.0.0.0, and every machine derives the same port from
-`main_process_port` (as torchrun's own rendezvous does), because the machines do not talk before the job.
+Each server binds a port the OS picks. One machine: 127.0.0.1. Several machines (torchrun by hand, like
+accelerate): the servers run on machine 0 and bind 0.0.0.0; the other machines' ranks read the addresses from
+torchrun's store when they start (dualrun/servers/store_wiring.py), since the machines do not talk before the job.
 """
 from __future__ import annotations
 
 import os
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, Callable, Mapping, TextIO
+from typing import Any, Callable, Collection, Mapping, TextIO
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import LaunchError
@@ -56,20 +57,25 @@ class LocalServers:
     """Start, health-check and stop the plan's servers for this machine (`cfg.machine_rank`)."""
 
     def __init__(self, cfg: JobConfig, plugin: Any, plan: Plan, env_for: Callable[[Process], dict[str, str]],
-                 log_dir: str | None = None, stream: TextIO | None = sys.stderr) -> None:
+                 log_dir: str | None = None, stream: TextIO | None = sys.stderr,
+                 avoid_ports: Collection[int] = ()) -> None:
         self.cfg, self.plugin, self.plan, self.env_for, self.stream = cfg, plugin, plan, env_for, stream
         self.log_dir = log_dir or cfg.torchrun.log_dir or cfg.log_dir
         self.running: dict[int, ServerProcess] = {}  # plan.servers index ->
         self.addresses: dict[str, str] = dict(plan.external)
+        self.avoid_ports = set(avoid_ports)   # ports of an earlier attempt's servers: never reused
+        self.ports_used: set[int] = set()
+        self.elsewhere = False   # some server runs on another machine: the wiring comes through the store
+        self.failure: ServerError | None = None   # the first server that died while watched
+        self._watching = threading.Event()
 
     def _endpoint(self, index: int) -> tuple[str, str, int]:
         """(bind host, advertised host, port) of the plan's `index`-th server."""
-        from dualrun.launchers.base import free_port
+        from dualrun.ports import free_port
 
         if self.cfg.num_machines == 1:
-            return "127.0.0.1", "127.0.0.1", free_port("127.0.0.1")
-        base = self.cfg.main_process_port or 29500
-        return "0.0.0.0", self.cfg.main_process_ip or "127.0.0.1", base + 1 + index
+            return "127.0.0.1", "127.0.0.1", free_port("127.0.0.1", self.avoid_ports)
+        return "0.0.0.0", self.cfg.main_process_ip or "127.0.0.1", free_port("0.0.0.0", self.avoid_ports)
 
     def _log_path(self, proc: Process) -> str:
         if not self.log_dir:
@@ -79,6 +85,7 @@ class LocalServers:
 
     def _spawn(self, index: int, proc: Process) -> ServerProcess:
         bind, advertised, port = self._endpoint(index)
+        self.ports_used.add(port)
         argv = server_command(self.cfg, self.plugin, proc, bind, port)
         role = server_role(self.cfg, proc)
         server = ServerProcess(proc.label, argv, self.env_for(proc), bind, port,
@@ -94,9 +101,8 @@ class LocalServers:
         try:
             started: dict[int, str] = {}
             for index, proc in enumerate(self.plan.servers):
-                if proc.node != self.cfg.machine_rank:  # another machine runs it; its address is derived
-                    _, advertised, port = self._endpoint(index)
-                    started[index] = f"{advertised}:{port}"
+                if proc.node != self.cfg.machine_rank:  # another machine runs it: its ranks publish the address
+                    self.elsewhere = True
                     continue
                 self.running[index] = self._spawn(index, proc)
             for index, proc in enumerate(self.plan.servers):  # all start at once, then each is waited for
@@ -119,7 +125,7 @@ class LocalServers:
                 server.wait_healthy(deadline)
                 return server
             except ServerError as e:
-                lost_port = any(s in e.tail.lower() for s in _PORT_IN_USE) and self.cfg.num_machines == 1
+                lost_port = any(s in e.tail.lower() for s in _PORT_IN_USE)
                 if not lost_port or attempt == 2:
                     raise
                 server.stop()  # the free port was taken between picking and binding it: pick another
@@ -128,11 +134,50 @@ class LocalServers:
         return server
 
     def wiring_env(self) -> dict[str, str]:
-        """Env for the trainer ranks: the plugin's wiring of the servers' addresses."""
-        return wiring_env(self.cfg, self.plugin, self.addresses)
+        """Env for the trainer ranks: the plugin's wiring of the servers' addresses; with several machines, also
+        whether this machine's ranks publish it (it started servers) or read it (they run elsewhere)."""
+        import json
+
+        from dualrun.servers import store_wiring
+
+        if self.elsewhere:
+            return {store_wiring.FETCH: "1"}
+        env = wiring_env(self.cfg, self.plugin, self.addresses)
+        if self.running and self.cfg.num_machines > 1:
+            env.update({store_wiring.PUBLISH: "1", store_wiring.NAMES: json.dumps(sorted(env))})
+        return env
+
+    def check(self) -> ServerError | None:
+        """One look at every server: the first that has ended becomes `failure` (kept once set)."""
+        if self.failure is None:
+            for server in list(self.running.values()):
+                if server.proc is not None and server.proc.poll() is not None:
+                    self.failure = server.wait_exit()
+                    break
+        return self.failure
+
+    def watch(self, on_death: Callable[[ServerError], None], every_s: float = 0.25) -> None:
+        """While the job runs: the first server that ends is recorded in `failure` and `on_death` is called once
+        (from a watcher thread). `stop` ends the watch first, so stopping the servers is never a failure."""
+        self._watching.set()
+
+        def loop() -> None:
+            while self._watching.is_set():
+                failure = self.check()
+                if failure is not None and self._watching.is_set():
+                    self._watching.clear()
+                    on_death(failure)
+                    return
+                time.sleep(every_s)
+
+        threading.Thread(target=loop, name="dualrun-server-watch", daemon=True).start()
+
+    def unwatch(self) -> None:
+        self._watching.clear()
 
     def stop(self) -> None:
         """Stop every server started here (idempotent); used on success, failure and interruption alike."""
+        self._watching.clear()
         for server in list(self.running.values()):
             server.stop()
         self.running.clear()

@@ -37,6 +37,18 @@ class ServerError(RuntimeError):
         return f"{self.label} {self.reason}" + (f": {last.strip()}" if last else "")
 
 
+def died(label: str, code: int | None, tail: str = "", log_path: str | None = None) -> ServerError:
+    """The error for a server that ended while the job ran: its label (role and replica), its exit code (and the
+    signal that killed it) and the last lines of its log. One wording for both backends."""
+    how = f"exited with code {code}"
+    if code is not None and code < 0:
+        try:
+            how += f" (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return ServerError(label, f"{how} while the job was running", tail, log_path)
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     """True when `url` answers 200. Proxies are bypassed: servers are always addressed directly."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -139,6 +151,13 @@ class ServerProcess:
                                               f"({self.health_url})", self.tail(), self.log_path)
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 1.5, 1.0)
+
+    def wait_exit(self) -> ServerError:
+        """Block until the server ends (by itself or by `stop`); the error that names it and quotes its log."""
+        assert self.proc is not None, "start() was not called"
+        code = self.proc.wait()
+        self._drain()
+        return died(self.label, code, self.tail(), self.log_path)
 
     def _drain(self) -> None:
         if self._reader is not None:

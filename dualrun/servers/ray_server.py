@@ -17,10 +17,9 @@ The actor module is imported by Ray worker processes: it needs only the standard
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from dualrun.servers.process import ServerError, ServerProcess
 
@@ -34,13 +33,13 @@ class ServerActor:
         self.label = label
         self.server: ServerProcess | None = None
 
-    def where(self) -> dict[str, Any]:
+    def where(self, avoid: list[int] | None = None) -> dict[str, Any]:
         import ray
 
+        from dualrun.ports import free_port
+
         ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            port = s.getsockname()[1]
+        port = free_port(ip, set(avoid or ()))
         return {"ip": ip, "port": port, "gpus": [str(g) for g in ray.get_gpu_ids()],
                 "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
@@ -64,6 +63,11 @@ class ServerActor:
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
 
+    def wait_exit(self) -> str:
+        """Block until the server ends; the error naming it, its exit code and its log's last lines."""
+        assert self.server is not None, "start() was not called"
+        return str(self.server.wait_exit())
+
     def stop(self, grace_s: float = 10.0) -> int | None:
         return self.server.stop(grace_s) if self.server is not None else None
 
@@ -72,13 +76,17 @@ class RayServers:
     """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown."""
 
     def __init__(self, cfg: Any, plugin: Any, plan: Any, run_id: str,
-                 env_for: Callable[[Any], dict[str, str]], bundle: Callable[[Any], dict[str, float]]) -> None:
+                 env_for: Callable[[Any], dict[str, str]], bundle: Callable[[Any], dict[str, float]],
+                 check: Callable[[], None] = lambda: None, attempt: int = 0,
+                 avoid: Collection[str] = ()) -> None:
         self.cfg, self.plugin, self.plan, self.run_id = cfg, plugin, plan, run_id
-        self.env_for, self.bundle = env_for, bundle
+        self.env_for, self.bundle, self.check, self.attempt = env_for, bundle, check, attempt
+        self.avoid = set(avoid)   # `ip:port` of an earlier attempt's servers: a restart never reuses them
         self.actors: list[Any] = []
         self.pgs: list[Any] = []
         self.infos: list[dict[str, Any]] = []
         self.addresses: dict[str, str] = dict(plan.external)
+        self.watch: dict[Any, str] = {}   # ref that resolves when a server ends -> its label
 
     def start(self) -> dict[str, str]:
         """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
@@ -94,12 +102,14 @@ class RayServers:
         except RayError as e:
             self.stop()
             raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
-        except BaseException:
-            self.stop()
+        except BaseException:   # a signal (the check) or anything else: nothing is left behind, quickly
+            self.stop(grace_s=3.0)
             raise
         from dualrun.servers.local import addresses
 
         self.addresses = addresses(self.plan, started)
+        # one waiting call per server for the whole job: the launcher waits on them beside the ranks' exits
+        self.watch = {a.wait_exit.remote(): p.label for a, p in zip(self.actors, self.plan.servers)}
         return self.addresses
 
     def _place(self) -> None:
@@ -112,25 +122,26 @@ class RayServers:
         for p in self.plan.servers:
             b = self.bundle(p)
             ray_cluster.check_resources(self.cfg, p.roles[0], [b])
-            pg = ray_cluster.placement_group(self.cfg, f"{self.run_id}-{p.unit}-server-{p.rank}", [b])
+            name = f"{self.run_id}-{p.unit}-server-{p.rank}-{self.attempt}"
+            pg = ray_cluster.placement_group(self.cfg, name, [b])
             self.pgs.append(pg)
-            ray_cluster.wait_placed(self.cfg, pg, p.roles[0], [b])
+            ray_cluster.wait_placed(self.cfg, pg, p.roles[0], [b], self.check)
             self.actors.append(cls.options(
-                num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0), max_concurrency=4, max_restarts=0,
-                name=f"{self.run_id}-{p.unit}-server-{p.rank}",
+                num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0), max_concurrency=6, max_restarts=0, name=name,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(p.label))
 
     def _start_all(self) -> dict[int, str]:
-        import ray
-
         from dualrun.errors import LaunchError
+        from dualrun.launchers.ray_cluster import wait_refs
         from dualrun.servers.local import server_command, server_role
 
         todo = list(range(len(self.plan.servers)))
         started: dict[int, str] = {}
         for attempt in range(3):
-            self.infos = ray.get([a.where.remote() for a in self.actors])
+            ports = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
+            self.infos = wait_refs([a.where.remote(ports) for a in self.actors], "start their server actors",
+                                   max(60.0, self.cfg.ray.placement_timeout_s), self.check)
             refs = {}
             for i in todo:
                 p, info = self.plan.servers[i], self.infos[i]
@@ -143,8 +154,9 @@ class RayServers:
                 refs[i] = self.actors[i].start.remote(argv, env, info["ip"], info["port"],
                                                       self.plugin.health_path(role), role.health_timeout_s, log)
             retry = []
-            for i, ref in refs.items():
-                result = ray.get(ref)
+            limit = max(server_role(self.cfg, self.plan.servers[i]).health_timeout_s for i in refs) + 30.0
+            results = wait_refs(list(refs.values()), "get their servers healthy", limit, self.check)
+            for i, result in zip(refs, results):
                 if result["ok"]:
                     started[i] = result["address"]
                 elif result["port_in_use"] and attempt < 2:
@@ -155,6 +167,21 @@ class RayServers:
                 return started
             todo = retry
         return started
+
+    def why_ended(self, ref: Any) -> str:
+        """For a `watch` ref that resolved: the server's label, exit code and log's last lines."""
+        import ray
+        from ray.exceptions import RayError
+
+        try:
+            return ray.get(ref)
+        except RayError as e:
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
+            return f"{self.watch.get(ref, 'a server')}: its Ray actor died ({lines[0][:200]})"
+
+    def used(self) -> set[str]:
+        """`ip:port` of every server this attempt started (a restart avoids them)."""
+        return {f"{info['ip']}:{info['port']}" for info in self.infos}
 
     def wiring_env(self) -> dict[str, str]:
         from dualrun.servers.local import wiring_env
@@ -188,4 +215,4 @@ class RayServers:
                 remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
-        self.actors, self.pgs = [], []
+        self.actors, self.pgs, self.watch = [], [], {}

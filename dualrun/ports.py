@@ -1,0 +1,20 @@
+"""Picking a free TCP port: the one copy every launcher, server and Ray actor uses (standard library only,
+so Ray worker processes import it without torch or the rest of dualrun)."""
+from __future__ import annotations
+
+import socket
+from typing import Collection
+
+_TRIES = 50
+
+
+def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port free right now on `host`, picked by the OS (no fixed ports, so jobs never collide), and not one
+    of `avoid` (the ports of servers that died: a restart never reuses a dead server's address)."""
+    for _ in range(_TRIES):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise OSError(f"no free port on {host} outside {len(avoid)} excluded ones after {_TRIES} tries")
