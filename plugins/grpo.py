@@ -1,5 +1,5 @@
 """grpo: roles `train` and `rollout`. Colocated rollout generates inside the trainer (TRL's own path, or vLLM
-colocate mode when vLLM is installed); a separate rollout runs `trl vllm-serve` on its own GPUs (the CPU engine
+colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs (the CPU engine
 where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
 `vllm_server_host/port`, each only where the user left it at its default."""
 from __future__ import annotations
@@ -11,14 +11,14 @@ from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
-from dualrun.servers.wiring import fill_defaults, rollout_fields, say
+from dualrun.servers.wiring import GROUP_PORT_ENV, ROLLOUT_ADDRESS_ENV, fill_defaults, rollout_fields, say
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 
 
 def wire_rollout(module: Any, config_class: str, address: str) -> None:
     """Point `module.<config_class>` at the rollout server (fields left at defaults only)."""
-    fill_defaults(getattr(module, config_class), rollout_fields(address),
+    fill_defaults(getattr(module, config_class), rollout_fields(address, os.environ.get(GROUP_PORT_ENV)),
                   lambda cfg, filled: say(f"{type(cfg).__name__}: {filled} (rollout server)"))
 
 
@@ -42,7 +42,7 @@ class GRPOPlugin(MethodPlugin):
         return HEALTH_PATH
 
     def activate(self, settings: Mapping[str, Any]) -> None:
-        address = os.environ.get("DUALRUN_ROLLOUT_ADDRESS")
+        address = os.environ.get(ROLLOUT_ADDRESS_ENV)
         if address:
             when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
             return

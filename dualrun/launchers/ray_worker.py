@@ -19,13 +19,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from typing import Any
 
 from dualrun.errors import killed_by
+from dualrun.interpreter import resolve
 
 STDOUT, STDERR = 1, 2
 _TAIL = 40          # stderr lines kept for the failure message
@@ -41,10 +41,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports free on this node (all held open while picking, so none is picked twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class RankWorker:
@@ -68,18 +74,19 @@ class RankWorker:
         self.end = 0.0
 
     def info(self, pick_port: bool = False) -> dict[str, Any]:
-        """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks a free port."""
+        """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks free ports on its node
+        (MASTER_PORT, and the vLLM weight-sync port for which the trainer is the rendezvous master)."""
         import ray
 
         ctx = ray.get_runtime_context()
+        port, group_port = _free_ports(2) if pick_port else (None, None)
         return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "tmp": self.tmp, "pid": os.getpid(),
-                "port": _free_port() if pick_port else None}
+                "port": port, "group_port": group_port}
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None = None) -> int:
         """Start the rank's program; returns its pid. `argv[0]` '<python>' means this node's interpreter."""
-        if argv and argv[0] == "<python>":
-            argv = [sys.executable] + argv[1:]
+        argv = resolve(argv)
         if not os.path.isdir(cwd):
             raise RuntimeError(f"the launching directory {cwd} does not exist on this node")
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None

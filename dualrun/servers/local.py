@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, TextIO
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import LaunchError
+from dualrun.interpreter import resolve
 from dualrun.plan import Plan, Process
 from dualrun.servers.process import ServerError, ServerProcess
 
@@ -79,7 +80,7 @@ class LocalServers:
 
     def _spawn(self, index: int, proc: Process) -> ServerProcess:
         bind, advertised, port = self._endpoint(index)
-        argv = server_command(self.cfg, self.plugin, proc, bind, port)
+        argv = resolve(server_command(self.cfg, self.plugin, proc, bind, port))  # this machine's interpreter
         role = server_role(self.cfg, proc)
         server = ServerProcess(proc.label, argv, self.env_for(proc), bind, port,
                                health_path=self.plugin.health_path(role), timeout_s=role.health_timeout_s,
@@ -128,8 +129,14 @@ class LocalServers:
         return server
 
     def wiring_env(self) -> dict[str, str]:
-        """Env for the trainer ranks: the plugin's wiring of the servers' addresses."""
-        return wiring_env(self.cfg, self.plugin, self.addresses)
+        """Env for the trainer ranks: the plugin's wiring of the servers' addresses, and a free weight-sync port
+        on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's value is used)."""
+        from dualrun.launchers.base import free_port
+        from dualrun.servers.wiring import group_port_env
+
+        env = wiring_env(self.cfg, self.plugin, self.addresses)
+        env.update(group_port_env(env, free_port("127.0.0.1" if self.cfg.num_machines == 1 else "0.0.0.0")))
+        return env
 
     def stop(self) -> None:
         """Stop every server started here (idempotent); used on success, failure and interruption alike."""
