@@ -1,7 +1,8 @@
 """grpo: roles `train` and `rollout`. Colocated rollout generates inside the trainer (TRL's own path, or vLLM
-colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs (the CPU engine
-where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
-`vllm_server_host/port`, each only where the user left it at its default."""
+colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs (the
+CPU engine where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
+`vllm_server_host/port` and a free `vllm_group_port`, each only where the user left it at its default; TRL's
+AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`."""
 from __future__ import annotations
 
 import os
@@ -45,11 +46,20 @@ class GRPOPlugin(MethodPlugin):
         address = os.environ.get(ROLLOUT_ADDRESS_ENV)
         if address:
             when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
+            when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(
+                m.AsyncGRPOConfig, async_rollout_fields(address),
+                lambda cfg, filled: say(f"AsyncGRPOConfig: {filled} (rollout server)")))
             return
         fields = colocate_fields(settings)
         if fields:
             when_imported("trl.trainer.grpo_config", lambda m: fill_defaults(
                 m.GRPOConfig, fields, lambda cfg, filled: say(f"GRPOConfig: {filled} (colocated rollout)")))
+
+
+def async_rollout_fields(address: str) -> dict[str, Any]:
+    """TRL's AsyncGRPOTrainer (generation overlaps training) names its one vLLM server by URL; it picks its own
+    weight-sync port."""
+    return {"vllm_server_base_url": f"http://{address}"}
 
 
 def colocate_fields(settings: Mapping[str, Any]) -> dict[str, Any]:

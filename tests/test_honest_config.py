@@ -64,3 +64,9 @@ def test_gkd_trainer_refuses_a_rollout_server_it_never_reads():
     with pytest.raises(ValueError, match="never reads it") as e:
         Trainer(model=None)
     assert str(e.value) == ROLLOUT_UNREAD and "DistillationTrainer" in ROLLOUT_UNREAD
+
+
+def test_use_ray_is_accepted_as_docs_migration_says():
+    assert build_config({"use_ray": True}, "s.yaml").backend == "ray"
+    assert build_config({"use_ray": True, "backend": "torchrun"}, "s.yaml").backend == "torchrun"
+    assert build_config({"use_ray": True}, "s.yaml", backend="torchrun").backend == "torchrun"

