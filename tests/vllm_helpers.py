@@ -5,8 +5,6 @@ Where vLLM is not installed (the main .venv) every test of the tier is skipped w
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +20,6 @@ TIER = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
 # vLLM on a CPU: eager float32 (bf16 eager crashes with SIGILL; compiling costs 40-110 s), a 1 GiB KV cache.
 SERVER_ARGS = "[--enforce-eager, --dtype, float32, --max-model-len, '256', --max-num-seqs, '8']"
 SERVER_ENV = "{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_OMP_THREADS_BIND: auto}"
-STARTED = re.compile(r"Started server process \[(\d+)\]")
 
 
 def tiny_vllm(factory) -> Path:
@@ -40,32 +37,16 @@ def server_role(name: str, model: Path, **extra) -> str:
             f"env: {SERVER_ENV}{more}}}\n")
 
 
-def server_pids(log: str) -> list[int]:
-    """The vLLM API server processes a job's output reports (uvicorn's 'Started server process [PID]')."""
-    return [int(p) for p in STARTED.findall(log)]
+def vllm_processes() -> list[int]:
+    """vLLM's engine processes (they rename themselves `VLLM::...`); only this tier runs vLLM on the machine."""
+    from ray_helpers import pids_matching
 
-
-def group_left(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` (a server and the engine processes it started)."""
-    left = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            left.append(int(entry.name))
-    return left
+    return pids_matching("VLLM::")
 
 
 def assert_nothing_left(log: str, marker: str) -> None:
-    """Every vLLM server of the job was started, and none of its processes (or anything naming `marker`) is left."""
+    """The job's servers are gone: nothing naming `marker` (the test's model or directory) and no vLLM engine."""
     from ray_helpers import pids_matching
 
-    pids = server_pids(log)
-    assert pids, "no vLLM server was started:\n" + log[-3000:]
-    for pid in pids:
-        assert not group_left(pid), f"vLLM server {pid} left processes behind"  # its own process group
     assert not pids_matching(marker), f"processes naming {marker} are left"
+    assert not vllm_processes(), "vLLM engine processes are left"
