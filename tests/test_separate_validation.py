@@ -104,7 +104,8 @@ def test_server_commands_per_engine():
     assert argv[-2:] == ["--max-model-len", "4096"] and "8123" in argv
     assert "--data-parallel-size" not in argv  # never turned on by dualrun: vLLM refuses it for dense models
     roll = plugin.server_command(cfg, rollout, "127.0.0.1", 8124)
-    assert roll[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/student"] and "--weight-transfer-config" in roll
+    assert roll[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/student"]
+    assert "--weight-transfer-config" in roll
     cpu = build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": R}}, "c.yaml")
     assert get_plugin("grpo").server_command(cpu, cpu.role("rollout"), "127.0.0.1", 1)[1:3] == [
         "-m", "dualrun.engines.transformers_server"]

@@ -66,8 +66,8 @@ def test_teacher_is_plain_vllm_serve_and_data_parallel_only_when_asked():
 
 def test_every_builder_leaves_the_interpreter_to_the_node():
     cfg = build_config(GRPO, "g.yaml")
-    cpu = build_config({**GRPO, "use_cpu": True, "roles": {"train": {"gpus": 1}, "rollout": {"model": "/m", "gpus": 1}}},
-                       "c.yaml")
+    roles = {"train": {"gpus": 1}, "rollout": {"model": "/m", "gpus": 1}}
+    cpu = build_config({**GRPO, "use_cpu": True, "roles": roles}, "c.yaml")
     for c, role, rollout in ((cfg, cfg.role("rollout"), True), (cfg, cfg.role("rollout"), False),
                              (cpu, cpu.role("rollout"), True)):
         argv = commands.server_argv(c, role, "/m", "h", 1, rollout)

@@ -16,7 +16,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # Marks for every test module of the tier: real vLLM, starts processes, slow.
 TIER = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
-        pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM: the vllm tier runs in .venv-vllm (scripts/setup-vllm.sh)")]
+        pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM: the tier runs in .venv-vllm (scripts/setup-vllm.sh)")]
 # vLLM on a CPU: eager float32 (bf16 eager crashes with SIGILL; compiling costs 40-110 s), a 1 GiB KV cache.
 SERVER_ARGS = "[--enforce-eager, --dtype, float32, --max-model-len, '256', --max-num-seqs, '8']"
 SERVER_ENV = "{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_OMP_THREADS_BIND: auto}"

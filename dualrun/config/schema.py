@@ -82,8 +82,8 @@ ROLE_KEYS: tuple[Key, ...] = (
 
 # Keys that once promised an effect nothing delivers: refused with what to use instead.
 REFUSED: dict[str, str] = {
-    "sleep_level": "no `sleep_level` (TRL 1.16 always sleeps colocated vLLM at level 2; `offload_model: true` "
-                   "turns sleep mode on)",
+    "sleep_level": "no `sleep_level` (TRL 1.16 always sleeps colocated vLLM at level 2; "
+                   "`offload_model: true` turns sleep mode on)",
     "offload_teacher_model": "no `offload_teacher_model` (GKDTrainer keeps its teacher on the trainer's device; to "
                              "take the teacher off the trainer GPUs give `roles.teacher` its own GPUs: a separate "
                              "teacher server)",
