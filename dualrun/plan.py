@@ -217,7 +217,6 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
 
 def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:
     settings = {"offload_model": cfg.offload_model, "offload_optimizer": cfg.offload_optimizer,
-                "offload_teacher_model": cfg.offload_teacher_model, "sleep_level": cfg.sleep_level,
                 "max_failures": cfg.max_failures, "collective_timeout_s": cfg.collective_timeout_s,
                 "roles": {r.name: {"gpus": r.gpus, "processes": r.processes, "engine": r.engine,
                                    "tensor_parallel_size": r.tensor_parallel_size,
@@ -325,7 +324,10 @@ def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], 
                           f"at most {have} free GPUs on one node for a separate role"
                           + _visible_note(next(iter(candidates), None)), need)
     devices = _take(free, node.index, need, role.gpu_ids) if need else ()
+    from dualrun.servers.commands import server_env
+
     env = dict(common)
+    env.update(server_env(cfg, role))
     env.update(role.env)
     env.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), "DUALRUN_ROLE": unit,
                 "DUALRUN_ROLES": ",".join(group)})

@@ -18,3 +18,15 @@ def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
         if port not in avoid:
             return port
     raise OSError(f"no free port on {host} outside {len(avoid)} excluded ones after {_TRIES} tries")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free right now on `host` (all held open while picking, so none is picked twice)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

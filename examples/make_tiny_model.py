@@ -14,6 +14,11 @@ creates (nothing is downloaded):
 The tokenizer is a word-level tokenizer whose vocabulary is built from the (synthetic) corpus,
 wrapped in `PreTrainedTokenizerFast` with bos/eos/pad/unk tokens and a small chat template.
 Running it again on a complete DIR does nothing.
+
+    python examples/make_tiny_model.py --vllm --out /tmp/tiny-vllm
+
+builds the same files with shapes vLLM can serve (its CPU attention needs a head size of 32, 64, 80, ...; the default
+models' 8 crashes it): hidden 64 in 2 heads of 32. A student and a teacher, still tiny (well under 1 MB each).
 """
 
 import argparse
@@ -93,17 +98,22 @@ def make_tokenizer():
     )
 
 
-def make_model(tokenizer, num_layers, seed):
+# (hidden_size, intermediate_size, attention heads, kv heads): head size 8 by default, 32 for vLLM.
+SHAPES = {"default": (32, 64, 4, 2), "vllm": (64, 128, 2, 1)}
+
+
+def make_model(tokenizer, num_layers, seed, shape="default"):
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    hidden, intermediate, heads, kv_heads = SHAPES[shape]
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -125,6 +135,7 @@ def main():
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory is complete")
+    parser.add_argument("--vllm", action="store_true", help="shapes vLLM can serve (head size 32; use its own --out)")
     args = parser.parse_args()
     out = os.path.abspath(args.out)
 
@@ -134,7 +145,7 @@ def main():
         tokenizer = make_tokenizer()
         for name, num_layers, seed in (("model", 2, args.seed), ("teacher", 3, args.seed + 1)):
             path = os.path.join(out, name)
-            make_model(tokenizer, num_layers, seed).save_pretrained(path)
+            make_model(tokenizer, num_layers, seed, "vllm" if args.vllm else "default").save_pretrained(path)
             tokenizer.save_pretrained(path)
         os.makedirs(os.path.join(out, "data"), exist_ok=True)
         for name, rows in make_data(args.seed).items():

@@ -7,7 +7,8 @@ GKDTrainer then gets, instead of loading its teacher, a stand-in that asks the t
 (`dualrun.servers.teacher.RemoteTeacher`) and a `compute_loss` that takes GKD's loss from the top-k answer without
 a vocabulary-sized teacher tensor (`dualrun.servers.topk_loss`); ServerDistillationConfig gets
 `teacher_model_server_url`. A separate `rollout` points DistillationConfig's vLLM server mode at its server, as for
-GRPO.
+GRPO (TRL's DistillationTrainer reads it); GKDTrainer generates with the student itself, so with a rollout server
+it stops at construction with one line.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dualrun.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.plugins.grpo import ROLLOUT_SERVES, wire_rollout
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
-from dualrun.servers.wiring import fill_defaults, say
+from dualrun.servers.wiring import ROLLOUT_ADDRESS_ENV, fill_defaults, say
 
 FULL_VOCAB_HINT = ("a teacher server returns only the top-k log-probabilities of each token; for full-vocabulary "
                    "distillation colocate the teacher with the trainer: colocate_groups: [[train, teacher]]")
@@ -70,9 +71,10 @@ class GKDPlugin(MethodPlugin):
             when_imported("trl.experimental.gkd.gkd_config", lambda m: fill_defaults(
                 m.GKDConfig, {"teacher_model_name_or_path": teacher["model"]},
                 lambda cfg, filled: say(f"GKDConfig: {filled} (roles.teacher.model)")))
-        rollout = os.environ.get("DUALRUN_ROLLOUT_ADDRESS")
+        rollout = os.environ.get(ROLLOUT_ADDRESS_ENV)
         if rollout:
             when_imported("trl.trainer.distillation_config", lambda m: wire_rollout(m, "DistillationConfig", rollout))
+            when_imported("trl.experimental.gkd.gkd_trainer", lambda m: refuse_rollout_server(m.GKDTrainer))
 
 
 def _server_distillation_fields(config: Any, address: str, top_k: int) -> dict[str, Any]:
@@ -127,6 +129,25 @@ def serve_gkd_teacher(cls: type, address: str, top_k: int, role_model: str | Non
         init(*bound.args, **bound.kwargs)
 
     __init__._dualrun = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+
+
+ROLLOUT_UNREAD = ("roles.rollout is a separate vLLM server, but GKDTrainer generates with the student itself and "
+                  "never reads it: remove roles.rollout (or colocate it), or train with TRL's DistillationTrainer, "
+                  "whose DistillationConfig dualrun points at the server")
+
+
+def refuse_rollout_server(cls: type) -> None:
+    """A rollout server GKDTrainer would never ask: stop at the trainer's construction, with what to do instead."""
+    init = cls.__init__
+    if getattr(init, "_dualrun_rollout", False):
+        return
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(ROLLOUT_UNREAD)
+
+    __init__._dualrun_rollout = True  # type: ignore[attr-defined]
     cls.__init__ = __init__  # type: ignore[method-assign]
 
 

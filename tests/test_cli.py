@@ -70,7 +70,7 @@ def test_dry_run_prints_command_and_redacts_secrets(tmp_path):
 
 def test_plan_json_describes_every_process(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("method: gkd\nroles: {train: {gpus: 4}, teacher: {gpus: 2, model: m, top_k: 20}}\n")
+    cfg.write_text("method: gkd\nroles: {train: {gpus: 4}, teacher: {gpus: 2, model: m, top_k: 20, tensor_parallel_size: 2}}\n")
     proc = dualrun("plan", "--json", "--config_file", str(cfg))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)

@@ -86,12 +86,14 @@ def test_grpo_server_mode_wiring(tmp_path, tiny):
     rec = json.loads((tmp_path / "out" / "rank0.json").read_text())
     host, port = rec["default"]["vllm_server_host"], rec["default"]["vllm_server_port"]
     assert host == "127.0.0.1" and isinstance(port, int) and port != 8000
+    group = rec["default"]["vllm_group_port"]
+    assert group != 51216 and group != port  # a free weight-sync port of this job, not TRL's shared default
     assert rec["default"] == {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": host,
-                              "vllm_server_port": port}
+                              "vllm_server_port": port, "vllm_group_port": group}
     assert rec["explicit"] == {"use_vllm": False, "vllm_mode": "server", "vllm_server_host": host,
-                               "vllm_server_port": 9000}
+                               "vllm_server_port": 9000, "vllm_group_port": group}
     assert rec["parsed"] == {"use_vllm": True, "vllm_mode": "colocate", "vllm_server_host": host,
-                             "vllm_server_port": port}
+                             "vllm_server_port": port, "vllm_group_port": group}
     assert rec["health"] == 200
     assert "[rollout server 0] dualrun engine: serving" in proc.stderr
 

@@ -24,7 +24,10 @@ BAD = [
                                                           "data_parallel_size": 4}}},
      "roles.teacher.data_parallel_size", "tensor_parallel_size x data_parallel_size = roles.teacher.gpus (4)"),
     ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "gpus": 4, "tensor_parallel_size": 2}}},
-     None, None),  # data_parallel_size left at 1: two replicas of TP 2 use the four GPUs
+     "roles.teacher.gpus", "set `roles.teacher.tensor_parallel_size: 4`"),  # vLLM refuses data parallelism
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "gpus": 4, "tensor_parallel_size": 2,
+                                                          "data_parallel_size": 2}}},
+     None, None),  # data parallelism the user asked for (e.g. an MoE model) is passed on
     ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "gpus": 2, "engine": "transformers",
                                                           "tensor_parallel_size": 2}}},
      "roles.teacher.tensor_parallel_size", "1 with engine `transformers`"),
@@ -99,9 +102,10 @@ def test_server_commands_per_engine():
     assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/teacher"]
     assert "--tensor-parallel-size" in argv and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[-2:] == ["--max-model-len", "4096"] and "8123" in argv
-    assert argv[argv.index("--data-parallel-size") + 1] == "1"
+    assert "--data-parallel-size" not in argv  # never turned on by dualrun: vLLM refuses it for dense models
     roll = plugin.server_command(cfg, rollout, "127.0.0.1", 8124)
-    assert roll[1:3] == ["-m", "trl.scripts.vllm_serve"] and roll[roll.index("--model") + 1] == "/m/student"
+    assert roll[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/student"]
+    assert "--weight-transfer-config" in roll
     cpu = build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": R}}, "c.yaml")
     assert get_plugin("grpo").server_command(cpu, cpu.role("rollout"), "127.0.0.1", 1)[1:3] == [
         "-m", "dualrun.engines.transformers_server"]

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from dualrun.config import checks, schema
 from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
+from dualrun.config.offload import offload_optimizer
 from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
 from dualrun.config.yamlfile import read_yaml
@@ -35,6 +36,9 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         if not isinstance(key, str):
             raise ConfigError(source, str(key), "string keys", key)
 
+    refused = next((k for k in raw if k in schema.REFUSED), None)
+    if refused is not None:
+        raise ConfigError(source, refused, schema.REFUSED[refused], raw[refused])
     known_top = {k.name: k for k in schema.TOP_KEYS}
     unknown = [k for k in raw if k not in known_top and k not in schema.ACCELERATE_TYPES and k != schema.SWIFT_KEY]
     if unknown:
@@ -61,6 +65,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         if key.name in raw and key.name not in ("roles", "colocate_groups"):
             values[key.name] = check(source, key.name, key.type, raw[key.name], key.choices, key.minimum,
                                      key.maximum)
+    if values.get("offload_optimizer"):
+        acc = offload_optimizer(source, acc)
     if values.pop("use_ray", False) and "backend" not in values:
         values["backend"] = "ray"
     if backend is not None:

@@ -58,8 +58,6 @@ class JobConfig:
     colocate_groups: tuple[tuple[str, ...], ...] = ()
     offload_model: bool = False
     offload_optimizer: bool = False
-    offload_teacher_model: bool = False
-    sleep_level: int = 1
     max_failures: int = 0
     collective_timeout_s: float | None = None
     env: Mapping[str, str] = field(default_factory=frozen_map)

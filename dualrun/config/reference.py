@@ -30,6 +30,10 @@ def render() -> str:
             name = f"{section}.{k.name}" if section else k.name
             out.append(f"| `{name}` | {kind} | {_default(k.default)} | {k.backends} | {k.doc} |")
         out.append("")
+    out += ["## Refused keys", "", "Keys that would promise an effect nothing delivers: a config that sets one is "
+            "refused (exit code 2) with what to use instead.", "", "| key | instead |", "|---|---|"]
+    out += [f"| `{name}` | {instead} |" for name, instead in schema.REFUSED.items()]
+    out.append("")
     out += ["## accelerate keys", "",
             "Passed to accelerate's own config loading and env preparation unchanged; dualrun checks their types.",
             "", "| key | type |", "|---|---|"]

@@ -55,12 +55,10 @@ TOP_KEYS: tuple[Key, ...] = (
         "`{train: {gpus: num_processes}}`."),
     Key("colocate_groups", "groups", [], "Lists of roles that share the same GPUs (equal `gpus` required); "
         "a role not in a group with `train` runs separately on its own GPUs."),
-    Key("offload_model", "bool", False, "Colocate: offload the rollout engine's weights between phases "
-        "(vLLM sleep mode; TRL `vllm_enable_sleep_mode`)."),
-    Key("offload_optimizer", "bool", False, "Offload optimizer state to CPU (DeepSpeed `offload_optimizer_device: cpu`)."),
-    Key("offload_teacher_model", "bool", False, "GKD: keep the colocated teacher on CPU between its forwards."),
-    Key("sleep_level", "int", 1, "vLLM sleep level used with `offload_model` (1: offload weights, "
-        "2: discard weights).", choices=(1, 2)),
+    Key("offload_model", "bool", False, "Colocate: put the rollout engine to sleep between phases "
+        "(TRL `vllm_enable_sleep_mode`; TRL 1.16 always sleeps at level 2, discarding weights)."),
+    Key("offload_optimizer", "bool", False, "Offload optimizer state to CPU: sets the accelerate DeepSpeed config's "
+        "`offload_optimizer_device: cpu` (needs `distributed_type: DEEPSPEED`; refused otherwise)."),
     Key("max_failures", "int", 0, "Restarts of the whole job after a worker or node failure; the trainer "
         "resumes from the newest checkpoint in its output_dir.", minimum=0, maximum=MAX_RESTARTS),
     Key("collective_timeout_s", "float", None, "Seconds a collective (all-reduce, barrier, ...) may wait for the "
@@ -116,6 +114,15 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("server_args", "list", [], "Extra command-line arguments for the role's server."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
 )
+
+# Keys that once promised an effect nothing delivers: refused with what to use instead.
+REFUSED: dict[str, str] = {
+    "sleep_level": "no `sleep_level` (TRL 1.16 always sleeps colocated vLLM at level 2; "
+                   "`offload_model: true` turns sleep mode on)",
+    "offload_teacher_model": "no `offload_teacher_model` (GKDTrainer keeps its teacher on the trainer's device; to "
+                             "take the teacher off the trainer GPUs give `roles.teacher` its own GPUs: a separate "
+                             "teacher server)",
+}
 
 SECTIONS: dict[str, tuple[Key, ...]] = {"": TOP_KEYS, "ray": RAY_KEYS, "torchrun": TORCHRUN_KEYS, "roles.<name>": ROLE_KEYS}
 

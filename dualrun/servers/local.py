@@ -15,6 +15,7 @@ from typing import Any, Callable, Collection, Mapping, TextIO
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import LaunchError
+from dualrun.interpreter import resolve
 from dualrun.plan import Plan, Process
 from dualrun.servers.process import ServerError, ServerProcess
 
@@ -86,7 +87,7 @@ class LocalServers:
     def _spawn(self, index: int, proc: Process) -> ServerProcess:
         bind, advertised, port = self._endpoint(index)
         self.ports_used.add(port)
-        argv = server_command(self.cfg, self.plugin, proc, bind, port)
+        argv = resolve(server_command(self.cfg, self.plugin, proc, bind, port))  # this machine's interpreter
         role = server_role(self.cfg, proc)
         server = ServerProcess(proc.label, argv, self.env_for(proc), bind, port,
                                health_path=self.plugin.health_path(role), timeout_s=role.health_timeout_s,
@@ -134,15 +135,19 @@ class LocalServers:
         return server
 
     def wiring_env(self) -> dict[str, str]:
-        """Env for the trainer ranks: the plugin's wiring of the servers' addresses; with several machines, also
-        whether this machine's ranks publish it (it started servers) or read it (they run elsewhere)."""
+        """Env for the trainer ranks: the plugin's wiring of the servers' addresses and a free weight-sync port on
+        this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's value is used); with
+        several machines, also whether this machine's ranks publish it (it started servers) or read it."""
         import json
 
+        from dualrun.ports import free_port
         from dualrun.servers import store_wiring
+        from dualrun.servers.wiring import group_port_env
 
         if self.elsewhere:
             return {store_wiring.FETCH: "1"}
         env = wiring_env(self.cfg, self.plugin, self.addresses)
+        env.update(group_port_env(env, free_port("127.0.0.1" if self.cfg.num_machines == 1 else "0.0.0.0")))
         if self.running and self.cfg.num_machines > 1:
             env.update({store_wiring.PUBLISH: "1", store_wiring.NAMES: json.dumps(sorted(env))})
         return env

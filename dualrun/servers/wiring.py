@@ -78,10 +78,26 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def rollout_fields(address: str) -> dict[str, Any]:
-    """A trainer with a separate rollout server: TRL's vLLM server mode pointed at it."""
+ROLLOUT_ADDRESS_ENV = "DUALRUN_ROLLOUT_ADDRESS"  # MethodPlugin.wiring_env's name for the rollout role's address
+# A free port on trainer rank 0's node for TRL's weight-sync rendezvous (the trainer is its master): TRL's default
+# 51216 makes two jobs with rollout servers on one node collide.
+GROUP_PORT_ENV = "DUALRUN_VLLM_GROUP_PORT"
+
+
+def group_port_env(wiring: Mapping[str, str], port: int | None) -> dict[str, str]:
+    """The trainers' weight-sync port, for jobs with a rollout server (picked where rank 0 runs: the torchrun
+    driver's machine, or rank 0's Ray actor, alongside MASTER_PORT)."""
+    return {GROUP_PORT_ENV: str(port)} if port and ROLLOUT_ADDRESS_ENV in wiring else {}
+
+
+def rollout_fields(address: str, group_port: str | None = None) -> dict[str, Any]:
+    """A trainer with a separate rollout server: TRL's vLLM server mode pointed at it, on a free weight-sync port."""
     host, port = split_address(address)
-    return {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": host, "vllm_server_port": port}
+    fields: dict[str, Any] = {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": host,
+                              "vllm_server_port": port}
+    if group_port:
+        fields["vllm_group_port"] = int(group_port)
+    return fields
 
 
 def say(message: str) -> None:

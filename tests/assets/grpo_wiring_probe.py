@@ -14,7 +14,7 @@ explicit = GRPOConfig(**common, vllm_server_port=9000, use_vllm=False)
 # as if the script had been started with these flags (the first two configs saw a command line without them)
 sys.argv = [sys.argv[0]] + json.loads(sys.argv[2])
 (parsed,) = TrlParser((GRPOConfig,)).parse_args_into_dataclasses(sys.argv[1:])
-fields = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_port")
+fields = ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_group_port")
 record = {name: {k: getattr(c, k) for k in fields} for name, c in
           (("default", default), ("explicit", explicit), ("parsed", parsed))}
 url = f"http://{default.vllm_server_host}:{default.vllm_server_port}/health"

