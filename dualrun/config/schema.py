@@ -119,9 +119,8 @@ ROLE_KEYS: tuple[Key, ...] = (
 REFUSED: dict[str, str] = {
     "sleep_level": "no `sleep_level` (TRL 1.16 always sleeps colocated vLLM at level 2; "
                    "`offload_model: true` turns sleep mode on)",
-    "offload_teacher_model": "no `offload_teacher_model` (GKDTrainer keeps its teacher on the trainer's device; to "
-                             "take the teacher off the trainer GPUs give `roles.teacher` its own GPUs: a separate "
-                             "teacher server)",
+    "offload_teacher_model": "no `offload_teacher_model` (GKDTrainer keeps its teacher on its device; for "
+                             "free trainer GPUs give `roles.teacher` GPUs of its own: a teacher server)",
 }
 
 SECTIONS: dict[str, tuple[Key, ...]] = {"": TOP_KEYS, "ray": RAY_KEYS, "torchrun": TORCHRUN_KEYS, "roles.<name>": ROLE_KEYS}
