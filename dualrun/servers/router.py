@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
+from dualrun.interpreter import PYTHON
 from dualrun.servers import routing
 
 HEALTH_TIMEOUT_S = 2.0
@@ -214,7 +215,7 @@ def _error(status: int, message: str) -> web.Response:
 
 def router_argv(host: str, port: int, replicas: Sequence[str], timeout_s: float | None = None) -> list[str]:
     """The router's command line (for a ServerProcess; health at `/health`)."""
-    argv = [sys.executable, "-m", "dualrun.servers.router", "--host", host, "--port", str(port)]
+    argv = [PYTHON, "-m", "dualrun.servers.router", "--host", host, "--port", str(port)]
     for address in replicas:
         argv += ["--replica", address]
     return argv + ([] if timeout_s is None else ["--timeout-s", str(timeout_s)])
