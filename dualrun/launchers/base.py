@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from dualrun import protocol
 from dualrun.config.model import JobConfig
 from dualrun.envspec import forwarded_env
 from dualrun.plan import AUTO, Cluster, Plan
@@ -87,10 +88,10 @@ class Launcher(ABC):
         env = forwarded_env() if base is None else dict(base)
         env.update(self.accelerate_env)
         env.update(process_env)
-        fill.setdefault("DUALRUN_RUN_ID", self.run_id)
+        fill.setdefault(protocol.RUN_ID, self.run_id)
         fill.setdefault("TORCHELASTIC_RUN_ID", self.run_id)
         for key, value in fill.items():
-            if env.get(key) == AUTO or key in ("DUALRUN_RUN_ID",):
+            if env.get(key) == AUTO or key == protocol.RUN_ID:
                 env[key] = value
         return env
 

@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Mapping
 
+from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError, killed_by
 from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd, report_servers
@@ -132,7 +133,7 @@ class TorchrunLauncher(Launcher):
         args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
         extra = servers.wiring_env()
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
-            extra["DUALRUN_JOB_RESTARTS"] = str(attempt)
+            extra[protocol.JOB_RESTARTS] = str(attempt)
         env = self.agent_env(plan, extra=extra)
         saved = dict(os.environ)
         os.environ.clear()
