@@ -28,9 +28,6 @@ class Program:
             return ["--call", self.call_file]
         return (["-m", self.target] if self.module else [self.target]) + list(self.args)
 
-    def display(self) -> str:
-        return " ".join((["-m"] if self.module else []) + [self.target] + list(self.args))
-
 
 @dataclass
 class RankResult:

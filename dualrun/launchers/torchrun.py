@@ -16,8 +16,9 @@ from typing import Mapping
 from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError, killed_by
-from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd, report_servers
+from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd, report_servers
 from dualrun.plan import AUTO, Plan
+from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
 from dualrun.servers.local import LocalServers, server_command
 

@@ -59,11 +59,6 @@ def is_role_job(program: Any, plugin: Any) -> bool:
     return not program.module and is_role_program(program.target)
 
 
-def wants_driver(cfg: Any, program: Any, plugin: Any) -> bool:
-    """Run `program` once as a Ray driver (instead of once per worker)?"""
-    return cfg.backend == "ray" and is_role_job(program, plugin)
-
-
 def local_config(cfg: Any) -> Any:
     """torchrun: a role program runs in the first role's processes with every group in-process, so the other
     roles are not separate servers; the groups travel in `DUALRUN_ROLES_SPEC`."""

@@ -14,7 +14,7 @@ from dualrun.errors import LaunchError
 from dualrun.roles.context import (RemoteFailure, WorkerContext, WorkerError, call_safely, method_name,
                                    set_actor_context)
 from dualrun.roles.dispatch import CollectFn
-from dualrun.roles.group import Calls, GroupFuture, bind
+from dualrun.roles.workers import Calls, GroupFuture, bind
 from dualrun.roles.rendezvous import group_env, pick_address
 from dualrun.roles.spec import GroupSpec, RolesSpec
 

@@ -47,7 +47,7 @@ class Runtime:
             from dualrun.roles.ray_backend import RayWorkers
 
             return RayWorkers(self, spec, factory, args, kwargs)
-        from dualrun.roles.group import LocalWorkers
+        from dualrun.roles.workers import LocalWorkers
 
         return LocalWorkers(spec, factory, args, kwargs)
 
