@@ -102,10 +102,16 @@ def report_servers(addresses: Mapping[str, str], external: Mapping[str, str]) ->
         print(f"dualrun: {role}: {how} {addr}", file=sys.stderr, flush=True)
 
 
+def bootstrap_module_argv(program: Program) -> list[str]:
+    """`-m dualrun.bootstrap ...`: what every worker runs, after an interpreter (or torchrun's own arguments)."""
+    return ["-m", "dualrun.bootstrap"] + program.bootstrap_argv()
+
+
 def bootstrap_cmd(program: Program, python: str | None = None) -> list[str]:
+    """The whole command of a worker: `python` (default: this interpreter) running the bootstrap."""
     import sys
 
-    return [python or sys.executable, "-m", "dualrun.bootstrap"] + program.bootstrap_argv()
+    return [python or sys.executable] + bootstrap_module_argv(program)
 
 
 def cwd() -> str:

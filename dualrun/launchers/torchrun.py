@@ -16,7 +16,8 @@ from typing import Mapping
 from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError, killed_by
-from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd, report_servers
+from dualrun.launchers.base import (JobResult, Launcher, RankResult, bootstrap_module_argv, join_cmd,
+                                    report_servers)
 from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
@@ -56,7 +57,7 @@ class TorchrunLauncher(Launcher):
         log_dir = cfg.torchrun.log_dir or cfg.log_dir
         if log_dir:
             argv += ["--log-dir", log_dir, "--tee", "3"]
-        return argv + ["-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()
+        return argv + bootstrap_module_argv(self.program)
 
     def rdzv_id(self) -> str:
         # every node of a multi-node job must agree on it without talking: derive it from the job's address.
