@@ -115,6 +115,7 @@ class TorchrunLauncher(Launcher):
         return result
 
     def _attempt(self, plan: Plan, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
+        from accelerate.utils import clear_environment
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
@@ -137,31 +138,28 @@ class TorchrunLauncher(Launcher):
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         env = self.agent_env(plan, extra=extra)
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)
-        if threading.current_thread() is threading.main_thread():
-            # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
-            servers.watch(lambda _: os.kill(os.getpid(), signal.SIGTERM))
-        try:
-            run(args)
-        except ChildFailedError as e:
-            servers.unwatch()
-            if servers.check() is not None:   # a server died first and the workers failed for it: the cause
-                return _server_died(servers, start), servers
-            return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
-        except SignalException as e:
-            servers.unwatch()
-            if servers.failure is not None:
-                return _server_died(servers, start), servers
-            code = 128 + int(e.sigval)
-            name = signal.Signals(e.sigval).name
-            return JobResult(code, wall_time_s=time.monotonic() - start,
-                             message=f"stopped by {name}: every worker of the job was terminated"), servers
-        finally:
-            servers.stop()
-            os.environ.clear()
-            os.environ.update(saved)
+        with clear_environment():   # the agent and its workers see exactly the job's env; ours comes back after
+            os.environ.update(env)
+            if threading.current_thread() is threading.main_thread():
+                # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
+                servers.watch(lambda _: os.kill(os.getpid(), signal.SIGTERM))
+            try:
+                run(args)
+            except ChildFailedError as e:
+                servers.unwatch()
+                if servers.check() is not None:   # a server died first and the workers failed for it: the cause
+                    return _server_died(servers, start), servers
+                return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
+            except SignalException as e:
+                servers.unwatch()
+                if servers.failure is not None:
+                    return _server_died(servers, start), servers
+                code = 128 + int(e.sigval)
+                name = signal.Signals(e.sigval).name
+                return JobResult(code, wall_time_s=time.monotonic() - start,
+                                 message=f"stopped by {name}: every worker of the job was terminated"), servers
+            finally:
+                servers.stop()
         n = len(self.node_workers(plan))
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
         return JobResult(0, ranks, time.monotonic() - start), servers
