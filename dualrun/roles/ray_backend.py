@@ -98,13 +98,15 @@ def make_placement(spec: RolesSpec, group: GroupSpec) -> Any:
     """The placement group of `group`'s unit: one bundle per worker, waited for with the configured timeout."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    from dualrun.launchers.ray_cluster import placed
+
     per_worker = group.gpus / group.size if group.gpus else 0
     bundle: dict[str, float] = {"CPU": max(spec.num_cpus_per_worker, CPU_SHARE)}
     if per_worker:
         bundle["GPU"] = per_worker
     pg = placement_group([dict(bundle) for _ in range(group.size)], strategy=spec.placement_strategy,
                          name=f"dualrun-{group.unit_name}-{os.getpid()}")
-    if not pg.wait(spec.placement_timeout_s):
+    if not placed(pg, spec.placement_timeout_s):
         import ray
 
         remove_placement_group(pg)
