@@ -50,12 +50,12 @@ class LocalWorkers:
     backend = "local"
 
     def __init__(self, spec: GroupSpec, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        from dualrun.roles.rendezvous import free_port
+        from dualrun.ports import free_port
 
         self.spec = spec
         self.objs: list[Any] = []
         self.calls = [0] * spec.size
-        self.master = ("127.0.0.1", free_port())   # the group's rendezvous, as on Ray (WorkerContext)
+        self.master = ("127.0.0.1", free_port("0.0.0.0"))   # the group's rendezvous, as on Ray (WorkerContext)
         for rank in range(spec.size):
             with as_worker(self._context(rank)):
                 obj = call_safely(factory, args, kwargs)
