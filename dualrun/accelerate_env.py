@@ -11,6 +11,7 @@ import tempfile
 import warnings
 from typing import Mapping
 
+from dualrun import protocol
 from dualrun.config.model import JobConfig
 
 # Decided by dualrun's plan per backend, not taken from accelerate.
@@ -75,7 +76,7 @@ def _cache_path(cfg: JobConfig, environ: Mapping[str, str]) -> str | None:
     import hashlib
     import json
 
-    if environ.get("DUALRUN_CACHE", "1") == "0":
+    if environ.get(protocol.CACHE, "1") == "0":
         return None
 
     from dualrun import __version__

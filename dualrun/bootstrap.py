@@ -40,7 +40,9 @@ def _activate_plugin() -> None:
 
     activate_resume()
     activate_defaults()
-    method = os.environ.get("DUALRUN_METHOD")
+    from dualrun.protocol import METHOD
+
+    method = os.environ.get(METHOD)
     if not method:
         return
     from dualrun.plugin import get_plugin, worker_settings

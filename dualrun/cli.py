@@ -10,6 +10,7 @@ import re
 import sys
 from typing import Any, Sequence
 
+from dualrun import protocol
 from dualrun.errors import ConfigError, DualrunError, one_line
 
 OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine_rank", int),
@@ -204,7 +205,7 @@ def _unexpected(e: Exception) -> int:
     from dualrun.envspec import redact_text
     from dualrun.errors import has_started
 
-    if os.environ.get("DUALRUN_DEBUG") == "1":
+    if os.environ.get(protocol.DEBUG) == "1":
         import traceback
 
         traceback.print_exc()

@@ -11,6 +11,8 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
+from dualrun import protocol
+
 # Exactly the names torch.distributed.run (torch 2.x) gives each worker.
 TORCHRUN_NAMES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
@@ -24,8 +26,7 @@ TORCHRUN_NAMES = (
 # override them, or ranks would meet on the wrong address or run on the wrong GPUs. OMP_NUM_THREADS stays the user's.
 RESERVED_ENV = tuple(n for n in TORCHRUN_NAMES if n != "OMP_NUM_THREADS") + (
     "NODE_RANK", "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "TORCHELASTIC_*",
-    "DUALRUN_BACKEND", "DUALRUN_METHOD", "DUALRUN_ROLE", "DUALRUN_ROLES", "DUALRUN_RUN_ID", "DUALRUN_SETTINGS",
-    "DUALRUN_ROLES_MODE", "DUALRUN_ROLES_SPEC", "DUALRUN_*_ADDRESS")
+    *protocol.RESERVED)
 
 
 def reserved(name: str) -> bool:
@@ -159,7 +160,7 @@ def allowed(name: str, extra: tuple[str, ...] = ()) -> bool:
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The part of the launching environment that workers inherit (allow-list + DUALRUN_FORWARD_ENV)."""
     environ = os.environ if environ is None else environ
-    extra = tuple(p.strip() for p in environ.get("DUALRUN_FORWARD_ENV", "").split(",") if p.strip())
+    extra = tuple(p.strip() for p in environ.get(protocol.FORWARD_ENV, "").split(",") if p.strip())
     return {k: v for k, v in environ.items() if allowed(k, extra)}
 
 

@@ -29,12 +29,14 @@ import threading
 import time
 from typing import Any, Callable, NoReturn
 
+from dualrun.protocol import EXIT_TIMEOUT_S
+
 _FALLBACK_S = 15.0
 
 
 def exit_timeout_s() -> float:
     try:
-        value = float(os.environ.get("DUALRUN_EXIT_TIMEOUT_S", "60"))
+        value = float(os.environ.get(EXIT_TIMEOUT_S, "60"))
     except ValueError:
         return 60.0
     return value if value > 0 and value == value and value != float("inf") else 60.0

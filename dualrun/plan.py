@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
+from dualrun import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
 from dualrun.envspec import rank_env, redact
 from dualrun.errors import ConfigError, escaped
@@ -216,15 +217,14 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
 
 
 def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:
-    settings = {"offload_model": cfg.offload_model, "offload_optimizer": cfg.offload_optimizer,
-                "max_failures": cfg.max_failures, "collective_timeout_s": cfg.collective_timeout_s,
-                "roles": {r.name: {"gpus": r.gpus, "processes": r.processes, "engine": r.engine,
-                                   "tensor_parallel_size": r.tensor_parallel_size,
-                                   "data_parallel_size": r.data_parallel_size, "model": r.model,
-                                   "top_k": r.top_k, "separate": cfg.is_separate(r.name)}
-                          for r in cfg.roles}}
-    env = {"DUALRUN_BACKEND": cfg.backend, "DUALRUN_METHOD": cfg.method, "DUALRUN_RUN_ID": AUTO,
-           "DUALRUN_SETTINGS": json.dumps(settings, sort_keys=True, separators=(",", ":"))}
+    settings = protocol.Settings(
+        offload_model=cfg.offload_model, offload_optimizer=cfg.offload_optimizer, max_failures=cfg.max_failures,
+        collective_timeout_s=cfg.collective_timeout_s,
+        roles={r.name: protocol.RoleSettings(
+            gpus=r.gpus, processes=r.processes, engine=r.engine, tensor_parallel_size=r.tensor_parallel_size,
+            data_parallel_size=r.data_parallel_size, model=r.model, top_k=r.top_k, separate=cfg.is_separate(r.name))
+            for r in cfg.roles})
+    env = {protocol.BACKEND: cfg.backend, protocol.METHOD: cfg.method, protocol.RUN_ID: AUTO, **settings.to_env()}
     env.update(cfg.env)
     env.update(extra or {})
     return env
@@ -304,7 +304,7 @@ def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]],
             env.update(role.env)
             env.update({"NODE_RANK": str(node_ranks[node_index]),
                         "CUDA_VISIBLE_DEVICES": ",".join(map(str, visible)),
-                        "DUALRUN_ROLE": unit, "DUALRUN_ROLES": ",".join(group)})
+                        protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
             procs.append(Process(unit, group, "worker", rank, world, node_index, local_rank, local_world, mine,
                                  frozen_map(env)))
             rank += 1
@@ -329,8 +329,8 @@ def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], 
     env = dict(common)
     env.update(server_env(cfg, role))
     env.update(role.env)
-    env.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), "DUALRUN_ROLE": unit,
-                "DUALRUN_ROLES": ",".join(group)})
+    env.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), protocol.ROLE: unit,
+                protocol.ROLES: ",".join(group)})
     return Process(unit, group, "server", 0, 1, node.index, 0, 1, devices, frozen_map(env))
 
 

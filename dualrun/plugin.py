@@ -6,12 +6,11 @@ third-party ones register a `MethodPlugin` subclass (or instance) under the entr
 from __future__ import annotations
 
 import importlib
-import json
-import os
 from typing import Any, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import ConfigError
+from dualrun.protocol import Settings, address_env
 
 ENTRY_POINT_GROUP = "dualrun.plugins"
 ALIASES = {"pt": "sft"}
@@ -44,7 +43,7 @@ class MethodPlugin:
 
     def wiring_env(self, cfg: JobConfig, servers: Mapping[str, str]) -> dict[str, str]:
         """Env for the trainer ranks, given each separate role's `host:port`."""
-        return {f"DUALRUN_{name.upper()}_ADDRESS": addr for name, addr in servers.items()}
+        return {address_env(name): addr for name, addr in servers.items()}
 
     # -- worker side -------------------------------------------------------------------------------
     def activate(self, settings: Mapping[str, Any]) -> None:
@@ -90,6 +89,5 @@ def available() -> list[str]:
 
 
 def worker_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    environ = os.environ if environ is None else environ
-    raw = environ.get("DUALRUN_SETTINGS")
-    return json.loads(raw) if raw else {}
+    """The job settings (DUALRUN_SETTINGS) as the plain mapping `MethodPlugin.activate` takes."""
+    return Settings.from_env(environ).to_dict()

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-PROGRESS_ENV = "DUALRUN_PROGRESS"     # rank0 (default) | all | none
 MODES = ("rank0", "all", "none")
 INTERVAL_S = 10.0
 # what a tqdm bar looks like: "42%|####  | 3/8 [00:01<00:02, 2.1it/s]" or "3/8 [00:01<...]" (unknown total)

@@ -10,12 +10,13 @@ import os
 import sys
 
 from dualrun.hooks import when_imported
+from dualrun.protocol import JOB_RESTARTS
 
 
 def restart_count() -> int:
     """Restarts so far: torchrun's own (workers) plus dualrun's (the whole job, after a server died)."""
     total = 0
-    for name in ("TORCHELASTIC_RESTART_COUNT", "DUALRUN_JOB_RESTARTS"):
+    for name in ("TORCHELASTIC_RESTART_COUNT", JOB_RESTARTS):
         try:
             total += int(os.environ.get(name, "0"))
         except ValueError:

@@ -21,9 +21,10 @@ from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import ConfigError
 from dualrun.hooks import when_imported
 from dualrun.plugin import MethodPlugin
+from dualrun.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
 from dualrun.plugins.grpo import ROLLOUT_SERVES, wire_rollout
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
-from dualrun.servers.wiring import ROLLOUT_ADDRESS_ENV, fill_defaults, say
+from dualrun.servers.wiring import fill_defaults, say
 
 FULL_VOCAB_HINT = ("a teacher server returns only the top-k log-probabilities of each token; for full-vocabulary "
                    "distillation colocate the teacher with the trainer: colocate_groups: [[train, teacher]]")
@@ -58,7 +59,7 @@ class GKDPlugin(MethodPlugin):
     def activate(self, settings: Mapping[str, Any]) -> None:
         teacher = (settings.get("roles") or {}).get("teacher") or {}
         top_k = int(teacher.get("top_k") or 0)
-        address = os.environ.get("DUALRUN_TEACHER_ADDRESS")
+        address = os.environ.get(TEACHER_ADDRESS)
         if teacher.get("separate") and address:
             when_imported("trl.experimental.gkd.gkd_trainer",
                           lambda m: serve_gkd_teacher(m.GKDTrainer, address, top_k, teacher.get("model")))
@@ -71,7 +72,7 @@ class GKDPlugin(MethodPlugin):
             when_imported("trl.experimental.gkd.gkd_config", lambda m: fill_defaults(
                 m.GKDConfig, {"teacher_model_name_or_path": teacher["model"]},
                 lambda cfg, filled: say(f"GKDConfig: {filled} (roles.teacher.model)")))
-        rollout = os.environ.get(ROLLOUT_ADDRESS_ENV)
+        rollout = os.environ.get(ROLLOUT_ADDRESS)
         if rollout:
             when_imported("trl.trainer.distillation_config", lambda m: wire_rollout(m, "DistillationConfig", rollout))
             when_imported("trl.experimental.gkd.gkd_trainer", lambda m: refuse_rollout_server(m.GKDTrainer))

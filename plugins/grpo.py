@@ -12,14 +12,15 @@ from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
-from dualrun.servers.wiring import GROUP_PORT_ENV, ROLLOUT_ADDRESS_ENV, fill_defaults, rollout_fields, say
+from dualrun.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
+from dualrun.servers.wiring import fill_defaults, rollout_fields, say
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 
 
 def wire_rollout(module: Any, config_class: str, address: str) -> None:
     """Point `module.<config_class>` at the rollout server (fields left at defaults only)."""
-    fill_defaults(getattr(module, config_class), rollout_fields(address, os.environ.get(GROUP_PORT_ENV)),
+    fill_defaults(getattr(module, config_class), rollout_fields(address, os.environ.get(VLLM_GROUP_PORT)),
                   lambda cfg, filled: say(f"{type(cfg).__name__}: {filled} (rollout server)"))
 
 
@@ -43,7 +44,7 @@ class GRPOPlugin(MethodPlugin):
         return HEALTH_PATH
 
     def activate(self, settings: Mapping[str, Any]) -> None:
-        address = os.environ.get(ROLLOUT_ADDRESS_ENV)
+        address = os.environ.get(ROLLOUT_ADDRESS)
         if address:
             when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
             when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(

@@ -190,6 +190,24 @@ def ray_cluster():
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(60)
+def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
+    """16 GPUs asked of an 8-GPU cluster: after placement_timeout_s, one line naming the roles (exit code 2)."""
+    import ray
+
+    from dualrun.errors import LaunchError
+    from dualrun.roles.ray_backend import make_placement
+    from dualrun.roles.spec import GroupSpec
+
+    spec = RolesSpec((GroupSpec("big", 2, 16, ("big",)),), source="x.yaml", placement_timeout_s=2)
+    with pytest.raises(LaunchError, match=r"x\.yaml: role\(s\) big: 2 worker\(s\) .* within 2 s") as failed:
+        make_placement(spec, spec.groups[0])
+    assert failed.value.exit_code == 2
+    assert not [p for p in ray.util.placement_group_table().values()
+                if p.get("name", "").startswith("dualrun-big-") and p.get("state") != "REMOVED"]
+
+
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_every_combination_equal_on_ray_and_local(ray_cluster):
     local = Runtime(load_spec(ROLES), "local")

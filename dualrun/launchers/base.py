@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from dualrun import protocol
 from dualrun.config.model import JobConfig
 from dualrun.envspec import forwarded_env
 from dualrun.plan import AUTO, Cluster, Plan
@@ -26,9 +27,6 @@ class Program:
         if self.call_file:
             return ["--call", self.call_file]
         return (["-m", self.target] if self.module else [self.target]) + list(self.args)
-
-    def display(self) -> str:
-        return " ".join((["-m"] if self.module else []) + [self.target] + list(self.args))
 
 
 @dataclass
@@ -87,10 +85,10 @@ class Launcher(ABC):
         env = forwarded_env() if base is None else dict(base)
         env.update(self.accelerate_env)
         env.update(process_env)
-        fill.setdefault("DUALRUN_RUN_ID", self.run_id)
+        fill.setdefault(protocol.RUN_ID, self.run_id)
         fill.setdefault("TORCHELASTIC_RUN_ID", self.run_id)
         for key, value in fill.items():
-            if env.get(key) == AUTO or key in ("DUALRUN_RUN_ID",):
+            if env.get(key) == AUTO or key == protocol.RUN_ID:
                 env[key] = value
         return env
 
@@ -104,10 +102,16 @@ def report_servers(addresses: Mapping[str, str], external: Mapping[str, str]) ->
         print(f"dualrun: {role}: {how} {addr}", file=sys.stderr, flush=True)
 
 
+def bootstrap_module_argv(program: Program) -> list[str]:
+    """`-m dualrun.bootstrap ...`: what every worker runs, after an interpreter (or torchrun's own arguments)."""
+    return ["-m", "dualrun.bootstrap"] + program.bootstrap_argv()
+
+
 def bootstrap_cmd(program: Program, python: str | None = None) -> list[str]:
+    """The whole command of a worker: `python` (default: this interpreter) running the bootstrap."""
     import sys
 
-    return [python or sys.executable, "-m", "dualrun.bootstrap"] + program.bootstrap_argv()
+    return [python or sys.executable] + bootstrap_module_argv(program)
 
 
 def cwd() -> str:

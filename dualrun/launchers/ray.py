@@ -14,13 +14,13 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
 from dualrun.interpreter import PYTHON
-from dualrun.launchers.base import JobResult, Launcher, RankResult, join_cmd, report_servers
+from dualrun.launchers.base import JobResult, Launcher, RankResult, bootstrap_cmd, join_cmd, report_servers
 from dualrun.launchers.ray_results import failure, first_line, value
 from dualrun.plan import AUTO, Cluster, Plan, Process
 from dualrun.servers.wiring import group_port_env
@@ -119,7 +119,7 @@ class RayLauncher(Launcher):
                  f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
                  f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank",
                  f"# every worker runs, in {os.getcwd()}:",
-                 "#   " + join_cmd([PYTHON, "-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()),
+                 "#   " + join_cmd(bootstrap_cmd(self.program, PYTHON)),
                  "# env shared by every worker:"]
         lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(shared.items())]
         for p, env in zip(plan.workers, envs):
@@ -271,14 +271,14 @@ class RayLauncher(Launcher):
             if r.info["node_id"] not in order:
                 order.append(r.info["node_id"])
         base = forwarded_env()
-        argv = [PYTHON, "-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()
+        argv = bootstrap_cmd(self.program, PYTHON)
         call = None
         if self.program.call_file:   # Python API: the pickled call travels to each node through its actor
             from dualrun.launchers.ray_worker import CALL
 
             with open(self.program.call_file, "rb") as f:
                 call = f.read()
-            argv = [PYTHON, "-m", "dualrun.bootstrap", "--call", CALL]
+            argv = bootstrap_cmd(replace(self.program, call_file=CALL), PYTHON)
         log_dir = self.cfg.log_dir
         refs = []
         for r in ranks:

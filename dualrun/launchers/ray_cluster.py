@@ -300,13 +300,10 @@ def placement_group(cfg: JobConfig, name: str, bundles: list[dict[str, float]]) 
     return make(bundles, strategy=cfg.ray.placement_strategy, name=name)
 
 
-def wait_placed(cfg: JobConfig, pg: Any, role: str, bundles: list[dict[str, float]],
-                check: Callable[[], None] = lambda: None) -> None:
-    """Wait at most ray.placement_timeout_s for `pg` (calling `check` every second, so a signal is seen);
-    then one line saying what was asked and what the cluster has free."""
+def placed(pg: Any, timeout: float, check: Callable[[], None] = lambda: None) -> bool:
+    """Whether `pg` is placed within `timeout` s; `check` runs every second meanwhile (so a signal is seen)."""
     import ray
 
-    timeout = cfg.ray.placement_timeout_s
     deadline = time.monotonic() + timeout
     ref = pg.ready()
     ready: list[Any] = []
@@ -316,7 +313,15 @@ def wait_placed(cfg: JobConfig, pg: Any, role: str, bundles: list[dict[str, floa
             break
         ready, _ = ray.wait([ref], timeout=min(1.0, left))
         check()
-    if not ready:
+    return bool(ready)
+
+
+def wait_placed(cfg: JobConfig, pg: Any, role: str, bundles: list[dict[str, float]],
+                check: Callable[[], None] = lambda: None) -> None:
+    """Wait at most ray.placement_timeout_s for `pg` (calling `check` every second, so a signal is seen);
+    then one line saying what was asked and what the cluster has free."""
+    timeout = cfg.ray.placement_timeout_s
+    if not placed(pg, timeout, check):
         raise LaunchError(f"roles.{role}: {len(bundles)} bundle(s) {_shape(bundles)} with strategy "
                           f"{cfg.ray.placement_strategy} could not be placed within ray.placement_timeout_s="
                           f"{timeout:g} s; the cluster has {describe_free()}. Free resources, lower the role's "

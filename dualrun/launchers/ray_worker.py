@@ -25,7 +25,8 @@ import time
 from typing import Any
 
 from dualrun.errors import killed_by
-from dualrun.progress import PROGRESS_ENV, Collapser, show_progress
+from dualrun.progress import Collapser, show_progress
+from dualrun.protocol import PROGRESS
 from dualrun.ports import free_ports
 from dualrun.interpreter import resolve
 
@@ -91,7 +92,7 @@ class RankWorker:
         if not os.path.isdir(cwd):
             raise RuntimeError(f"the launching directory {cwd} does not exist on this node")
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
-        self.show_bars = show_progress(env.get(PROGRESS_ENV, "rank0"), env.get("RANK"))
+        self.show_bars = show_progress(env.get(PROGRESS, "rank0"), env.get("RANK"))
         self.rank = env.get("RANK", "0")
         if self.error_file:
             os.makedirs(os.path.dirname(self.error_file), exist_ok=True)

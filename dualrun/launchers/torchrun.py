@@ -13,10 +13,13 @@ import threading
 import time
 from typing import Mapping
 
+from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError, killed_by
-from dualrun.launchers.base import JobResult, Launcher, RankResult, free_port, join_cmd, report_servers
+from dualrun.launchers.base import (JobResult, Launcher, RankResult, bootstrap_module_argv, join_cmd,
+                                    report_servers)
 from dualrun.plan import AUTO, Plan
+from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
 from dualrun.servers.local import LocalServers, server_command
 
@@ -54,7 +57,7 @@ class TorchrunLauncher(Launcher):
         log_dir = cfg.torchrun.log_dir or cfg.log_dir
         if log_dir:
             argv += ["--log-dir", log_dir, "--tee", "3"]
-        return argv + ["-m", "dualrun.bootstrap"] + self.program.bootstrap_argv()
+        return argv + bootstrap_module_argv(self.program)
 
     def rdzv_id(self) -> str:
         # every node of a multi-node job must agree on it without talking: derive it from the job's address.
@@ -112,6 +115,7 @@ class TorchrunLauncher(Launcher):
         return result
 
     def _attempt(self, plan: Plan, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
+        from accelerate.utils import clear_environment
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
@@ -132,33 +136,30 @@ class TorchrunLauncher(Launcher):
         args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
         extra = servers.wiring_env()
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
-            extra["DUALRUN_JOB_RESTARTS"] = str(attempt)
+            extra[protocol.JOB_RESTARTS] = str(attempt)
         env = self.agent_env(plan, extra=extra)
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(env)
-        if threading.current_thread() is threading.main_thread():
-            # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
-            servers.watch(lambda _: os.kill(os.getpid(), signal.SIGTERM))
-        try:
-            run(args)
-        except ChildFailedError as e:
-            servers.unwatch()
-            if servers.check() is not None:   # a server died first and the workers failed for it: the cause
-                return _server_died(servers, start), servers
-            return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
-        except SignalException as e:
-            servers.unwatch()
-            if servers.failure is not None:
-                return _server_died(servers, start), servers
-            code = 128 + int(e.sigval)
-            name = signal.Signals(e.sigval).name
-            return JobResult(code, wall_time_s=time.monotonic() - start,
-                             message=f"stopped by {name}: every worker of the job was terminated"), servers
-        finally:
-            servers.stop()
-            os.environ.clear()
-            os.environ.update(saved)
+        with clear_environment():   # the agent and its workers see exactly the job's env; ours comes back after
+            os.environ.update(env)
+            if threading.current_thread() is threading.main_thread():
+                # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
+                servers.watch(lambda _: os.kill(os.getpid(), signal.SIGTERM))
+            try:
+                run(args)
+            except ChildFailedError as e:
+                servers.unwatch()
+                if servers.check() is not None:   # a server died first and the workers failed for it: the cause
+                    return _server_died(servers, start), servers
+                return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
+            except SignalException as e:
+                servers.unwatch()
+                if servers.failure is not None:
+                    return _server_died(servers, start), servers
+                code = 128 + int(e.sigval)
+                name = signal.Signals(e.sigval).name
+                return JobResult(code, wall_time_s=time.monotonic() - start,
+                                 message=f"stopped by {name}: every worker of the job was terminated"), servers
+            finally:
+                servers.stop()
         n = len(self.node_workers(plan))
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
         return JobResult(0, ranks, time.monotonic() - start), servers

@@ -12,7 +12,8 @@ from typing import Any, Callable, Sequence
 
 from dualrun.roles.context import in_worker
 from dualrun.roles.dispatch import CollectFn, DispatchFn, check_execute, resolve_collect, resolve_dispatch
-from dualrun.roles.group import GroupFuture, WorkerGroup
+from dualrun.roles.group import WorkerGroup
+from dualrun.roles.workers import GroupFuture
 
 SPEC_ATTR = "__dualrun_function__"
 WORKER_ATTR = "__dualrun_worker__"

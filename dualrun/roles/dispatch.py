@@ -23,44 +23,39 @@ COLLECT: dict[str, CollectFn] = {}
 EXECUTE = ("all", "first")
 
 
-def register_dispatch(name: str) -> Callable[[DispatchFn], DispatchFn]:
-    """Add a named dispatch rule: `@register_dispatch('my_rule') def rule(n, i, *args, **kwargs)`."""
-
-    def deco(fn: DispatchFn) -> DispatchFn:
-        DISPATCH[name] = fn
+def _register(table: dict[str, Any], name: str) -> Callable[[Any], Any]:
+    def deco(fn: Any) -> Any:
+        table[name] = fn
         return fn
 
     return deco
+
+
+def register_dispatch(name: str) -> Callable[[DispatchFn], DispatchFn]:
+    """Add a named dispatch rule: `@register_dispatch('my_rule') def rule(n, i, *args, **kwargs)`."""
+    return _register(DISPATCH, name)
 
 
 def register_collect(name: str) -> Callable[[CollectFn], CollectFn]:
     """Add a named collect rule: `@register_collect('my_rule') def rule(results: list)`."""
+    return _register(COLLECT, name)
 
-    def deco(fn: CollectFn) -> CollectFn:
-        COLLECT[name] = fn
-        return fn
 
-    return deco
+def _resolve(kind: str, table: dict[str, Any], rule: Any, callable_shape: str) -> Any:
+    if callable(rule):
+        return rule
+    try:
+        return table[rule]
+    except KeyError:
+        raise ValueError(f"{kind}={rule!r}: expected one of {sorted(table)} or a callable {callable_shape}") from None
 
 
 def resolve_dispatch(rule: str | DispatchFn) -> DispatchFn:
-    if callable(rule):
-        return rule
-    try:
-        return DISPATCH[rule]
-    except KeyError:
-        raise ValueError(f"dispatch={rule!r}: expected one of {sorted(DISPATCH)} or a callable "
-                         "(n, i, *args, **kwargs) -> (args, kwargs)") from None
+    return _resolve("dispatch", DISPATCH, rule, "(n, i, *args, **kwargs) -> (args, kwargs)")
 
 
 def resolve_collect(rule: str | CollectFn) -> CollectFn:
-    if callable(rule):
-        return rule
-    try:
-        return COLLECT[rule]
-    except KeyError:
-        raise ValueError(f"collect={rule!r}: expected one of {sorted(COLLECT)} or a callable over the "
-                         "list of per-worker results") from None
+    return _resolve("collect", COLLECT, rule, "over the list of per-worker results")
 
 
 def check_execute(execute: str) -> str:

@@ -15,7 +15,8 @@ import sys
 import time
 from typing import Any
 
-from dualrun.roles.spec import ENV_MODE, ENV_SPEC, groups_table, spec_from_config
+from dualrun.protocol import ROLES_MODE, ROLES_SPEC
+from dualrun.roles.spec import groups_table, spec_from_config
 
 _CALLS = {"init", "WorkerGroup"}
 
@@ -58,11 +59,6 @@ def is_role_job(program: Any, plugin: Any) -> bool:
     return not program.module and is_role_program(program.target)
 
 
-def wants_driver(cfg: Any, program: Any, plugin: Any) -> bool:
-    """Run `program` once as a Ray driver (instead of once per worker)?"""
-    return cfg.backend == "ray" and is_role_job(program, plugin)
-
-
 def local_config(cfg: Any) -> Any:
     """torchrun: a role program runs in the first role's processes with every group in-process, so the other
     roles are not separate servers; the groups travel in `DUALRUN_ROLES_SPEC`."""
@@ -70,7 +66,7 @@ def local_config(cfg: Any) -> Any:
 
     from dualrun.config.model import frozen_map
 
-    env = {**cfg.env, ENV_SPEC: spec_from_config(cfg).to_json(), ENV_MODE: "local"}
+    env = {**cfg.env, ROLES_SPEC: spec_from_config(cfg).to_json(), ROLES_MODE: "local"}
     return replace(cfg, roles=(cfg.primary,), colocate_groups=(), env=frozen_map(env))
 
 
@@ -80,8 +76,8 @@ def driver_env(cfg: Any, run_id: str) -> dict[str, str]:
 
     env = dict(os.environ)
     env.update({k: (run_id if v == AUTO else v) for k, v in make_plan(cfg).env.items()})
-    env[ENV_MODE] = "ray"
-    env[ENV_SPEC] = spec_from_config(cfg).to_json()
+    env[ROLES_MODE] = "ray"
+    env[ROLES_SPEC] = spec_from_config(cfg).to_json()
     return env
 
 
@@ -96,7 +92,7 @@ def run_driver(cfg: Any, program: Any, dry_run: bool = False) -> Any:
     if dry_run:
         print(groups_table(spec))
         print(f"# dualrun dry run: backend=ray, role program run once as the driver; nothing was started\n"
-              f"{ENV_MODE}=ray {ENV_SPEC}='{redact_value(ENV_SPEC, spec.to_json())}' {join_cmd(cmd)}")
+              f"{ROLES_MODE}=ray {ROLES_SPEC}='{redact_value(ROLES_SPEC, spec.to_json())}' {join_cmd(cmd)}")
         return JobResult(0)
     print(f"dualrun: {groups_table(spec)}", file=sys.stderr, flush=True)
     start = time.monotonic()

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from dualrun import protocol
 from dualrun.errors import LaunchError
 from dualrun.roles.context import (RemoteFailure, WorkerContext, WorkerError, call_safely, method_name,
                                    set_actor_context)
 from dualrun.roles.dispatch import CollectFn
-from dualrun.roles.group import Calls, GroupFuture, bind
+from dualrun.roles.workers import Calls, GroupFuture, bind
 from dualrun.roles.rendezvous import group_env, pick_address
-from dualrun.roles.spec import ENV_MODE, GroupSpec, RolesSpec
+from dualrun.roles.spec import GroupSpec, RolesSpec
 
 # A worker with one GPU asks for this fraction of its bundle's GPU: the placement group already reserves the
 # role's GPUs, and a small share lets colocated roles (and several classes of one role) sit on the same GPU.
@@ -39,7 +40,7 @@ class RoleActor:
     def __init__(self, factory: Callable[..., Any], group: str, rank: int, size: int, env: dict[str, str],
                  args: tuple, kwargs: dict, track_bytes: bool) -> None:
         os.environ.update(env)
-        os.environ[ENV_MODE] = "local"  # groups made inside a worker are local to it
+        os.environ[protocol.ROLES_MODE] = "local"  # groups made inside a worker are local to it
         set_actor_context(WorkerContext(group, rank, size, "ray", env.get("MASTER_ADDR"),
                                         int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None))
         self.track_bytes = track_bytes
@@ -97,13 +98,15 @@ def make_placement(spec: RolesSpec, group: GroupSpec) -> Any:
     """The placement group of `group`'s unit: one bundle per worker, waited for with the configured timeout."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    from dualrun.launchers.ray_cluster import placed
+
     per_worker = group.gpus / group.size if group.gpus else 0
     bundle: dict[str, float] = {"CPU": max(spec.num_cpus_per_worker, CPU_SHARE)}
     if per_worker:
         bundle["GPU"] = per_worker
     pg = placement_group([dict(bundle) for _ in range(group.size)], strategy=spec.placement_strategy,
                          name=f"dualrun-{group.unit_name}-{os.getpid()}")
-    if not pg.wait(spec.placement_timeout_s):
+    if not placed(pg, spec.placement_timeout_s):
         import ray
 
         remove_placement_group(pg)
@@ -135,8 +138,8 @@ class RayWorkers:
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
         self.master = ray.get(where.remote(), timeout=spec_timeout(runtime))
         for rank in range(spec.size):
-            env = {**runtime.spec.env, **spec.env, "DUALRUN_ROLE": spec.name, "DUALRUN_GROUP_RANK": str(rank),
-                   "DUALRUN_GROUP_SIZE": str(spec.size), **group_env(rank, spec.size, *self.master)}
+            env = {**runtime.spec.env, **spec.env, protocol.ROLE: spec.name, protocol.GROUP_RANK: str(rank),
+                   protocol.GROUP_SIZE: str(spec.size), **group_env(rank, spec.size, *self.master)}
             opts = remote.options(num_cpus=CPU_SHARE, num_gpus=num_gpus, max_concurrency=1,
                                   scheduling_strategy=PlacementGroupSchedulingStrategy(
                                       pg, placement_group_bundle_index=rank))

@@ -10,20 +10,14 @@ Imported inside Ray tasks: no torch, no Ray at import time.
 """
 from __future__ import annotations
 
-import socket
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+from dualrun.ports import free_port
 
 
 def pick_address() -> tuple[str, int]:
     """Run on rank 0's node: its address and a port free there."""
     import ray
 
-    return ray.util.get_node_ip_address(), free_port()
+    return ray.util.get_node_ip_address(), free_port("0.0.0.0")   # reachable from the other nodes
 
 
 def group_env(rank: int, size: int, master_addr: str, master_port: int) -> dict[str, str]:

@@ -7,13 +7,13 @@ else every group has one worker.
 """
 from __future__ import annotations
 
-import json
 import os
 import threading
 from typing import Any, Callable
 
+from dualrun.protocol import ROLES_MODE, SETTINGS, Settings
 from dualrun.roles.context import UnknownGroupError
-from dualrun.roles.spec import ENV_MODE, GroupSpec, RolesSpec, load_spec
+from dualrun.roles.spec import GroupSpec, RolesSpec, load_spec
 
 _LOCK = threading.Lock()
 _RUNTIME: "Runtime | None" = None
@@ -47,7 +47,7 @@ class Runtime:
             from dualrun.roles.ray_backend import RayWorkers
 
             return RayWorkers(self, spec, factory, args, kwargs)
-        from dualrun.roles.group import LocalWorkers
+        from dualrun.roles.workers import LocalWorkers
 
         return LocalWorkers(spec, factory, args, kwargs)
 
@@ -86,11 +86,9 @@ class Runtime:
 
 
 def _spec_from_settings() -> RolesSpec:
-    raw = os.environ.get("DUALRUN_SETTINGS")
-    roles = (json.loads(raw).get("roles") if raw else None) or {}
-    return RolesSpec(tuple(GroupSpec(n, int(r.get("processes") or 1), int(r.get("gpus") or 0), (n,),
-                                     model=r.get("model"), engine=r.get("engine")) for n, r in roles.items()),
-                     source="DUALRUN_SETTINGS")
+    roles = Settings.from_env().roles
+    return RolesSpec(tuple(GroupSpec(n, int(r.processes or 1), int(r.gpus or 0), (n,), model=r.model, engine=r.engine)
+                           for n, r in roles.items()), source=SETTINGS)
 
 
 def init(config: Any = None, backend: str | None = None, *, track_bytes: bool = False) -> Runtime:
@@ -100,7 +98,7 @@ def init(config: Any = None, backend: str | None = None, *, track_bytes: bool = 
     backend: 'ray' or 'local' ('torchrun' and 'python' mean local); default: `DUALRUN_ROLES_MODE`, else local.
     """
     global _RUNTIME
-    mode = backend or os.environ.get(ENV_MODE) or "local"
+    mode = backend or os.environ.get(ROLES_MODE) or "local"
     if mode not in BACKENDS:
         raise ValueError(f"backend={mode!r}: expected one of {sorted(BACKENDS)}")
     spec = load_spec(config)

@@ -10,8 +10,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-ENV_SPEC = "DUALRUN_ROLES_SPEC"   # JSON of RolesSpec, set by `dualrun launch` for a role program
-ENV_MODE = "DUALRUN_ROLES_MODE"   # 'ray' (this process is the driver of a Ray job) | 'local'
+from dualrun import protocol
+
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def load_spec(config: Any = None) -> RolesSpec:
     if isinstance(config, RolesSpec):
         return config
     if config is None:
-        raw = os.environ.get(ENV_SPEC)
+        raw = os.environ.get(protocol.ROLES_SPEC)
         return RolesSpec.from_json(raw) if raw else RolesSpec()
     from dualrun.config.load import build_config, load_config
 

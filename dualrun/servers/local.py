@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping, TextIO
 
+from dualrun import protocol
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import LaunchError
 from dualrun.plan import Plan, Process
@@ -140,15 +141,14 @@ class LocalServers:
         import json
 
         from dualrun.ports import free_port
-        from dualrun.servers import store_wiring
         from dualrun.servers.wiring import group_port_env
 
         if self.elsewhere:
-            return {store_wiring.FETCH: "1"}
+            return {protocol.WIRING_FETCH: "1"}
         env = wiring_env(self.cfg, self.plugin, self.addresses)
         env.update(group_port_env(env, free_port("127.0.0.1" if self.cfg.num_machines == 1 else "0.0.0.0")))
         if self.running and self.cfg.num_machines > 1:
-            env.update({store_wiring.PUBLISH: "1", store_wiring.NAMES: json.dumps(sorted(env))})
+            env.update({protocol.WIRING_PUBLISH: "1", protocol.WIRING_NAMES: json.dumps(sorted(env))})
         return env
 
     def check(self) -> ServerError | None:

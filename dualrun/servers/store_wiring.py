@@ -14,9 +14,8 @@ import json
 import os
 from datetime import timedelta
 
-PUBLISH = "DUALRUN_WIRING_PUBLISH"   # '1': this machine started the servers; its env holds the wiring
-FETCH = "DUALRUN_WIRING_FETCH"       # '1': read the wiring from the store
-NAMES = "DUALRUN_WIRING_NAMES"       # JSON list: the variables to publish
+from dualrun.protocol import WIRING_FETCH, WIRING_NAMES, WIRING_PUBLISH
+
 _KEY = "dualrun/wiring"
 _WAIT_S = 600.0
 
@@ -34,9 +33,9 @@ def _store():
 
 def share() -> None:
     """Publish (machine with the servers, local rank 0) or fetch (other machines) the trainer wiring env."""
-    if os.environ.get(PUBLISH) == "1":
+    if os.environ.get(WIRING_PUBLISH) == "1":
         if os.environ.get("LOCAL_RANK", "0") == "0":
-            names = json.loads(os.environ.get(NAMES, "[]"))
+            names = json.loads(os.environ.get(WIRING_NAMES, "[]"))
             _store().set("env", json.dumps({k: os.environ[k] for k in names if k in os.environ}))
-    elif os.environ.get(FETCH) == "1":
+    elif os.environ.get(WIRING_FETCH) == "1":
         os.environ.update(json.loads(_store().get("env")))

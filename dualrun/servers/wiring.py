@@ -13,6 +13,8 @@ import functools
 import sys
 from typing import Any, Callable, Mapping
 
+from dualrun.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
+
 _EXPLICIT = "_dualrun_explicit_fields"
 
 
@@ -78,16 +80,10 @@ def split_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-ROLLOUT_ADDRESS_ENV = "DUALRUN_ROLLOUT_ADDRESS"  # MethodPlugin.wiring_env's name for the rollout role's address
-# A free port on trainer rank 0's node for TRL's weight-sync rendezvous (the trainer is its master): TRL's default
-# 51216 makes two jobs with rollout servers on one node collide.
-GROUP_PORT_ENV = "DUALRUN_VLLM_GROUP_PORT"
-
-
 def group_port_env(wiring: Mapping[str, str], port: int | None) -> dict[str, str]:
     """The trainers' weight-sync port, for jobs with a rollout server (picked where rank 0 runs: the torchrun
     driver's machine, or rank 0's Ray actor, alongside MASTER_PORT)."""
-    return {GROUP_PORT_ENV: str(port)} if port and ROLLOUT_ADDRESS_ENV in wiring else {}
+    return {VLLM_GROUP_PORT: str(port)} if port and ROLLOUT_ADDRESS in wiring else {}
 
 
 def rollout_fields(address: str, group_port: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""The driver-worker protocol: every environment variable dualrun passes between the driver and its workers.
+
+Why one module: these names were bare strings in about ten places (built in one module, read as literals in
+another), so renaming or adding one meant hunting for every copy. The driver writes them, the workers (torchrun
+ranks, Ray actors, role programs, plugins) read them; both import the names from here.
+
+Standard library only: Ray worker processes import it before (and without) torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+# -- set by the driver for every worker ---------------------------------------------------------------------
+BACKEND = "DUALRUN_BACKEND"         # 'torchrun' | 'ray'
+METHOD = "DUALRUN_METHOD"           # the method plugin the workers activate
+RUN_ID = "DUALRUN_RUN_ID"           # one id per launch (filled in by the launcher)
+SETTINGS = "DUALRUN_SETTINGS"       # JSON of `Settings`
+ROLE = "DUALRUN_ROLE"               # the plan's unit ('train', 'teacher+rollout'), or a role group's name
+ROLES = "DUALRUN_ROLES"             # comma-separated roles of the unit
+JOB_RESTARTS = "DUALRUN_JOB_RESTARTS"  # restarts of the whole job by dualrun (a server died), torchrun only
+ADDRESS_PATTERN = "DUALRUN_*_ADDRESS"  # a separate role's `host:port` (see `address_env`)
+
+# -- role programs (dualrun.roles) ---------------------------------------------------------------------------
+ROLES_SPEC = "DUALRUN_ROLES_SPEC"   # JSON of RolesSpec, set by `dualrun launch` for a role program
+ROLES_MODE = "DUALRUN_ROLES_MODE"   # 'ray' (this process is the driver of a Ray job) | 'local'
+GROUP_RANK = "DUALRUN_GROUP_RANK"   # a role group worker's rank in its group
+GROUP_SIZE = "DUALRUN_GROUP_SIZE"   # the number of workers of the group
+
+# -- trainer wiring ------------------------------------------------------------------------------------------
+# A free port on trainer rank 0's node for TRL's weight-sync rendezvous (the trainer is its master): TRL's default
+# 51216 makes two jobs with rollout servers on one node collide.
+VLLM_GROUP_PORT = "DUALRUN_VLLM_GROUP_PORT"
+# Multi-node torchrun: the servers' addresses travel through torchrun's store (dualrun/servers/store_wiring.py).
+WIRING_PUBLISH = "DUALRUN_WIRING_PUBLISH"   # '1': this machine started the servers; its env holds the wiring
+WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # '1': read the wiring from the store
+WIRING_NAMES = "DUALRUN_WIRING_NAMES"       # JSON list: the variables to publish
+
+# -- set by the user (read by workers or the driver) ---------------------------------------------------------
+PROGRESS = "DUALRUN_PROGRESS"              # rank0 (default) | all | none
+EXIT_TIMEOUT_S = "DUALRUN_EXIT_TIMEOUT_S"  # the exit watchdog's limit (default 60 s)
+CACHE = "DUALRUN_CACHE"                    # '0': no on-disk cache of accelerate's env
+DEBUG = "DUALRUN_DEBUG"                    # '1': print the traceback of an unexpected error
+FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns) to forward to the workers
+
+# Names the driver sets for every process: a config's `env:` must not override them.
+RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN)
+
+
+def address_env(role: str) -> str:
+    """The variable holding a separate role's `host:port` for the trainer ranks ('rollout' -> DUALRUN_ROLLOUT_ADDRESS)."""
+    return f"DUALRUN_{role.upper()}_ADDRESS"
+
+
+ROLLOUT_ADDRESS = address_env("rollout")
+TEACHER_ADDRESS = address_env("teacher")
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """What a worker needs to know about one role of the job."""
+
+    gpus: int = 0
+    processes: int = 1
+    engine: str | None = None
+    tensor_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    model: str | None = None
+    top_k: int | None = None
+    separate: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The job settings the workers read (DUALRUN_SETTINGS): written by the plan, read by plugins and hooks."""
+
+    offload_model: bool = False
+    offload_optimizer: bool = False
+    max_failures: int = 0
+    collective_timeout_s: float | None = None
+    roles: Mapping[str, RoleSettings] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"offload_model": self.offload_model, "offload_optimizer": self.offload_optimizer,
+                "max_failures": self.max_failures, "collective_timeout_s": self.collective_timeout_s,
+                "roles": {name: asdict(role) for name, role in self.roles.items()}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def to_env(self) -> dict[str, str]:
+        return {SETTINGS: self.to_json()}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Settings":
+        """Missing keys take their defaults; unknown ones are ignored (a partial JSON is fine)."""
+        known = {f for f in RoleSettings.__dataclass_fields__}
+        roles = {name: RoleSettings(**{k: v for k, v in (role or {}).items() if k in known})
+                 for name, role in (raw.get("roles") or {}).items()}
+        top = {k: raw[k] for k in ("offload_model", "offload_optimizer", "max_failures", "collective_timeout_s")
+               if k in raw}
+        return cls(**top, roles=roles)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        raw = environ.get(SETTINGS)
+        return cls.from_dict(json.loads(raw)) if raw else cls()

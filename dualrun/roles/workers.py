@@ -1,0 +1,87 @@
+"""The workers of a group: what both backends share (the call list, `bind`, `GroupFuture`) and `LocalWorkers`.
+
+Why a module of its own: `WorkerGroup` (group.py) reaches the backends through the runtime, and the Ray backend
+(ray_backend.py) builds on these pieces; with them in group.py the three modules imported each other in a cycle.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+from dualrun.roles.context import RemoteFailure, WorkerContext, WorkerError, as_worker, call_safely, method_name
+from dualrun.roles.dispatch import CollectFn
+from dualrun.roles.spec import GroupSpec
+
+Calls = list[tuple[int, tuple, dict]]
+
+
+def bind(obj: Any, method: Any) -> Callable[..., Any]:
+    """The callable a worker runs: `obj.<method>` for a name, `method(obj, ...)` for a function."""
+    return getattr(obj, method) if isinstance(method, str) else functools.partial(method, obj)
+
+
+class GroupFuture:
+    """The pending result of one group call; `result()` collects it (raising a worker's failure)."""
+
+    def __init__(self, group: str, method: str, ranks: Sequence[int], fetch: Callable[[float | None], list],
+                 collect: CollectFn, is_done: Callable[[], bool] = lambda: True) -> None:
+        self.group, self.method, self.ranks = group, method, list(ranks)
+        self._fetch, self._collect, self._is_done = fetch, collect, is_done
+        self._value: Any = None
+        self._resolved = False
+
+    def done(self) -> bool:
+        return self._resolved or self._is_done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._resolved:
+            results = self._fetch(timeout)
+            for rank, r in zip(self.ranks, results):
+                if isinstance(r, RemoteFailure):
+                    raise WorkerError(self.group, rank, self.method, r)
+            self._value = self._collect(results)
+            self._resolved = True
+        return self._value
+
+
+class LocalWorkers:
+    """Workers of a group as instances in this process; calls run in rank order when submitted."""
+
+    backend = "local"
+
+    def __init__(self, spec: GroupSpec, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        from dualrun.ports import free_port
+
+        self.spec = spec
+        self.objs: list[Any] = []
+        self.calls = [0] * spec.size
+        self.master = ("127.0.0.1", free_port("0.0.0.0"))   # the group's rendezvous, as on Ray (WorkerContext)
+        for rank in range(spec.size):
+            with as_worker(self._context(rank)):
+                obj = call_safely(factory, args, kwargs)
+            if isinstance(obj, RemoteFailure):
+                raise WorkerError(spec.name, rank, f"{method_name(factory)}()", obj)
+            self.objs.append(obj)
+
+    def submit(self, method: Any, calls: Calls, collect: CollectFn) -> GroupFuture:
+        results = []
+        for rank, args, kwargs in calls:
+            self.calls[rank] += 1
+            with as_worker(self._context(rank)):
+                results.append(call_safely(bind(self.objs[rank], method), args, kwargs))
+        return GroupFuture(self.spec.name, method_name(method), [c[0] for c in calls], lambda _t: results, collect)
+
+    def _context(self, rank: int) -> WorkerContext:
+        return WorkerContext(self.spec.name, rank, self.spec.size, "local", *self.master)
+
+    def info(self) -> list[dict[str, Any]]:
+        import os
+
+        return [{"rank": r, "pid": os.getpid(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                for r in range(self.spec.size)]
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [{"rank": r, "calls": c, "bytes_in": None} for r, c in enumerate(self.calls)]
+
+    def shutdown(self) -> None:
+        self.objs = []

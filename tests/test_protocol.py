@@ -1,0 +1,60 @@
+"""The driver-worker protocol: every DUALRUN_* name lives in dualrun/protocol.py; settings survive the trip."""
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from dualrun import protocol
+from dualrun.config import build_config
+from dualrun.plan import make_plan
+from dualrun.plugin import worker_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_settings_written_by_the_plan_read_back_by_a_worker():
+    cfg = build_config({"method": "gkd", "max_failures": 2, "collective_timeout_s": 30,
+                        "roles": {"train": {"gpus": 0, "processes": 2},
+                                  "teacher": {"gpus": 0, "model": "m", "top_k": 5}}}, "x.yaml")
+    env = make_plan(cfg).env
+    settings = protocol.Settings.from_env(env)
+    assert settings.max_failures == 2 and settings.collective_timeout_s == 30
+    assert settings.roles["train"].processes == 2 and settings.roles["teacher"].top_k == 5
+    assert settings.to_env() == {protocol.SETTINGS: env[protocol.SETTINGS]}
+    assert worker_settings(env) == json.loads(env[protocol.SETTINGS])
+
+
+def test_partial_or_missing_settings_take_the_defaults():
+    assert protocol.Settings.from_env({}) == protocol.Settings()
+    partial = protocol.Settings.from_env({protocol.SETTINGS: '{"collective_timeout_s": 42, "later": 1}'})
+    assert partial.collective_timeout_s == 42 and partial.roles == {} and not partial.offload_model
+
+
+def test_address_names():
+    assert protocol.address_env("rollout") == protocol.ROLLOUT_ADDRESS == "DUALRUN_ROLLOUT_ADDRESS"
+    assert protocol.TEACHER_ADDRESS == "DUALRUN_TEACHER_ADDRESS"
+
+
+def test_no_dualrun_env_name_spelled_outside_the_protocol_module():
+    """A `"DUALRUN_..."` string literal anywhere but protocol.py is a second copy of a protocol name."""
+    found = []
+    for path in sorted([*(REPO / "dualrun").rglob("*.py"), *(REPO / "plugins").rglob("*.py")]):
+        if path.name == "protocol.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.startswith("DUALRUN_") and node.value != "DUALRUN_*" \
+                    and node.value != "DUALRUN_ROLE_PROGRAM":   # a module-level flag in a user's script
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value}")
+    assert not found, "\n".join(found)
+
+
+def test_protocol_imports_only_the_standard_library():
+    """Ray workers import it before torch (and without dualrun's other modules)."""
+    code = ("import sys; import dualrun.protocol; "
+            "bad = [m for m in ('torch', 'ray', 'yaml', 'transformers') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
