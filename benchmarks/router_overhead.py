@@ -70,7 +70,7 @@ def _pct(values: list[float], q: float) -> float:
 def measure(requests_n: int, warmup: int) -> dict:
     import requests
 
-    from dualrun.launchers.base import free_port
+    from dualrun.ports import free_port
     from dualrun.servers.process import ServerProcess
     from dualrun.servers.router import router_argv
 

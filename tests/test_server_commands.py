@@ -106,7 +106,7 @@ def test_local_launcher_and_ray_actor_run_the_placeholder_with_their_python(tmp_
         (proc,) = servers.running.values()
         assert proc.proc.args[0] == sys.executable
     actor = ServerActor("rollout server")
-    from dualrun.launchers.base import free_port
+    from dualrun.ports import free_port
 
     port = free_port("127.0.0.1")
     result = actor.start(HTTP + ["127.0.0.1", str(port)], {}, "127.0.0.1", port, "/", 30,

@@ -52,7 +52,7 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def _free() -> int:
-    from dualrun.launchers.base import free_port
+    from dualrun.ports import free_port
 
     return free_port()
 

@@ -11,7 +11,6 @@ from dualrun import protocol
 from dualrun.config.model import JobConfig
 from dualrun.envspec import forwarded_env
 from dualrun.plan import AUTO, Cluster, Plan
-from dualrun.ports import free_port  # noqa: F401 - re-exported for callers and tests
 
 
 @dataclass(frozen=True)
