@@ -28,22 +28,20 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
             out: TextIO | None = None) -> JobResult:
     out = out or sys.stderr
     started = time.monotonic()
-    from dualrun.roles.driver import is_role_job, local_config, run_driver
+    from dualrun.roles.driver import is_role_job, local_config
 
     if is_role_job(program, plugin):  # a role program (docs/roles.md): once as the Ray driver, or
         if cfg.backend == "ray":      # in every torchrun process with its groups in-process
-            if not dry_run:
-                mark_started()
-            return run_driver(cfg, program, dry_run=dry_run)
+            return _run_role_driver(cfg, program, plugin, dry_run)
         cfg = local_config(cfg)
     launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
     # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address
     early = make_plan(cfg) if dry_run or cfg.backend == "torchrun" else None
     if cfg.backend == "ray" and not dry_run:
-        from dualrun.launchers.ray_cluster import check_reachable
+        from dualrun.raycluster import check_reachable
 
-        check_reachable(cfg)
+        check_reachable(cfg.ray.address, cfg.source)
     if dry_run:
         launcher.accelerate_env = _accelerate_env(cfg)
         cluster = None
@@ -61,20 +59,34 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
                 launcher.close()
                 raise
     plan = early if cluster is None and early is not None else make_plan(cfg, cluster)
+    prepared = launcher.prepare(plan)   # what the dry run prints is what the launch runs
     if dry_run:
         print(plan.table(), file=sys.stdout)
-        print(launcher.describe(plan), file=sys.stdout)
+        print(launcher.describe(prepared), file=sys.stdout)
         _note_dropped_env(cfg, out)
         return JobResult(0)
     print(f"dualrun: {plan.table()}", file=out, flush=True)
     _note_dropped_env(cfg, out)   # only once the job is valid: a bad input stays one line
     print(f"dualrun: {_startup_line(cfg, plan)}", file=out, flush=True)
     try:
-        result = launcher.launch(plan)
+        result = launcher.launch(prepared)
         _summarise(result, started, out)
     finally:
         launcher.close()   # after the summary: shutting an embedded Ray down takes a second or two
     return result
+
+
+def _run_role_driver(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bool) -> JobResult:
+    """A role program on Ray: one driver process, no plan of ranks and no accelerate env of its own to prepare."""
+    from dualrun.launchers.roles import RoleDriverLauncher
+
+    launcher = RoleDriverLauncher(cfg, program, plugin=plugin)
+    prepared = launcher.prepare()
+    if dry_run:
+        print(launcher.describe(prepared), file=sys.stdout)
+        return JobResult(0)
+    mark_started()
+    return launcher.launch(prepared)
 
 
 def _note_dropped_env(cfg: JobConfig, out: TextIO) -> None:

@@ -86,15 +86,15 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from dualrun.launchers.ray_cluster import alive_nodes, cluster_of, connect, resolve_address
+    from dualrun.raycluster import alive_nodes, cluster_of, connect, resolve_address
 
     problems: list[str] = []
     working_dir = cfg.ray.runtime_env.get("working_dir")
     if working_dir and "://" not in str(working_dir) and not os.path.isdir(str(working_dir)):
         return [f"ray.runtime_env.working_dir: {working_dir} does not exist on the driver"], []
     try:
-        address = resolve_address(cfg)
-        conn = None if address is None else connect(cfg, allow_start=False)
+        address = resolve_address(cfg.ray.address, cfg.source)
+        conn = None if address is None else connect(cfg.ray, cfg.source, allow_start=False)
     except DualrunError as e:
         return [str(e)], []
     if address is None:   # `dualrun launch` would start an embedded cluster: this machine alone

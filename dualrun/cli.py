@@ -97,9 +97,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     cfg, plugin = _load(ns)
     cluster = None
     if cfg.backend == "ray":
-        from dualrun.launchers.ray_cluster import live_cluster
+        from dualrun.raycluster import live_cluster
 
-        cluster = live_cluster(cfg)
+        cluster = live_cluster(cfg.ray, cfg.source)
         if cluster is None and cfg.ray.address not in (None, "auto", "local"):
             raise ConfigError(cfg.source, "ray.address", "a Ray cluster reachable from here (checked for 2 s)",
                               cfg.ray.address)

@@ -108,3 +108,55 @@ class Settings:
         environ = os.environ if environ is None else environ
         raw = environ.get(SETTINGS)
         return cls.from_dict(json.loads(raw)) if raw else cls()
+
+
+# -- what the Ray actors answer the driver (picklable; the actor modules import only the standard library) ----
+@dataclass(frozen=True)
+class ActorPlace:
+    """Where an actor landed (a rank, a server or a role worker): its node, the GPUs Ray gave it, its pid, and
+    the free ports it picked on its node when asked (a rank 0: MASTER_PORT and the weight-sync port; a server:
+    its own port)."""
+
+    ip: str
+    node_id: str
+    gpus: tuple[str, ...]
+    pid: int
+    port: int | None = None
+    group_port: int | None = None
+    tmp: str | None = None                      # a rank's temp dir on its node
+    visible_devices: str | None = None          # CUDA_VISIBLE_DEVICES as the actor sees it
+
+    @property
+    def address(self) -> str:
+        return f"{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank's program ended: its exit code, when (for attributing the first failure), its error, and (Python
+    API) its pickled return value."""
+
+    exit_code: int
+    end: float
+    error: str | None = None
+    value: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ServerStart:
+    """A server actor's start: healthy at `address`, or the error (never an exception: it must cross Ray intact);
+    `port_in_use` when the port it picked was taken meanwhile (the driver retries on a fresh one)."""
+
+    ok: bool
+    address: str | None = None
+    pid: int | None = None
+    error: str | None = None
+    port_in_use: bool = False
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """A role worker's counters: calls served, bytes received through the object store (when tracked)."""
+
+    calls: int
+    bytes_in: int | None = None

@@ -87,3 +87,17 @@ def test_no_import_cycle_inside_dualrun():
     graph = {name: _imports(name, path, mods) for name, path in mods.items()}
     assert graph["dualrun.roles.group"], "the import scan found nothing: it is broken"
     assert _cycles(graph) == []
+
+
+def test_no_module_imports_upward():
+    """servers/, roles/ and the Ray resource layer sit below the launchers: none of them imports
+    dualrun.launchers (the Ray layer imports none of its users either)."""
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    below = {"dualrun.servers": ("dualrun.launchers",), "dualrun.roles": ("dualrun.launchers",),
+             "dualrun.raycluster": ("dualrun.launchers", "dualrun.servers", "dualrun.roles")}
+    upward = sorted(f"{name} -> {dep}" for name, deps in graph.items() for pkg, banned in below.items()
+                    if name == pkg or name.startswith(pkg + ".") for dep in deps
+                    if any(dep == b or dep.startswith(b + ".") for b in banned))
+    assert graph["dualrun.servers.ray_server"], "the import scan found nothing: it is broken"
+    assert upward == []

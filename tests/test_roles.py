@@ -199,8 +199,10 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
     from dualrun.roles.ray_backend import make_placement
     from dualrun.roles.spec import GroupSpec
 
-    spec = RolesSpec((GroupSpec("big", 2, 16, ("big",)),), source="x.yaml", placement_timeout_s=2)
-    with pytest.raises(LaunchError, match=r"x\.yaml: role\(s\) big: 2 worker\(s\) .* within 2 s") as failed:
+    from dualrun.config.model import RayOptions
+
+    spec = RolesSpec((GroupSpec("big", 2, 16, ("big",)),), source="x.yaml", ray=RayOptions(placement_timeout_s=2))
+    with pytest.raises(LaunchError, match=r"x\.yaml: role\(s\) big: 2 worker\(s\) .* within ray\.placement_timeout_s=2 s") as failed:
         make_placement(spec, spec.groups[0])
     assert failed.value.exit_code == 2
     assert not [p for p in ray.util.placement_group_table().values()

@@ -33,7 +33,7 @@ def ray_cluster():
 def _servers(tiny: Path, **teacher: object):
     from dualrun.config import build_config
     from dualrun.envspec import forwarded_env
-    from dualrun.launchers import ray_cluster as rc
+    from dualrun import raycluster as rc
     from dualrun.launchers.base import Program
     from dualrun.launchers.ray import RayLauncher
     from dualrun.plan import make_plan
@@ -71,7 +71,7 @@ def test_teacher_server_in_its_own_placement_group(ray_cluster, tiny):
         client = teacher_client(f"http://{address}")
         got = client.get_sequence_logprobs([[1, 5, 9, 12]], [1], top_logprobs=5)
         assert len(got["logprobs"][0]) == 3 and len(got["logprobs"][0][0]) == 5
-        pid = ray_cluster.get(servers.actors[0].where.remote())["pid"]
+        pid = ray_cluster.get(servers.actors[0].where.remote()).pid
     finally:
         servers.stop()
     assert not http_ok(f"http://{address}/health")

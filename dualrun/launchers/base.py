@@ -28,6 +28,20 @@ class Program:
         return (["-m", self.target] if self.module else [self.target]) + list(self.args)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """One launch, prepared before anything starts: `--dry_run` prints this object (`Launcher.describe`) and
+    `Launcher.launch` runs this same object, so the two cannot drift (TorchX's `submit_dryrun` shape). Values only
+    the running launch knows (a Ray rank's node, its GPUs, a server's port) are `<auto>`."""
+
+    plan: Plan | None
+    argv: tuple[str, ...]             # what each worker runs (torchrun: this node's torchrun; roles: the driver)
+    env: Mapping[str, str]            # its env (Ray: the part every rank shares; each rank's is in `rank_envs`)
+    cwd: str
+    rank_envs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)   # Ray: label -> the rank's env
+    servers: tuple[tuple[str, tuple[str, ...], Mapping[str, str]], ...] = ()   # label, command, env shown
+
+
 @dataclass
 class RankResult:
     label: str
@@ -71,12 +85,23 @@ class Launcher(ABC):
         """Release what the launcher holds (a Ray connection, an embedded cluster). Idempotent."""
 
     @abstractmethod
-    def launch(self, plan: Plan) -> JobResult:
-        """Run the plan to completion (or failure); never leaves a process behind."""
+    def prepare(self, plan: Plan | None) -> Prepared:
+        """The commands and env of the launch (starts nothing): what `describe` prints and `launch` runs."""
 
     @abstractmethod
-    def describe(self, plan: Plan) -> str:
-        """The exact commands and env the launch would use (secrets redacted), for --dry_run."""
+    def launch(self, prepared: Prepared) -> JobResult:
+        """Run the prepared launch to completion (or failure); never leaves a process behind."""
+
+    @abstractmethod
+    def describe(self, prepared: Prepared) -> str:
+        """The prepared commands and env (secrets redacted), for --dry_run."""
+
+    def omp_threads(self, per_node: int) -> str | None:
+        """torchrun's OMP_NUM_THREADS rule, for every backend: the launching env's value, else 1 when a node runs
+        more than one process (else unset: torch picks)."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return os.environ["OMP_NUM_THREADS"]
+        return "1" if per_node > 1 else None
 
     def worker_env(self, process_env: Mapping[str, str], base: Mapping[str, str] | None = None,
                    **fill: str) -> dict[str, str]:
@@ -90,6 +115,13 @@ class Launcher(ABC):
             if env.get(key) == AUTO or key == protocol.RUN_ID:
                 env[key] = value
         return env
+
+
+def stopped_by(signum: int, what: str = "every worker of the job was terminated", wall_time_s: float = 0.0) -> JobResult:
+    """The result of a job a signal ended: the shell's code for it (128 + N: 130 for SIGINT, 143 for SIGTERM)."""
+    import signal
+
+    return JobResult(128 + signum, wall_time_s=wall_time_s, message=f"stopped by {signal.Signals(signum).name}: {what}")
 
 
 def report_servers(addresses: Mapping[str, str], external: Mapping[str, str]) -> None:

@@ -9,20 +9,23 @@ failure or signal stops all ranks and removes actors and placement groups.
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
 from dualrun.interpreter import PYTHON
-from dualrun.launchers.base import JobResult, Launcher, RankResult, bootstrap_cmd, join_cmd, report_servers
-from dualrun.launchers.ray_results import failure, first_line, value
-from dualrun.plan import AUTO, Cluster, Plan, Process
+from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_cmd, join_cmd,
+                                    report_servers, stopped_by)
+from dualrun.launchers.ray_results import failure, first_line, rank_results, value
+from dualrun.plan import AUTO, Cluster, Plan, Process, units
+from dualrun.protocol import ActorPlace, RankExit
 from dualrun.servers.wiring import group_port_env
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
@@ -39,9 +42,9 @@ class _Interrupted(Exception):
 class _Rank:
     proc: Process
     actor: Any
-    info: dict[str, Any] = field(default_factory=dict)
+    info: ActorPlace | None = None
     env: dict[str, str] = field(default_factory=dict)
-    result: dict[str, Any] | None = None
+    result: RankExit | None = None
 
 
 class RayLauncher(Launcher):
@@ -59,11 +62,11 @@ class RayLauncher(Launcher):
     # -- cluster -------------------------------------------------------------------------------------------------
     def cluster(self) -> Cluster | None:
         """Connect (or start the embedded cluster) and return its live nodes for the plan."""
-        from dualrun.launchers import ray_cluster
+        from dualrun import raycluster
 
         if self._conn is None:
-            self._conn = ray_cluster.connect(self.cfg, allow_start=True)
-        return ray_cluster.cluster_of(ray_cluster.alive_nodes())
+            self._conn = raycluster.connect(self.cfg.ray, self.cfg.source, num_cpus=embedded_cpus(self.cfg))
+        return raycluster.cluster_of(raycluster.alive_nodes())
 
     def close(self) -> None:
         if self._conn is not None:
@@ -80,61 +83,70 @@ class RayLauncher(Launcher):
             out["GPU"] = 1.0
         return out or {"CPU": 0.001}
 
-    def _omp(self, plan: Plan) -> str | None:
-        """torchrun's rule: the launching env's value, else 1 when a node runs more than one process."""
-        if "OMP_NUM_THREADS" in os.environ:
-            return os.environ["OMP_NUM_THREADS"]
-        per_node = len(plan.workers) // max(1, self.cfg.num_machines)
-        return "1" if per_node > 1 else None
-
-    def rank_env(self, plan: Plan, p: Process, base: Mapping[str, str], *, master_addr: str = AUTO,
-                 master_port: str = AUTO, gpus: str | None = None, node_rank: int | None = None,
-                 num_nodes: int | None = None, error_file: str = AUTO, restart: int = 0) -> dict[str, str]:
-        """The exact env of one rank's program (`<auto>` where only the launch knows the value)."""
-        env = self.worker_env(p.env, base=base, MASTER_ADDR=master_addr, MASTER_PORT=master_port)
-        env["MASTER_ADDR"], env["MASTER_PORT"] = master_addr, str(master_port)
+    def rank_env(self, plan: Plan, p: Process, base: Mapping[str, str]) -> dict[str, str]:
+        """One rank's env as prepared: `<auto>` where only the launch knows the value (`_placed_env` fills it)."""
+        env = self.worker_env(p.env, base=base, MASTER_ADDR=AUTO, MASTER_PORT=AUTO)
+        env["MASTER_ADDR"], env["MASTER_PORT"] = AUTO, AUTO
         env["TORCHELASTIC_RUN_ID"] = self.run_id
-        env["CUDA_VISIBLE_DEVICES"] = AUTO if gpus is None and p.devices else (gpus or "")
-        if node_rank is not None:
-            env["NODE_RANK"] = env["GROUP_RANK"] = str(node_rank)
-        if num_nodes is not None:
-            env["GROUP_WORLD_SIZE"] = str(num_nodes)
+        env["CUDA_VISIBLE_DEVICES"] = AUTO if p.devices else ""
         env["TORCHELASTIC_USE_AGENT_STORE"] = "False"   # rank 0 hosts the TCPStore itself
-        env["TORCHELASTIC_ERROR_FILE"] = error_file
-        env["TORCHELASTIC_RESTART_COUNT"] = str(restart)
-        omp = self._omp(plan)
+        env["TORCHELASTIC_ERROR_FILE"] = AUTO
+        env["TORCHELASTIC_RESTART_COUNT"] = "0"
+        omp = self.omp_threads(len(plan.workers) // max(1, self.cfg.num_machines))
         if omp is None:
             env.pop("OMP_NUM_THREADS", None)
         else:
             env["OMP_NUM_THREADS"] = omp
         return env
 
-    def describe(self, plan: Plan) -> str:
-        """The plan's ranks, their bundles and env (redacted); connects to nothing."""
+    @staticmethod
+    def _placed_env(prepared: Mapping[str, str], *, master: ActorPlace, gpus: str, node_rank: int, num_nodes: int,
+                    error_file: str, restart: int) -> dict[str, str]:
+        """A prepared rank env with what the placement decided filled in."""
+        env = dict(prepared)
+        env["MASTER_ADDR"], env["MASTER_PORT"] = master.ip, str(master.port)
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+        env["NODE_RANK"] = env["GROUP_RANK"] = str(node_rank)
+        env["GROUP_WORLD_SIZE"] = str(num_nodes)
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+        env["TORCHELASTIC_RESTART_COUNT"] = str(restart)
+        return env
+
+    def prepare(self, plan: Plan | None) -> Prepared:
+        """Every rank's command and env (redacted only when shown); connects to nothing."""
+        assert plan is not None
         base = forwarded_env()
-        envs = [redact(self.rank_env(plan, p, base)) for p in plan.workers]
-        shared = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)} if envs else {}
+        envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
+        first = next(iter(envs.values()), {})
+        shared = {k: v for k, v in first.items() if all(e.get(k) == v for e in envs.values())}
+        return Prepared(plan, tuple(bootstrap_cmd(self.program, PYTHON)), shared, os.getcwd(), rank_envs=envs)
+
+    def describe(self, prepared: Prepared) -> str:
+        plan = prepared.plan
+        assert plan is not None
         addr = self.cfg.ray.address or "a running cluster if reachable, else an embedded local one"
         lines = [f"# dualrun dry run: backend=ray, cluster {addr}; nothing was started",
                  f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
                  f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank",
-                 f"# every worker runs, in {os.getcwd()}:",
-                 "#   " + join_cmd(bootstrap_cmd(self.program, PYTHON)),
+                 f"# every worker runs, in {prepared.cwd}:",
+                 "#   " + join_cmd(prepared.argv),
                  "# env shared by every worker:"]
-        lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(shared.items())]
-        for p, env in zip(plan.workers, envs):
-            own = {k: v for k, v in env.items() if k not in shared}
+        lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(prepared.env).items())]
+        for p in plan.workers:
+            own = {k: v for k, v in prepared.rank_envs[p.label].items() if k not in prepared.env}
             lines.append(f"# {p.label}: bundle {self.bundle(p)}, planned node {p.node}")
-            lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(own.items())]
+            lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(own).items())]
         for p in plan.servers:
             lines.append(f"# {p.label}: bundle {self.bundle(p)}, started (and healthy) before the trainers")
         return "\n".join(lines)
 
     # -- launch --------------------------------------------------------------------------------------------------
-    def launch(self, plan: Plan) -> JobResult:
+    def launch(self, prepared: Prepared) -> JobResult:
         """Run the job; on failure restart the whole job up to max_failures times (torchrun's semantics). Servers
         stay up across restarts of the trainers; a server that died is replaced by a fresh one on a fresh port."""
         start = time.monotonic()
+        plan = prepared.plan
+        assert plan is not None
         if self._conn is None:
             self.cluster()
         restore = self._trap_signals()
@@ -148,9 +160,9 @@ class RayLauncher(Launcher):
                         result = JobResult(e.exit_code, message=str(e))
                         break
                     except _Interrupted as e:
-                        result = JobResult(128 + e.signum, message=f"stopped by {e}: every server was stopped")
+                        result = stopped_by(e.signum, "every server was stopped")
                         break
-                result = self._attempt(plan, attempt)
+                result = self._attempt(prepared, attempt)
                 if result.ok or result.exit_code in (130, 143) or attempt >= self.cfg.max_failures:
                     break
                 attempt += 1
@@ -204,96 +216,77 @@ class RayLauncher(Launcher):
         if self._signal is not None:
             raise _Interrupted(self._signal)
 
-    def _attempt(self, plan: Plan, attempt: int) -> JobResult:
+    def _attempt(self, prepared: Prepared, attempt: int) -> JobResult:
         from ray.exceptions import RayError
-        from ray.util.placement_group import remove_placement_group
 
-        from dualrun.launchers import ray_cluster
+        from dualrun.launchers.ray_worker import RankWorker
+        from dualrun.raycluster import Gang
 
         self._stop_time = None
         self._server_failure = None
-
-        pgs: list[Any] = []
+        gang = Gang(self.cfg.ray, self.cfg.source, self._check_signal)
         ranks: list[_Rank] = []
         try:
             try:
                 by_unit: dict[str, list[Process]] = {}
-                for p in plan.workers:
+                for p in prepared.plan.workers:
                     by_unit.setdefault(p.unit, []).append(p)
                 for unit, procs in by_unit.items():
-                    bundles = [self.bundle(p) for p in procs]
-                    role = procs[0].roles[0]
-                    ray_cluster.check_resources(self.cfg, role, bundles)
-                    pg = ray_cluster.placement_group(self.cfg, f"{self.run_id}-{unit}-{attempt}", bundles)
-                    pgs.append(pg)
-                    ray_cluster.wait_placed(self.cfg, pg, role, bundles, self._check_signal)
-                    ranks += self._actors(pg, procs, attempt)
-                self._start(plan, ranks, attempt)
+                    pg = gang.place(f"{self.run_id}-{unit}-{attempt}", procs[0].roles[0],
+                                    [self.bundle(p) for p in procs])
+                    for i, p in enumerate(procs):   # rank order: rank 0's actor is created first
+                        b = self.bundle(p)
+                        ranks.append(_Rank(p, gang.spawn(
+                            RankWorker, pg, i, self.run_id, p.label, num_cpus=b.get("CPU", 0),
+                            num_gpus=b.get("GPU", 0), max_concurrency=4, max_restarts=0,
+                            name=f"{self.run_id}-{p.unit}-{p.rank}-{attempt}")))
+                self._start(prepared, ranks, attempt)
                 return self._supervise(ranks)
             except RayError as e:
                 raise LaunchError(f"the Ray workers could not start: {first_line(e)}", 1) from None
             except _Interrupted as e:
-                code = 128 + e.signum
                 self._stop_all(ranks)
-                return JobResult(code, message=f"stopped by {e}: every worker of the job was terminated")
-        finally:
-            self._remove(ranks, pgs, remove_placement_group)
+                return stopped_by(e.signum)
+        finally:   # every program stopped, every actor killed, every placement group removed
+            self._stop_all(ranks)
+            gang.call_all("cleanup", timeout=2.0)
+            gang.stop()
 
-    def _actors(self, pg: Any, procs: list[Process], attempt: int) -> list[_Rank]:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from dualrun.launchers.ray_worker import RankWorker
-
-        cls = ray.remote(RankWorker)
-        out = []
-        for i, p in enumerate(procs):   # rank order: rank 0's actor is created first
-            b = self.bundle(p)
-            opts: dict[str, Any] = {
-                "num_cpus": b.get("CPU", 0), "num_gpus": b.get("GPU", 0), "max_concurrency": 4, "max_restarts": 0,
-                "name": f"{self.run_id}-{p.unit}-{p.rank}-{attempt}",
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-            out.append(_Rank(p, cls.options(**opts).remote(self.run_id, p.label)))
-        return out
-
-    def _start(self, plan: Plan, ranks: list[_Rank], attempt: int) -> None:
+    def _start(self, prepared: Prepared, ranks: list[_Rank], attempt: int) -> None:
         """Phase 1: where did each actor land (rank 0 picks the port); phase 2: start every program."""
         infos = self._get([r.actor.info.remote(r.proc.rank == 0) for r in ranks], "start their actors")
         for r, info in zip(ranks, infos):
             r.info = info
-        master = next(r for r in ranks if r.proc.rank == 0).info
-        nodes = len({r.info["node_id"] for r in ranks})
-        units = sorted({r.proc.unit for r in ranks})
-        print(f"dualrun: {', '.join(units)}: {len(ranks)} worker(s) placed on {nodes} node(s), master "
-              f"{master['ip']}:{master['port']}; starting the program", file=sys.stderr, flush=True)
-        order: list[str] = []
-        for r in ranks:
-            if r.info["node_id"] not in order:
-                order.append(r.info["node_id"])
-        base = forwarded_env()
-        argv = bootstrap_cmd(self.program, PYTHON)
+        master = next(r.info for r in ranks if r.proc.rank == 0)
+        order: list[str] = []   # node ids in rank order: the node ranks
+        for info in infos:
+            if info.node_id not in order:
+                order.append(info.node_id)
+        print(f"dualrun: {', '.join(sorted({r.proc.unit for r in ranks}))}: {len(ranks)} worker(s) placed on "
+              f"{len(order)} node(s), master {master.address}; starting the program", file=sys.stderr, flush=True)
+        argv = list(prepared.argv)
         call = None
         if self.program.call_file:   # Python API: the pickled call travels to each node through its actor
             from dualrun.launchers.ray_worker import CALL
 
             with open(self.program.call_file, "rb") as f:
                 call = f.read()
-            argv = bootstrap_cmd(replace(self.program, call_file=CALL), PYTHON)
+            argv = [CALL if a == self.program.call_file else a for a in argv]
         log_dir = self.cfg.log_dir
         refs = []
         for r in ranks:
-            err = os.path.join(r.info["tmp"], f"attempt_{attempt}", str(r.proc.rank), "error.json")
-            r.env = self.rank_env(plan, r.proc, base, master_addr=master["ip"], master_port=str(master["port"]),
-                                  gpus=",".join(r.info["gpus"]), node_rank=order.index(r.info["node_id"]),
-                                  num_nodes=len(order), error_file=err, restart=attempt)
+            err = os.path.join(r.info.tmp or "", f"attempt_{attempt}", str(r.proc.rank), "error.json")
+            r.env = self._placed_env(prepared.rank_envs[r.proc.label], master=master, gpus=",".join(r.info.gpus),
+                                     node_rank=order.index(r.info.node_id), num_nodes=len(order), error_file=err,
+                                     restart=attempt)
             r.env.update(self._wiring)
-            r.env.update(group_port_env(self._wiring, master.get("group_port")))
+            r.env.update(group_port_env(self._wiring, master.group_port))
             log = os.path.abspath(os.path.join(log_dir, f"{r.proc.unit}_{r.proc.rank}.log")) if log_dir else None
-            refs.append(r.actor.start.remote(argv, r.env, os.getcwd(), log, call))
+            refs.append(r.actor.start.remote(argv, r.env, prepared.cwd, log, call))
         self._get(refs, "start the program")
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
-        from dualrun.launchers.ray_cluster import wait_refs
+        from dualrun.raycluster import wait_refs
 
         return wait_refs(refs, what, max(60.0, self.cfg.ray.placement_timeout_s), self._check_signal)
 
@@ -338,8 +331,8 @@ class RayLauncher(Launcher):
                 try:
                     r.result = ray.get(ref)
                 except RayActorError as e:
-                    r.result = {"exit_code": 1, "end": time.time(), "error": f"its Ray actor died ({first_line(e)})"}
-                if r.result["exit_code"] != 0 and not failed:
+                    r.result = RankExit(1, time.time(), f"its Ray actor died ({first_line(e)})")
+                if r.result.exit_code != 0 and not failed:
                     failed.append(i)
                     self._stop_all(ranks, wait=False)
                     deadline = time.monotonic() + _SHUTDOWN_S
@@ -347,10 +340,8 @@ class RayLauncher(Launcher):
             done, _ = ray.wait(list(watch), num_returns=1, timeout=0.5)
             for ref in done:
                 self._server_failure = self._servers.why_ended(ref)
-        results = [RankResult(r.proc.label, r.proc.rank, r.result["exit_code"] if r.result else -15,
-                              r.result.get("error") if r.result else None) for r in ranks]
         if self._server_failure is not None:
-            return JobResult(1, results, message=self._server_failure)
+            return JobResult(1, rank_results(ranks), message=self._server_failure)
         if not failed:
             return JobResult(0, [RankResult(r.proc.label, r.proc.rank, 0, result=value(r.result)) for r in ranks])
         return failure(ranks, failed[0], self._stop_time)
@@ -367,39 +358,17 @@ class RayLauncher(Launcher):
             sys.stderr.flush()
 
     def _stop_all(self, ranks: list[_Rank], wait: bool = True) -> None:
-        import ray
+        """SIGTERM (SIGKILL after a grace) every rank's program; `wait` for them at most _SHUTDOWN_S."""
+        from dualrun.raycluster import call_each
 
         if self._stop_time is None:
             self._stop_time = time.time()
-        refs = []
-        for r in ranks:
-            try:
-                refs.append(r.actor.stop.remote(_STOP_GRACE_S))
-            except Exception:  # noqa: BLE001 - an actor already gone needs no stopping
-                pass
-        if wait and refs:
-            ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_S)
+        call_each([r.actor for r in ranks], "stop", _STOP_GRACE_S, timeout=_SHUTDOWN_S if wait else None)
 
-    def _remove(self, ranks: list[_Rank], pgs: list[Any], remove_pg: Any) -> None:
-        """Every program stopped, every actor killed, every placement group removed; nothing left behind."""
-        import ray
 
-        self._stop_all(ranks)
-        refs = []
-        for r in ranks:
-            try:
-                refs.append(r.actor.cleanup.remote())
-            except Exception:  # noqa: BLE001
-                pass
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=2.0)
-        for r in ranks:
-            try:
-                ray.kill(r.actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        for pg in pgs:
-            try:
-                remove_pg(pg)
-            except Exception:  # noqa: BLE001
-                pass
+def embedded_cpus(cfg: Any) -> int:
+    """CPUs to declare for an embedded cluster: enough bundles for every worker and every CPU server of a separate
+    role (a logical count, not cores)."""
+    workers = cfg.primary.processes
+    servers = sum(1 for _, r in units(cfg)[1:] if not r.address and not r.gpus)   # dualrun starts a CPU server
+    return max(1, math.ceil(workers * cfg.ray.num_cpus_per_worker + servers * max(cfg.ray.num_cpus_per_worker, 1.0)))

@@ -8,28 +8,34 @@ import pickle
 from typing import Any, Sequence
 
 from dualrun.launchers.base import JobResult, RankResult
+from dualrun.protocol import RankExit
 
 
 def failure(ranks: Sequence[Any], first: int, stop_time: float | None) -> JobResult:
     """One line naming the rank that failed first (before the driver stopped the others) and its error's last line.
 
-    `ranks` have `.proc` (the planned process) and `.result` (the actor's exit dict, or None)."""
+    `ranks` have `.proc` (the planned process) and `.result` (the actor's RankExit, or None)."""
     stop = stop_time or float("inf")
-    own = [r for r in ranks if r.result and r.result["exit_code"] != 0 and r.result["end"] <= stop]
-    culprit = min(own, key=lambda r: (r.result["end"], r.proc.rank)) if own else ranks[first]
+    own = [r for r in ranks if r.result and r.result.exit_code != 0 and r.result.end <= stop]
+    culprit = min(own, key=lambda r: (r.result.end, r.proc.rank)) if own else ranks[first]
     res = culprit.result
-    code = res["exit_code"]
-    detail = (res.get("error") or "").strip().splitlines()
+    code = res.exit_code
+    detail = (res.error or "").strip().splitlines()
     tail = detail[-1] if detail else "no error message"
-    results = [RankResult(r.proc.label, r.proc.rank, r.result["exit_code"] if r.result else -15,
-                          r.result.get("error") if r.result else None) for r in ranks]
+    results = rank_results(ranks)
     return JobResult(code if code > 0 else 1, results,
                      message=f"{culprit.proc.label} failed (exit code {code}): {tail}")
 
 
-def value(result: dict[str, Any] | None) -> Any:
+def rank_results(ranks: Sequence[Any]) -> list[RankResult]:
+    """Every rank's exit code and error (-15: stopped before it reported, e.g. its actor was killed)."""
+    return [RankResult(r.proc.label, r.proc.rank, r.result.exit_code if r.result else -15,
+                       r.result.error if r.result else None) for r in ranks]
+
+
+def value(result: RankExit | None) -> Any:
     """Python API: a rank's return value, pickled on its node and returned by its actor."""
-    data = (result or {}).get("value")
+    data = result.value if result is not None else None
     return pickle.loads(data) if data is not None else None
 
 

@@ -22,11 +22,10 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Any
 
 from dualrun.errors import killed_by
 from dualrun.progress import Collapser, show_progress
-from dualrun.protocol import PROGRESS
+from dualrun.protocol import PROGRESS, ActorPlace, RankExit
 from dualrun.ports import free_ports
 from dualrun.interpreter import resolve
 
@@ -60,7 +59,7 @@ class RankWorker:
         self.readers: list[threading.Thread] = []
         self.log = None
         self.log_lock = threading.Lock()
-        self.result: dict[str, Any] | None = None
+        self.result: RankExit | None = None
         self.error_file: str | None = None
         self.spawner: threading.Thread | None = None
         self.end = 0.0
@@ -68,16 +67,15 @@ class RankWorker:
         self.call_file: str | None = None
         self.rank = "0"
 
-    def info(self, pick_port: bool = False) -> dict[str, Any]:
+    def info(self, pick_port: bool = False) -> ActorPlace:
         """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks free ports on its node
         (MASTER_PORT, and the vLLM weight-sync port for which the trainer is the rendezvous master)."""
         import ray
 
         ctx = ray.get_runtime_context()
         port, group_port = free_ports(2, "") if pick_port else (None, None)
-        return {"ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
-                "gpus": [str(g) for g in ray.get_gpu_ids()], "tmp": self.tmp, "pid": os.getpid(),
-                "port": port, "group_port": group_port}
+        return ActorPlace(ray.util.get_node_ip_address(), ctx.get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()),
+                          os.getpid(), port, group_port, tmp=self.tmp)
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None = None,
               call: bytes | None = None) -> int:
@@ -156,7 +154,7 @@ class RankWorker:
             self.tail.append(text)
         self.queue.put((stream, text))
 
-    def wait(self) -> dict[str, Any]:
+    def wait(self) -> RankExit:
         """Block until the program exits (Ray notifies the driver); exit code, error text and end time."""
         assert self.proc is not None and self.spawner is not None, "start() was not called"
         self.spawner.join()
@@ -168,8 +166,7 @@ class RankWorker:
             with self.log_lock:
                 self.log.close()
                 self.log = None
-        self.result = {"exit_code": code, "end": end, "error": self._error(code) if code else None,
-                       "value": self._value()}
+        self.result = RankExit(code, end, self._error(code) if code else None, self._value())
         self.queue.put(None)
         return self.result
 

@@ -11,13 +11,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Mapping
 
 from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError, killed_by
-from dualrun.launchers.base import (JobResult, Launcher, RankResult, bootstrap_module_argv, join_cmd,
-                                    report_servers)
+from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_module_argv, join_cmd,
+                                    report_servers, stopped_by)
 from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
@@ -65,43 +64,51 @@ class TorchrunLauncher(Launcher):
             return f"dualrun-{self._addr()}-{self._port()}"
         return self.run_id
 
-    def agent_env(self, plan: Plan, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    def agent_env(self, plan: Plan) -> dict[str, str]:
         """The env torchrun (and so every worker) starts with; torchrun adds the rank variables."""
         first = self.node_workers(plan)[0]
         env = self.worker_env(first.env, MASTER_ADDR=self._addr(), MASTER_PORT=str(self._port()))
         for name in TORCHRUN_NAMES:
             if name in first.env:
                 env.pop(name, None)
-        if "OMP_NUM_THREADS" in os.environ:
-            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-        env.update(extra or {})
+        omp = self.omp_threads(len(self.node_workers(plan)))
+        if omp is not None:
+            env["OMP_NUM_THREADS"] = omp
         return {k: v for k, v in env.items() if v != AUTO}
 
-    def describe(self, plan: Plan) -> str:
-        env = redact(self.agent_env(plan))
-        lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "
-                 f"{self.cfg.num_machines}; nothing was started",
-                 f"cd {join_cmd([os.getcwd()])}",
-                 "env -i \\"]
-        lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(env.items())]
-        lines.append("  " + join_cmd([sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)))
-        for p in plan.servers:  # started first; the port is picked free at launch
+    def prepare(self, plan: Plan | None) -> Prepared:
+        """This node's torchrun command and env, and the servers it starts first (their port is picked free at
+        launch)."""
+        assert plan is not None
+        servers = []
+        for p in plan.servers:
             if p.node == self.cfg.machine_rank:
                 argv = server_command(self.cfg, self.plugin, p, "127.0.0.1", AUTO)  # type: ignore[arg-type]
                 shown = {"CUDA_VISIBLE_DEVICES": p.env.get("CUDA_VISIBLE_DEVICES", "")}
                 shown.update({k: p.env[k] for k in ROLLOUT_SERVER_ENV if k in p.env})
-                lines.insert(2, f"# {p.label}, started first: " + " ".join(f"{k}={v}" for k, v in shown.items())
-                             + " " + join_cmd(redact_argv(argv)))
+                servers.append((p.label, tuple(argv), shown))
+        argv = [sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)
+        return Prepared(plan, tuple(argv), self.agent_env(plan), os.getcwd(), servers=tuple(servers))
+
+    def describe(self, prepared: Prepared) -> str:
+        lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "
+                 f"{self.cfg.num_machines}; nothing was started", f"cd {join_cmd([prepared.cwd])}"]
+        for label, argv, shown in prepared.servers:
+            lines.append(f"# {label}, started first: " + " ".join(f"{k}={v}" for k, v in shown.items())
+                         + " " + join_cmd(redact_argv(list(argv))))
+        lines.append("env -i \\")
+        lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(redact(prepared.env).items())]
+        lines.append("  " + join_cmd(prepared.argv))
         return "\n".join(lines)
 
-    def launch(self, plan: Plan) -> JobResult:
+    def launch(self, prepared: Prepared) -> JobResult:
         """Run torchrun for this node; a server that dies ends the job (or, with max_failures, restarts it with
         fresh servers on fresh ports: torchrun restarts the workers, dualrun the servers)."""
         start = time.monotonic()
         used_ports: set[int] = set()
         attempt = 0
         while True:
-            result, servers = self._attempt(plan, attempt, used_ports)
+            result, servers = self._attempt(prepared, attempt, used_ports)
             used_ports |= servers.ports_used
             if servers.failure is None or attempt >= self.cfg.max_failures:
                 break
@@ -110,17 +117,20 @@ class TorchrunLauncher(Launcher):
                   f"({attempt}/{self.cfg.max_failures})", file=sys.stderr, flush=True)
             if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
                 self.__dict__.pop("_chosen_port", None)   # a fresh rendezvous port too
+                prepared = self.prepare(prepared.plan)
         result.restarts = attempt
         result.wall_time_s = time.monotonic() - start
         return result
 
-    def _attempt(self, plan: Plan, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
+    def _attempt(self, prepared: Prepared, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
         from accelerate.utils import clear_environment
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
         start = time.monotonic()
+        plan = prepared.plan
+        assert plan is not None
         # separate roles: their servers start first (on their own devices), the trainers get their addresses
         servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid_ports=used_ports)
         try:
@@ -129,7 +139,7 @@ class TorchrunLauncher(Launcher):
         except LaunchError as e:
             return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e)), servers
         # the script's own arguments bypass torchrun's parser: `--n` must not match torchrun's `--nnodes`
-        argv = self.torchrun_argv(plan)
+        argv = list(prepared.argv[3:])   # after `python -m torch.distributed.run`
         script_args = self.program.bootstrap_argv()
         args = parse_args(argv[: len(argv) - len(script_args)])
         args.training_script_args = script_args
@@ -137,7 +147,7 @@ class TorchrunLauncher(Launcher):
         extra = servers.wiring_env()
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
-        env = self.agent_env(plan, extra=extra)
+        env = {**prepared.env, **extra}
         with clear_environment():   # the agent and its workers see exactly the job's env; ours comes back after
             os.environ.update(env)
             if threading.current_thread() is threading.main_thread():
@@ -154,10 +164,7 @@ class TorchrunLauncher(Launcher):
                 servers.unwatch()
                 if servers.failure is not None:
                     return _server_died(servers, start), servers
-                code = 128 + int(e.sigval)
-                name = signal.Signals(e.sigval).name
-                return JobResult(code, wall_time_s=time.monotonic() - start,
-                                 message=f"stopped by {name}: every worker of the job was terminated"), servers
+                return stopped_by(int(e.sigval), wall_time_s=time.monotonic() - start), servers
             finally:
                 servers.stop()
         n = len(self.node_workers(plan))

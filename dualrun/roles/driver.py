@@ -1,4 +1,4 @@
-"""How a role program starts under `dualrun launch --backend ray`: once, as the driver of the Ray job.
+"""Recognising a role program, and the env it starts with (the launcher is dualrun.launchers.roles).
 
 A *role program* is a single controller: its worker classes become actor groups placed by the config's roles.
 `dualrun launch` recognises one (a `@dualrun.worker` / `@worker` class, a `dualrun.init(...)` or `WorkerGroup(...)`
@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
-import time
 from typing import Any
 
 from dualrun.protocol import ROLES_MODE, ROLES_SPEC
-from dualrun.roles.spec import groups_table, spec_from_config
+from dualrun.roles.spec import spec_from_config
 
 _CALLS = {"init", "WorkerGroup"}
 
@@ -79,27 +76,3 @@ def driver_env(cfg: Any, run_id: str) -> dict[str, str]:
     env[ROLES_MODE] = "ray"
     env[ROLES_SPEC] = spec_from_config(cfg).to_json()
     return env
-
-
-def run_driver(cfg: Any, program: Any, dry_run: bool = False) -> Any:
-    """Run the role program as the single driver; returns a JobResult (exit code of the driver)."""
-    from dualrun.envspec import redact_value
-    from dualrun.launchers.base import JobResult, RankResult, bootstrap_cmd, join_cmd
-
-    spec = spec_from_config(cfg)
-    cmd = bootstrap_cmd(program)
-    run_id = f"dualrun-{os.getpid()}-{int(time.time())}"
-    if dry_run:
-        print(groups_table(spec))
-        print(f"# dualrun dry run: backend=ray, role program run once as the driver; nothing was started\n"
-              f"{ROLES_MODE}=ray {ROLES_SPEC}='{redact_value(ROLES_SPEC, spec.to_json())}' {join_cmd(cmd)}")
-        return JobResult(0)
-    print(f"dualrun: {groups_table(spec)}", file=sys.stderr, flush=True)
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=driver_env(cfg, run_id))
-    wall = time.monotonic() - start
-    code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-    msg = None if code == 0 else f"the role program's driver exited with code {proc.returncode}"
-    print(f"dualrun: job {'succeeded' if code == 0 else f'failed (exit code {code})'} in {wall:.1f} s",
-          file=sys.stderr, flush=True)
-    return JobResult(code, [RankResult("driver", 0, code, msg)], wall, message=msg)

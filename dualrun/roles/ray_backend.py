@@ -10,7 +10,7 @@ import os
 from typing import Any, Callable
 
 from dualrun import protocol
-from dualrun.errors import LaunchError
+from dualrun.protocol import ActorPlace, WorkerStats
 from dualrun.roles.context import (RemoteFailure, WorkerContext, WorkerError, call_safely, method_name,
                                    set_actor_context)
 from dualrun.roles.dispatch import CollectFn
@@ -63,58 +63,50 @@ class RoleActor:
             return self.obj
         return call_safely(bind(self.obj, method), args, kwargs)
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> ActorPlace:
         import ray
 
-        return {"pid": os.getpid(), "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "node_id": ray.get_runtime_context().get_node_id()}
+        return ActorPlace(ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
+                          tuple(str(g) for g in ray.get_gpu_ids()), os.getpid(),
+                          visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
 
-    def stats(self) -> dict[str, Any]:
-        return {"calls": self.calls, "bytes_in": self.bytes_in if self.track_bytes else None}
+    def stats(self) -> WorkerStats:
+        return WorkerStats(self.calls, self.bytes_in if self.track_bytes else None)
 
 
 def spec_timeout(runtime: Any) -> float:
-    return max(60.0, float(runtime.spec.placement_timeout_s))
+    return max(60.0, float(runtime.spec.ray.placement_timeout_s))
+
+
+def _bundle_cpus(spec: RolesSpec) -> float:
+    return max(spec.ray.num_cpus_per_worker, CPU_SHARE)
 
 
 def ensure_ray(spec: RolesSpec) -> Any:
     """Join (or start) Ray by the Ray backend's address rules; the Connection to close, None if already up."""
-    import ray
-    from types import SimpleNamespace
+    import math
 
-    from dualrun.launchers.ray_cluster import connect
+    import ray
+
+    from dualrun.raycluster import connect
 
     if ray.is_initialized():
         return None
-    units = {g.unit_name: g.size for g in spec.groups}
-    shim = SimpleNamespace(source=spec.source, primary=SimpleNamespace(processes=max(1, sum(units.values()))),
-                           ray=SimpleNamespace(address=spec.address, runtime_env={},
-                                               include_dashboard=spec.include_dashboard,
-                                               num_cpus_per_worker=max(spec.num_cpus_per_worker, CPU_SHARE)))
-    return connect(shim)  # type: ignore[arg-type]
+    workers = max(1, sum({g.unit_name: g.size for g in spec.groups}.values()))
+    return connect(spec.ray, spec.source, num_cpus=max(1, math.ceil(workers * _bundle_cpus(spec))))
 
 
 def make_placement(spec: RolesSpec, group: GroupSpec) -> Any:
-    """The placement group of `group`'s unit: one bundle per worker, waited for with the configured timeout."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    from dualrun.launchers.ray_cluster import placed
+    """The placement group of `group`'s unit: one bundle per worker, waited for with the configured timeout
+    (the Ray layer's placement: the same message and exit code as the launcher's)."""
+    from dualrun.raycluster import place
 
     per_worker = group.gpus / group.size if group.gpus else 0
-    bundle: dict[str, float] = {"CPU": max(spec.num_cpus_per_worker, CPU_SHARE)}
+    bundle: dict[str, float] = {"CPU": _bundle_cpus(spec)}
     if per_worker:
         bundle["GPU"] = per_worker
-    pg = placement_group([dict(bundle) for _ in range(group.size)], strategy=spec.placement_strategy,
-                         name=f"dualrun-{group.unit_name}-{os.getpid()}")
-    if not placed(pg, spec.placement_timeout_s):
-        import ray
-
-        remove_placement_group(pg)
-        have = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
-        raise LaunchError(f"{spec.source}: role(s) {group.unit_name}: {group.size} worker(s) of {bundle} could not be "
-                          f"placed within {spec.placement_timeout_s:g} s (ray.placement_timeout_s); "
-                          f"the cluster has {have} available", 2)
-    return pg
+    return place(spec.ray, spec.source, f"dualrun-{group.unit_name}-{os.getpid()}", group.unit_name,
+                 [dict(bundle) for _ in range(group.size)], precheck=False)
 
 
 class RayWorkers:
@@ -127,12 +119,13 @@ class RayWorkers:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from dualrun.raycluster import Gang
+
         self.spec, self.factory = spec, factory
-        pg = runtime.placement(spec)
+        pg = runtime.placement(spec)   # the unit's, shared with colocated groups: the runtime removes it
         per_worker = spec.gpus / spec.size if spec.gpus else 0
         num_gpus = 0 if not per_worker else (GPU_SHARE if per_worker <= 1 else per_worker)
-        remote = ray.remote(RoleActor)
-        self.actors = []
+        self.gang = Gang(runtime.spec.ray, runtime.spec.source)
         # the group's own rendezvous: rank 0's bundle names the address before any worker starts
         where = ray.remote(num_cpus=CPU_SHARE, max_retries=0)(pick_address).options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
@@ -140,11 +133,8 @@ class RayWorkers:
         for rank in range(spec.size):
             env = {**runtime.spec.env, **spec.env, protocol.ROLE: spec.name, protocol.GROUP_RANK: str(rank),
                    protocol.GROUP_SIZE: str(spec.size), **group_env(rank, spec.size, *self.master)}
-            opts = remote.options(num_cpus=CPU_SHARE, num_gpus=num_gpus, max_concurrency=1,
-                                  scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                      pg, placement_group_bundle_index=rank))
-            self.actors.append(opts.remote(factory, spec.name, rank, spec.size, env, args, kwargs,
-                                           runtime.track_bytes))
+            self.gang.spawn(RoleActor, pg, rank, factory, spec.name, rank, spec.size, env, args, kwargs,
+                            runtime.track_bytes, num_cpus=CPU_SHARE, num_gpus=num_gpus, max_concurrency=1)
 
     def _get(self, refs: list, ranks: list[int], method: str, timeout: float | None = None) -> list:
         import ray
@@ -195,22 +185,21 @@ class RayWorkers:
 
         return GroupFuture(self.spec.name, name, ranks, lambda t: self._get(refs, ranks, name, t), collect, is_done)
 
+    @property
+    def actors(self) -> list[Any]:
+        return self.gang.actors
+
     def info(self) -> list[dict[str, Any]]:
         import ray
 
-        return [{"rank": r, **i} for r, i in enumerate(ray.get([a.info.remote() for a in self.actors]))]
+        return [{"rank": r, "pid": i.pid, "CUDA_VISIBLE_DEVICES": i.visible_devices, "gpu_ids": list(i.gpus),
+                 "node_id": i.node_id} for r, i in enumerate(ray.get([a.info.remote() for a in self.actors]))]
 
     def stats(self) -> list[dict[str, Any]]:
         import ray
 
-        return [{"rank": r, **s} for r, s in enumerate(ray.get([a.stats.remote() for a in self.actors]))]
+        return [{"rank": r, "calls": s.calls, "bytes_in": s.bytes_in}
+                for r, s in enumerate(ray.get([a.stats.remote() for a in self.actors]))]
 
     def shutdown(self) -> None:
-        import ray
-
-        for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        self.actors = []
+        self.gang.stop()   # its actors; the unit's placement group is the runtime's

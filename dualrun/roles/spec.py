@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from dualrun import protocol
-
+from dualrun.config.model import RayOptions, frozen_map
 
 
 @dataclass(frozen=True)
@@ -31,15 +31,12 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class RolesSpec:
-    """Groups plus the Ray settings a driver needs; serialisable to one env var."""
+    """Groups plus the config's Ray options (the same `RayOptions` a JobConfig holds); serialisable to one env
+    var."""
 
     groups: tuple[GroupSpec, ...] = ()
     source: str = "<no config>"
-    address: str | None = None
-    placement_strategy: str = "PACK"
-    placement_timeout_s: float = 120.0
-    num_cpus_per_worker: float = 1.0
-    include_dashboard: bool = False
+    ray: RayOptions = field(default_factory=RayOptions)
     env: Mapping[str, str] = field(default_factory=dict)
 
     def group(self, name: str) -> GroupSpec | None:
@@ -50,23 +47,25 @@ class RolesSpec:
         return bool(self.groups)
 
     def to_json(self) -> str:
-        d = asdict(self)
+        ray = {**{k: getattr(self.ray, k) for k in RayOptions.__dataclass_fields__},
+               "runtime_env": dict(self.ray.runtime_env)}
+        d = {"groups": [asdict(g) for g in self.groups], "source": self.source, "ray": ray, "env": dict(self.env)}
         return json.dumps(d, sort_keys=True)
 
     @staticmethod
     def from_json(text: str) -> "RolesSpec":
         d = json.loads(text)
         groups = tuple(GroupSpec(**{**g, "unit": tuple(g["unit"])}) for g in d.pop("groups", []))
-        return RolesSpec(groups=groups, **d)
+        ray = dict(d.pop("ray", None) or {})
+        ray["runtime_env"] = frozen_map(ray.get("runtime_env"))
+        return RolesSpec(groups=groups, ray=RayOptions(**ray), **d)
 
 
 def spec_from_config(cfg: Any) -> RolesSpec:
     """RolesSpec of a JobConfig (dualrun.config.model.JobConfig)."""
     groups = tuple(GroupSpec(r.name, r.processes, r.gpus, tuple(cfg.group_of(r.name)), dict(r.env), r.model,
                              r.engine) for r in cfg.roles)
-    ray = cfg.ray
-    return RolesSpec(groups, cfg.source, ray.address, ray.placement_strategy, ray.placement_timeout_s,
-                     ray.num_cpus_per_worker, ray.include_dashboard, dict(cfg.env))
+    return RolesSpec(groups, cfg.source, cfg.ray, dict(cfg.env))
 
 
 def load_spec(config: Any = None) -> RolesSpec:

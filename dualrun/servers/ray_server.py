@@ -21,6 +21,7 @@ import sys
 import tempfile
 from typing import Any, Callable, Collection, Mapping
 
+from dualrun.protocol import ActorPlace, ServerStart
 from dualrun.servers.process import ServerError, ServerProcess
 
 _PORT_IN_USE = ("address already in use", "errno 98")
@@ -33,19 +34,19 @@ class ServerActor:
         self.label = label
         self.server: ServerProcess | None = None
 
-    def where(self, avoid: list[int] | None = None) -> dict[str, Any]:
+    def where(self, avoid: list[int] | None = None) -> ActorPlace:
         import ray
 
         from dualrun.ports import free_port
 
         ip = ray.util.get_node_ip_address()
         port = free_port(ip, set(avoid or ()))
-        return {"ip": ip, "port": port, "gpus": [str(g) for g in ray.get_gpu_ids()],
-                "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+        return ActorPlace(ip, ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()),
+                          os.getpid(), port)
 
     def start(self, argv: list[str], env: dict[str, str], host: str, port: int, health_path: str,
-              timeout_s: float, log_path: str | None) -> dict[str, Any]:
-        """Start and wait for health; a dict (never an exception: it must cross Ray intact)."""
+              timeout_s: float, log_path: str | None) -> ServerStart:
+        """Start and wait for health; the outcome as a value (never an exception: it must cross Ray intact)."""
         if log_path is None:
             log_path = os.path.join(tempfile.mkdtemp(prefix="dualrun-server-"), "server.log")
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
@@ -55,8 +56,8 @@ class ServerActor:
             self.server.start().wait_healthy()
         except ServerError as e:
             self.server.stop()
-            return {"ok": False, "error": str(e), "port_in_use": any(s in e.tail.lower() for s in _PORT_IN_USE)}
-        return {"ok": True, "address": self.server.address, "pid": self.server.proc.pid if self.server.proc else None}
+            return ServerStart(False, error=str(e), port_in_use=any(s in e.tail.lower() for s in _PORT_IN_USE))
+        return ServerStart(True, self.server.address, self.server.proc.pid if self.server.proc else None)
 
     def alive(self) -> bool:
         return self.server is not None and self.server.alive()
@@ -80,9 +81,10 @@ class RayServers:
         self.cfg, self.plugin, self.plan, self.run_id = cfg, plugin, plan, run_id
         self.env_for, self.bundle, self.check, self.attempt = env_for, bundle, check, attempt
         self.avoid = set(avoid)   # `ip:port` of an earlier attempt's servers: a restart never reuses them
-        self.actors: list[Any] = []
-        self.pgs: list[Any] = []
-        self.infos: list[dict[str, Any]] = []
+        from dualrun.raycluster import Gang
+
+        self.gang = Gang(cfg.ray, cfg.source, check)   # the servers' placement groups and actors
+        self.infos: list[ActorPlace] = []
         self.addresses: dict[str, str] = dict(plan.external)
         self.watch: dict[Any, str] = {}   # ref that resolves when a server ends -> its label
 
@@ -110,28 +112,29 @@ class RayServers:
         self.watch = {a.wait_exit.remote(): p.label for a, p in zip(self.actors, self.plan.servers)}
         return self.addresses
 
+    @property
+    def actors(self) -> list[Any]:
+        """One ServerActor per planned server, in plan order."""
+        return self.gang.actors
+
+    @property
+    def pgs(self) -> list[Any]:
+        return self.gang.pgs
+
     def _place(self) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from dualrun.launchers import ray_cluster
 
         cls = ray.remote(ServerActor)
         for p in self.plan.servers:
             b = self.bundle(p)
-            ray_cluster.check_resources(self.cfg, p.roles[0], [b])
             name = f"{self.run_id}-{p.unit}-server-{p.rank}-{self.attempt}"
-            pg = ray_cluster.placement_group(self.cfg, name, [b])
-            self.pgs.append(pg)
-            ray_cluster.wait_placed(self.cfg, pg, p.roles[0], [b], self.check)
-            self.actors.append(cls.options(
-                num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0), max_concurrency=6, max_restarts=0, name=name,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(p.label))
+            pg = self.gang.place(name, p.roles[0], [b], what="server(s)")
+            self.gang.spawn(cls, pg, 0, p.label, num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
+                            max_concurrency=6, max_restarts=0, name=name)
 
     def _start_all(self) -> dict[int, str]:
         from dualrun.errors import LaunchError
-        from dualrun.launchers.ray_cluster import wait_refs
+        from dualrun.raycluster import wait_refs
         from dualrun.servers.local import server_command, server_role
 
         todo = list(range(len(self.plan.servers)))
@@ -144,23 +147,23 @@ class RayServers:
             for i in todo:
                 p, info = self.plan.servers[i], self.infos[i]
                 role = server_role(self.cfg, p)
-                argv = server_command(self.cfg, self.plugin, p, info["ip"], info["port"])
+                argv = server_command(self.cfg, self.plugin, p, info.ip, info.port)
                 env = dict(self.env_for(p))
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(info["gpus"])
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
                 log = (os.path.abspath(os.path.join(self.cfg.log_dir, f"{p.unit}-server-{p.rank}.log"))
                        if self.cfg.log_dir else None)
-                refs[i] = self.actors[i].start.remote(argv, env, info["ip"], info["port"],
+                refs[i] = self.actors[i].start.remote(argv, env, info.ip, info.port,
                                                       self.plugin.health_path(role), role.health_timeout_s, log)
             retry = []
             limit = max(server_role(self.cfg, self.plan.servers[i]).health_timeout_s for i in refs) + 30.0
             results = wait_refs(list(refs.values()), "get their servers healthy", limit, self.check)
             for i, result in zip(refs, results):
-                if result["ok"]:
-                    started[i] = result["address"]
-                elif result["port_in_use"] and attempt < 2:
+                if result.ok:
+                    started[i] = result.address
+                elif result.port_in_use and attempt < 2:
                     retry.append(i)
                 else:
-                    raise LaunchError(result["error"])
+                    raise LaunchError(result.error)
             if not retry:
                 return started
             todo = retry
@@ -179,7 +182,7 @@ class RayServers:
 
     def used(self) -> set[str]:
         """`ip:port` of every server this attempt started (a restart avoids them)."""
-        return {f"{info['ip']}:{info['port']}" for info in self.infos}
+        return {info.address for info in self.infos}
 
     def wiring_env(self) -> dict[str, str]:
         from dualrun.servers.local import wiring_env
@@ -188,29 +191,10 @@ class RayServers:
 
     def server_devices(self) -> Mapping[str, list[str]]:
         """label -> the GPU ids Ray gave each server (what tests compare with the trainers')."""
-        return {p.label: info["gpus"] for p, info in zip(self.plan.servers, self.infos)}
+        return {p.label: list(info.gpus) for p, info in zip(self.plan.servers, self.infos)}
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every server, kill its actor, remove its placement group (idempotent)."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        refs = []
-        for a in self.actors:
-            try:
-                refs.append(a.stop.remote(grace_s))
-            except Exception:  # noqa: BLE001 - an actor already gone needs no stopping
-                pass
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=grace_s + 5)
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
-        for pg in self.pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001
-                pass
-        self.actors, self.pgs, self.watch = [], [], {}
+        self.gang.call_all("stop", grace_s, timeout=grace_s + 5)
+        self.gang.stop()
+        self.watch = {}

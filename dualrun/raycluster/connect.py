@@ -1,4 +1,7 @@
-"""Ray cluster side of the Ray backend: find or start a cluster, read its nodes, place bundles.
+"""Joining (or starting) the Ray cluster of a job and reading its nodes: one implementation for every user.
+
+Used by the Ray launcher, the role-program runtime, `dualrun plan` and `dualrun check`, each with explicit
+arguments (the config's `ray:` options, the config's name for messages, the CPUs an embedded cluster declares).
 
 Address rules (`ray.address`):
   'auto'   join a running cluster: RAY_ADDRESS, else the last `ray start` here, else the one GCS running here.
@@ -13,15 +16,14 @@ A reachability probe (TCP, 2 s) runs before
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-from dualrun.config.model import JobConfig
+from dualrun.config.model import RayOptions
 from dualrun.errors import ConfigError, LaunchError
 from dualrun.plan import Cluster, Node
 
@@ -58,9 +60,9 @@ def _running_gcs() -> list[str]:
     return sorted(find_gcs_addresses())
 
 
-def resolve_address(cfg: JobConfig) -> str | None:
-    """The address to join, or None to start an embedded cluster. Raises LaunchError when 'auto' finds none."""
-    wanted = cfg.ray.address
+def resolve_address(wanted: str | None, source: str) -> str | None:
+    """The address to join for `ray.address: wanted`, or None to start an embedded cluster. Raises LaunchError
+    when 'auto' finds none (or several)."""
     if wanted == "local":
         return None
     env = os.environ.get("RAY_ADDRESS", "").strip()
@@ -77,27 +79,27 @@ def resolve_address(cfg: JobConfig) -> str | None:
     if len(live) == 1:
         return live[0]
     if len(live) > 1:
-        raise LaunchError(f"{cfg.source}: ray.address: 'auto' found {len(live)} Ray clusters on this machine "
+        raise LaunchError(f"{source}: ray.address: 'auto' found {len(live)} Ray clusters on this machine "
                           f"({', '.join(live)}): set ray.address (or RAY_ADDRESS) to the one to use", 2)
-    raise LaunchError(f"{cfg.source}: ray.address: 'auto' found no running Ray cluster: start one "
+    raise LaunchError(f"{source}: ray.address: 'auto' found no running Ray cluster: start one "
                       "(`ray start --head`), set RAY_ADDRESS, or set ray.address: null to start one for this job", 2)
 
 
-def _unreachable(cfg: JobConfig, address: str) -> ConfigError:
-    given = cfg.ray.address not in (None, "auto")   # else it came from RAY_ADDRESS (or `ray start`)
-    return ConfigError(cfg.source if given else "<environment>", "ray.address" if given else "RAY_ADDRESS",
+def _unreachable(wanted: str | None, source: str, address: str) -> ConfigError:
+    given = wanted not in (None, "auto")   # else it came from RAY_ADDRESS (or `ray start`)
+    return ConfigError(source if given else "<environment>", "ray.address" if given else "RAY_ADDRESS",
                        "a Ray cluster reachable from here (`ray status --address ...`; ray.address: local "
                        "starts one for the job)", address)
 
 
-def check_reachable(cfg: JobConfig) -> None:
-    """Before anything heavy starts (torch for accelerate's env, Ray itself): an address given in the config or in
-    RAY_ADDRESS must answer, so a wrong one fails in about 2 s."""
-    address = cfg.ray.address if cfg.ray.address not in (None, "auto", "local") else None
-    if address is None and cfg.ray.address != "local":
+def check_reachable(wanted: str | None, source: str) -> None:
+    """Before anything heavy starts (torch for accelerate's env, Ray itself): an address given in the config
+    (`ray.address: wanted`) or in RAY_ADDRESS must answer, so a wrong one fails in about 2 s."""
+    address = wanted if wanted not in (None, "auto", "local") else None
+    if address is None and wanted != "local":
         address = os.environ.get("RAY_ADDRESS", "").strip() or None
     if address not in (None, "auto", "local") and not _reachable(address):
-        raise _unreachable(cfg, address)
+        raise _unreachable(wanted, source, address)
 
 
 def _token_available() -> bool:
@@ -167,29 +169,18 @@ def _refresh_config() -> None:
         pass
 
 
-def embedded_cpus(cfg: JobConfig) -> int:
-    """CPUs to declare for an embedded cluster: enough bundles for every worker and every CPU server of a separate
-    role (a logical count, not cores)."""
-    from dualrun.plan import units
-
-    workers = cfg.primary.processes
-    # one CPU bundle per separate unit that dualrun starts a CPU server for (role programs pass a minimal
-    # stand-in without roles)
-    servers = sum(1 for _, r in units(cfg)[1:] if not r.address and not r.gpus) if hasattr(cfg, "roles") else 0
-    return max(1, math.ceil(workers * cfg.ray.num_cpus_per_worker + servers * max(cfg.ray.num_cpus_per_worker, 1.0)))
-
-
-def connect(cfg: JobConfig, allow_start: bool = True) -> Connection | None:
-    """Join the cluster `cfg` names, or start an embedded one (when allowed). One-line errors on failure."""
+def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start: bool = True) -> Connection | None:
+    """Join the cluster `options.address` names, or start an embedded one of `num_cpus` logical CPUs (when
+    allowed; else None). One-line errors (naming `source`) on failure."""
     import ray
 
-    address = resolve_address(cfg)
+    address = resolve_address(options.address, source)
     if address is None and not allow_start:
         return None
     if address is not None and not _reachable(address):
         if not allow_start:
             return None
-        raise _unreachable(cfg, address)
+        raise _unreachable(options.address, source, address)
     saved: dict[str, str | None] = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE")}  # ray.init may set it
     if address is not None and _needs_token(address):
         _set_auth_mode("token")
@@ -198,14 +189,14 @@ def connect(cfg: JobConfig, allow_start: bool = True) -> Connection | None:
     for q in quiet:
         q.setLevel(logging.ERROR)
     kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
-    if cfg.ray.runtime_env:
-        kwargs["runtime_env"] = dict(cfg.ray.runtime_env)
+    if options.runtime_env:
+        kwargs["runtime_env"] = dict(options.runtime_env)
     try:
         if address is None:
             # an embedded cluster is this job's alone: no usage-stats reporting (Ray would otherwise run a
             # reporting dashboard module and contact its servers); the user can still opt in with the variable
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            ray.init(address="local", num_cpus=embedded_cpus(cfg), include_dashboard=cfg.ray.include_dashboard,
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=options.include_dashboard,
                      _node_ip_address="127.0.0.1", **kwargs)
         else:
             ray.init(address=address, **kwargs)
@@ -244,14 +235,14 @@ def cluster_of(nodes: Iterable[dict[str, Any]]) -> Cluster:
     return Cluster(tuple(out), source="ray")
 
 
-def live_cluster(cfg: JobConfig) -> Cluster | None:
+def live_cluster(options: RayOptions, source: str) -> Cluster | None:
     """The running cluster's nodes when one is reachable without starting one (for `dualrun plan`), else None."""
     import ray
 
-    if cfg.ray.address == "local" or ray.is_initialized():
+    if options.address == "local" or ray.is_initialized():
         return cluster_of(alive_nodes()) if ray.is_initialized() else None
     try:
-        conn = connect(cfg, allow_start=False)
+        conn = connect(options, source, allow_start=False)
     except LaunchError:
         return None
     if conn is None:
@@ -260,89 +251,3 @@ def live_cluster(cfg: JobConfig) -> Cluster | None:
         return cluster_of(alive_nodes())
     finally:
         conn.close()
-
-
-# -- placement -------------------------------------------------------------------------------------------------
-
-def check_resources(cfg: JobConfig, role: str, bundles: list[dict[str, float]]) -> None:
-    """Fail with one line (exit 2) when the cluster can never hold these bundles: totals and the largest node."""
-    nodes = alive_nodes()
-    total = {"GPU": sum(n["Resources"].get("GPU", 0) for n in nodes),
-             "CPU": sum(n["Resources"].get("CPU", 0) for n in nodes)}
-    want = {k: sum(b.get(k, 0) for b in bundles) for k in ("GPU", "CPU")}
-    key = {"GPU": f"roles.{role}.gpus", "CPU": "ray.num_cpus_per_worker"}
-    for res in ("GPU", "CPU"):
-        if want[res] > total[res] + 1e-9:
-            raise ConfigError(cfg.source, key[res], f"at most {total[res]:g} {res}s in total (the Ray cluster has "
-                              f"{total[res]:g} in {len(nodes)} node(s))", f"{want[res]:g}")
-        biggest = max((b.get(res, 0) for b in bundles), default=0)
-        best = max((n["Resources"].get(res, 0) for n in nodes), default=0)
-        if biggest > best + 1e-9:
-            raise ConfigError(cfg.source, key[res], f"at most {best:g} {res}s per process (the largest node of the "
-                              "Ray cluster has that many)", f"{biggest:g}")
-
-
-def describe_free() -> str:
-    import ray
-
-    free = ray.available_resources()
-    total = ray.cluster_resources()
-    parts = [f"{k} {free.get(k, 0):g}/{total.get(k, 0):g} free" for k in ("GPU", "CPU") if total.get(k)]
-    return f"{len(alive_nodes())} node(s), " + (", ".join(parts) or "no CPUs or GPUs")
-
-
-def placement_group(cfg: JobConfig, name: str, bundles: list[dict[str, float]]) -> Any:
-    """Ask for one placement group (not waiting). PACK is Ray's soft packing: it spreads bundles over nodes
-    when one node cannot hold them, which is the "PACK first, SPREAD fallback" the design asks for; STRICT_*
-    strategies are taken as given."""
-    from ray.util.placement_group import placement_group as make
-
-    return make(bundles, strategy=cfg.ray.placement_strategy, name=name)
-
-
-def placed(pg: Any, timeout: float, check: Callable[[], None] = lambda: None) -> bool:
-    """Whether `pg` is placed within `timeout` s; `check` runs every second meanwhile (so a signal is seen)."""
-    import ray
-
-    deadline = time.monotonic() + timeout
-    ref = pg.ready()
-    ready: list[Any] = []
-    while not ready:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready, _ = ray.wait([ref], timeout=min(1.0, left))
-        check()
-    return bool(ready)
-
-
-def wait_placed(cfg: JobConfig, pg: Any, role: str, bundles: list[dict[str, float]],
-                check: Callable[[], None] = lambda: None) -> None:
-    """Wait at most ray.placement_timeout_s for `pg` (calling `check` every second, so a signal is seen);
-    then one line saying what was asked and what the cluster has free."""
-    timeout = cfg.ray.placement_timeout_s
-    if not placed(pg, timeout, check):
-        raise LaunchError(f"roles.{role}: {len(bundles)} bundle(s) {_shape(bundles)} with strategy "
-                          f"{cfg.ray.placement_strategy} could not be placed within ray.placement_timeout_s="
-                          f"{timeout:g} s; the cluster has {describe_free()}. Free resources, lower the role's "
-                          "gpus, change ray.placement_strategy or raise the timeout", 1)
-
-
-def wait_refs(refs: list[Any], what: str, limit: float, check: Callable[[], None] = lambda: None) -> list[Any]:
-    """`ray.get(refs)` that calls `check` every second (so a signal is seen within a second) and gives up
-    after `limit` s with one line (a runtime_env that never installs, an actor that never starts...)."""
-    import ray
-
-    deadline = time.monotonic() + limit
-    while True:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
-        check()
-        if len(ready) == len(refs):
-            return ray.get(refs)
-        if time.monotonic() > deadline:
-            raise LaunchError(f"the Ray workers did not {what} within {limit:g} s", 1)
-
-
-def _shape(bundles: list[dict[str, float]]) -> str:
-    kinds = sorted({tuple(sorted(b.items())) for b in bundles})
-    return " + ".join("{" + ", ".join(f"{k}: {v:g}" for k, v in kind) + "}" for kind in kinds)

@@ -1,0 +1,77 @@
+"""A gang: the placement groups and actors one part of a job holds on Ray, and their teardown in one place.
+
+Why one class: the trainers' ranks, the separate roles' servers and the role-program groups each place bundles,
+start one actor per bundle and must leave nothing behind (every actor killed, every placement group removed),
+also after a signal or a half-done start. `stop()` is idempotent; calls on actors that are already gone are
+ignored.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from dualrun.config.model import RayOptions
+from dualrun.raycluster.placement import place
+
+
+class Gang:
+    """Placement groups (`pgs`) and actors (`actors`) that start and stop together."""
+
+    def __init__(self, options: RayOptions, source: str, check: Callable[[], None] = lambda: None) -> None:
+        self.options, self.source, self.check = options, source, check
+        self.pgs: list[Any] = []
+        self.actors: list[Any] = []
+
+    def place(self, name: str, unit: str, bundles: list[dict[str, float]], *, what: str = "worker(s)",
+              precheck: bool = True) -> Any:
+        """A placed placement group (see `placement.place`), removed again by `stop()`."""
+        pg = place(self.options, self.source, name, unit, bundles, what=what, check=self.check, precheck=precheck)
+        self.pgs.append(pg)
+        return pg
+
+    def spawn(self, cls: Any, pg: Any, index: int, *args: Any, **options: Any) -> Any:
+        """An actor of `cls` (a plain class or a `ray.remote` one) on bundle `index` of `pg`."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote = cls if hasattr(cls, "options") else ray.remote(cls)
+        actor = remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=index), **options).remote(*args)
+        self.actors.append(actor)
+        return actor
+
+    def call_all(self, method: str, *args: Any, timeout: float | None = None) -> None:
+        """`call_each` on every actor of the gang."""
+        call_each(self.actors, method, *args, timeout=timeout)
+
+    def stop(self) -> None:
+        """Kill every actor and remove every placement group (idempotent)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        for pg in self.pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+        self.actors.clear()
+        self.pgs.clear()
+
+
+def call_each(actors: list[Any], method: str, *args: Any, timeout: float | None = None) -> None:
+    """Call `method` on each actor (best effort: one already gone is skipped); wait at most `timeout` s for all
+    (None: do not wait)."""
+    import ray
+
+    refs = []
+    for actor in actors:
+        try:
+            refs.append(getattr(actor, method).remote(*args))
+        except Exception:  # noqa: BLE001 - an actor already gone needs no call
+            pass
+    if timeout is not None and refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)

@@ -1,0 +1,86 @@
+"""The dry run is a value: `describe()` renders the very `Prepared` object that `launch()` then runs, so what
+`--dry_run` prints (command, env) is what the workers get."""
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+DUMP = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({"env": dict(os.environ), "argv": sys.argv[1:]}, f)
+"""
+
+
+def _launcher(backend: str, tmp_path, script: str = "job.py", args: tuple[str, ...] = ()):
+    from dualrun.config import build_config
+    from dualrun.launchers import Program, launcher_class
+    from dualrun.plan import make_plan
+    from dualrun.plugin import get_plugin
+
+    cfg = build_config({"backend": backend, "use_cpu": True, "num_processes": 2,
+                        "env": {"MY_FLAG": "on", "HF_TOKEN": "hf_secret"}}, str(tmp_path / "c.yaml"))
+    plugin = get_plugin(cfg.method)
+    plugin.validate(cfg)
+    launcher = launcher_class(backend)(cfg, Program(str(tmp_path / script), args), {}, plugin=plugin)
+    return launcher, make_plan(cfg)
+
+
+def _printed_env(lines: list[str]) -> dict[str, str]:
+    out = {}
+    for line in lines:
+        body = line.strip().removesuffix("\\").strip()
+        key, _, value = body.partition("=")
+        out[key] = shlex.split(value)[0] if value else ""
+    return out
+
+
+def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path):
+    from dualrun.envspec import REDACTED, redact
+    from dualrun.launchers.base import join_cmd
+
+    launcher, plan = _launcher("torchrun", tmp_path, args=("--lr", "1"))
+    prepared = launcher.prepare(plan)
+    text = launcher.describe(prepared).splitlines()
+    env_lines = text[text.index("env -i \\") + 1:-1]
+    assert _printed_env(env_lines) == redact(prepared.env)
+    assert text[-1].strip() == join_cmd(prepared.argv)
+    assert prepared.env["MY_FLAG"] == "on" and _printed_env(env_lines)["HF_TOKEN"] == REDACTED
+    assert prepared.argv[-2:] == ("--lr", "1")
+
+
+def test_ray_dry_run_prints_each_prepared_rank_env(tmp_path):
+    from dualrun.envspec import redact
+    from dualrun.launchers.base import join_cmd
+
+    launcher, plan = _launcher("ray", tmp_path)
+    prepared = launcher.prepare(plan)
+    text = launcher.describe(prepared).splitlines()
+    assert text[3] == "#   " + join_cmd(prepared.argv)
+    shared_at = text.index("# env shared by every worker:")
+    heads = [i for i, line in enumerate(text) if line.startswith("# train rank")]
+    shared = _printed_env(text[shared_at + 1:heads[0]])
+    for n, (start, p) in enumerate(zip(heads, plan.workers)):
+        end = heads[n + 1] if n + 1 < len(heads) else len(text)
+        assert {**shared, **_printed_env(text[start + 1:end])} == redact(prepared.rank_envs[p.label])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_torchrun_runs_exactly_the_prepared_launch(tmp_path):
+    """The port, the env and the arguments the dry run shows are the ones the real ranks get."""
+    (tmp_path / "job.py").write_text(DUMP)
+    launcher, plan = _launcher("torchrun", tmp_path, args=(str(tmp_path),))
+    prepared = launcher.prepare(plan)
+    text = launcher.describe(prepared).splitlines()
+    port = shlex.split(text[-1])[shlex.split(text[-1]).index("--master-port") + 1]
+    result = launcher.launch(prepared)
+    assert result.ok, result.message
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["argv"] == [str(tmp_path)]
+        assert got["env"]["MASTER_PORT"] == port   # the rendezvous port the dry run printed
+        same = {k for k in prepared.env if got["env"].get(k) == prepared.env[k]}
+        assert set(prepared.env) - same <= {"TORCHELASTIC_RUN_ID"}, set(prepared.env) - same
