@@ -58,3 +58,16 @@ def test_protocol_imports_only_the_standard_library():
             "bad = [m for m in ('torch', 'ray', 'yaml', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_actor_replies_cross_a_process_boundary_intact():
+    """What the Ray actors answer are small frozen dataclasses: pickled (as Ray does) they come back equal."""
+    import pickle
+
+    from dualrun.protocol import ActorPlace, RankExit, ServerStart, WorkerStats
+
+    replies = [ActorPlace("10.0.0.2", "n1", ("0", "1"), 42, 29500, 29501, tmp="/tmp/x"),
+               RankExit(7, 1.5, "ValueError: bad", b"\x80"), ServerStart(False, error="x", port_in_use=True),
+               WorkerStats(3, None)]
+    assert [pickle.loads(pickle.dumps(r)) for r in replies] == replies
+    assert replies[0].address == "10.0.0.2:29500"

@@ -30,7 +30,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _servers(tiny: Path, **teacher: object):
+def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     from dualrun.config import build_config
     from dualrun.envspec import forwarded_env
     from dualrun import raycluster as rc
@@ -42,7 +42,8 @@ def _servers(tiny: Path, **teacher: object):
 
     spec = {"gpus": 1, "model": str(tiny / "teacher"), "top_k": 5, "engine": "transformers", "health_timeout_s": 90}
     spec.update(teacher)
-    cfg = build_config({"backend": "ray", "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": spec}}, "t.yaml")
+    cfg = build_config({"backend": "ray", "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": spec},
+                        "ray": ray_opts or {}}, "t.yaml")
     plugin = get_plugin("gkd")
     plugin.validate(cfg)
     plan = make_plan(cfg, rc.cluster_of(rc.alive_nodes()))
@@ -97,6 +98,29 @@ def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(ray_cluster, tin
         time.sleep(0.2)
     assert ray_cluster.available_resources().get("GPU", 0) == 3
     assert os.environ.get("DUALRUN_TEACHER_ADDRESS") is None
+
+
+def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(ray_cluster, tiny):
+    """The cluster could hold the teacher, but not now: after ray.placement_timeout_s the same line (and exit
+    code 2) as for trainer ranks and role groups, and no placement group or actor is left."""
+    from ray.util import placement_group_table
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from dualrun.errors import LaunchError
+
+    _, servers = _servers(tiny, ray_opts={"placement_timeout_s": 1})
+    blocker = placement_group([{"GPU": 3}])   # every GPU taken for now
+    ray_cluster.get(blocker.ready(), timeout=30)
+    try:
+        with pytest.raises(LaunchError, match=r"t\.yaml: role\(s\) teacher: 1 server\(s\) .* within "
+                                              r"ray\.placement_timeout_s=1 s") as e:
+            servers.start()
+        assert e.value.exit_code == 2
+        assert servers.actors == [] and servers.pgs == []
+        assert not [p for p in placement_group_table().values()
+                    if p.get("name", "").startswith(servers.run_id) and p.get("state") != "REMOVED"]
+    finally:
+        remove_placement_group(blocker)
 
 
 @pytest.mark.timeout(300)

@@ -10,6 +10,7 @@ from typing import Any, Mapping, Sequence
 from dualrun import protocol
 from dualrun.config.model import JobConfig
 from dualrun.envspec import forwarded_env
+from dualrun.errors import killed_by
 from dualrun.plan import AUTO, Cluster, Plan
 
 
@@ -49,6 +50,7 @@ class RankResult:
     exit_code: int
     error: str | None = None
     result: Any = None
+    end: float | None = None       # when it ended (wall clock), for naming the rank that failed first
 
 
 @dataclass
@@ -115,6 +117,17 @@ class Launcher(ABC):
             if env.get(key) == AUTO or key == protocol.RUN_ID:
                 env[key] = value
         return env
+
+
+def failed_job(ranks: list[RankResult], own: list[RankResult], fallback: RankResult, wall_time_s: float = 0.0) -> JobResult:
+    """One line naming the root cause: of the ranks that failed by themselves (`own`, not the ones the launcher
+    stopped afterwards) the first to end, else `fallback`; its exit code, and its error's last line."""
+    culprit = min(own, key=lambda r: (r.end or 0.0, r.rank)) if own else fallback
+    code = culprit.exit_code
+    detail = (culprit.error or "").strip().splitlines()
+    tail = killed_by(code) or (detail[-1] if detail else "no error message")
+    return JobResult(code if code and code > 0 else 1, ranks, wall_time_s,
+                     message=f"{culprit.label} failed (exit code {code}): {tail}")
 
 
 def stopped_by(signum: int, what: str = "every worker of the job was terminated", wall_time_s: float = 0.0) -> JobResult:

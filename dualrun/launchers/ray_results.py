@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Sequence
 
-from dualrun.launchers.base import JobResult, RankResult
+from dualrun.launchers.base import JobResult, RankResult, failed_job
 from dualrun.protocol import RankExit
 
 
@@ -16,21 +16,15 @@ def failure(ranks: Sequence[Any], first: int, stop_time: float | None) -> JobRes
 
     `ranks` have `.proc` (the planned process) and `.result` (the actor's RankExit, or None)."""
     stop = stop_time or float("inf")
-    own = [r for r in ranks if r.result and r.result.exit_code != 0 and r.result.end <= stop]
-    culprit = min(own, key=lambda r: (r.result.end, r.proc.rank)) if own else ranks[first]
-    res = culprit.result
-    code = res.exit_code
-    detail = (res.error or "").strip().splitlines()
-    tail = detail[-1] if detail else "no error message"
     results = rank_results(ranks)
-    return JobResult(code if code > 0 else 1, results,
-                     message=f"{culprit.proc.label} failed (exit code {code}): {tail}")
+    own = [res for r, res in zip(ranks, results) if r.result and r.result.exit_code != 0 and r.result.end <= stop]
+    return failed_job(results, own, results[first])
 
 
 def rank_results(ranks: Sequence[Any]) -> list[RankResult]:
     """Every rank's exit code and error (-15: stopped before it reported, e.g. its actor was killed)."""
     return [RankResult(r.proc.label, r.proc.rank, r.result.exit_code if r.result else -15,
-                       r.result.error if r.result else None) for r in ranks]
+                       r.result.error if r.result else None, end=r.result.end if r.result else None) for r in ranks]
 
 
 def value(result: RankExit | None) -> Any:

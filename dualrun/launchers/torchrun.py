@@ -14,9 +14,9 @@ import time
 
 from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
-from dualrun.errors import LaunchError, killed_by
+from dualrun.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_module_argv, join_cmd,
-                                    report_servers, stopped_by)
+                                    failed_job, report_servers, stopped_by)
 from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
@@ -187,16 +187,9 @@ def _text(message) -> str:
 
 
 def _failed(e, wall: float, unit: str = "train") -> JobResult:
-    """One line naming the first rank that failed and the last line of its error."""
-    ranks = [RankResult(f"{unit} rank {r}", r, f.exitcode, _text(f.message)) for r, f in sorted(e.failures.items())]
-    # the root cause: a rank that failed by itself (exit code > 0), not one torchrun terminated afterwards
-    own = [(f.timestamp, r, f) for r, f in e.failures.items() if f.exitcode is not None and f.exitcode > 0]
-    if own:
-        _, rank, failure = min(own, key=lambda t: (t[0], t[1]))
-    else:
-        rank, failure = e.get_first_failure()
-    code = failure.exitcode if failure.exitcode and failure.exitcode > 0 else 1
-    detail = _text(failure.message).strip().splitlines()
-    tail = detail[-1] if detail else "no error message"
-    tail = killed_by(failure.exitcode) or tail
-    return JobResult(code, ranks, wall, message=f"{unit} rank {rank} failed (exit code {failure.exitcode}): {tail}")
+    """One line naming the first rank that failed by itself (exit code > 0, not one torchrun terminated
+    afterwards) and the last line of its error."""
+    ranks = {r: RankResult(f"{unit} rank {r}", r, f.exitcode, _text(f.message), end=f.timestamp)
+             for r, f in sorted(e.failures.items())}
+    own = [ranks[r] for r, f in e.failures.items() if f.exitcode is not None and f.exitcode > 0]
+    return failed_job(list(ranks.values()), own, ranks[e.get_first_failure()[0]], wall)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
