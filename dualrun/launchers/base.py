@@ -1,7 +1,10 @@
 """The launcher interface both backends implement, and what a launch returns."""
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -90,9 +93,42 @@ class Launcher(ABC):
     def prepare(self, plan: Plan | None) -> Prepared:
         """The commands and env of the launch (starts nothing): what `describe` prints and `launch` runs."""
 
-    @abstractmethod
     def launch(self, prepared: Prepared) -> JobResult:
-        """Run the prepared launch to completion (or failure); never leaves a process behind."""
+        """Run the prepared launch to completion (or failure); never leaves a process behind.
+
+        One sequence for every backend: each attempt starts the job's servers and runs the workers
+        (`run_attempt`); the whole job restarts up to max_failures times while `restart_cause` names a cause
+        (each backend says which failures it restarts itself: torchrun restarts its workers on its own)."""
+        start = time.monotonic()
+        attempt = 0
+        with self.session():
+            while True:
+                result = self.run_attempt(prepared, attempt)
+                cause = self.restart_cause(result)
+                if cause is None or attempt >= self.cfg.max_failures:
+                    break
+                attempt += 1
+                print(f"dualrun: {cause} ({attempt}/{self.cfg.max_failures})", file=sys.stderr, flush=True)
+                prepared = self.before_restart(prepared)
+        result.restarts = attempt
+        result.wall_time_s = time.monotonic() - start
+        return result
+
+    def session(self) -> "contextlib.AbstractContextManager[Any]":
+        """What spans every attempt (a Ray connection, signal handlers, servers kept across restarts)."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
+        """One attempt: the servers it needs, then the workers, to their end; stops what it alone owns."""
+
+    @abstractmethod
+    def restart_cause(self, result: JobResult) -> str | None:
+        """The restart line for an attempt that ended with `result` ("X; restarting the job"), or None."""
+
+    def before_restart(self, prepared: Prepared) -> Prepared:
+        """What the next attempt runs (a fresh rendezvous port, say); the same launch by default."""
+        return prepared
 
     @abstractmethod
     def describe(self, prepared: Prepared) -> str:

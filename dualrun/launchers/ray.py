@@ -9,6 +9,7 @@ failure or signal stops all ranks and removes actors and placement groups.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
@@ -58,6 +59,8 @@ class RayLauncher(Launcher):
         self._servers: Any = None
         self._wiring: dict[str, str] = {}
         self._server_failure: str | None = None   # why the last attempt ended, when a server died
+        self._used: set[str] = set()               # `ip:port` of dead servers: a restart never reuses one
+        self._final = False                        # the last attempt's servers never started: no restart
 
     # -- cluster -------------------------------------------------------------------------------------------------
     def cluster(self) -> Cluster | None:
@@ -141,46 +144,45 @@ class RayLauncher(Launcher):
         return "\n".join(lines)
 
     # -- launch --------------------------------------------------------------------------------------------------
-    def launch(self, prepared: Prepared) -> JobResult:
-        """Run the job; on failure restart the whole job up to max_failures times (torchrun's semantics). Servers
-        stay up across restarts of the trainers; a server that died is replaced by a fresh one on a fresh port."""
-        start = time.monotonic()
-        plan = prepared.plan
-        assert plan is not None
+    # -- launch: on failure the whole job restarts up to max_failures times (torchrun's semantics). Servers stay up
+    # across restarts of the trainers; a server that died is replaced by a fresh one on a fresh port ------------
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
         if self._conn is None:
             self.cluster()
         restore = self._trap_signals()
-        attempt, used = 0, set()
         try:
-            while True:
-                if self._servers is None:
-                    try:
-                        self.start_servers(plan, attempt, used)
-                    except LaunchError as e:
-                        result = JobResult(e.exit_code, message=str(e))
-                        break
-                    except _Interrupted as e:
-                        result = stopped_by(e.signum, "every server was stopped")
-                        break
-                result = self._attempt(prepared, attempt)
-                if result.ok or result.exit_code in (130, 143) or attempt >= self.cfg.max_failures:
-                    break
-                attempt += 1
-                if self._server_failure is not None:   # fresh servers; never the dead one's address
-                    used |= self._servers.used()
-                    self._servers.stop(grace_s=_STOP_GRACE_S)
-                    self._servers = None
-                first = (result.message or "").splitlines()[0] if result.message else "the job failed"
-                print(f"dualrun: {first}; restarting the job ({attempt}/{self.cfg.max_failures})",
-                      file=sys.stderr, flush=True)
+            yield
         finally:
             if self._servers is not None:   # servers go with the job
                 self._servers.stop(grace_s=_STOP_GRACE_S if self._signal is not None else 10.0)
                 self._servers = None
             restore()
-        result.restarts = attempt
-        result.wall_time_s = time.monotonic() - start
-        return result
+
+    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
+        self._final = False
+        if self._servers is None:
+            self._final = True   # the servers did not start: nothing to restart
+            try:
+                self.start_servers(prepared.plan, attempt, self._used)
+            except LaunchError as e:
+                return JobResult(e.exit_code, message=str(e))
+            except _Interrupted as e:
+                return stopped_by(e.signum, "every server was stopped")
+            self._final = False
+        return self._attempt(prepared, attempt)
+
+    def restart_cause(self, result: JobResult) -> str | None:
+        if result.ok or result.exit_code in (130, 143) or self._final:
+            return None
+        return f"{(result.message or 'the job failed').splitlines()[0]}; restarting the job"
+
+    def before_restart(self, prepared: Prepared) -> Prepared:
+        if self._server_failure is not None:   # fresh servers; never the dead one's address
+            self._used |= self._servers.used()
+            self._servers.stop(grace_s=_STOP_GRACE_S)
+            self._servers = None
+        return prepared
 
     def start_servers(self, plan: Plan, attempt: int = 0, avoid: "set[str] | frozenset[str]" = frozenset()) -> None:
         """Separate roles: each server in its own placement group and actor, healthy before any trainer starts;

@@ -33,7 +33,7 @@ class RoleDriverLauncher(Launcher):
                 f"{ROLES_MODE}={prepared.env[ROLES_MODE]} "
                 f"{ROLES_SPEC}='{redact_value(ROLES_SPEC, prepared.env[ROLES_SPEC])}' {join_cmd(prepared.argv)}")
 
-    def launch(self, prepared: Prepared) -> JobResult:
+    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
         """Run the driver to its end; the job's exit code is the driver's."""
         print(f"dualrun: {groups_table(spec_from_config(self.cfg))}", file=sys.stderr, flush=True)
         start = time.monotonic()
@@ -44,3 +44,6 @@ class RoleDriverLauncher(Launcher):
         print(f"dualrun: job {'succeeded' if code == 0 else f'failed (exit code {code})'} in {wall:.1f} s",
               file=sys.stderr, flush=True)
         return JobResult(code, [RankResult("driver", 0, code, msg)], wall, message=msg)
+
+    def restart_cause(self, result: JobResult) -> str | None:
+        return None   # the role program owns its groups' failures (WorkerError on the driver)

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
@@ -25,6 +26,11 @@ from dualrun.servers.local import LocalServers, server_command
 
 class TorchrunLauncher(Launcher):
     name = "torchrun"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._used_ports: set[int] = set()   # every server port of this launch: a restart never reuses one
+        self._server_failure: Any = None     # the server whose death ended the last attempt
 
     def _port(self) -> int:
         if not hasattr(self, "_chosen_port"):
@@ -101,26 +107,24 @@ class TorchrunLauncher(Launcher):
         lines.append("  " + join_cmd(prepared.argv))
         return "\n".join(lines)
 
-    def launch(self, prepared: Prepared) -> JobResult:
-        """Run torchrun for this node; a server that dies ends the job (or, with max_failures, restarts it with
-        fresh servers on fresh ports: torchrun restarts the workers, dualrun the servers)."""
-        start = time.monotonic()
-        used_ports: set[int] = set()
-        attempt = 0
-        while True:
-            result, servers = self._attempt(prepared, attempt, used_ports)
-            used_ports |= servers.ports_used
-            if servers.failure is None or attempt >= self.cfg.max_failures:
-                break
-            attempt += 1
-            print(f"dualrun: {servers.failure.one_line()}; restarting the job with fresh servers "
-                  f"({attempt}/{self.cfg.max_failures})", file=sys.stderr, flush=True)
-            if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
-                self.__dict__.pop("_chosen_port", None)   # a fresh rendezvous port too
-                prepared = self.prepare(prepared.plan)
-        result.restarts = attempt
-        result.wall_time_s = time.monotonic() - start
+    # -- launch: a server that dies ends the job (or, with max_failures, restarts it with fresh servers on fresh
+    # ports); torchrun restarts the workers itself ------------------------------------------------------------
+    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
+        result, servers = self._attempt(prepared, attempt, self._used_ports)
+        self._used_ports |= servers.ports_used
+        self._server_failure = servers.failure
         return result
+
+    def restart_cause(self, result: JobResult) -> str | None:
+        if self._server_failure is None:
+            return None
+        return f"{self._server_failure.one_line()}; restarting the job with fresh servers"
+
+    def before_restart(self, prepared: Prepared) -> Prepared:
+        if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
+            self.__dict__.pop("_chosen_port", None)   # a fresh rendezvous port too
+            return self.prepare(prepared.plan)
+        return prepared
 
     def _attempt(self, prepared: Prepared, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
         from accelerate.utils import clear_environment
