@@ -156,6 +156,8 @@ def test_role_program_detection(tmp_path):
     assert is_role_program(str(yes)) and not is_role_program(str(no))
 
 
+@pytest.mark.e2e     # groups of more than one worker start processes
+@pytest.mark.timeout(120)
 def test_local_proxy_and_errors():
     dualrun.init(ROLES, backend="local")
     try:
@@ -226,6 +228,7 @@ def test_every_combination_equal_on_ray_and_local(ray_cluster):
     assert got == expected
     assert got[7] == [0, 6, 12, 18, 25, 31, 37, 44, 50, 56]   # slice, all, flatten: x * 2 * 3 + rank
     on_ray.shutdown()
+    here.shutdown()
 
 
 @pytest.mark.e2e
@@ -303,6 +306,35 @@ def test_a_two_worker_group_all_reduces_in_its_own_process_group(ray_cluster):
     group.shutdown()
 
 
+def exit_on(obj, rank):
+    """Worker `rank` dies in the middle of a collective; the other waits in it."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_local_two_worker_group_all_reduces_and_a_crash_names_the_worker():
+    """Without Ray (torchrun, python) a group of two runs as two processes with the group's rendezvous."""
+    runtime = Runtime(load_spec(ROLES), "local")
+    group = dualrun.WorkerGroup(Reducer, "a", runtime=runtime)
+    pids = [i["pid"] for i in group.info()]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert group.run("total", [1, 2], dispatch=by_rank) == [(3.0, 0, 2), (3.0, 1, 2)]
+    with pytest.raises(dualrun.WorkerError, match=r"a worker rank 1 failed in exit_on: .*exited with code 3"):
+        group.run(exit_on, 1)
+    for pid in pids:   # both stopped: the one that died and the one left waiting in the all-reduce
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    group.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
 def test_local_workers_get_their_groups_rendezvous():
     runtime = Runtime(load_spec(ROLES), "local")
     group = dualrun.WorkerGroup(lambda: dualrun.current(), "a", runtime=runtime)

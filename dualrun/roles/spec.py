@@ -87,7 +87,7 @@ def load_spec(config: Any = None) -> RolesSpec:
 
 def groups_table(spec: RolesSpec) -> str:
     """What `dualrun plan` prints for a role program: each group, its workers and devices."""
-    lines = ["role groups (single controller; on Ray each worker is an actor, locally an in-process instance):"]
+    lines = ["role groups (single controller; each worker an actor on Ray, a local process otherwise; one worker: in-process):"]
     for g in spec.groups:
         dev = f"{g.gpus} GPU(s), one per worker" if g.gpus else f"{g.size} CPU worker(s)"
         shared = f"  shares devices with {', '.join(r for r in g.unit if r != g.name)}" if len(g.unit) > 1 else ""
