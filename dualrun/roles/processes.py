@@ -14,6 +14,7 @@ classes defined in `__main__` need no import in the child (as on Ray), and the c
 from __future__ import annotations
 
 import atexit
+import os
 import pickle
 import sys
 import threading
@@ -31,6 +32,13 @@ from dualrun.roles.workers import Calls, GroupFuture
 
 GRACE_S = 2.0     # how long a SIGTERMed worker gets before SIGKILL
 STOP_S = 10.0     # at shutdown: how long workers get to return from their serve loop
+
+
+def worker_devices(devices: tuple[int, ...], size: int, rank: int) -> tuple[int, ...]:
+    """Pure: worker `rank`'s GPUs of its group's `devices` - an equal share each, or (more workers than GPUs)
+    one GPU shared round robin."""
+    per = len(devices) // size
+    return devices[rank * per:(rank + 1) * per] if per else (devices[rank % len(devices)],)
 
 
 @contextmanager
@@ -74,6 +82,7 @@ class ProcessWorkers:
         mp = multiprocessing.get_context("spawn")
         self.conns: list[Any] = []
         self.procs: list[Any] = []
+        self.visible: list[str | None] = []
         self.calls = [0] * spec.size
         self.bytes_in = [0] * spec.size
         self._answers: list[dict[int, Any]] = [{} for _ in range(spec.size)]
@@ -84,6 +93,9 @@ class ProcessWorkers:
             for rank in range(spec.size):
                 parent, child = mp.Pipe()
                 env = member_env(runtime.spec.env, spec, rank, self.master)
+                if spec.devices:   # torchrun: the role's GPUs of this machine, shared out as Ray's bundles are
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, worker_devices(spec.devices, spec.size, rank)))
+                self.visible.append(env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES")))
                 proc = mp.Process(target=serve, args=(child, rank, spec.size, env, spec.name, blob),
                                   name=f"dualrun-{spec.name}-{rank}")
                 proc.start()
@@ -189,10 +201,8 @@ class ProcessWorkers:
 
     # -- the rest of the workers' interface ------------------------------------------------------------
     def info(self) -> list[dict[str, Any]]:
-        import os
-
-        return [{"rank": r, "pid": p.pid, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")}
-                for r, p in enumerate(self.procs)]
+        return [{"rank": r, "pid": p.pid, "CUDA_VISIBLE_DEVICES": v} for r, (p, v) in enumerate(zip(self.procs,
+                                                                                                   self.visible))]
 
     def stats(self) -> list[dict[str, Any]]:
         return [{"rank": r, "calls": c, "bytes_in": self.bytes_in[r] if self.track_bytes else None}

@@ -23,6 +23,7 @@ class GroupSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     model: str | None = None
     engine: str | None = None
+    devices: tuple[int, ...] = ()  # torchrun: this machine's GPU ids the plan gives the role (its workers split them)
 
     @property
     def unit_name(self) -> str:
@@ -56,14 +57,35 @@ class RolesSpec:
     @staticmethod
     def from_json(text: str) -> "RolesSpec":
         d = json.loads(text)
-        groups = tuple(GroupSpec(**{**g, "unit": tuple(g["unit"])}) for g in d.pop("groups", []))
+        groups = tuple(GroupSpec(**{**g, "unit": tuple(g["unit"]), "devices": tuple(g.get("devices", ()))})
+                       for g in d.pop("groups", []))
         return RolesSpec(groups=groups, **d)
+
+
+def planned_devices(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """torchrun: the GPU ids of this machine the plan gives each role (ms-swift's `device_groups` ranks, a role's
+    `gpu_ids`, or by count), so a role program's local group workers sit on their role's GPUs as on Ray."""
+    if cfg.backend != "torchrun" or cfg.use_cpu or not any(r.gpus for r in cfg.roles):
+        return {}
+    from dualrun.errors import DualrunError
+    from dualrun.plan import make_plan
+
+    try:
+        plan = make_plan(cfg)
+    except DualrunError:
+        return {}   # `dualrun launch` reports the plan's problem itself
+    out: dict[str, list[int]] = {}
+    for proc in plan.on_node(cfg.machine_rank):
+        for name in proc.roles:
+            out.setdefault(name, []).extend(d for d in proc.devices if d not in out.get(name, []))
+    return {name: tuple(ids) for name, ids in out.items()}
 
 
 def spec_from_config(cfg: Any) -> RolesSpec:
     """RolesSpec of a JobConfig (dualrun.config.model.JobConfig)."""
+    devices = planned_devices(cfg)
     groups = tuple(GroupSpec(r.name, r.processes, r.gpus, tuple(cfg.group_of(r.name)), dict(r.env), r.model,
-                             r.engine) for r in cfg.roles)
+                             r.engine, devices.get(r.name, ())) for r in cfg.roles)
     ray = cfg.ray
     return RolesSpec(groups, cfg.source, ray.address, ray.placement_strategy, ray.placement_timeout_s,
                      ray.num_cpus_per_worker, ray.include_dashboard, dict(cfg.env))
