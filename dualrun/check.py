@@ -5,12 +5,16 @@ launching directory missing), a plan the nodes cannot hold, or nodes that cannot
 node once (a zero-CPU task pinned to it, under the config's runtime_env), compare with the driver, and print
 one line per problem (exit 1) or a table of the nodes (exit 0). On torchrun the same for this machine: the
 packages, its GPUs against the plan, the ports the plan binds here, and the route to the master address.
+
+Ports: servers and rank 0 take free ports, so the plan fixes a port only where the config does - torchrun's
+`main_process_port` (29500 when several machines rendezvous) on machine 0, and a `--port` in a server role's
+`server_args` on the node the plan puts that server. Each is checked on its node, on Ray by the same probe.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from dualrun.config.model import JobConfig
 from dualrun.errors import DualrunError
@@ -29,6 +33,7 @@ class NodeReport:
     planned_gpus: int
     facts: dict[str, Any]
     problems: list[str] = field(default_factory=list)
+    ports: dict[int, str] = field(default_factory=dict)   # the ports the plan fixes there -> who needs them
 
 
 def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
@@ -49,18 +54,46 @@ def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
     for address, why in f["reach"].items():
         if why:
             out.append(f"cannot reach {address} ({why})")
+    for port, who in sorted(node.ports.items()):
+        why = f.get("ports", {}).get(port)
+        if why:
+            out.append(f"port {port} ({who}) is not free there ({why})")
     return [f"{node.name}: {p}" for p in out]
 
 
+def explicit_port(args: Sequence[str]) -> int | None:
+    """The port a `--port N` / `--port=N` in a server's extra arguments fixes (the last wins, as in argparse)."""
+    port = None
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--port" and i + 1 < len(args) else (
+            arg.split("=", 1)[1] if arg.startswith("--port=") else None)
+        if value is not None and value.isdigit():
+            port = int(value)
+    return port
+
+
+def server_ports(cfg: JobConfig, plan: Plan | None) -> dict[int, dict[int, str]]:
+    """Pure: node index -> {port: which server} for the servers whose `server_args` fix their port."""
+    out: dict[int, dict[int, str]] = {}
+    for proc in plan.servers if plan else ():
+        for name in proc.roles:
+            role = cfg.role(name)
+            port = explicit_port(role.server_args) if role else None
+            if port is not None:
+                out.setdefault(proc.node, {})[port] = f"{proc.label}: roles.{name}.server_args --port"
+    return out
+
+
 def table(nodes: list[NodeReport]) -> str:
-    head = ["node", "gpus (plan/has)", "python", *CHECKED_PACKAGES, "directory", "reach"]
+    head = ["node", "gpus (plan/has)", "python", *CHECKED_PACKAGES, "directory", "reach", "ports"]
     rows = [head]
     for n in nodes:
         f = n.facts
         rows.append([n.name, f"{n.planned_gpus}/{n.gpus}", f["python"],
                      *[f["versions"].get(p) or "-" for p in CHECKED_PACKAGES],
                      "ok" if f["directory_ok"] else "missing",
-                     ", ".join(f["reach"]) + " ok" if f["reach"] else "-"])
+                     ", ".join(f["reach"]) + " ok" if f["reach"] else "-",
+                     ", ".join(map(str, sorted(n.ports))) + " free" if n.ports else "-"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -108,8 +141,9 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
         gcs = ray.get_runtime_context().gcs_address
         host, _, port = gcs.rpartition(":")
         probe = ray.remote(num_cpus=0, max_retries=0)(facts)
+        fixed = server_ports(cfg, plan)
         refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-                .remote(_directory(cfg), [(host, int(port))]) for n in raw]
+                .remote(_directory(cfg), [(host, int(port))], list(fixed.get(i, {}))) for i, n in enumerate(raw)]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PROBE_TIMEOUT_S)
         driver = facts()
         nodes = []
@@ -120,7 +154,8 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
                                 "not install there, or no free worker process)")
                 continue
             try:
-                report = NodeReport(name, cluster.nodes[i].gpus, _planned_gpus(plan, i), ray.get(ref))
+                report = NodeReport(name, cluster.nodes[i].gpus, _planned_gpus(plan, i), ray.get(ref),
+                                    ports=fixed.get(i, {}))
             except Exception as e:  # noqa: BLE001 - a node that cannot run the probe is a problem of its own
                 problems.append(f"{name}: the check failed there: {str(e).strip().splitlines()[-1]}")
                 continue
@@ -135,12 +170,14 @@ def check_torchrun(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
     """This machine (machine_rank) against the plan, and the master address from here."""
     problems: list[str] = []
     plan = _plan(cfg, None, problems)
-    here = facts(os.getcwd())
+    fixed = server_ports(cfg, plan).get(cfg.machine_rank, {})
+    here = facts(os.getcwd(), ports=list(fixed))
     for name in CHECKED_PACKAGES:
         if here["versions"][name] is None:
             problems.append(f"this machine: {name} is not installed")
     gpus = 0 if cfg.use_cpu else _local_gpus()
-    node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here)
+    node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here,
+                      ports=fixed)
     problems += compare(here, node)
     master = cfg.main_process_ip or "127.0.0.1"
     if cfg.machine_rank == 0 and (cfg.main_process_port or cfg.num_machines > 1):
@@ -148,13 +185,6 @@ def check_torchrun(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
         why = can_bind(master if cfg.main_process_ip else "0.0.0.0", port)
         if why:
             problems.append(f"main_process_port: {master}:{port} cannot be listened on here ({why})")
-    if cfg.num_machines > 1 and plan is not None:
-        base = cfg.main_process_port or 29500
-        for i, proc in enumerate(plan.servers):
-            if proc.node == cfg.machine_rank:
-                why = can_bind("0.0.0.0", base + 1 + i)
-                if why:
-                    problems.append(f"{proc.label}: port {base + 1 + i} is not free here ({why})")
     if cfg.machine_rank > 0:
         why = routes_to(master)
         if why:

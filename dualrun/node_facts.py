@@ -50,8 +50,10 @@ def routes_to(host: str) -> str | None:
     return None
 
 
-def facts(directory: str | None = None, reach: Iterable[tuple[str, int]] = ()) -> dict[str, Any]:
-    """This machine: python and package versions, whether `directory` exists, which of `reach` answer."""
+def facts(directory: str | None = None, reach: Iterable[tuple[str, int]] = (),
+          ports: Iterable[int] = ()) -> dict[str, Any]:
+    """This machine: python and package versions, whether `directory` exists, which of `reach` answer, and
+    whether each of `ports` can be listened on (on every address, as a server binding 0.0.0.0 would)."""
     return {
         "host": socket.gethostname(),
         "python": platform.python_version(),
@@ -60,4 +62,5 @@ def facts(directory: str | None = None, reach: Iterable[tuple[str, int]] = ()) -
         "directory_ok": os.path.isdir(directory) if directory else True,
         "cwd": os.getcwd(),
         "reach": {f"{h}:{p}": reaches(h, p) for h, p in reach},
+        "ports": {int(p): can_bind("0.0.0.0", p) for p in ports},
     }

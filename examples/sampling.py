@@ -6,7 +6,8 @@ The same file runs unchanged everywhere (it is a role program, see docs/roles.md
     dualrun launch --backend ray      --config_file configs/sampling_cpu.yaml examples/sampling.py --model M ...
     dualrun launch --backend torchrun --config_file configs/sampling_cpu.yaml examples/sampling.py --model M ...
 
-With Ray the sampler/prm/orm groups are actors on their roles' devices; otherwise they run in this process.
+With Ray the sampler/prm/orm groups are actors on their roles' devices; otherwise each worker of a group of
+several is a child process of this one (a group of one runs in this process).
 `--prm` / `--orm` take a model path or a reward function (`contains_answer`, `step_length`, `pkg.mod:fn`).
 A role's `model:` in the config is the default for --model / --prm / --orm.
 """

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from conftest import dualrun
-from dualrun.check import NodeReport, compare
+from dualrun.check import NodeReport, compare, explicit_port, server_ports
 from dualrun.node_facts import facts
 from ray_helpers import ray_env
 
@@ -29,6 +29,27 @@ def test_compare_names_each_difference_once():
     assert "/no/such/dir does not exist" in text and "2 GPU(s) there, it has 1" in text
     assert "cannot reach 127.0.0.1:1" in text
     assert compare(driver, NodeReport("n", 0, 0, facts())) == []
+
+
+def test_only_ports_the_config_fixes_are_checked_on_the_node_of_their_server():
+    from dualrun.config.load import build_config
+    from dualrun.plan import Cluster, make_plan
+
+    assert explicit_port(["--port", "81", "--x", "--port=82"]) == 82 and explicit_port(["--portx", "1"]) is None
+    cfg = build_config({"backend": "ray", "method": "grpo", "roles": {
+        "train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m", "server_args": ["--port", "4242"]}}}, "x.yaml")
+    plan = make_plan(cfg, Cluster.uniform(2, 1))
+    node = next(p.node for p in plan.servers)
+    assert server_ports(cfg, plan) == {node: {4242: "rollout server 0: roles.rollout.server_args --port"}}
+    free = build_config({"method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m"}}},
+                        "y.yaml")
+    assert server_ports(free, make_plan(free, Cluster.uniform(1, 2))) == {}   # servers take free ports
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        port = busy.getsockname()[1]
+        here = facts(ports=[port])
+    problems = compare(facts(), NodeReport("node 1 10.0.0.2", 1, 1, here, ports={port: "rollout server 0"}))
+    assert problems == [f"node 1 10.0.0.2: port {port} (rollout server 0) is not free there (Address already in use)"]
 
 
 @pytest.mark.e2e
@@ -90,10 +111,20 @@ def test_ray_check_passes_then_finds_the_planted_version_mismatch(tmp_path, clus
     assert short.returncode == 1 and "plan:" in short.stdout and "roles.train.gpus" in short.stdout, short.stdout
     c.add_node(**planted)
     c.wait_for_nodes()
-    two = dualrun("check", "--config_file", "two.yaml", cwd=tmp_path, env=ray_env(), timeout=120)
+    with socket.socket() as busy:   # a port the config fixes for the rollout server, held on this machine
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        (tmp_path / "two.yaml").write_text(f"backend: ray\nray: {{address: '{c.address}'}}\nmethod: grpo\nroles:\n"
+                                           f"  train: {{gpus: 1}}\n  rollout: {{gpus: 1, model: m, server_args: "
+                                           f"[--port, '{port}']}}\n")
+        two = dualrun("check", "--config_file", "two.yaml", cwd=tmp_path, env=ray_env(), timeout=120)
     lines = two.stdout.strip().splitlines()
-    assert two.returncode == 1 and len(lines) == 1, two.stdout + two.stderr
-    assert lines[0].startswith("dualrun check: node 1 127.0.0.1: trl 0.0.1, the driver has "), lines
+    assert two.returncode == 1 and len(lines) == 2, two.stdout + two.stderr
+    assert any(line.startswith("dualrun check: node 1 127.0.0.1: trl 0.0.1, the driver has ") for line in lines)
+    assert any(line.startswith("dualrun check: node ") and line.endswith(
+        f": port {port} (rollout server 0: roles.rollout.server_args --port) is not free there "
+        "(Address already in use)") for line in lines), lines
 
 
 def test_ray_check_names_an_unreachable_cluster(tmp_path):

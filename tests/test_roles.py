@@ -140,6 +140,22 @@ def test_unknown_group_is_a_clear_error():
         dualrun.WorkerGroup(Sink, "zz", runtime=rt)
 
 
+def test_torchrun_groups_get_their_planned_gpus():
+    from dualrun.config.load import build_config
+    from dualrun.roles.processes import worker_devices
+
+    swift = {"method": "sampling", "device_groups": {
+        "nproc_per_node": 4, "s": {"device": "GPU", "ranks": "list(range(0, 2))", "workers": ["sampler"]},
+        "r": {"device": "GPU", "ranks": [2, 3], "workers": ["prm", "orm"]}}}
+    spec = load_spec(build_config({**swift, "backend": "torchrun"}, "x.yaml"))
+    assert [(g.name, g.devices) for g in spec.groups] == [("sampler", (0, 1)), ("prm", (2, 3)), ("orm", (2, 3))]
+    assert RolesSpec.from_json(spec.to_json()) == spec
+    assert all(not g.devices for g in load_spec(build_config({**swift, "backend": "ray"}, "x.yaml")).groups)
+    assert [worker_devices((2, 3), 2, r) for r in (0, 1)] == [(2,), (3,)]
+    assert [worker_devices((4, 5, 6, 7), 2, r) for r in (0, 1)] == [(4, 5), (6, 7)]
+    assert [worker_devices((4,), 3, r) for r in (0, 1, 2)] == [(4,), (4,), (4,)]
+
+
 def test_spec_survives_env_round_trip():
     spec = load_spec(ROLES)
     assert RolesSpec.from_json(spec.to_json()) == spec
@@ -156,6 +172,8 @@ def test_role_program_detection(tmp_path):
     assert is_role_program(str(yes)) and not is_role_program(str(no))
 
 
+@pytest.mark.e2e     # groups of more than one worker start processes
+@pytest.mark.timeout(120)
 def test_local_proxy_and_errors():
     dualrun.init(ROLES, backend="local")
     try:
@@ -228,6 +246,7 @@ def test_every_combination_equal_on_ray_and_local(ray_cluster):
     assert got == expected
     assert got[7] == [0, 6, 12, 18, 25, 31, 37, 44, 50, 56]   # slice, all, flatten: x * 2 * 3 + rank
     on_ray.shutdown()
+    here.shutdown()
 
 
 @pytest.mark.e2e
@@ -305,6 +324,39 @@ def test_a_two_worker_group_all_reduces_in_its_own_process_group(ray_cluster):
     group.shutdown()
 
 
+def exit_on(obj, rank):
+    """Worker `rank` dies in the middle of a collective; the other waits in it."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_local_two_worker_group_all_reduces_and_a_crash_names_the_worker():
+    """Without Ray (torchrun, python) a group of two runs as two processes with the group's rendezvous."""
+    from dataclasses import replace
+
+    spec = load_spec(ROLES)
+    on_gpus = replace(spec, groups=tuple(replace(g, devices=(2, 3)) if g.name == "a" else g for g in spec.groups))
+    group = dualrun.WorkerGroup(Reducer, "a", runtime=Runtime(on_gpus, "local"))   # torchrun planned GPUs 2, 3
+    pids = [i["pid"] for i in group.info()]
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert group.run(lambda obj: os.environ["CUDA_VISIBLE_DEVICES"]) == ["2", "3"]
+    assert group.run("total", [1, 2], dispatch=by_rank) == [(3.0, 0, 2), (3.0, 1, 2)]
+    with pytest.raises(dualrun.WorkerError, match=r"a worker rank 1 failed in exit_on: .*exited with code 3"):
+        group.run(exit_on, 1)
+    for pid in pids:   # both stopped: the one that died and the one left waiting in the all-reduce
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    group.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
 def test_local_workers_get_their_groups_rendezvous():
     runtime = Runtime(load_spec(ROLES), "local")
     group = dualrun.WorkerGroup(lambda: dualrun.current(), "a", runtime=runtime)

@@ -38,7 +38,7 @@ def test_plan_shows_groups():
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)   # torchrun: each of its 2 processes spawns the 2 sampler workers (as Ray starts actors)
 def test_sampling_same_jsonl_on_both_backends(tiny, tmp_path):
     data = ["--model", str(tiny / "model"), "--prm", str(tiny / "teacher"), "--prompts",
             str(tiny / "data" / "prompts.jsonl")]
@@ -48,7 +48,7 @@ def test_sampling_same_jsonl_on_both_backends(tiny, tmp_path):
         env = {"RAY_ADDRESS": "", "RAY_TMPDIR": tempfile.mkdtemp(prefix="drs", dir="/tmp"), "OMP_NUM_THREADS": "1"}
         res = dualrun("launch", "--backend", backend, "--config_file", str(REPO / "configs" / "sampling_cpu.yaml"),
                       str(REPO / "examples" / "sampling.py"), *data, *ARGS, "--out", str(out), cwd=tmp_path,
-                      env=env, timeout=200)
+                      env=env, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         outs[backend] = [json.loads(line) for line in out.read_text().splitlines()]
     rows = outs["ray"]

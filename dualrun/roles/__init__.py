@@ -1,4 +1,4 @@
-"""Role-splitting API: worker classes whose methods run on a role's workers (Ray actors or in-process).
+"""Role-splitting API: worker classes whose methods run on a role's workers (Ray actors, local processes).
 
     @dualrun.worker(group="sampler")
     class Sampler:

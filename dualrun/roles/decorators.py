@@ -1,7 +1,7 @@
 """`@dualrun.worker(group=[...])` on a class, `@dualrun.function(group=..., dispatch=..., ...)` on its methods.
 
 On the driver, constructing a worker class returns a `RoleProxy`: one `WorkerGroup` per group of the class
-(actors on Ray, in-process instances otherwise), and its decorated methods become group calls. Inside a worker
+(actors on Ray, local processes otherwise), and its decorated methods become group calls. Inside a worker
 the class is an ordinary class and its methods ordinary methods.
 """
 from __future__ import annotations

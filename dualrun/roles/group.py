@@ -1,8 +1,9 @@
 """`WorkerGroup`: the workers of one role, and calls on them under the dispatch/execute/collect rules.
 
 The group is the same object on both backends; only its workers differ: Ray actors placed on the role's
-devices (`dualrun.roles.ray_backend`), or in-process instances (`dualrun.roles.workers.LocalWorkers`), one per worker of the
-role, so a program gets the same results with or without Ray.
+devices (`dualrun.roles.ray_backend`), or without Ray one child process per worker (`dualrun.roles.processes`;
+a group of one worker: an instance in this process, `dualrun.roles.workers.LocalWorkers`), so a program gets
+the same results, and its groups the same process groups, with or without Ray.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class WorkerGroup:
     """The workers of one role (`group`): `size` of them, each built by `factory(*args, **kwargs)`.
 
     On Ray (`dualrun.init(backend='ray')` or `dualrun launch --backend ray`) each worker is an actor on the
-    role's devices; otherwise an instance in this process. `run` blocks, `run_async` returns a GroupFuture.
+    role's devices; otherwise a child process per worker (one worker: an instance in this process). `run` blocks, `run_async` returns a GroupFuture.
     """
 
     def __init__(self, factory: Callable[..., Any], group: str, args: Sequence[Any] = (),

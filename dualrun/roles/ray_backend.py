@@ -15,7 +15,7 @@ from dualrun.roles.context import (RemoteFailure, WorkerContext, WorkerError, ca
                                    set_actor_context)
 from dualrun.roles.dispatch import CollectFn
 from dualrun.roles.workers import Calls, GroupFuture, bind
-from dualrun.roles.rendezvous import group_env, pick_address
+from dualrun.roles.rendezvous import member_env, pick_address
 from dualrun.roles.spec import GroupSpec, RolesSpec
 
 # A worker with one GPU asks for this fraction of its bundle's GPU: the placement group already reserves the
@@ -131,8 +131,7 @@ class RayWorkers:
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
         self.master = ray.get(where.remote(), timeout=spec_timeout(runtime))
         for rank in range(spec.size):
-            env = {**runtime.spec.env, **spec.env, protocol.ROLE: spec.name, protocol.GROUP_RANK: str(rank),
-                   protocol.GROUP_SIZE: str(spec.size), **group_env(rank, spec.size, *self.master)}
+            env = member_env(runtime.spec.env, spec, rank, self.master)
             self.gang.spawn(RoleActor, pg, rank, factory, spec.name, rank, spec.size, env, args, kwargs,
                             runtime.track_bytes, num_cpus=CPU_SHARE, num_gpus=num_gpus, max_concurrency=1)
 

@@ -10,7 +10,11 @@ Imported inside Ray tasks: no torch, no Ray at import time.
 """
 from __future__ import annotations
 
+from typing import Mapping
+
+from dualrun import protocol
 from dualrun.ports import free_port
+from dualrun.roles.spec import GroupSpec
 
 
 def pick_address() -> tuple[str, int]:
@@ -24,3 +28,10 @@ def group_env(rank: int, size: int, master_addr: str, master_port: int) -> dict[
     """The variables worker `rank` of a group of `size` needs for `init_process_group()` within its group."""
     return {"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
             "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+
+def member_env(common: Mapping[str, str], spec: GroupSpec, rank: int, master: tuple[str, int]) -> dict[str, str]:
+    """What worker `rank` of group `spec` gets on either backend (a Ray actor, a local child process): the
+    config's and the role's `env:`, its role and rank, and its group's rendezvous."""
+    return {**common, **spec.env, protocol.ROLE: spec.name, protocol.GROUP_RANK: str(rank),
+            protocol.GROUP_SIZE: str(spec.size), **group_env(rank, spec.size, *master)}

@@ -47,6 +47,10 @@ class Runtime:
             from dualrun.roles.ray_backend import RayWorkers
 
             return RayWorkers(self, spec, factory, args, kwargs)
+        if spec.size > 1:   # its workers run at the same time, each its own process (a process group of theirs)
+            from dualrun.roles.processes import ProcessWorkers
+
+            return ProcessWorkers(self, spec, factory, args, kwargs)
         from dualrun.roles.workers import LocalWorkers
 
         return LocalWorkers(spec, factory, args, kwargs)

@@ -23,6 +23,7 @@ class GroupSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     model: str | None = None
     engine: str | None = None
+    devices: tuple[int, ...] = ()  # torchrun: this machine's GPU ids the plan gives the role (its workers split them)
 
     @property
     def unit_name(self) -> str:
@@ -55,16 +56,37 @@ class RolesSpec:
     @staticmethod
     def from_json(text: str) -> "RolesSpec":
         d = json.loads(text)
-        groups = tuple(GroupSpec(**{**g, "unit": tuple(g["unit"])}) for g in d.pop("groups", []))
+        groups = tuple(GroupSpec(**{**g, "unit": tuple(g["unit"]), "devices": tuple(g.get("devices", ()))})
+                       for g in d.pop("groups", []))
         ray = dict(d.pop("ray", None) or {})
         ray["runtime_env"] = frozen_map(ray.get("runtime_env"))
         return RolesSpec(groups=groups, ray=RayOptions(**ray), **d)
 
 
+def planned_devices(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """torchrun: the GPU ids of this machine the plan gives each role (ms-swift's `device_groups` ranks, a role's
+    `gpu_ids`, or by count), so a role program's local group workers sit on their role's GPUs as on Ray."""
+    if cfg.backend != "torchrun" or cfg.use_cpu or not any(r.gpus for r in cfg.roles):
+        return {}
+    from dualrun.errors import DualrunError
+    from dualrun.plan import make_plan
+
+    try:
+        plan = make_plan(cfg)
+    except DualrunError:
+        return {}   # `dualrun launch` reports the plan's problem itself
+    out: dict[str, list[int]] = {}
+    for proc in plan.on_node(cfg.machine_rank):
+        for name in proc.roles:
+            out.setdefault(name, []).extend(d for d in proc.devices if d not in out.get(name, []))
+    return {name: tuple(ids) for name, ids in out.items()}
+
+
 def spec_from_config(cfg: Any) -> RolesSpec:
     """RolesSpec of a JobConfig (dualrun.config.model.JobConfig)."""
+    devices = planned_devices(cfg)
     groups = tuple(GroupSpec(r.name, r.processes, r.gpus, tuple(cfg.group_of(r.name)), dict(r.env), r.model,
-                             r.engine) for r in cfg.roles)
+                             r.engine, devices.get(r.name, ())) for r in cfg.roles)
     return RolesSpec(groups, cfg.source, cfg.ray, dict(cfg.env))
 
 
@@ -86,7 +108,7 @@ def load_spec(config: Any = None) -> RolesSpec:
 
 def groups_table(spec: RolesSpec) -> str:
     """What `dualrun plan` prints for a role program: each group, its workers and devices."""
-    lines = ["role groups (single controller; on Ray each worker is an actor, locally an in-process instance):"]
+    lines = ["role groups (single controller; each worker an actor on Ray, a local process otherwise; one worker: in-process):"]
     for g in spec.groups:
         dev = f"{g.gpus} GPU(s), one per worker" if g.gpus else f"{g.size} CPU worker(s)"
         shared = f"  shares devices with {', '.join(r for r in g.unit if r != g.name)}" if len(g.unit) > 1 else ""

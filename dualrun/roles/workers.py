@@ -45,7 +45,7 @@ class GroupFuture:
 
 
 class LocalWorkers:
-    """Workers of a group as instances in this process; calls run in rank order when submitted."""
+    """A one-worker group as an instance in this process (groups of more: roles/processes.py)."""
 
     backend = "local"
 

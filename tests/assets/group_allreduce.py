@@ -1,0 +1,40 @@
+"""A role program whose two-worker `prm` group all-reduces in a torch.distributed process group of its own
+(tests/test_role_groups_e2e.py). Run it with `dualrun launch --backend torchrun|ray --config_file C this.py OUT`."""
+import json
+import os
+import sys
+
+import dualrun
+
+GROUP_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def by_rank(n, i, *args, **kwargs):
+    """A dispatch function with ms-swift's signature: worker i of n gets item i of the first argument."""
+    return (args[0][i],), kwargs
+
+
+@dualrun.worker(group="prm")
+class Reducer:
+    def __init__(self):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")   # no arguments: the group's own RANK / WORLD_SIZE / MASTER_*
+        self.env = {k: os.environ[k] for k in GROUP_VARS}
+
+    @dualrun.function(dispatch=by_rank)
+    def total(self, x):
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([float(x)])
+        dist.all_reduce(t)
+        return {"sum": t.item(), "rank": dist.get_rank(), "world": dist.get_world_size(), "pid": os.getpid(),
+                **self.env}
+
+
+if __name__ == "__main__":
+    results = Reducer().total([1, 2])
+    if os.environ.get("RANK", "0") == "0":   # under torchrun every process runs the program
+        with open(sys.argv[1], "w") as f:
+            json.dump({"results": results, "pid": os.getpid(), "MASTER_PORT": os.environ.get("MASTER_PORT")}, f)

@@ -1,0 +1,47 @@
+"""A role group's own process group, through `dualrun launch` on both backends: the two workers of `prm` (an
+ms-swift `device_groups` config with nproc_per_node) are two processes with the group's RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT, and all-reduce; the group's items reach them by an ms-swift-signature dispatch."""
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+
+from conftest import REPO, dualrun
+
+CONFIG = """\
+method: sampling
+use_cpu: true
+mixed_precision: 'no'
+ray: {address: local}
+device_groups:
+  nproc_per_node: 2
+  sample_group: {device: CPU, ranks: 1, workers: [sampler]}
+  reward_group:
+    device: CPU
+    ranks: list(range(0, 2))
+    workers: [prm]
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow     # ~40 s each on 2 busy cores: torchrun (or a Ray cluster) plus two spawned workers
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_two_worker_group_all_reduces_when_launched(backend, tmp_path):
+    cfg = tmp_path / "groups.yaml"
+    cfg.write_text(CONFIG)
+    out = tmp_path / "out.json"
+    env = {"RAY_ADDRESS": "", "RAY_TMPDIR": tempfile.mkdtemp(prefix="drg", dir="/tmp"), "OMP_NUM_THREADS": "1"}
+    res = dualrun("launch", "--backend", backend, "--config_file", str(cfg),
+                  str(REPO / "tests" / "assets" / "group_allreduce.py"), str(out), cwd=tmp_path, env=env, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    workers = got["results"]
+    assert [(w["sum"], w["rank"], w["world"]) for w in workers] == [(3.0, 0, 2), (3.0, 1, 2)]
+    assert [(w["RANK"], w["WORLD_SIZE"]) for w in workers] == [("0", "2"), ("1", "2")]
+    assert len({(w["MASTER_ADDR"], w["MASTER_PORT"]) for w in workers}) == 1
+    assert len({w["pid"] for w in workers} | {got["pid"]}) == 3             # each worker its own process
+    if backend == "torchrun":                                                # not the trainer's rendezvous
+        assert workers[0]["MASTER_PORT"] != got["MASTER_PORT"] and got["MASTER_PORT"]
