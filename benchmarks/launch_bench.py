@@ -193,6 +193,8 @@ class Run:
     step_cpu_ms: float | None = None           # probe: median CPU time of a rank's process per step
     phases: dict | None = None                 # probe: seconds after spawn per phase (phases.PHASES)
     threads: str | None = None                 # probe: torch threads etc. inside the ranks
+    machinery_cores: float | None = None       # CPU cores used by everything but the ranks while they trained
+    tree_cpu: list | None = None               # (time.time(), CPU s of this script's descendants), every 0.5 s
 
 
 def _proc_stats(pid: int) -> tuple[float | None, float | None]:
@@ -207,6 +209,30 @@ def _proc_stats(pid: int) -> tuple[float | None, float | None]:
     except (OSError, ValueError, IndexError):
         pass
     return hwm, cpu
+
+
+def descendants_cpu(root: int | None = None) -> float:
+    """CPU seconds (user+system) of every live descendant of `root` (default: this process), not `root` itself:
+    the launcher, its workers, and the running cluster this script started (GCS, raylet, actors)."""
+    root = os.getpid() if root is None else root
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(d.name)], ticks[int(d.name)] = int(f[1]), int(f[11]) + int(f[12])
+    children: dict[int, list[int]] = {}
+    for c, pp in parents.items():
+        children.setdefault(pp, []).append(c)
+    mine, todo = set(), [root]
+    while todo:
+        kids = [c for c in children.get(todo.pop(), []) if c not in mine]
+        mine.update(kids)
+        todo += kids
+    return sum(ticks[p] for p in mine) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(run: Run, cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> Run:
@@ -237,13 +263,20 @@ def measure(run: Run, cmd: list[str], env: dict[str, str], cwd: Path, log: Path,
 
     stats: dict[str, float] = {}
 
+    tree: list[tuple[float, float]] = []
+    run.tree_cpu = tree
+
     def sample() -> None:
+        i = 0
         while proc.poll() is None:
             hwm, cpu = _proc_stats(proc.pid)
             if hwm is not None:
                 stats["hwm"] = hwm
             if cpu is not None:
                 stats["cpu"] = cpu
+            if i % 10 == 0:   # every 0.5 s: the CPU of everything this benchmark started (see add_probe)
+                tree.append((time.time(), descendants_cpu()))
+            i += 1
             time.sleep(0.05)
 
     threads = [threading.Thread(target=read, args=(p,), daemon=True) for p in (proc.stdout, proc.stderr)]
@@ -321,27 +354,9 @@ class RunningCluster:
     def idle_cores(self, seconds: float = 5.0) -> float:
         """Cores the idle cluster's own processes (GCS, raylet, its workers: this process's descendants) keep busy:
         what Ray takes from the ranks' CPUs before any job runs."""
-        def tree_cpu() -> float:
-            parents: dict[int, int] = {}
-            ticks: dict[int, int] = {}
-            for d in Path("/proc").iterdir():
-                if d.name.isdigit():
-                    try:
-                        f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                    except OSError:
-                        continue
-                    parents[int(d.name)], ticks[int(d.name)] = int(f[1]), int(f[11]) + int(f[12])
-            mine, todo = set(), [os.getpid()]
-            while todo:
-                pid = todo.pop()
-                kids = [c for c, pp in parents.items() if pp == pid and c not in mine]
-                mine.update(kids)
-                todo += kids
-            return sum(ticks[p] for p in mine) / os.sysconf("SC_CLK_TCK")
-
-        a = tree_cpu()
+        a = descendants_cpu()
         time.sleep(seconds)
-        return (tree_cpu() - a) / seconds
+        return (descendants_cpu() - a) / seconds
 
     def stop(self) -> None:
         if self.cluster is not None:
@@ -471,6 +486,8 @@ def add_probe(run: Run, records: list[dict], nproc: int) -> None:
         run.steady_steps_per_s, run.step_cpu_ms = steady["steps_per_s"], steady["cpu_ms"]
     run.phases = ph.phases(records, run.spawned, run.spawned + run.wall_s if run.wall_s else None)
     run.threads = ph.threads(records)
+    run.machinery_cores = ph.machinery_cores(records, run.tree_cpu or [])
+    run.tree_cpu = None
 
 
 def _f(x: float | None, digits: int = 2) -> str:
@@ -479,8 +496,8 @@ def _f(x: float | None, digits: int = 2) -> str:
 
 # -- summary, table, chart ---------------------------------------------------------------------------------------
 
-METRICS = ("wall_s", "first_step_s", "steps_per_s", "steady_steps_per_s", "step_cpu_ms", "observed_steps_per_s",
-           "driver_rss_mib", "driver_cpu_s")
+METRICS = ("wall_s", "first_step_s", "steps_per_s", "steady_steps_per_s", "step_cpu_ms", "machinery_cores",
+           "observed_steps_per_s", "driver_rss_mib", "driver_cpu_s")
 
 
 def summarize(runs: list[Run], variants: list[str]) -> dict[str, dict]:
@@ -526,15 +543,17 @@ def _ratio(s: dict, m: str) -> str:
 
 def table(summary: dict[str, dict]) -> str:
     head = ("| launcher | n | wall s | ×bare | first step s | ×bare | steps/s (steady, in ranks) | ×bare | "
-            "CPU ms per step | steps/s (trainer) | steps/s (seen by driver) | driver peak RSS MiB | driver CPU s |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "CPU ms per step | launcher CPU while training (cores) | steps/s (trainer) | steps/s (seen by driver) | "
+            "driver peak RSS MiB | driver CPU s |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     rows = []
     for v, s in summary.items():
         n = f"{s['n']}" + (f" (+{s['failed']} failed)" if s["failed"] else "")
         rows.append(f"| {VARIANTS[v][0]} | {n} | {_cell(s, 'wall_s', 1)} | {_ratio(s, 'wall_s')} | "
                     f"{_cell(s, 'first_step_s', 1)} | {_ratio(s, 'first_step_s')} | "
                     f"{_cell(s, 'steady_steps_per_s', 1)} | {_ratio(s, 'steady_steps_per_s')} | "
-                    f"{_cell(s, 'step_cpu_ms', 1)} | {_cell(s, 'steps_per_s', 1)} | {_cell(s, 'observed_steps_per_s', 1)} | "
+                    f"{_cell(s, 'step_cpu_ms', 1)} | {_cell(s, 'machinery_cores', 3)} | {_cell(s, 'steps_per_s', 1)} | "
+                    f"{_cell(s, 'observed_steps_per_s', 1)} | "
                     f"{_cell(s, 'driver_rss_mib', 0)} | {_cell(s, 'driver_cpu_s', 1)} |")
     return head + "\n".join(rows) + "\n\nEach cell: median (min–max) over the repetitions; ×bare: ratio of medians."
 
@@ -588,13 +607,13 @@ def machine_md(info: dict) -> str:
 
 
 def runs_md(runs: list[Run]) -> str:
-    out = ["| rep | launcher | ok | wall s | first step s | steady steps/s | CPU ms/step | trainer steps/s | "
-           "seen steps/s | RSS MiB | CPU s | load 1m | busy cores before | threads in the ranks | train_loss |",
-           "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    out = ["| rep | launcher | ok | wall s | first step s | steady steps/s | CPU ms/step | launcher cores | "
+           "trainer steps/s | seen steps/s | RSS MiB | CPU s | load 1m | busy cores before | threads in the ranks | "
+           "train_loss |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in sorted(runs, key=lambda r: (r.rep, list(VARIANTS).index(r.variant))):
         ok = "yes" if r.ok else f"no: {r.error}"
         out.append(f"| {r.rep + 1} | {r.variant} | {ok} | {_f(r.wall_s)} | {_f(r.first_step_s)} | "
-                   f"{_f(r.steady_steps_per_s)} | {_f(r.step_cpu_ms)} | "
+                   f"{_f(r.steady_steps_per_s)} | {_f(r.step_cpu_ms)} | {_f(r.machinery_cores, 3)} | "
                    f"{_f(r.steps_per_s)} | {_f(r.observed_steps_per_s)} | {_f(r.driver_rss_mib, 0)} | "
                    f"{_f(r.driver_cpu_s)} | {_f(r.load_1m)} | {_f(r.busy_before)} | {r.threads or '-'} | "
                    f"{r.train_loss or '-'} |")
@@ -648,7 +667,8 @@ def chart(summary: dict[str, dict], path: Path, title: str) -> bool:
 
 
 def write_launch(runs: list[Run], info: dict, variants: list[str], out_dir: Path, command_line: str,
-                 readme: Path | None, fake: bool) -> str:
+                 readme: Path | None, fake: bool, main_readme: Path | None = None) -> str:
+    """results/launch.md and the chart; the table blocks of `readme` (benchmarks/README.md) and `main_readme`."""
     summary = summarize(runs, variants)
     tg = targets(summary)
     title = (f"launch benchmark: tiny SFT, {info.get('nproc')} processes, {info.get('steps')} steps, "
@@ -663,14 +683,27 @@ def write_launch(runs: list[Run], info: dict, variants: list[str], out_dir: Path
         md += ["![launch benchmark](launch.png)", ""]
     md += ["## Every run (in the order they ran within a repetition, see benchmarks/README.md)", "", runs_md(runs), ""]
     (out_dir / "launch.md").write_text("\n".join(md))
-    if readme is not None and readme.exists():
-        text = readme.read_text()
-        if README_START in text and README_END in text:
-            block = (f"{README_START}\n{body}\n\n{targets_md(tg)}\n\n{phases_md(runs, variants)}\n\n"
-                     f"{machine_md(info)}\n{README_END}")
-            pre, rest = text.split(README_START, 1)
-            readme.write_text(pre + block + rest.split(README_END, 1)[1])
+    if readme is not None or main_readme is not None:
+        lb_ = info.get("load_before") or ()
+        _refresh(readme, f"{body}\n\n{targets_md(tg)}\n\n{phases_md(runs, variants)}\n\n{machine_md(info)}")
+        _refresh(main_readme, (
+            f"Latest `{command_line}` (tiny SFT, {info.get('nproc')} CPU processes, {info.get('steps')} steps, "
+            f"{info.get('cpus')}-core machine shared with other jobs: load average {' / '.join(f'{x:.1f}' for x in lb_)} "
+            f"before the run; median (min–max) of {info.get('reps')} interleaved repetitions; ratios against bare "
+            "torchrun; phases, every run and the machine in [benchmarks/results/launch.md]"
+            "(benchmarks/results/launch.md), how to rerun and how noisy this machine is in "
+            f"[benchmarks/README.md](benchmarks/README.md)):\n\n{body}\n\nTargets (issue 14):\n\n{targets_md(tg)}"))
     return body + "\n\n" + targets_md(tg)
+
+
+def _refresh(path: Path | None, block: str) -> None:
+    """Replace what lies between the launch-table markers of `path` (nothing when it has none)."""
+    if path is None or not path.exists():
+        return
+    text = path.read_text()
+    if README_START in text and README_END in text:
+        pre, rest = text.split(README_START, 1)
+        path.write_text(f"{pre}{README_START}\n{block}\n{README_END}{rest.split(README_END, 1)[1]}")
 
 
 # -- planner -----------------------------------------------------------------------------------------------------
@@ -734,6 +767,7 @@ def fake_runs(variants: list[str], reps: int) -> list[Run]:
             run = Run(v, r, True, 0, w, w - 4, 30 * rnd.uniform(0.95, 1.0), 29.0, 80, "3.5",
                       rnd.uniform(60, 400), rnd.uniform(2, 8), 1.0, 0.1)
             run.steady_steps_per_s, run.step_cpu_ms = 40 * rnd.uniform(0.97, 1.0), 18 * rnd.uniform(0.97, 1.03)
+            run.machinery_cores = rnd.uniform(0.0, 0.1)
             first = w - 6
             run.phases = {"workers_started": first * 0.15, "torch_imported": first * 0.35, "rendezvous": first * 0.8,
                           "first_step": first, "last_step": w - 1.5, "exit": w}
@@ -791,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ensure_loopback_only(argv)
         runs, info = run_session(ns)
-    print(write_launch(runs, info, ns.variants, out_dir, command_line.strip(), readme, ns.fake))
+    main_readme = REPO / "README.md" if out_dir == RESULTS.resolve() and not ns.readme else None
+    print(write_launch(runs, info, ns.variants, out_dir, command_line.strip(), readme, ns.fake, main_readme))
     if ns.planner:
         print("\n" + write_planner(out_dir, ns.planner_reps, info))
     print(f"\nwrote {out_dir / 'launch.md'}" + (f", {out_dir / 'planner.md'}" if ns.planner else ""))

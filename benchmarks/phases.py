@@ -88,6 +88,34 @@ def phases(records: list[dict], spawned: float, exited: float | None) -> dict[st
     return out
 
 
+def _at(points: list[tuple[float, float]], t: float) -> float | None:
+    """Linear interpolation of (time, value) samples at time `t` (None outside them)."""
+    for (t0, v0), (t1, v1) in zip(points, points[1:]):
+        if t0 <= t <= t1:
+            return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+    return None
+
+
+def machinery_cores(records: list[dict], tree: list[tuple[float, float]], skip: float = 0.1) -> float | None:
+    """Cores kept busy by everything but the ranks while all of them were in their steady state: the launcher, its
+    agent or actors, Ray's daemons. `tree` samples the CPU seconds of every process the benchmark started (ranks
+    included); the ranks' own CPU comes from their steps. Independent of other jobs' load, unlike wall time."""
+    if not records or any(len(r.get("steps") or []) < 4 for r in records) or len(tree) < 2:
+        return None
+    start = max(r["steps"][max(1, int(len(r["steps"]) * skip))][0] for r in records)
+    end = min(r["steps"][-1][0] for r in records)
+    a, b = _at(tree, start), _at(tree, end)
+    if a is None or b is None or end - start < 1.0:
+        return None
+    ranks = 0.0
+    for r in records:
+        ra, rb = _at([(t, c) for t, c in r["steps"]], start), _at([(t, c) for t, c in r["steps"]], end)
+        if ra is None or rb is None:
+            return None
+        ranks += rb - ra
+    return max(0.0, (b - a) - ranks) / (end - start)
+
+
 def threads(records: list[dict]) -> str:
     """torch threads / interop threads / OMP_NUM_THREADS / affinity, as seen inside the ranks (distinct values)."""
     seen = set()

@@ -135,3 +135,12 @@ def test_growth_fit_and_report():
     md = gb.report(rows, {"load_before": "1", "load_after": "1", "cluster_cpus": 4}, "planner")
     assert "| ray | 8 | 1 |" in md and "at 1,024 ranks" in md
     assert "| ray | driver CPU s | 1.00 | 10.0 ms | 11.2 |" in md
+
+
+def test_machinery_cores_is_the_cpu_of_everything_but_the_ranks():
+    ph = _bench_module("phases")
+    # two ranks, each burning one core from t=0 to t=10; everything together burned 2.5 cores: 0.5 is machinery
+    ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]} for _ in range(2)]
+    tree = [(0.0, 0.0), (5.0, 12.5), (10.0, 25.0)]
+    assert ph.machinery_cores(ranks, tree) == pytest.approx(0.5)
+    assert ph.machinery_cores(ranks, []) is None
