@@ -89,6 +89,13 @@ def test_one_real_repetition_of_the_torchrun_variants(tmp_path):
     assert len(rows) == 2 and all("| yes |" in ln for ln in rows), md
     # both launchers ran the same training: the same final loss
     assert len({ln.rsplit("|", 2)[1].strip() for ln in rows}) == 1, rows
+    # the probe ran inside the ranks of both: every phase has a time, in order, and the threads were seen
+    phase_rows = md.split("## Wall time by phase", 1)[1].split("\n\n", 2)[1].splitlines()[2:]
+    assert len(phase_rows) == 2, md
+    for row in phase_rows:
+        medians = [float(c.split()[0]) for c in row.split("|")[2:-1]]
+        assert len(medians) == 6 and medians == sorted(medians), row
+    assert md.count("torch 1, interop") >= 2, md
 
 
 def _bench_module(name: str):
