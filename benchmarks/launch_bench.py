@@ -692,8 +692,19 @@ def write_launch(runs: list[Run], info: dict, variants: list[str], out_dir: Path
             f"before the run; median (min–max) of {info.get('reps')} interleaved repetitions; ratios against bare "
             "torchrun; phases, every run and the machine in [benchmarks/results/launch.md]"
             "(benchmarks/results/launch.md), how to rerun and how noisy this machine is in "
-            f"[benchmarks/README.md](benchmarks/README.md)):\n\n{body}\n\nTargets (issue 14):\n\n{targets_md(tg)}"))
+            f"[benchmarks/README.md](benchmarks/README.md)){_noise_note(info)}:\n\n{body}\n\nTargets (issue 14):\n\n"
+            f"{targets_md(tg)}"))
     return body + "\n\n" + targets_md(tg)
+
+
+def _noise_note(info: dict) -> str:
+    """A warning when other jobs kept more processes runnable than there are cores: the ratios are then noise."""
+    load = (info.get("load_before") or (0.0,))[0]
+    if load > (info.get("cpus") or 1):
+        return (f". **The load average ({load:.0f}) exceeded the {info.get('cpus')} cores: every ratio and PASS/FAIL "
+                "below is within the noise; only the CPU columns (CPU ms per step, launcher CPU while training) are "
+                "meaningful. Rerun on a quiet machine.**")
+    return ""
 
 
 def _refresh(path: Path | None, block: str) -> None:

@@ -17,11 +17,11 @@ whole machine, so they line up with the driver's spawn time):
   threads     torch.get_num_threads(), interop threads, OMP/MKL variables, CPU affinity — at the first step
   entry       sys.argv[0] and whether dualrun's bootstrap is loaded
 
-Cost: one callback per step (two clock reads and a list append); the file is written at train end.
+Cost: one callback per step (two clock reads and a list append); the file is written at train end. The import
+hooks are dualrun.hooks' (a tiny module, no torch): a bare torchrun worker gets the same finder as a dualrun one.
 """
 from __future__ import annotations
 
-import importlib.abc
 import json
 import os
 import sys
@@ -29,7 +29,6 @@ import time
 
 _DIR_ENV = "DUALRUN_BENCH_PHASES"
 _record: dict = {}
-_hooks: dict = {}
 
 
 def _process_start() -> float | None:
@@ -52,38 +51,6 @@ def _write() -> None:
     with open(tmp, "w") as f:
         json.dump(_record, f)
     os.replace(tmp, path)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Calls a function right after a watched module is imported (the same trick as dualrun.hooks, kept apart:
-    the probe must not import dualrun)."""
-
-    def find_spec(self, fullname, path, target=None):  # type: ignore[override]
-        if fullname not in _hooks:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                inner = spec.loader
-
-                class Loader(importlib.abc.Loader):
-                    def create_module(self, spec):  # type: ignore[override]
-                        return inner.create_module(spec)
-
-                    def exec_module(self, module) -> None:  # type: ignore[override]
-                        inner.exec_module(module)
-                        fn = _hooks.pop(fullname, None)
-                        if fn is not None:
-                            fn(module)
-
-                    def __getattr__(self, item):
-                        return getattr(inner, item)
-
-                spec.loader = Loader()
-                return spec
-        return None
 
 
 def _on_torch(module) -> None:
@@ -152,14 +119,11 @@ def activate() -> None:
                    probe=time.time(), argv0=sys.argv[0] if sys.argv else None)
     _record["env"] = dict(os.environ)   # the benchmark diffs launchers' worker env (temp files only)
     _record["bootstrap"] = "dualrun.bootstrap" in sys.modules or any("dualrun" in a for a in sys.argv[:2])
+    from dualrun.hooks import when_imported   # a tiny module (the package import is lazy); no torch
+
     for name, fn in (("torch", _on_torch), ("torch.distributed.distributed_c10d", _on_c10d),
                      ("transformers.trainer", _on_trainer)):
-        if name in sys.modules:
-            fn(sys.modules[name])
-        else:
-            _hooks[name] = fn
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+        when_imported(name, fn)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         _record["rendezvous"] = time.time()   # set up before the probe ran (Ray Train does it before the loop)
