@@ -195,6 +195,8 @@ class Run:
     threads: str | None = None                 # probe: torch threads etc. inside the ranks
     machinery_cores: float | None = None       # CPU cores used by everything but the ranks while they trained
     tree_cpu: list | None = None               # (time.time(), CPU s of this script's descendants), every 0.5 s
+    tree_split: list | None = None             # (time.time(), {kind: CPU s}) at the same times
+    machinery_split: dict | None = None        # cores per kind of process (not ranks) while the ranks trained
 
 
 def _proc_stats(pid: int) -> tuple[float | None, float | None]:
@@ -211,9 +213,25 @@ def _proc_stats(pid: int) -> tuple[float | None, float | None]:
     return hwm, cpu
 
 
-def descendants_cpu(root: int | None = None) -> float:
+def _kind(pid: int) -> str:
+    """What a process is, from its command line: a rank, a Ray actor, a Ray daemon, or the launcher's own."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return "launcher"
+    if cmd.startswith("ray::"):
+        return "ray actors"
+    if "dualrun.bootstrap" in cmd or str(SCRIPT) in cmd:
+        return "ranks"
+    if any(k in cmd for k in ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/")):
+        return "ray daemons"
+    return "launcher"
+
+
+def descendants_cpu(root: int | None = None, by_kind: dict | None = None) -> float:
     """CPU seconds (user+system) of every live descendant of `root` (default: this process), not `root` itself:
-    the launcher, its workers, and the running cluster this script started (GCS, raylet, actors)."""
+    the launcher, its workers, and the running cluster this script started (GCS, raylet, actors). With `by_kind`,
+    also fill it with the seconds per kind of process (`_kind`)."""
     root = os.getpid() if root is None else root
     parents: dict[int, int] = {}
     ticks: dict[int, int] = {}
@@ -232,7 +250,12 @@ def descendants_cpu(root: int | None = None) -> float:
         kids = [c for c in children.get(todo.pop(), []) if c not in mine]
         mine.update(kids)
         todo += kids
-    return sum(ticks[p] for p in mine) / os.sysconf("SC_CLK_TCK")
+    hz = os.sysconf("SC_CLK_TCK")
+    if by_kind is not None:
+        for p in mine:
+            k = _kind(p)
+            by_kind[k] = by_kind.get(k, 0.0) + ticks[p] / hz
+    return sum(ticks[p] for p in mine) / hz
 
 
 def measure(run: Run, cmd: list[str], env: dict[str, str], cwd: Path, log: Path, timeout: float) -> Run:
@@ -264,7 +287,8 @@ def measure(run: Run, cmd: list[str], env: dict[str, str], cwd: Path, log: Path,
     stats: dict[str, float] = {}
 
     tree: list[tuple[float, float]] = []
-    run.tree_cpu = tree
+    split: list[tuple[float, dict]] = []
+    run.tree_cpu, run.tree_split = tree, split
 
     def sample() -> None:
         i = 0
@@ -275,7 +299,9 @@ def measure(run: Run, cmd: list[str], env: dict[str, str], cwd: Path, log: Path,
             if cpu is not None:
                 stats["cpu"] = cpu
             if i % 10 == 0:   # every 0.5 s: the CPU of everything this benchmark started (see add_probe)
-                tree.append((time.time(), descendants_cpu()))
+                kinds: dict = {}
+                tree.append((time.time(), descendants_cpu(by_kind=kinds)))
+                split.append((tree[-1][0], kinds))
             i += 1
             time.sleep(0.05)
 
@@ -487,7 +513,15 @@ def add_probe(run: Run, records: list[dict], nproc: int) -> None:
     run.phases = ph.phases(records, run.spawned, run.spawned + run.wall_s if run.wall_s else None)
     run.threads = ph.threads(records)
     run.machinery_cores = ph.machinery_cores(records, run.tree_cpu or [])
-    run.tree_cpu = None
+    run.machinery_split = ph.split_cores(records, run.tree_split or [])
+    run.tree_cpu = run.tree_split = None
+
+
+def _split(split: dict | None) -> str:
+    """' (launcher 0.002, ray actors 0.04, ...)': where the launcher machinery's cores went."""
+    if not split:
+        return ""
+    return " (" + ", ".join(f"{k} {v:.3f}" for k, v in sorted(split.items()) if k != "ranks") + ")"
 
 
 def _f(x: float | None, digits: int = 2) -> str:
@@ -613,7 +647,8 @@ def runs_md(runs: list[Run]) -> str:
     for r in sorted(runs, key=lambda r: (r.rep, list(VARIANTS).index(r.variant))):
         ok = "yes" if r.ok else f"no: {r.error}"
         out.append(f"| {r.rep + 1} | {r.variant} | {ok} | {_f(r.wall_s)} | {_f(r.first_step_s)} | "
-                   f"{_f(r.steady_steps_per_s)} | {_f(r.step_cpu_ms)} | {_f(r.machinery_cores, 3)} | "
+                   f"{_f(r.steady_steps_per_s)} | {_f(r.step_cpu_ms)} | {_f(r.machinery_cores, 3)}"
+                   f"{_split(r.machinery_split)} | "
                    f"{_f(r.steps_per_s)} | {_f(r.observed_steps_per_s)} | {_f(r.driver_rss_mib, 0)} | "
                    f"{_f(r.driver_cpu_s)} | {_f(r.load_1m)} | {_f(r.busy_before)} | {r.threads or '-'} | "
                    f"{r.train_loss or '-'} |")

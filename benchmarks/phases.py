@@ -116,6 +116,24 @@ def machinery_cores(records: list[dict], tree: list[tuple[float, float]], skip: 
     return max(0.0, (b - a) - ranks) / (end - start)
 
 
+def split_cores(records: list[dict], split: list[tuple[float, dict]], skip: float = 0.1) -> dict | None:
+    """Cores per kind of process (launcher, Ray actors, Ray daemons, ranks) over the same window as
+    `machinery_cores`. For Ray Train the ranks run inside the actors: there "ray actors" includes them."""
+    if not records or any(len(r.get("steps") or []) < 4 for r in records) or len(split) < 2:
+        return None
+    start = max(r["steps"][max(1, int(len(r["steps"]) * skip))][0] for r in records)
+    end = min(r["steps"][-1][0] for r in records)
+    if end - start < 1.0:
+        return None
+    out = {}
+    for kind in sorted({k for _, d in split for k in d}):
+        pts = [(t, d.get(kind, 0.0)) for t, d in split]
+        a, b = _at(pts, start), _at(pts, end)
+        if a is not None and b is not None:
+            out[kind] = max(0.0, b - a) / (end - start)
+    return out
+
+
 def threads(records: list[dict]) -> str:
     """torch threads / interop threads / OMP_NUM_THREADS / affinity, as seen inside the ranks (distinct values)."""
     seen = set()

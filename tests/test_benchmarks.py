@@ -151,3 +151,10 @@ def test_machinery_cores_is_the_cpu_of_everything_but_the_ranks():
     tree = [(0.0, 0.0), (5.0, 12.5), (10.0, 25.0)]
     assert ph.machinery_cores(ranks, tree) == pytest.approx(0.5)
     assert ph.machinery_cores(ranks, []) is None
+
+
+def test_split_cores_per_kind_of_process():
+    ph = _bench_module("phases")
+    ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]}]
+    split = [(0.0, {"ray daemons": 0.0, "ranks": 0.0}), (10.0, {"ray daemons": 0.5, "ranks": 10.0})]
+    assert ph.split_cores(ranks, split) == pytest.approx({"ray daemons": 0.05, "ranks": 1.0})
