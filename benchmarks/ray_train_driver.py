@@ -18,6 +18,13 @@ import tempfile
 def train_loop_per_worker(config: dict) -> None:
     import runpy
 
+    if os.environ.get("DUALRUN_BENCH_PHASES"):   # launch_bench.py's probe (benchmarks/probe/): this worker was
+        import importlib                          # started before RANK existed, so activate it here
+
+        probe = importlib.import_module("sitecustomize")
+        if hasattr(probe, "activate"):
+            probe.activate()
+
     sys.argv = [config["script"]] + list(config["args"])
     os.chdir(config["cwd"])
     sys.path.insert(0, os.path.dirname(os.path.abspath(config["script"])))
@@ -38,7 +45,7 @@ def main() -> None:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     env = {k: v for k, v in os.environ.items()
-           if k.startswith(("ACCELERATE_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "OMP_"))}
+           if k.startswith(("ACCELERATE_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "OMP_", "DUALRUN_BENCH_"))}
     ray.init(address=a.address, runtime_env={"env_vars": env})
     storage = a.storage or tempfile.mkdtemp(prefix="rtb-")
     trainer = TorchTrainer(

@@ -89,3 +89,72 @@ def test_one_real_repetition_of_the_torchrun_variants(tmp_path):
     assert len(rows) == 2 and all("| yes |" in ln for ln in rows), md
     # both launchers ran the same training: the same final loss
     assert len({ln.rsplit("|", 2)[1].strip() for ln in rows}) == 1, rows
+    # the probe ran inside the ranks of both: every phase has a time, in order, and the threads were seen
+    phase_rows = md.split("## Wall time by phase", 1)[1].split("\n\n", 2)[1].splitlines()[2:]
+    assert len(phase_rows) == 2, md
+    for row in phase_rows:
+        medians = [float(c.split()[0]) for c in row.split("|")[2:-1]]
+        assert len(medians) == 6 and medians == sorted(medians), row
+    assert md.count("torch 1, interop") >= 2, md
+
+
+def _bench_module(name: str):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import importlib
+
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_steady_state_skips_the_warm_up_and_takes_the_slowest_rank():
+    ph = _bench_module("phases")
+    # rank 0: a slow first step, then 10 ms steps using 5 ms CPU each; rank 1: 20 ms steps
+    fast = {"rank": "0", "train_begin": 99.0, "steps": [(100.0, 1.0)] + [(100.0 + 0.01 * i, 1.0 + 0.005 * i)
+                                                                     for i in range(1, 40)]}
+    slow = {"rank": "1", "train_begin": 99.0, "steps": [(100.0 + 0.02 * i, 2.0 + 0.005 * i) for i in range(40)]}
+    one = ph.steady(fast)
+    assert one["step_ms"] == pytest.approx(10.0) and one["cpu_ms"] == pytest.approx(5.0)
+    assert one["first_ms"] == pytest.approx(1000.0)
+    job = ph.run_steady([fast, slow])
+    assert job["steps_per_s"] == pytest.approx(50.0) and job["step_ms"] == pytest.approx(20.0)
+    assert ph.steady({"steps": [(1.0, 1.0)] * 3}) is None          # too few steps: no steady state
+    got = ph.phases([dict(fast, started=90.5, torch=92.0, rendezvous=95.0),
+                     dict(slow, started=91.0, torch=93.0, rendezvous=96.0)], spawned=90.0, exited=101.0)
+    assert got == pytest.approx({"workers_started": 1.0, "torch_imported": 3.0, "rendezvous": 6.0,
+                                 "first_step": 10.0, "last_step": 100.0 + 0.02 * 39 - 90.0, "exit": 11.0})
+    assert ph.phases([fast, {"rank": "1"}], 90.0, None)["first_step"] is None   # a rank without steps
+
+
+def test_env_diff_ignores_per_run_variables():
+    ab = _bench_module("steady_ab")
+    bare = {"PATH": "/bin", "RANK": "0", "MASTER_PORT": "1", "X": "1"}
+    dual = {"PATH": "/bin", "RANK": "1", "MASTER_PORT": "2", "ACCELERATE_MIXED_PRECISION": "no"}
+    assert ab.env_diff(bare, dual) == {"X": None, "ACCELERATE_MIXED_PRECISION": "no"}
+
+
+def test_growth_fit_and_report():
+    gb = _bench_module("growth_bench")
+    assert gb.fit([2, 8, 32], [1.0 + 0.5 * x for x in (2, 8, 32)]) == pytest.approx((1.0, 0.5))
+    rows = [{"backend": "ray", "n": n, "rep": 0, "ok": True, "wall_s": 2.0 + n / 10, "cpu_s": 1.0 + n / 100,
+             "rss_mib": 100 + n, "load": 1.0, "startup_s": 1.5 + n / 20} for n in (2, 8)]
+    md = gb.report(rows, {"load_before": "1", "load_after": "1", "cluster_cpus": 4}, "planner")
+    assert "| ray | 8 | 1 |" in md and "at 1,024 ranks" in md
+    assert "| ray | driver CPU s | 1.00 | 10.0 ms | 11.2 |" in md
+
+
+def test_machinery_cores_is_the_cpu_of_everything_but_the_ranks():
+    ph = _bench_module("phases")
+    # two ranks, each burning one core from t=0 to t=10; everything together burned 2.5 cores: 0.5 is machinery
+    ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]} for _ in range(2)]
+    tree = [(0.0, 0.0), (5.0, 12.5), (10.0, 25.0)]
+    assert ph.machinery_cores(ranks, tree) == pytest.approx(0.5)
+    assert ph.machinery_cores(ranks, []) is None
+
+
+def test_split_cores_per_kind_of_process():
+    ph = _bench_module("phases")
+    ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]}]
+    split = [(0.0, {"ray daemons": 0.0, "ranks": 0.0}), (10.0, {"ray daemons": 0.5, "ranks": 10.0})]
+    assert ph.split_cores(ranks, split) == pytest.approx({"ray daemons": 0.05, "ranks": 1.0})

@@ -1,0 +1,227 @@
+"""Cost as the job grows: driver CPU, driver memory and start-up time against the number of ranks.
+
+    python benchmarks/growth_bench.py                      # --ranks 2,8,32,64 --reps 2; --quick: 2,8 x 1
+
+One machine, an empty script (benchmarks/empty_rank.py: says when it ran, imports nothing), through
+`dualrun launch --backend ray` against a running local Ray cluster (head node of `ray.cluster_utils.Cluster`
+with fake resources: --cluster-cpus CPUs, `ray.num_cpus_per_worker` 0.001 per rank actor, so 64 ranks fit on
+2 real cores) and `dualrun launch --backend torchrun` (N local processes), interleaved per repetition. Per run,
+measured from outside (launch_bench.measure: the launcher's own pid sampled every 50 ms):
+
+  start-up   spawn of `dualrun launch` until the last rank's script ran (its own time.time())
+  wall       spawn until the launcher exited
+  driver CPU user+system seconds of the launcher process alone (not its workers, not Ray's daemons)
+  driver RSS peak resident memory (VmHWM) of the launcher process
+
+Also times the planner (`make_plan` + `to_json`) for 128 nodes x 8 GPUs. Writes results/growth.md (table, fit,
+extrapolation to 1,024 ranks, load average per run) and results/growth.png (matplotlib).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import launch_bench as lb  # noqa: E402
+
+EMPTY = HERE / "empty_rank.py"
+BACKENDS = ("ray", "torchrun")
+METRICS = (("startup_s", "start-up s"), ("wall_s", "wall s"), ("cpu_s", "driver CPU s"), ("rss_mib", "driver RSS MiB"))
+
+
+def config(folder: Path, n: int) -> Path:
+    path = folder / f"growth-{n}.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: 'no'\n"
+                    f"use_cpu: true\nnum_machines: 1\nmethod: sft\nroles:\n  train: {{gpus: {n}}}\n"
+                    "ray: {num_cpus_per_worker: 0.001}\n")
+    return path
+
+
+def one(backend: str, n: int, rep: int, env: dict[str, str], work: Path, timeout: float) -> dict:
+    folder = work / f"ranks-{backend}-{n}-{rep}"
+    folder.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file", str(config(work, n)),
+           "--num_processes", str(n), str(EMPTY)]
+    run = lb.Run(f"{backend}-{n}", rep)
+    env = dict(env, DUALRUN_BENCH_PHASES=str(folder))
+    spawned = time.time()
+    lb.measure(run, cmd, env, lb.REPO, work / f"{backend}-{n}-{rep}.log", timeout)
+    ranks = lb_ranks(folder)
+    row = {"backend": backend, "n": n, "rep": rep, "ok": run.exit_code == 0 and len(ranks) == n,
+           "wall_s": run.wall_s, "cpu_s": run.driver_cpu_s, "rss_mib": run.driver_rss_mib, "load": run.load_1m,
+           "startup_s": max(r["ran"] for r in ranks) - spawned if len(ranks) == n else None}
+    if not row["ok"]:
+        log = (work / f"{backend}-{n}-{rep}.log").read_text()[-600:].replace("\n", " | ")
+        row["error"] = f"exit {run.exit_code}, {len(ranks)}/{n} ranks ran: {log}"
+    shutil.rmtree(folder, ignore_errors=True)
+    return row
+
+
+def lb_ranks(folder: Path) -> list[dict]:
+    import json
+
+    out = []
+    for p in folder.glob("rank-*.json"):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """Least-squares line y = a + b x (the per-rank cost is b)."""
+    if len(set(xs)) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def summarize(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        if r["ok"]:
+            out.setdefault(r["backend"], {}).setdefault(r["n"], []).append(r)
+    return out
+
+
+def report(rows: list[dict], info: dict, planner: str) -> str:
+    s = summarize(rows)
+    md = ["| backend | ranks | n | " + " | ".join(label for _, label in METRICS) + " |",
+          "|---|---:|---:|" + "---:|" * len(METRICS)]
+    fits = []
+    for backend, by_n in s.items():
+        for n in sorted(by_n):
+            cells = []
+            for m, _ in METRICS:
+                vals = [r[m] for r in by_n[n] if r[m] is not None]
+                d = 0 if m == "rss_mib" else 2
+                cells.append(f"{statistics.median(vals):.{d}f} ({min(vals):.{d}f}–{max(vals):.{d}f})" if vals else "-")
+            md.append(f"| {backend} | {n} | {len(by_n[n])} | " + " | ".join(cells) + " |")
+        for m, label in METRICS:
+            pts = [(n, statistics.median(r[m] for r in by_n[n] if r[m] is not None)) for n in by_n
+                   if any(r[m] is not None for r in by_n[n])]
+            f = fit([p[0] for p in pts], [p[1] for p in pts])
+            if f:
+                a, b = f
+                fits.append(f"| {backend} | {label} | {a:.2f} | {b * 1000 if m != 'rss_mib' else b:.{1 if m != 'rss_mib' else 2}f}"
+                            f"{' ms' if m != 'rss_mib' else ' MiB'} | {a + b * 1024:.1f} |")
+    md += ["", "Each cell: median (min–max) over the repetitions.", "",
+           "Linear fit over the measured points (y = a + b × ranks) and what it gives at 1,024 ranks:", "",
+           "| backend | metric | a (fixed) | b (per rank) | at 1,024 ranks |", "|---|---|---:|---:|---:|", *fits,
+           "", "Every run:", "", "| backend | ranks | rep | ok | start-up s | wall s | driver CPU s | RSS MiB | load 1m |",
+           "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        md.append(f"| {r['backend']} | {r['n']} | {r['rep'] + 1} | {'yes' if r['ok'] else 'no: ' + r['error'][:300]} | "
+                  f"{lb._f(r['startup_s'])} | {lb._f(r['wall_s'])} | {lb._f(r['cpu_s'])} | {lb._f(r['rss_mib'], 0)} | "
+                  f"{lb._f(r['load'])} |")
+    md += ["", "## Planner: 128 nodes x 8 GPUs", "", planner, "",
+           f"Machine: {info.get('cpus')} CPUs ({info.get('cpu', '?')}), {info.get('mem_total_gib')} GiB; load average "
+           f"before {info['load_before']}, after {info['load_after']}; ray {info.get('ray')}, torch "
+           f"{info.get('torch')}, git {info.get('git')}; running cluster: {info['cluster_cpus']} fake CPUs."]
+    return "\n".join(md)
+
+
+def chart(rows: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("growth_bench: matplotlib is not installed: no chart", file=sys.stderr)
+        return False
+    s = summarize(rows)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    for ax, (m, label) in zip(axes, (METRICS[0], METRICS[2], METRICS[3])):
+        for backend, by_n in s.items():
+            ns = sorted(by_n)
+            med = [statistics.median(r[m] for r in by_n[n] if r[m] is not None) for n in ns]
+            lo = [mm - min(r[m] for r in by_n[n] if r[m] is not None) for n, mm in zip(ns, med)]
+            hi = [max(r[m] for r in by_n[n] if r[m] is not None) - mm for n, mm in zip(ns, med)]
+            ax.errorbar(ns, med, yerr=[lo, hi], marker="o", capsize=3, label=f"dualrun --backend {backend}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks (one machine, empty script)")
+        ax.set_ylabel(label)
+        ax.set_title(label)
+        ax.legend(fontsize=8)
+    fig.suptitle("launcher cost as the job grows (median, min–max)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", default="2,8,32,64")
+    p.add_argument("--torchrun-ranks", default=None, help="rank counts for the torchrun backend (default: --ranks)")
+    p.add_argument("--backends", default="ray,torchrun")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="ranks 2,8, one repetition")
+    p.add_argument("--cluster-cpus", type=int, default=4)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--out-dir", default=str(lb.RESULTS))
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.ranks, ns.reps = "2,8", 1
+    ranks = [int(x) for x in ns.ranks.split(",")]
+    t_ranks = [int(x) for x in (ns.torchrun_ranks or ns.ranks).split(",")]
+    backends = [b for b in ns.backends.split(",") if b]
+    lb.ensure_loopback_only(sys.argv[1:] if argv is None else argv)
+    info = lb.machine()
+    info.update(load_before=" / ".join(f"{x:.2f}" for x in os.getloadavg()), cluster_cpus=ns.cluster_cpus)
+    work = Path(tempfile.mkdtemp(prefix="grw", dir="/tmp"))
+    cluster = lb.RunningCluster(ns.cluster_cpus)
+    rows = []
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DUALRUN_BENCH_UNSHARED")}
+        env["PYTHONUNBUFFERED"] = "1"
+        # accelerate's env is cached per config (dualrun/accelerate_env.py): a dry run fills the cache, so the
+        # timed runs show the launcher's recurring cost, not the one-time torch import of a new config
+        for n in sorted(set(ranks) | set(t_ranks)):
+            subprocess.run([sys.executable, "-m", "dualrun", "launch", "--dry_run", "--config_file",
+                            str(config(work, n)), "--num_processes", str(n), str(EMPTY)], env=env,
+                           capture_output=True, timeout=ns.timeout)
+        if "ray" in backends:
+            cluster.start()
+            time.sleep(3)
+        for rep in range(ns.reps):
+            for n in sorted(set(ranks) | set(t_ranks)):
+                for backend in (backends if rep % 2 == 0 else backends[::-1]):
+                    if n not in (ranks if backend == "ray" else t_ranks):
+                        continue
+                    e = dict(env, RAY_ADDRESS=cluster.address) if backend == "ray" else env
+                    r = one(backend, n, rep, e, work, ns.timeout)
+                    rows.append(r)
+                    print(f"rep {rep + 1} {backend:8s} {n:4d} ranks: start-up {lb._f(r['startup_s'])} s wall "
+                          f"{lb._f(r['wall_s'])} s driver CPU {lb._f(r['cpu_s'])} s RSS {lb._f(r['rss_mib'], 0)} MiB "
+                          f"load {r['load']:.2f} {'ok' if r['ok'] else r['error'][:300]}", flush=True)
+    finally:
+        cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    info["load_after"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    planner = lb.bench_planner(5)
+    out = Path(ns.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    has_chart = chart(rows, out / "growth.png")
+    text = report(rows, info, planner)
+    (out / "growth.md").write_text(
+        f"# Launcher cost as the job grows\n\nCommand: `python benchmarks/growth_bench.py "
+        f"{' '.join(sys.argv[1:] if argv is None else argv)}` — written {time.strftime('%Y-%m-%d %H:%M')}\n\n"
+        + text + ("\n\n![growth](growth.png)\n" if has_chart else "\n"))
+    print(text)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Benchmark probe: worker-side timestamps of every phase, loaded by Python itself at start-up (`sitecustomize`).
+
+Why here and not in dualrun: the benchmark compares dualrun against launchers that know nothing of it, so the
+same probe must run in every worker without changing the script or the entry point. The benchmark puts this
+folder first on PYTHONPATH (every launcher forwards PYTHONPATH) and sets DUALRUN_BENCH_PHASES=DIR; the probe
+then activates only in processes that have RANK set at start (torchrun's and dualrun's workers; the Ray Train
+driver activates it in its train loop with `activate()`), so drivers, agents and Ray daemons are untouched.
+
+What it writes, one JSON file per rank (DIR/rank-R-PID.json), all times from `time.time()` (one clock for the
+whole machine, so they line up with the driver's spawn time):
+  started     the process's start time (/proc/self/stat; 10 ms resolution)
+  probe       this module ran (interpreter initialised)
+  torch       `import torch` finished
+  rendezvous  `torch.distributed.init_process_group` returned
+  steps       per optimizer step: wall time and this process's CPU time (time.process_time) at `on_step_end`
+  train_end   `on_train_end`
+  threads     torch.get_num_threads(), interop threads, OMP/MKL variables, CPU affinity — at the first step
+  entry       sys.argv[0] and whether dualrun's bootstrap is loaded
+
+Cost: one callback per step (two clock reads and a list append); the file is written at train end. The import
+hooks are dualrun.hooks' (a tiny module, no torch): a bare torchrun worker gets the same finder as a dualrun one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+_DIR_ENV = "DUALRUN_BENCH_PHASES"
+_record: dict = {}
+
+
+def _process_start() -> float | None:
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(ln.split()[1]) for ln in f if ln.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _write() -> None:
+    folder = os.environ.get(_DIR_ENV)
+    if not folder:
+        return
+    path = os.path.join(folder, f"rank-{_record.get('rank', 'x')}-{os.getpid()}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_record, f)
+    os.replace(tmp, path)
+
+
+def _on_torch(module) -> None:
+    _record["torch"] = time.time()
+
+
+def _on_c10d(module) -> None:
+    import functools
+
+    original = module.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        _record["rendezvous_start"] = time.time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _record["rendezvous"] = time.time()
+
+    module.init_process_group = init_process_group
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and getattr(dist, "init_process_group", None) is original:
+        dist.init_process_group = init_process_group
+
+
+def _threads() -> dict:
+    import torch
+
+    return {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+            "env": {k: v for k, v in os.environ.items() if k.split("_")[0] in ("OMP", "MKL", "KMP", "OPENBLAS")},
+            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+
+
+def _on_trainer(module) -> None:
+    from transformers import TrainerCallback
+
+    steps: list = []
+    _record["steps"] = steps
+
+    class Probe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            _record["train_begin"] = time.time()
+            _record["threads"] = _threads()
+
+        def on_step_end(self, args, state, control, **kw):
+            steps.append((time.time(), time.process_time()))
+
+        def on_train_end(self, args, state, control, **kw):
+            _record["train_end"] = time.time()
+            _write()
+
+    original = module.Trainer.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.add_callback(Probe())
+
+    module.Trainer.__init__ = __init__
+
+
+def activate() -> None:
+    """Start recording in this process (sitecustomize does it for workers; Ray Train's loop calls it)."""
+    if _record.get("active") or not os.environ.get(_DIR_ENV):
+        return
+    _record.update(active=True, rank=os.environ.get("RANK", "0"), pid=os.getpid(), started=_process_start(),
+                   probe=time.time(), argv0=sys.argv[0] if sys.argv else None)
+    _record["env"] = dict(os.environ)   # the benchmark diffs launchers' worker env (temp files only)
+    _record["bootstrap"] = "dualrun.bootstrap" in sys.modules or any("dualrun" in a for a in sys.argv[:2])
+    from dualrun.hooks import when_imported   # a tiny module (the package import is lazy); no torch
+
+    for name, fn in (("torch", _on_torch), ("torch.distributed.distributed_c10d", _on_c10d),
+                     ("transformers.trainer", _on_trainer)):
+        when_imported(name, fn)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        _record["rendezvous"] = time.time()   # set up before the probe ran (Ray Train does it before the loop)
+        _record["rendezvous_before_probe"] = True
+
+
+if os.environ.get(_DIR_ENV) and os.environ.get("RANK") is not None:
+    activate()
