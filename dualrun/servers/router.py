@@ -5,7 +5,9 @@
 Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data parallelism for dense models inside one
 server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
 What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp, one kept-alive
-connection pool to the replicas). Status: a tested component; the launchers do not start it yet.
+connection pool to the replicas). Both launchers start it (a ServerProcess like any server: health-checked,
+logged, watched, stopped with the servers) in front of a separate role's replicas once they are healthy; its
+`host:port` is the one the trainers get.
 
 Known differences from one engine: a split request with sampling and a `seed` gives each part the same seed, so
 sampled completions differ from one engine's (greedy ones are identical); `/server_info` and `/v1/models` are
