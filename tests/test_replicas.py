@@ -6,6 +6,8 @@ engine, real TRL GKD and a watched replica that is killed) are in test_replicas_
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import dualrun
@@ -13,6 +15,7 @@ from dualrun.config import build_config
 from dualrun.errors import ConfigError
 from dualrun.plan import ROUTER, Cluster, make_plan
 from dualrun.servers.local import addresses, log_name, phases, replica_addresses, server_command
+from test_servers import tiny  # noqa: F401 - the module's tiny assets fixture
 
 
 def _cfg(teacher: dict, backend: str = "torchrun", **top) -> object:
@@ -115,3 +118,23 @@ def test_gpus_not_a_multiple_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "job.yaml" in proc.stderr
     assert "roles.teacher.tensor_parallel_size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_replica_throughput_benchmark_runs(tmp_path, tiny):
+    """The benchmark must not rot: one short round of each layout; completions equal, both replicas used."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "replicas.md"
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "replica_throughput.py"
+    r = subprocess.run([sys.executable, str(bench), "--model", str(tiny / "model"), "--requests", "4",
+                        "--max-tokens", "4", "--concurrency", "2", "--rounds", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "| 2 replicas behind the router |" in text and "| NO |" not in text
+    served = re.search(r"2-replica rounds: \[(\d+), (\d+)\]", text)
+    assert served and all(int(n) >= 1 for n in served.groups()), text
