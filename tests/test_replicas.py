@@ -138,3 +138,35 @@ def test_replica_throughput_benchmark_runs(tmp_path, tiny):
     assert "| 2 replicas behind the router |" in text and "| NO |" not in text
     served = re.search(r"2-replica rounds: \[(\d+), (\d+)\]", text)
     assert served and all(int(n) >= 1 for n in served.groups()), text
+
+
+@pytest.mark.e2e
+def test_local_servers_start_replicas_then_router_and_watch_the_router(tmp_path, tiny):
+    """What the torchrun launcher does with the plan's servers, without a trainer: the role's address is the
+    router's, its health is green through both replicas; a router that dies is the job's failure, named."""
+    import os
+    import signal
+    import time
+
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.process import http_ok
+
+    cfg = _cfg({"gpus": 2, "model": str(tiny / "teacher"), "health_timeout_s": 120}, use_cpu=True)
+    plan = make_plan(cfg)
+    servers = LocalServers(cfg, get_plugin("gkd"), plan, lambda p: dict(os.environ, **p.env),
+                           log_dir=str(tmp_path), stream=None)
+    with servers:
+        address = servers.start()["teacher"]
+        router = servers.running[2]
+        assert router.address == address and [s.label for s in servers.running.values()] == [
+            "teacher server 0", "teacher server 1", "teacher router"]
+        assert http_ok(f"http://{address}/health")
+        deaths = []
+        servers.watch(deaths.append, every_s=0.1)
+        os.kill(router.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert deaths and deaths[0].one_line().startswith("teacher router exited with code -9 (killed by SIGKILL)")
+    assert not router.alive() and not servers.running

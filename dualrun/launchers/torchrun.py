@@ -85,7 +85,7 @@ class TorchrunLauncher(Launcher):
                  "env -i \\"]
         lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(env.items())]
         lines.append("  " + join_cmd([sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)))
-        for p in plan.servers:  # started first; the port is picked free at launch
+        for p in reversed(plan.servers):  # started first (in plan order: replicas, then their router); free ports
             if p.node == self.cfg.machine_rank:
                 argv = server_command(self.cfg, self.plugin, p, "127.0.0.1", AUTO)  # type: ignore[arg-type]
                 shown = {"CUDA_VISIBLE_DEVICES": p.env.get("CUDA_VISIBLE_DEVICES", "")}

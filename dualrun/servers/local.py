@@ -64,9 +64,12 @@ def phases(plan: Plan) -> list[list[int]]:
     return [first, routers] if routers else [first]
 
 
-def replica_addresses(plan: Plan, started: Mapping[int, str], router: int) -> list[str]:
-    """The `host:port` of the replicas the `router`-th server stands in front of, in replica order."""
-    unit = plan.servers[router].unit
+def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> list[str]:
+    """For the router at `plan.servers[index]`: the `host:port` of the replicas it stands in front of, in replica
+    order (for an engine replica: none)."""
+    unit = plan.servers[index].unit
+    if plan.servers[index].kind != ROUTER:
+        return []
     return [started[i] for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
 
 
@@ -145,12 +148,12 @@ class LocalServers:
                     if proc.node != self.cfg.machine_rank:  # another machine runs it: its ranks publish the address
                         self.elsewhere = True
                         continue
-                    self.running[index] = self._spawn(index, proc, self._replicas(started, index))
+                    self.running[index] = self._spawn(index, proc, replica_addresses(self.plan, started, index))
                 for index in phase:  # all of a phase start at once, then each is waited for
                     if index in self.running:
                         proc = self.plan.servers[index]
                         self.running[index] = self._wait(index, proc, self.running[index],
-                                                         self._replicas(started, index))
+                                                         replica_addresses(self.plan, started, index))
                         started[index] = self.running[index].advertised  # type: ignore[attr-defined]
         except ServerError as e:
             self.stop()
@@ -160,11 +163,6 @@ class LocalServers:
             raise
         self.addresses = addresses(self.plan, started)
         return self.addresses
-
-    def _replicas(self, started: Mapping[int, str], index: int) -> list[str]:
-        if self.plan.servers[index].kind != ROUTER:
-            return []
-        return replica_addresses(self.plan, started, index)
 
     def _wait(self, index: int, proc: Process, server: ServerProcess, replicas: Sequence[str] = ()) -> ServerProcess:
         deadline = time.monotonic() + server.timeout_s

@@ -145,7 +145,6 @@ class RayServers:
     def _start_phase(self, todo: list[int], started: Mapping[int, str]) -> dict[int, str]:
         from dualrun.errors import LaunchError
         from dualrun.launchers.ray_cluster import wait_refs
-        from dualrun.plan import ROUTER
         from dualrun.servers.local import log_name, replica_addresses, server_command, server_health_path, server_role
 
         done: dict[int, str] = {}
@@ -158,8 +157,8 @@ class RayServers:
                 self.infos[i] = info
                 p = self.plan.servers[i]
                 role = server_role(self.cfg, p)
-                replicas = replica_addresses(self.plan, started, i) if p.kind == ROUTER else ()
-                argv = server_command(self.cfg, self.plugin, p, info["ip"], info["port"], replicas)
+                argv = server_command(self.cfg, self.plugin, p, info["ip"], info["port"],
+                                      replica_addresses(self.plan, started, i))
                 env = dict(self.env_for(p))
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(info["gpus"])
                 log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
