@@ -15,6 +15,7 @@ from dualrun.envspec import rank_env, redact
 from dualrun.errors import ConfigError, escaped
 
 AUTO = "<auto>"
+ROUTER = "router"   # the kind of the process that puts a separate role's engine replicas behind one address
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class Cluster:
 class Process:
     unit: str                     # placement unit: a role, or colocated roles joined by '+'
     roles: tuple[str, ...]        # roles living in this process
-    kind: str                     # 'worker' runs the user's program; 'server' serves a role
+    kind: str                     # 'worker' runs the user's program; 'server' serves a role (one engine replica,
+                                  # `rank` of `world_size`); 'router' puts a role's replicas behind one address
     rank: int
     world_size: int
     node: int
@@ -55,6 +57,8 @@ class Process:
 
     @property
     def label(self) -> str:
+        if self.kind == ROUTER:
+            return f"{self.unit} router"
         return f"{self.unit} rank {self.rank}" if self.kind == "worker" else f"{self.unit} server {self.rank}"
 
 
@@ -75,7 +79,9 @@ class Plan:
 
     @property
     def servers(self) -> tuple[Process, ...]:
-        return tuple(p for p in self.processes if p.kind == "server")
+        """What the launchers start before the trainers: every engine replica, then (after a role's replicas)
+        the router in front of them."""
+        return tuple(p for p in self.processes if p.kind in ("server", ROUTER))
 
     def on_node(self, node: int) -> tuple[Process, ...]:
         return tuple(p for p in self.processes if p.node == node)
@@ -210,7 +216,7 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
             for name in group:
                 external[name] = role.address
             continue
-        procs.append(_place_server(cfg, cluster, free, group, role, unit, common))
+        procs += _place_server(cfg, cluster, free, group, role, unit, common)
     machine_rank = cfg.machine_rank if cfg.backend == "torchrun" else None
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(procs), frozen_map(common),
                 frozen_map(external), machine_rank)
@@ -312,26 +318,40 @@ def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]],
 
 
 def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], group: tuple[str, ...],
-                  role: RoleSpec, unit: str, common: Mapping[str, str]) -> Process:
-    need = role.gpus
+                  role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
+    """A separate role's engines: one replica of `engine_size` GPUs each (torchrun: on machine 0, beside the
+    launcher that starts them; Ray: each on any node, in its own placement group), and with several a router
+    (CPU only, on the first replica's node) whose address the trainers get."""
+    from dualrun.servers.commands import engine_size, replica_count, server_env
+
+    count = replica_count(cfg, role)
+    size = engine_size(cfg, role) if role.gpus else 0
+    fixed = role.gpu_ids
     candidates: Iterable[Node] = cluster.nodes
     if cfg.backend == "torchrun":
         candidates = [n for n in cluster.nodes if n.index == 0]
-    node = next((n for n in candidates if len(free[n.index]) >= need or role.gpu_ids is not None), None)
-    if node is None:
-        have = max((len(free[n.index]) for n in candidates), default=0)
-        raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
-                          f"at most {have} free GPUs on one node for a separate role"
-                          + _visible_note(next(iter(candidates), None)), need)
-    devices = _take(free, node.index, need, role.gpu_ids) if need else ()
-    from dualrun.servers.commands import server_env
-
     env = dict(common)
     env.update(server_env(cfg, role))
     env.update(role.env)
-    env.update({"CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)), protocol.ROLE: unit,
-                protocol.ROLES: ",".join(group)})
-    return Process(unit, group, "server", 0, 1, node.index, 0, 1, devices, frozen_map(env))
+    env.update({protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
+    procs = []
+    for replica in range(count):
+        mine = tuple(fixed[replica * size:(replica + 1) * size]) if fixed is not None else None
+        node = next((n for n in candidates if len(free[n.index]) >= size or mine is not None), None)
+        if node is None:
+            have = max((len(free[n.index]) for n in candidates), default=0)
+            what = f"{size} free GPUs on one node for each of its {count} engines" if count > 1 else \
+                f"at most {have} free GPUs on one node for a separate role"
+            raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
+                              (f"{what} (engine {replica} finds at most {have})" if count > 1 else what)
+                              + _visible_note(next(iter(candidates), None)), role.gpus)
+        devices = _take(free, node.index, size, mine) if size else ()
+        procs.append(Process(unit, group, "server", replica, count, node.index, 0, 1, devices,
+                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))})))
+    if count > 1:
+        procs.append(Process(unit, group, ROUTER, 0, count, procs[0].node, 0, 1, (),
+                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""})))
+    return procs
 
 
 def _visible_note(node: Node | None) -> str:

@@ -13,7 +13,8 @@ from dualrun.plan import Cluster, make_plan
 
 
 def test_torchrun_single_node_gpu_layout():
-    cfg = build_config({"roles": {"train": {"gpus": 4}, "rollout": {"gpus": 2}, "teacher": {"gpus": 2}}}, "x.yaml")
+    cfg = build_config({"roles": {"train": {"gpus": 4}, "rollout": {"gpus": 2, "tensor_parallel_size": 2},
+                                  "teacher": {"gpus": 2, "tensor_parallel_size": 2}}}, "x.yaml")
     plan = make_plan(cfg)
     workers = plan.workers
     assert [p.devices for p in workers] == [(0,), (1,), (2,), (3,)]
@@ -81,12 +82,12 @@ def test_secrets_are_redacted_in_json():
 
 def test_plans_1024_gpus_on_128_nodes_fast():
     cfg = build_config({"backend": "ray", "roles": {"train": {"gpus": 1008}, "rollout": {"gpus": 8},
-                                                    "teacher": {"gpus": 8}}}, "big.yaml")
+                                                    "teacher": {"gpus": 8, "tensor_parallel_size": 8}}}, "big.yaml")
     start = time.perf_counter()
     plan = make_plan(cfg, Cluster.uniform(128, 8))
     text = plan.to_json()
     elapsed = time.perf_counter() - start
-    assert len(plan.workers) == 1008 and len(plan.servers) == 2
+    assert len(plan.workers) == 1008 and len(plan.servers) == 8 + 1 + 1   # 8 rollout replicas, their router
     assert len({p.node for p in plan.processes}) == 128 and len(text) > 0
     assert elapsed < 1.0, elapsed
 

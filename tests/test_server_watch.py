@@ -84,20 +84,27 @@ def test_a_dead_server_ends_the_job_within_10_s_naming_it(tmp_path, tiny, cluste
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
 
+def assert_restarted_once(driver: subprocess.Popen, out: Path, label: str) -> str:
+    """The job ran to the end after one restart for the killed server `label`, on a fresh address (returned);
+    uses_teacher.py's records in `out`."""
+    code = driver.wait(timeout=200)
+    err = driver.stderr.read()
+    assert code == 0, err[-3000:]
+    assert f"{label} exited with code -9 (killed by SIGKILL) while the job was running" in err
+    assert "restarting the job" in err and "after 1 restart(s)" in err
+    first, second = (json.loads((out / f"address_{a}_0.json").read_text()) for a in (0, 1))
+    assert first != second, "a restart must never reuse the dead server's address"
+    assert all((out / f"step_{r}_{s}").exists() for r in (0, 1) for s in range(STEPS))
+    return second
+
+
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
 def test_max_failures_restarts_with_a_fresh_server_on_a_fresh_port(tmp_path, tiny, cluster, backend):
     driver = _start(tmp_path, tiny, backend, 1, cluster)
     _kill_server_mid_training(tmp_path, tiny, driver)
-    code = driver.wait(timeout=200)
-    err = driver.stderr.read()
-    assert code == 0, err[-3000:]
-    assert "teacher server 0 exited with code -9 (killed by SIGKILL) while the job was running" in err
-    assert "restarting the job" in err and "after 1 restart(s)" in err
     out = tmp_path / "out"
-    first, second = (json.loads((out / f"address_{a}_0.json").read_text()) for a in (0, 1))
-    assert first != second, "a restart must never reuse the dead server's address"
+    second = assert_restarted_once(driver, out, "teacher server 0")
     assert json.loads((out / "address_1_1.json").read_text()) == second
-    assert all((out / f"step_{r}_{s}").exists() for r in (0, 1) for s in range(STEPS))
     assert eventually(lambda: not _server_pids(tiny))
 
 

@@ -96,13 +96,15 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
 )
 
 ROLE_KEYS: tuple[Key, ...] = (
-    Key("gpus", "int", None, "GPUs (processes, one each) of the role; on CPU the number of processes.", minimum=0,
+    Key("gpus", "int", None, "GPUs (processes, one each) of the role; on CPU the number of processes. A separate "
+        "role runs `gpus / tensor_parallel_size` engine replicas behind one address (a router).", minimum=0,
         maximum=MAX_PROCESSES),
     Key("processes", "int", None, "Processes of the role when it differs from `gpus` (CPU-only roles).", minimum=1,
         maximum=MAX_PROCESSES),
     Key("gpu_ids", "str-or-null", None, "Fixed device ids on the node (torchrun), e.g. `0,1` or `[0, 1]`."),
     Key("engine", "str", None, "Inference engine of a server role.", choices=("vllm", "transformers")),
-    Key("tensor_parallel_size", "int", 1, "Tensor-parallel size of the role's engine; must divide `gpus`.",
+    Key("tensor_parallel_size", "int", 1, "GPUs of one engine of the role; must divide `gpus` (each further multiple is "
+        "another replica behind the role's router; the CPU engine is always 1).",
         minimum=1, maximum=MAX_PROCESSES),
     Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine.", minimum=1, maximum=MAX_PROCESSES),
     Key("model", "str-or-null", None, "Model path or name the role serves (teacher, reward model)."),

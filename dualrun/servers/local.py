@@ -11,12 +11,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Collection, Mapping, TextIO
+from typing import Any, Callable, Collection, Mapping, Sequence, TextIO
 
 from dualrun import protocol
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import LaunchError
-from dualrun.plan import Plan, Process
+from dualrun.plan import AUTO, ROUTER, Plan, Process
 from dualrun.servers.process import ServerError, ServerProcess
 
 _PORT_IN_USE = ("address already in use", "errno 98")
@@ -29,7 +29,14 @@ def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
     return role
 
 
-def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: int) -> list[str]:
+def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: int,
+                   replicas: Sequence[str] = ()) -> list[str]:
+    """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
+    router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
+    if proc.kind == ROUTER:
+        from dualrun.servers.router import router_argv
+
+        return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size)
     for name in proc.roles:
         role = cfg.role(name)
         argv = plugin.server_command(cfg, role, host, port) if plugin is not None and role is not None else None
@@ -38,11 +45,44 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     raise LaunchError(f"method '{cfg.method}' has no server for the separate role(s) {', '.join(proc.roles)}", 2)
 
 
+def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
+    from dualrun.servers.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
+
+    return HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
+
+
+def log_name(proc: Process) -> str:
+    """A server's log file name: one per replica, and the router's."""
+    return f"{proc.unit}-router.log" if proc.kind == ROUTER else f"{proc.unit}-server-{proc.rank}.log"
+
+
+def phases(plan: Plan) -> list[list[int]]:
+    """Indices of `plan.servers` in start order: every engine replica at once, then the routers (which need
+    their replicas' addresses)."""
+    first = [i for i, p in enumerate(plan.servers) if p.kind != ROUTER]
+    routers = [i for i, p in enumerate(plan.servers) if p.kind == ROUTER]
+    return [first, routers] if routers else [first]
+
+
+def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> list[str]:
+    """For the router at `plan.servers[index]`: the `host:port` of the replicas it stands in front of, in replica
+    order (for an engine replica: none)."""
+    unit = plan.servers[index].unit
+    if plan.servers[index].kind != ROUTER:
+        return []
+    return [started[i] for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
+
+
 def addresses(plan: Plan, started: Mapping[int, str]) -> dict[str, str]:
-    """role -> host:port for every server role: the plan's servers (by index) and the user's own (`address:`)."""
+    """role -> host:port for every server role: the plan's servers (by index; a role with several replicas is its
+    router's) and the user's own (`address:`)."""
     out = dict(plan.external)
+    routed = {p.unit for p in plan.servers if p.kind == ROUTER}
     for index, addr in started.items():
-        for name in plan.servers[index].roles:
+        proc = plan.servers[index]
+        if proc.unit in routed and proc.kind != ROUTER:
+            continue
+        for name in proc.roles:
             out[name] = addr
     return out
 
@@ -82,16 +122,17 @@ class LocalServers:
         if not self.log_dir:
             self.log_dir = tempfile.mkdtemp(prefix="dualrun-servers-")
         os.makedirs(self.log_dir, exist_ok=True)
-        return os.path.join(self.log_dir, f"{proc.unit}-server-{proc.rank}.log")
+        return os.path.join(self.log_dir, log_name(proc))
 
-    def _spawn(self, index: int, proc: Process) -> ServerProcess:
+    def _spawn(self, index: int, proc: Process, replicas: Sequence[str] = ()) -> ServerProcess:
         bind, advertised, port = self._endpoint(index)
         self.ports_used.add(port)
-        argv = server_command(self.cfg, self.plugin, proc, bind, port)  # ServerProcess puts this machine's Python
+        # ServerProcess puts this machine's Python into the command
+        argv = server_command(self.cfg, self.plugin, proc, bind, port, replicas)
         role = server_role(self.cfg, proc)
         server = ServerProcess(proc.label, argv, self.env_for(proc), bind, port,
-                               health_path=self.plugin.health_path(role), timeout_s=role.health_timeout_s,
-                               log_path=self._log_path(proc), stream=self.stream)
+                               health_path=server_health_path(self.plugin, role, proc),
+                               timeout_s=role.health_timeout_s, log_path=self._log_path(proc), stream=self.stream)
         server.advertised = f"{advertised}:{port}"  # type: ignore[attr-defined]
         return server.start()
 
@@ -101,15 +142,19 @@ class LocalServers:
         On any failure every server started so far is stopped and a LaunchError carries the log's tail."""
         try:
             started: dict[int, str] = {}
-            for index, proc in enumerate(self.plan.servers):
-                if proc.node != self.cfg.machine_rank:  # another machine runs it: its ranks publish the address
-                    self.elsewhere = True
-                    continue
-                self.running[index] = self._spawn(index, proc)
-            for index, proc in enumerate(self.plan.servers):  # all start at once, then each is waited for
-                if index in self.running:
-                    self.running[index] = self._wait(index, proc, self.running[index])
-                    started[index] = self.running[index].advertised  # type: ignore[attr-defined]
+            for phase in phases(self.plan):   # the replicas, then their routers
+                for index in phase:
+                    proc = self.plan.servers[index]
+                    if proc.node != self.cfg.machine_rank:  # another machine runs it: its ranks publish the address
+                        self.elsewhere = True
+                        continue
+                    self.running[index] = self._spawn(index, proc, replica_addresses(self.plan, started, index))
+                for index in phase:  # all of a phase start at once, then each is waited for
+                    if index in self.running:
+                        proc = self.plan.servers[index]
+                        self.running[index] = self._wait(index, proc, self.running[index],
+                                                         replica_addresses(self.plan, started, index))
+                        started[index] = self.running[index].advertised  # type: ignore[attr-defined]
         except ServerError as e:
             self.stop()
             raise LaunchError(str(e)) from None
@@ -119,7 +164,7 @@ class LocalServers:
         self.addresses = addresses(self.plan, started)
         return self.addresses
 
-    def _wait(self, index: int, proc: Process, server: ServerProcess) -> ServerProcess:
+    def _wait(self, index: int, proc: Process, server: ServerProcess, replicas: Sequence[str] = ()) -> ServerProcess:
         deadline = time.monotonic() + server.timeout_s
         for attempt in range(3):
             try:
@@ -130,7 +175,7 @@ class LocalServers:
                 if not lost_port or attempt == 2:
                     raise
                 server.stop()  # the free port was taken between picking and binding it: pick another
-                server = self._spawn(index, proc)
+                server = self._spawn(index, proc, replicas)
                 self.running[index] = server
         return server
 

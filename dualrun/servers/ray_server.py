@@ -1,5 +1,8 @@
 """Separate roles on Ray: each server runs from an actor in its own placement group, on any node.
 
+A role with several engine replicas has one such actor per replica (each its own placement group, so each may
+land on any node) and a CPU-only one for the router in front of them, started once the replicas are healthy.
+
 Why an actor per server: it holds the role's bundle (Ray gives it the GPUs and sets CUDA_VISIBLE_DEVICES), so
 the server's devices can never be a trainer's. Two phases, like the trainers' rendezvous: the actor reports its
 node IP, GPUs and a free port on its node; the driver builds the command with the plugin (which stays on the
@@ -84,7 +87,7 @@ class RayServers:
         from dualrun.raycluster import Gang
 
         self.gang = Gang(cfg.ray, cfg.source, check)   # the servers' placement groups and actors
-        self.infos: list[ActorPlace] = []
+        self.infos: list[ActorPlace | None] = []
         self.addresses: dict[str, str] = dict(plan.external)
         self.watch: dict[Any, str] = {}   # ref that resolves when a server ends -> its label
 
@@ -127,47 +130,58 @@ class RayServers:
         cls = ray.remote(ServerActor)
         for p in self.plan.servers:
             b = self.bundle(p)
-            name = f"{self.run_id}-{p.unit}-server-{p.rank}-{self.attempt}"
+            name = f"{self.run_id}-{p.label.replace(' ', '-')}-{self.attempt}"   # a replica's, or the router's
             pg = self.gang.place(name, p.roles[0], [b], what="server(s)")
             self.gang.spawn(cls, pg, 0, p.label, num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
                             max_concurrency=6, max_restarts=0, name=name)
 
     def _start_all(self) -> dict[int, str]:
+        """Every engine replica at once, then the routers in front of them (they need the replicas' addresses)."""
+        from dualrun.servers.local import phases
+
+        started: dict[int, str] = {}
+        self.infos = [None for _ in self.plan.servers]
+        for phase in phases(self.plan):
+            started.update(self._start_phase(phase, started))
+        return started
+
+    def _start_phase(self, todo: list[int], started: Mapping[int, str]) -> dict[int, str]:
         from dualrun.errors import LaunchError
         from dualrun.raycluster import wait_refs
-        from dualrun.servers.local import server_command, server_role
+        from dualrun.servers.local import log_name, replica_addresses, server_command, server_health_path, server_role
 
-        todo = list(range(len(self.plan.servers)))
-        started: dict[int, str] = {}
+        done: dict[int, str] = {}
         for attempt in range(3):
             ports = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
-            self.infos = wait_refs([a.where.remote(ports) for a in self.actors], "start their server actors",
-                                   max(60.0, self.cfg.ray.placement_timeout_s), self.check)
+            infos = wait_refs([self.actors[i].where.remote(ports) for i in todo], "start their server actors",
+                              max(60.0, self.cfg.ray.placement_timeout_s), self.check)
             refs = {}
-            for i in todo:
-                p, info = self.plan.servers[i], self.infos[i]
+            for i, info in zip(todo, infos):
+                self.infos[i] = info
+                p = self.plan.servers[i]
                 role = server_role(self.cfg, p)
-                argv = server_command(self.cfg, self.plugin, p, info.ip, info.port)
+                argv = server_command(self.cfg, self.plugin, p, info.ip, info.port,
+                                      replica_addresses(self.plan, started, i))
                 env = dict(self.env_for(p))
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
-                log = (os.path.abspath(os.path.join(self.cfg.log_dir, f"{p.unit}-server-{p.rank}.log"))
-                       if self.cfg.log_dir else None)
+                log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
                 refs[i] = self.actors[i].start.remote(argv, env, info.ip, info.port,
-                                                      self.plugin.health_path(role), role.health_timeout_s, log)
+                                                      server_health_path(self.plugin, role, p),
+                                                      role.health_timeout_s, log)
             retry = []
             limit = max(server_role(self.cfg, self.plan.servers[i]).health_timeout_s for i in refs) + 30.0
             results = wait_refs(list(refs.values()), "get their servers healthy", limit, self.check)
             for i, result in zip(refs, results):
                 if result.ok:
-                    started[i] = result.address
+                    done[i] = result.address
                 elif result.port_in_use and attempt < 2:
                     retry.append(i)
                 else:
                     raise LaunchError(result.error)
             if not retry:
-                return started
+                return done
             todo = retry
-        return started
+        return done
 
     def why_ended(self, ref: Any) -> str:
         """For a `watch` ref that resolved: the server's label, exit code and log's last lines."""
@@ -182,7 +196,7 @@ class RayServers:
 
     def used(self) -> set[str]:
         """`ip:port` of every server this attempt started (a restart avoids them)."""
-        return {info.address for info in self.infos}
+        return {info.address for info in self.infos if info}
 
     def wiring_env(self) -> dict[str, str]:
         from dualrun.servers.local import wiring_env
@@ -191,7 +205,7 @@ class RayServers:
 
     def server_devices(self) -> Mapping[str, list[str]]:
         """label -> the GPU ids Ray gave each server (what tests compare with the trainers')."""
-        return {p.label: list(info.gpus) for p, info in zip(self.plan.servers, self.infos)}
+        return {p.label: list(info.gpus) for p, info in zip(self.plan.servers, self.infos) if info}
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every server, kill its actor, remove its placement group (idempotent)."""

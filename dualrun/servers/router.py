@@ -5,7 +5,9 @@
 Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data parallelism for dense models inside one
 server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
 What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp, one kept-alive
-connection pool to the replicas). Status: a tested component; the launchers do not start it yet.
+connection pool to the replicas). Both launchers start it (a ServerProcess like any server: health-checked,
+logged, watched, stopped with the servers) in front of a separate role's replicas once they are healthy; its
+`host:port` is the one the trainers get.
 
 Known differences from one engine: a split request with sampling and a `seed` gives each part the same seed, so
 sampled completions differ from one engine's (greedy ones are identical); `/server_info` and `/v1/models` are
@@ -31,7 +33,8 @@ HEALTH_TIMEOUT_S = 2.0
 @dataclass
 class Replica:
     address: str
-    requests: int = 0
+    requests: int = 0      # every forwarded call, health probes included
+    served: int = 0        # generation, scoring and weight-transfer calls (what the replica is there for)
     in_flight: int = 0
     errors: int = 0
 
@@ -73,12 +76,16 @@ class Router:
     async def _close(self, _: web.Application) -> None:
         if self.session is not None:
             await self.session.close()
+        # the last line of its log: how the work was spread (the launcher stops the router with the servers)
+        print(f"dualrun router: served per replica: {[r.served for r in self.replicas]}", file=sys.stderr, flush=True)
 
     # -- talking to replicas ------------------------------------------------------------------------------
     async def call(self, index: int, method: str, path_qs: str, body: bytes | None = None,
                    headers: dict | None = None, timeout: ClientTimeout | None = None) -> tuple[int, bytes, str]:
         replica = self.replicas[index]
         replica.requests += 1
+        if routing.route(method, path_qs) not in (routing.HEALTH, routing.WORLD_SIZE, routing.FIRST):
+            replica.served += 1
         replica.in_flight += 1
         try:
             assert self.session is not None

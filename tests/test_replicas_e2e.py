@@ -1,0 +1,131 @@
+"""Engine replicas behind one router, end to end on CPU with the built-in engine and real TRL GKD: 2 and 3
+replicas on both backends serve the teacher and every replica gets requests (counted in each replica's own log).
+A replica killed mid-training ends the job within 10 s
+naming it; with max_failures: 1 the job restarts with fresh replicas and a fresh router and finishes."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import dualrun
+from ray_helpers import FakeGpuCluster, eventually, pids_matching, ray_env
+from test_server_watch import STEPS, _cmd, assert_restarted_once
+from test_servers import tiny  # noqa: F401 - the module's tiny assets fixture
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = FakeGpuCluster(nodes=1, gpus=0, cpus=8)   # 2 trainers + 3 replicas + the router, one CPU each
+    yield c
+    c.shutdown()
+
+
+def _yaml(tiny: Path, replicas: int, max_failures: int = 0) -> str:
+    return (f"use_cpu: true\nmethod: gkd\nmax_failures: {max_failures}\nlog_dir: logs\nroles:\n  train: {{gpus: 2}}\n"
+            f"  teacher: {{gpus: {replicas}, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
+            "server_args: [--verbose]}\n")
+
+
+def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", env: dict | None = None) -> dict:
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, replicas))
+    (tmp_path / "out").mkdir()
+    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
+                   "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
+                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", cwd=tmp_path,
+                   env={"TRL_EXPERIMENTAL_SILENCE": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text()) for i in range(2)]
+    logs = tmp_path / "logs"
+    served = [(logs / f"teacher-server-{i}.log").read_text().count('"POST /v1/completions') for i in range(replicas)]
+    return {"losses": ranks[0]["losses"], "address": ranks[0]["teacher_address"], "served": served,
+            "stderr": proc.stderr, "logs": logs}
+
+
+@pytest.mark.parametrize("backend, replicas", [("torchrun", 3), ("ray", 2)])
+def test_replicas_serve_the_teacher(tmp_path, tiny, request, backend, replicas):
+    """(That a router's greedy answers are one engine's, for 2 and 3 replicas, is test_router.py's.)"""
+    cluster = request.getfixturevalue("cluster") if backend == "ray" else None
+    env = ray_env(RAY_ADDRESS=cluster.address) if cluster else None
+    got = _gkd(tmp_path, tiny, replicas, backend, env)
+    assert all(n >= 1 for n in got["served"]), got["served"]           # every replica got scoring requests
+    router_log = (got["logs"] / "teacher-router.log").read_text()
+    assert f"serving http://{got['address']} for {replicas} replicas" in router_log  # the trainers' one address
+    spread = re.search(r"served per replica: \[([\d, ]+)\]", router_log)      # its last line, when stopped
+    assert spread and [int(n) >= 1 for n in spread.group(1).split(",")] == [True] * replicas, router_log[-500:]
+    assert f"teacher: server healthy at {got['address']}" in got["stderr"]
+    assert len(got["losses"]) == 2 and all(x == x and x >= 0 for x in got["losses"])
+    if cluster:
+        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
+
+
+# -- a replica dies ----------------------------------------------------------------------------------------------
+def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster) -> subprocess.Popen:
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures))
+    (tmp_path / "out").mkdir()
+    env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
+    return subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
+                             "job.yaml", str(ASSETS / "uses_teacher.py"), str(tmp_path / "out"), str(STEPS)],
+                            cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _replica_pid(tmp_path: Path, replica: int) -> int:
+    text = (tmp_path / "logs" / f"teacher-server-{replica}.log").read_text()
+    return int(re.findall(r"dualrun engine: loading .* \(pid (\d+)\)", text)[-1])
+
+
+def _kill_replica_mid_training(tmp_path: Path, driver: subprocess.Popen, replica: int) -> float:
+    out = tmp_path / "out"
+    assert eventually(lambda: (out / "step_0_1").exists() and (out / "step_1_1").exists(), timeout=150), \
+        driver.stderr.read() if driver.poll() is not None else "no step yet"
+    os.kill(_replica_pid(tmp_path, replica), signal.SIGKILL)
+    return time.monotonic()
+
+
+def _engines(tiny: Path) -> list[int]:
+    return [p for p in pids_matching(str(tiny / "teacher")) if "transformers_server" in _cmd(p)]
+
+
+def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
+    host, _, port = json.loads((tmp_path / "out" / f"address_{attempt}_0.json").read_text()).rpartition(":")
+    return pids_matching(f"dualrun.servers.router --host {host} --port {port} ")
+
+
+# torchrun only: the Ray launcher watches each server actor the same way (one wait_exit ref per plan.servers entry,
+# replicas and router alike; test_server_watch.py kills a Ray-started server), and each Ray job here costs ~1 min
+@pytest.mark.parametrize("backend", ["torchrun"])
+def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, request, backend):
+    cluster = request.getfixturevalue("cluster") if backend == "ray" else None
+    driver = _start(tmp_path, tiny, backend, 0, cluster)
+    killed = _kill_replica_mid_training(tmp_path, driver, 1)
+    assert _router_pids(tmp_path), "the trainers' address is the router's"
+    code = driver.wait(timeout=60)
+    took = time.monotonic() - killed
+    err = driver.stderr.read()
+    assert code == 1, err[-3000:]
+    assert took < 10, f"{took:.1f} s"
+    assert "dualrun: error: teacher server 1 exited with code -9 (killed by SIGKILL) while the job was running" in err
+    assert "--- last lines of its log ---" in err
+    assert eventually(lambda: not pids_matching(str(tmp_path / "out")))   # trainers, router, replicas are gone
+    assert eventually(lambda: not _router_pids(tmp_path))
+    assert eventually(lambda: not _engines(tiny))
+    if cluster:
+        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
+
+
+def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, tiny):
+    driver = _start(tmp_path, tiny, "torchrun", 1, None)
+    _kill_replica_mid_training(tmp_path, driver, 0)
+    assert_restarted_once(driver, tmp_path / "out", "teacher server 0")   # the trainers' address: a fresh router
+    assert eventually(lambda: not _engines(tiny))
