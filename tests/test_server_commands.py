@@ -112,7 +112,7 @@ def test_local_launcher_and_ray_actor_run_the_placeholder_with_their_python(tmp_
     result = actor.start(HTTP + ["127.0.0.1", str(port)], {}, "127.0.0.1", port, "/", 30,
                          str(tmp_path / "actor.log"))
     try:
-        assert result["ok"], result
+        assert result.ok, result
         assert actor.server.proc.args[0] == sys.executable
     finally:
         actor.stop()
