@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import codecs
 import collections
-import ctypes
 import json
 import os
 import queue
@@ -24,6 +23,7 @@ import threading
 import time
 
 from dualrun.errors import killed_by
+from dualrun.parent_death import die_with_parent
 from dualrun.progress import Collapser, show_progress
 from dualrun.protocol import PROGRESS, ActorPlace, RankExit
 from dualrun.ports import free_ports
@@ -35,13 +35,6 @@ _TAIL = 40          # stderr lines kept for the failure message
 _LINGER_S = 0.2
 _BATCH = 2000       # most lines handed over per `lines` call
 
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGKILL it if the actor process dies (e.g. ray.kill, node loss)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort; not Linux
-        pass
 
 
 class RankWorker:
@@ -115,7 +108,7 @@ class RankWorker:
         try:
             self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+                                         preexec_fn=die_with_parent)
             for stream, pipe in ((STDOUT, self.proc.stdout), (STDERR, self.proc.stderr)):
                 t = threading.Thread(target=self._read, args=(stream, pipe), daemon=True)
                 t.start()

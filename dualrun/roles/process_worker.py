@@ -12,6 +12,7 @@ import pickle
 from typing import Any
 
 from dualrun import protocol
+from dualrun.parent_death import die_with_parent
 from dualrun.roles.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
 from dualrun.roles.workers import bind
 
@@ -36,9 +37,7 @@ def _enter(env: dict[str, str], group: str, rank: int, size: int) -> None:
 
 def serve(conn: Any, rank: int, size: int, env: dict[str, str], group: str, blob: bytes) -> None:
     """The child's entry: returns (exit code 0) when told to stop; a crash is its exit code."""
-    from dualrun.launchers.ray_worker import _die_with_parent
-
-    _die_with_parent()   # PR_SET_PDEATHSIG: no worker outlives the process that started its group
+    die_with_parent()   # PR_SET_PDEATHSIG: no worker outlives the process that started its group
     _enter(env, group, rank, size)
     try:
         factory, args, kwargs = pickle.loads(blob)

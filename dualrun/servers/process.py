@@ -18,6 +18,7 @@ import urllib.request
 from typing import Mapping, Sequence, TextIO
 
 from dualrun.interpreter import resolve
+from dualrun.parent_death import terminate_with_parent
 
 TAIL_LINES = 30
 
@@ -61,14 +62,6 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux only, best effort)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - not Linux / no libc: the launcher's finally still stops it
-        pass
-
 
 class ServerProcess:
     """A server command bound to `host:port`, whose health is `GET http://host:port<health_path>` == 200."""
@@ -108,7 +101,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace", bufsize=1,
-                preexec_fn=_die_with_parent if self.die_with_parent else None)
+                preexec_fn=terminate_with_parent if self.die_with_parent else None)
         except OSError as e:
             if log:
                 log.close()
