@@ -221,7 +221,7 @@ def _kind(pid: int) -> str:
         return "launcher"
     if cmd.startswith("ray::"):
         return "ray actors"
-    if "dualrun.bootstrap" in cmd or str(SCRIPT) in cmd:
+    if "dualrun.rank.bootstrap" in cmd or str(SCRIPT) in cmd:
         return "ranks"
     if any(k in cmd for k in ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/")):
         return "ray daemons"

@@ -11,7 +11,7 @@ spinning, extra work) from "slower because it waits" (load, transport). Variants
   bare             python -m torch.distributed.run --nproc-per-node 2 examples/sft.py ...
   bare+env         the same, plus every variable a dualrun worker has that a bare one lacks or has otherwise
                    (taken from a first untimed dualrun run's probe; rank/run-id variables excluded)
-  bare+bootstrap   torchrun -m dualrun.bootstrap examples/sft.py ...: dualrun's entry point (runpy, import hooks,
+  bare+bootstrap   torchrun -m dualrun.rank.bootstrap examples/sft.py ...: dualrun's entry point (runpy, import hooks,
                    trainer defaults, exit guard) under bare torchrun's env
   dualrun          dualrun launch --backend torchrun --config_file configs/sft_cpu.yaml examples/sft.py ...
   dualrun-ray      dualrun launch --backend ray ... against a running local cluster (started here, stopped after)
@@ -48,7 +48,7 @@ def command(variant: str, args: list[str], nproc: int) -> list[str]:
     if variant == "bare+bootstrap":
         cmd = lb.command("torchrun", args, nproc)
         i = cmd.index(str(lb.SCRIPT))
-        return cmd[:i] + ["-m", "dualrun.bootstrap"] + cmd[i:]
+        return cmd[:i] + ["-m", "dualrun.rank.bootstrap"] + cmd[i:]
     return lb.command("dualrun-torchrun" if variant == "dualrun" else "dualrun-ray", args, nproc)
 
 

@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from dualrun.servers.teacher import RemoteTeacher  # noqa: E402
-from dualrun.servers.topk_loss import topk_generalized_jsd_loss  # noqa: E402
+from dualrun.rank.teacher import RemoteTeacher  # noqa: E402
+from dualrun.rank.topk_loss import topk_generalized_jsd_loss  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "topk_memory.md")
 

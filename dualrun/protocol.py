@@ -33,7 +33,7 @@ GROUP_SIZE = "DUALRUN_GROUP_SIZE"   # the number of workers of the group
 # A free port on trainer rank 0's node for TRL's weight-sync rendezvous (the trainer is its master): TRL's default
 # 51216 makes two jobs with rollout servers on one node collide.
 VLLM_GROUP_PORT = "DUALRUN_VLLM_GROUP_PORT"
-# Multi-node torchrun: the servers' addresses travel through torchrun's store (dualrun/servers/store_wiring.py).
+# Multi-node torchrun: the servers' addresses travel through torchrun's store (dualrun/rank/store_wiring.py).
 WIRING_PUBLISH = "DUALRUN_WIRING_PUBLISH"   # '1': this machine started the servers; its env holds the wiring
 WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # '1': read the wiring from the store
 WIRING_NAMES = "DUALRUN_WIRING_NAMES"       # JSON list: the variables to publish

@@ -4,8 +4,8 @@ A colocated teacher lives in the trainer processes and supports full-vocabulary 
 top-k (`top_k: K`). A separate teacher is served on its own GPUs (vLLM; the transformers CPU engine where there
 are none) and is top-k only: the server returns the top-k log-probabilities of each position. The unchanged
 GKDTrainer then gets, instead of loading its teacher, a stand-in that asks the teacher server
-(`dualrun.servers.teacher.RemoteTeacher`) and a `compute_loss` that takes GKD's loss from the top-k answer without
-a vocabulary-sized teacher tensor (`dualrun.servers.topk_loss`); ServerDistillationConfig gets
+(`dualrun.rank.teacher.RemoteTeacher`) and a `compute_loss` that takes GKD's loss from the top-k answer without
+a vocabulary-sized teacher tensor (`dualrun.rank.topk_loss`); ServerDistillationConfig gets
 `teacher_model_server_url`. A separate `rollout` points DistillationConfig's vLLM server mode at its server, as for
 GRPO (TRL's DistillationTrainer reads it); GKDTrainer generates with the student itself, so with a rollout server
 it stops at construction with one line.
@@ -19,12 +19,12 @@ from typing import Any, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import ConfigError
-from dualrun.hooks import when_imported
+from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
 from dualrun.plugins.grpo import ROLLOUT_SERVES, wire_rollout
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
-from dualrun.servers.wiring import fill_defaults, say
+from dualrun.rank.wiring import fill_defaults, say
 
 FULL_VOCAB_HINT = ("a teacher server returns only the top-k log-probabilities of each token; for full-vocabulary "
                    "distillation colocate the teacher with the trainer: colocate_groups: [[train, teacher]]")
@@ -105,7 +105,7 @@ def _teacher_config(teacher: Any, model: Any, role_model: str | None) -> Any:
 
 def serve_gkd_teacher(cls: type, address: str, top_k: int, role_model: str | None) -> None:
     """GKDTrainer gets a RemoteTeacher instead of loading (or using) its own teacher model, and the top-k loss."""
-    from dualrun.servers.teacher import RemoteTeacher, use_topk_loss
+    from dualrun.rank.teacher import RemoteTeacher, use_topk_loss
 
     if getattr(cls.__init__, "_dualrun", False):
         return
@@ -154,7 +154,7 @@ def refuse_rollout_server(cls: type) -> None:
 
 def truncate_gkd_teacher(cls: type, top_k: int) -> None:
     """A colocated teacher with `top_k`: GKD distils the same top-k distribution a teacher server would give."""
-    from dualrun.servers.teacher import TruncatedTeacher
+    from dualrun.rank.teacher import TruncatedTeacher
 
     if getattr(cls.__init__, "_dualrun", False):
         return

@@ -9,11 +9,11 @@ import os
 from typing import Any, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec
-from dualrun.hooks import when_imported
+from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
 from dualrun.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
-from dualrun.servers.wiring import fill_defaults, rollout_fields, say
+from dualrun.rank.wiring import fill_defaults, rollout_fields, say
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 

@@ -59,7 +59,7 @@ def test_dry_run_prints_command_and_redacts_secrets(tmp_path):
                    env={"WANDB_API_KEY": "wandb_sekrit", "GITHUB_TOKEN": "gh_sekrit"})
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "torch.distributed.run" in out and "--nproc-per-node 2" in out and "dualrun.bootstrap" in out
+    assert "torch.distributed.run" in out and "--nproc-per-node 2" in out and "dualrun.rank.bootstrap" in out
     assert "--lr 1" in out and "ACCELERATE_USE_CPU=True" in out and "VISIBLE=yes-me" in out
     for secret in ("hf_sekrit", "wandb_sekrit", "gh_sekrit"):
         assert secret not in out + proc.stderr

@@ -30,7 +30,7 @@ os._exit(0)
 """
 
 FILL = """
-from dualrun.trainer_defaults import activate
+from dualrun.rank.trainer_defaults import activate
 activate()
 from transformers import TrainingArguments
 print(TrainingArguments(output_dir="o").ddp_timeout, TrainingArguments(output_dir="o", ddp_timeout=99).ddp_timeout)

@@ -1,4 +1,4 @@
-"""A rank whose program has ended always exits, with the program's own code (dualrun/exit_guard.py).
+"""A rank whose program has ended always exits, with the program's own code (dualrun/rank/exit_guard.py).
 
 Deterministic teardown hangs, not luck: an atexit handler that never returns, a non-daemon thread that never ends,
 an object whose destructor blocks at interpreter finalization, a `destroy_process_group()` that never returns.
@@ -79,7 +79,7 @@ def _bootstrap(tmp_path: Path, *args: str, timeout_s: str = "2") -> tuple[subpro
     (tmp_path / "hang.py").write_text(HANG)
     env = dict(os.environ, DUALRUN_EXIT_TIMEOUT_S=timeout_s, TORCHELASTIC_ERROR_FILE=str(tmp_path / "err.json"))
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dualrun.bootstrap", "hang.py", *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, "-m", "dualrun.rank.bootstrap", "hang.py", *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     return proc, time.monotonic() - start
 
@@ -115,7 +115,7 @@ def test_an_uncaught_error_is_printed_recorded_and_exits_1(tmp_path):
 
 def test_sys_exit_with_a_message_prints_it_and_exits_1(tmp_path):
     (tmp_path / "m.py").write_text("import sys\nsys.exit('bad arguments, on purpose')\n")
-    proc = subprocess.run([sys.executable, "-m", "dualrun.bootstrap", "m.py"], cwd=tmp_path, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "dualrun.rank.bootstrap", "m.py"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1 and "bad arguments, on purpose" in proc.stderr
 

@@ -91,13 +91,16 @@ def test_no_import_cycle_inside_dualrun():
 
 def test_no_module_imports_upward():
     """servers/, roles/ and the Ray resource layer sit below the launchers: none of them imports
-    dualrun.launchers (the Ray layer imports none of its users either)."""
+    dualrun.launchers (the Ray layer imports none of its users either); the worker side imports no driver-side
+    package."""
     mods = _modules()
     graph = {name: _imports(name, path, mods) for name, path in mods.items()}
     below = {"dualrun.servers": ("dualrun.launchers",), "dualrun.roles": ("dualrun.launchers",),
-             "dualrun.raycluster": ("dualrun.launchers", "dualrun.servers", "dualrun.roles")}
+             "dualrun.raycluster": ("dualrun.launchers", "dualrun.servers", "dualrun.roles"),
+             "dualrun.rank": ("dualrun.launchers", "dualrun.servers", "dualrun.roles", "dualrun.raycluster")}
     upward = sorted(f"{name} -> {dep}" for name, deps in graph.items() for pkg, banned in below.items()
                     if name == pkg or name.startswith(pkg + ".") for dep in deps
                     if any(dep == b or dep.startswith(b + ".") for b in banned))
     assert graph["dualrun.servers.ray_server"], "the import scan found nothing: it is broken"
+    assert graph["dualrun.rank.bootstrap"], "the import scan missed the worker package"
     assert upward == []

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 SKIP = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
                               "runs", "tiny", ".whl", ".gl")
 
-MUST_HAVE = ["dualrun/__init__.py", "dualrun/cli.py", "dualrun/bootstrap.py", "dualrun/config/schema.py",
+MUST_HAVE = ["dualrun/__init__.py", "dualrun/cli.py", "dualrun/rank/bootstrap.py", "dualrun/config/schema.py",
              "dualrun/plugins/__init__.py", "dualrun/plugins/sft.py", "dualrun/plugins/grpo.py",
              "dualrun/plugins/gkd.py", "dualrun/plugins/sampling.py", "dualrun/launchers/ray.py",
              "dualrun/launchers/ray_worker.py", "dualrun/launchers/torchrun.py"]

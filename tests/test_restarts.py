@@ -35,7 +35,7 @@ def _workers(marker: str) -> list[int]:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if marker in cmd and "dualrun.bootstrap" in cmd:
+            if marker in cmd and "dualrun.rank.bootstrap" in cmd:
                 pids.append(int(entry.name))
     return pids
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 CODE = """
-from dualrun.resume import activate; activate()
+from dualrun.rank.resume import activate; activate()
 import sys, torch.distributed
 r = sys.modules['torch.distributed.rendezvous']
 print(getattr(r._create_c10d_store, '_dualrun', False))
@@ -30,7 +30,7 @@ def test_store_keys_scoped_on_restart_only():
 
 def test_an_unfinished_checkpoint_is_never_resumed_from(tmp_path):
     """A rank killed while rank 0 saved leaves checkpoint-N without trainer_state.json (written last)."""
-    from dualrun.resume import last_complete_checkpoint
+    from dualrun.rank.resume import last_complete_checkpoint
 
     assert last_complete_checkpoint(str(tmp_path)) is None
     for step, complete in ((10, True), (20, True), (30, False)):

@@ -134,7 +134,7 @@ def _same_choices(got, want):
 @pytest.mark.slow
 @pytest.mark.parametrize("count", [2, 3])
 def test_router_spreads_requests_and_answers_like_one_engine(engines, tmp_path, count):
-    from dualrun.servers.teacher import teacher_client
+    from dualrun.rank.teacher import teacher_client
 
     replicas = engines[:count]
     router = _router([s.address for s in replicas], tmp_path / "router.log")
@@ -194,7 +194,7 @@ def _recorded(record_dir, name):
 def test_weight_transfer_fans_out_with_rank_offsets(tmp_path, world_sizes):
     import requests
 
-    from dualrun.servers.teacher import teacher_client
+    from dualrun.rank.teacher import teacher_client
 
     rec = tmp_path / "rec"
     rec.mkdir()

@@ -57,7 +57,7 @@ def test_teacher_server_in_its_own_placement_group(ray_cluster, tiny):
     from ray.util import placement_group_table
 
     from dualrun.servers.process import http_ok
-    from dualrun.servers.teacher import teacher_client
+    from dualrun.rank.teacher import teacher_client
 
     plan, servers = _servers(tiny)
     trainer_gpus = {d for p in plan.workers for d in p.devices}

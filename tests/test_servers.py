@@ -158,7 +158,7 @@ def test_engine_scores_top_k_like_the_model(engine, tiny):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dualrun.servers.teacher import teacher_client
+    from dualrun.rank.teacher import teacher_client
 
     _, address = engine
     client = teacher_client(f"http://{address}")
@@ -175,7 +175,7 @@ def test_engine_scores_top_k_like_the_model(engine, tiny):
 
 
 def test_engine_generates_and_reports_models(engine):
-    from dualrun.servers.teacher import teacher_client
+    from dualrun.rank.teacher import teacher_client
 
     eng, address = engine
     client = teacher_client(f"http://{address}")
@@ -193,7 +193,7 @@ def test_remote_teacher_equals_the_local_teacher_cut_to_top_k(engine, tiny):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dualrun.servers.teacher import RemoteTeacher, truncate_logits
+    from dualrun.rank.teacher import RemoteTeacher, truncate_logits
 
     _, address = engine
     teacher = RemoteTeacher(address, 4, AutoConfig.from_pretrained(str(tiny / "teacher")))
@@ -210,7 +210,7 @@ def test_remote_teacher_equals_the_local_teacher_cut_to_top_k(engine, tiny):
 def test_topk_to_logits_keeps_top_k_and_tail_mass():
     import torch
 
-    from dualrun.servers.teacher import topk_to_logits
+    from dualrun.rank.teacher import topk_to_logits
 
     lps = torch.log(torch.tensor([[0.5, 0.2, float("nan")]])).nan_to_num(nan=float("-inf"))
     ids = torch.tensor([[3, 0, 0]])

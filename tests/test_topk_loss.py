@@ -10,8 +10,8 @@ import pytest
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 torch = pytest.importorskip("torch")
 
-from dualrun.servers.teacher import RemoteTeacher, topk_to_logits, use_topk_loss  # noqa: E402
-from dualrun.servers.topk_loss import TopK, topk_generalized_jsd_loss  # noqa: E402
+from dualrun.rank.teacher import RemoteTeacher, topk_to_logits, use_topk_loss  # noqa: E402
+from dualrun.rank.topk_loss import TopK, topk_generalized_jsd_loss  # noqa: E402
 from test_servers import engine, tiny  # noqa: E402,F401 - module fixtures: the CPU engine in this process
 
 pytestmark = pytest.mark.timeout(120)
@@ -70,7 +70,7 @@ def test_equals_the_dense_loss(beta, temperature, reduction):
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 def test_many_small_chunks_give_the_same_loss_and_gradient(monkeypatch, beta):
     """The loss runs a chunk of positions at a time (forward, and backward by recomputing each chunk)."""
-    from dualrun.servers import topk_loss
+    from dualrun.rank import topk_loss
 
     monkeypatch.setattr(topk_loss, "ROW_ELEMENTS", 2 * V)  # 2 positions per chunk: 4 chunks per row of 7
     student, topk, labels = _case(seed=3)

@@ -60,7 +60,7 @@ def test_failing_rank_is_named_and_exit_code_kept(job):
     proc = dualrun("launch", "--config_file", "cpu2.yaml", "w.py", "out", "--fail", cwd=job)
     assert proc.returncode == 1
     assert "train rank 1 failed" in proc.stderr and "ValueError: rank one is broken" in proc.stderr
-    leftovers = subprocess.run(["pgrep", "-f", f"dualrun.bootstrap w.py {job.name}"], capture_output=True)
+    leftovers = subprocess.run(["pgrep", "-f", f"dualrun.rank.bootstrap w.py {job.name}"], capture_output=True)
     assert leftovers.returncode == 1
 
 

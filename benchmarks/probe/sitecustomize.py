@@ -18,7 +18,7 @@ whole machine, so they line up with the driver's spawn time):
   entry       sys.argv[0] and whether dualrun's bootstrap is loaded
 
 Cost: one callback per step (two clock reads and a list append); the file is written at train end. The import
-hooks are dualrun.hooks' (a tiny module, no torch): a bare torchrun worker gets the same finder as a dualrun one.
+hooks are dualrun.rank.hooks' (a tiny module, no torch): a bare torchrun worker gets the same finder as a dualrun one.
 """
 from __future__ import annotations
 
@@ -118,8 +118,8 @@ def activate() -> None:
     _record.update(active=True, rank=os.environ.get("RANK", "0"), pid=os.getpid(), started=_process_start(),
                    probe=time.time(), argv0=sys.argv[0] if sys.argv else None)
     _record["env"] = dict(os.environ)   # the benchmark diffs launchers' worker env (temp files only)
-    _record["bootstrap"] = "dualrun.bootstrap" in sys.modules or any("dualrun" in a for a in sys.argv[:2])
-    from dualrun.hooks import when_imported   # a tiny module (the package import is lazy); no torch
+    _record["bootstrap"] = "dualrun.rank.bootstrap" in sys.modules or any("dualrun" in a for a in sys.argv[:2])
+    from dualrun.rank.hooks import when_imported   # a tiny module (the package import is lazy); no torch
 
     for name, fn in (("torch", _on_torch), ("torch.distributed.distributed_c10d", _on_c10d),
                      ("transformers.trainer", _on_trainer)):

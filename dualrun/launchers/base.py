@@ -183,8 +183,8 @@ def report_servers(addresses: Mapping[str, str], external: Mapping[str, str]) ->
 
 
 def bootstrap_module_argv(program: Program) -> list[str]:
-    """`-m dualrun.bootstrap ...`: what every worker runs, after an interpreter (or torchrun's own arguments)."""
-    return ["-m", "dualrun.bootstrap"] + program.bootstrap_argv()
+    """`-m dualrun.rank.bootstrap ...`: what every worker runs, after an interpreter (or torchrun's own arguments)."""
+    return ["-m", "dualrun.rank.bootstrap"] + program.bootstrap_argv()
 
 
 def bootstrap_cmd(program: Program, python: str | None = None) -> list[str]:

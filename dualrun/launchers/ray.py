@@ -1,7 +1,7 @@
 """Ray backend: one placement group per unit, one actor per rank, the user's program in a fresh interpreter.
 
 Why this shape: each actor holds exactly its bundle (one GPU, so LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES is the
-GPU Ray gave it) and runs `python -m dualrun.bootstrap` as a subprocess in the launching directory with an env
+GPU Ray gave it) and runs `python -m dualrun.rank.bootstrap` as a subprocess in the launching directory with an env
 built here on the driver from the driver's allow-listed env, so a script sees the same variable names as under
 torchrun. Rank 0's actor picks MASTER_ADDR (its node) and a free port before any program starts (two-phase start).
 The driver waits on Ray refs (no sleep polling), prints every line with a `[train rank N]` prefix, and on any
@@ -27,7 +27,7 @@ from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, b
 from dualrun.launchers.ray_results import failure, first_line, rank_results, value
 from dualrun.plan import AUTO, Cluster, Plan, Process, units
 from dualrun.protocol import ActorPlace, RankExit
-from dualrun.servers.wiring import group_port_env
+from dualrun.rank.wiring import group_port_env
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
 _SHUTDOWN_S = 8.0       # stop + drain budget (a driver signal must end the job within 10 s)

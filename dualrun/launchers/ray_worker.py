@@ -1,4 +1,4 @@
-"""The Ray actor behind one rank: it runs `python -m dualrun.bootstrap ...` as a subprocess and streams its output.
+"""The Ray actor behind one rank: it runs `python -m dualrun.rank.bootstrap ...` as a subprocess and streams its output.
 
 Why a subprocess and not the actor itself: the user script must start in a fresh interpreter with its env set
 before any import (torch reads CUDA_VISIBLE_DEVICES / OMP_NUM_THREADS at import), and the actor process is full

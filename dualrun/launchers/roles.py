@@ -1,7 +1,7 @@
 """The role-program launcher (`dualrun launch --backend ray` of a single-controller program, docs/roles.md).
 
 A role program runs once, as the driver of the Ray job: its worker classes become actor groups placed by the
-config's roles (dualrun.roles). So this launcher starts one local process, `python -m dualrun.bootstrap ...`,
+config's roles (dualrun.roles). So this launcher starts one local process, `python -m dualrun.rank.bootstrap ...`,
 with `DUALRUN_ROLES_MODE=ray` and the groups in `DUALRUN_ROLES_SPEC`; the program itself joins Ray.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each server binds a port the OS picks. One machine: 127.0.0.1. Several machines (torchrun by hand, like
 accelerate): the servers run on machine 0 and bind 0.0.0.0; the other machines' ranks read the addresses from
-torchrun's store when they start (dualrun/servers/store_wiring.py), since the machines do not talk before the job.
+torchrun's store when they start (dualrun/rank/store_wiring.py), since the machines do not talk before the job.
 """
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ class LocalServers:
         import json
 
         from dualrun.ports import free_port
-        from dualrun.servers.wiring import group_port_env
+        from dualrun.rank.wiring import group_port_env
 
         if self.elsewhere:
             return {protocol.WIRING_FETCH: "1"}

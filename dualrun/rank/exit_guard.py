@@ -203,7 +203,7 @@ def _bound_teardown(module: Any) -> None:
 
 
 def activate() -> None:
-    from dualrun.hooks import when_imported
+    from dualrun.rank.hooks import when_imported
 
     if "torch.distributed" in sys.modules:
         _bound_teardown(sys.modules["torch.distributed"])

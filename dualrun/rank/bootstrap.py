@@ -1,13 +1,13 @@
 """The one worker entry point of both backends.
 
-    python -m dualrun.bootstrap script.py args...  |  python -m dualrun.bootstrap -m package.module args...
-    python -m dualrun.bootstrap --call FILE   (Python API: a pickled function; its result is written beside FILE)
+    python -m dualrun.rank.bootstrap script.py args...  |  python -m dualrun.rank.bootstrap -m package.module args...
+    python -m dualrun.rank.bootstrap --call FILE   (Python API: a pickled function; its result is written beside FILE)
 
 The environment is already set when this starts (by torchrun or by the Ray worker actor). It activates the
 method plugin's hooks, then runs the user's program unchanged as `__main__` with its own argv. An uncaught
 exception is recorded in TORCHELASTIC_ERROR_FILE (torch's format) so the launcher can name the failing rank
 and its error, whichever backend ran it. Once the program has ended, the rank exits with the program's own code even
-when the process-group teardown hangs (dualrun/exit_guard.py).
+when the process-group teardown hangs (dualrun/rank/exit_guard.py).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def _record(exc: BaseException) -> None:
 
 
 def _activate_plugin() -> None:
-    from dualrun.resume import activate as activate_resume
-    from dualrun.trainer_defaults import activate as activate_defaults
+    from dualrun.rank.resume import activate as activate_resume
+    from dualrun.rank.trainer_defaults import activate as activate_defaults
 
     activate_resume()
     activate_defaults()
@@ -66,7 +66,7 @@ def _run(argv: list[str]) -> object:
         return _call(argv[1])
     elif argv[0] == "-m":
         if len(argv) < 2:
-            sys.exit("usage: python -m dualrun.bootstrap -m module [args...]")
+            sys.exit("usage: python -m dualrun.rank.bootstrap -m module [args...]")
         sys.argv = [argv[1]] + argv[2:]
         return runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
@@ -85,10 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] == "--":
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: python -m dualrun.bootstrap (script.py | -m module) [args...]")
-    from dualrun import exit_guard
+        sys.exit("usage: python -m dualrun.rank.bootstrap (script.py | -m module) [args...]")
+    from dualrun.rank import exit_guard
 
-    from dualrun.servers.store_wiring import share
+    from dualrun.rank.store_wiring import share
 
     share()   # multi-node torchrun: the servers' addresses, from the machine that started them
     _activate_plugin()
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         _record(exc)
         sys.excepthook(type(exc), exc, exc.__traceback__)
         ended = exc
-    # the program has ended: this rank exits now, with its code, whatever the teardown does (dualrun/exit_guard.py)
+    # the program has ended: this rank exits now, with its code, whatever the teardown does (dualrun/rank/exit_guard.py)
     exit_guard.finish(exit_guard.exit_code(ended), keep=kept)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dualrun.hooks import when_imported
+from dualrun.rank.hooks import when_imported
 from dualrun.protocol import JOB_RESTARTS
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dualrun.servers.topk_loss import TopK, check_token_ids, topk_generalized_jsd_loss
+from dualrun.rank.topk_loss import TopK, check_token_ids, topk_generalized_jsd_loss
 
 
 def teacher_client(base_url: str, timeout_s: float = 60.0) -> Any:

@@ -14,7 +14,7 @@ import functools
 import os
 from typing import Any
 
-from dualrun.hooks import when_imported
+from dualrun.rank.hooks import when_imported
 
 
 def _training_args_fields(cpu_deepspeed: bool, timeout_s: float | None) -> dict[str, Any]:
@@ -30,7 +30,7 @@ def _training_args_fields(cpu_deepspeed: bool, timeout_s: float | None) -> dict[
 
 
 def _patch_training_args(module, cpu_deepspeed: bool, timeout_s: float | None) -> None:
-    from dualrun.servers.wiring import fill_defaults, say
+    from dualrun.rank.wiring import fill_defaults, say
 
     values = _training_args_fields(cpu_deepspeed, timeout_s)
     if values:

@@ -6,7 +6,7 @@ already shares one store, torchrun's agent store at MASTER_ADDR:MASTER_PORT: loc
 started the servers publishes its trainer wiring env (the same on every machine: it depends only on the config
 and the addresses), and the ranks of the other machines read it before the user's program starts.
 
-Worker side, called by dualrun/bootstrap.py; the launcher sets one of the two variables.
+Worker side, called by dualrun/rank/bootstrap.py; the launcher sets one of the two variables.
 """
 from __future__ import annotations
 
