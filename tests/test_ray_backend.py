@@ -71,10 +71,14 @@ def test_env_names_equal_torchrun(job, cluster):
 
 
 def test_two_nodes_one_gpu_each(job, cluster):
-    """4 GPU ranks on 2 nodes x 2 fake GPUs: both nodes used, distinct GPU per node, LOCAL_RANK=0, one master."""
+    """4 GPU ranks on 2 nodes x 2 fake GPUs: both nodes used, distinct GPU per node, LOCAL_RANK=0, one master
+    (on the port `--main_process_port` asks for, as torchrun would)."""
+    from dualrun.ports import free_port
+
+    port = free_port("127.0.0.1")
     (job / "gpu4.yaml").write_text(f"roles: {{train: {{gpus: 4}}}}\nray: {{address: '{cluster.address}'}}\n")
-    proc = dualrun("launch", "--backend", "ray", "--config_file", "gpu4.yaml", "dump.py", "out", cwd=job,
-                   env=ray_env())
+    proc = dualrun("launch", "--backend", "ray", "--config_file", "gpu4.yaml", "--main_process_port", str(port),
+                   "dump.py", "out", cwd=job, env=ray_env())
     assert proc.returncode == 0, proc.stderr
     envs = _envs(job / "out")
     assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
@@ -83,7 +87,7 @@ def test_two_nodes_one_gpu_each(job, cluster):
     slots = {(e["NODE_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs}
     assert len(slots) == 4 and all(len(gpu.split(",")) == 1 and gpu in ("0", "1") for _, gpu in slots)
     assert {e["LOCAL_RANK"] for e in envs} == {"0"} and {e["WORLD_SIZE"] for e in envs} == {"4"}
-    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and len({e["MASTER_PORT"] for e in envs}) == 1
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"} and {e["MASTER_PORT"] for e in envs} == {str(port)}
     assert envs[0]["NODE_RANK"] == "0" and envs[0]["ACCELERATE_USE_CPU"] == "False"
     _assert_clean(cluster, str(job))
 

@@ -256,7 +256,8 @@ class RayLauncher(Launcher):
 
     def _start(self, prepared: Prepared, ranks: list[_Rank], attempt: int) -> None:
         """Phase 1: where did each actor land (rank 0 picks the port); phase 2: start every program."""
-        infos = self._get([r.actor.info.remote(r.proc.rank == 0) for r in ranks], "start their actors")
+        infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.cfg.main_process_port) for r in ranks],
+                          "start their actors")
         for r, info in zip(ranks, infos):
             r.info = info
         master = next(r.info for r in ranks if r.proc.rank == 0)

@@ -60,13 +60,16 @@ class RankWorker:
         self.call_file: str | None = None
         self.rank = "0"
 
-    def info(self, pick_port: bool = False) -> ActorPlace:
+    def info(self, pick_port: bool = False, master_port: int | None = None) -> ActorPlace:
         """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks free ports on its node
-        (MASTER_PORT, and the vLLM weight-sync port for which the trainer is the rendezvous master)."""
+        (MASTER_PORT, and the vLLM weight-sync port for which the trainer is the rendezvous master). A
+        `master_port` (the config's `main_process_port`) is used as it is: firewalled clusters open one port."""
         import ray
 
         ctx = ray.get_runtime_context()
         port, group_port = free_ports(2, "") if pick_port else (None, None)
+        if pick_port and master_port is not None:
+            port, group_port = master_port, (port if group_port == master_port else group_port)
         return ActorPlace(ray.util.get_node_ip_address(), ctx.get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()),
                           os.getpid(), port, group_port, tmp=self.tmp)
 
