@@ -39,6 +39,25 @@ def dualrun(*args: str, cwd: str | Path | None = None, timeout: float = 240, env
                           timeout=timeout, env=full_env, input=input)
 
 
+@pytest.fixture(scope="session")
+def tiny() -> Path:
+    """The tiny model, teacher, tokenizer and datasets (examples/make_tiny_model.py), built once for the whole run
+    (cached by the builder's content: see helpers.tiny_assets). Read-only: a test that needs the files under its own
+    path (a leftover marker, a relative `tiny/...`) links them with `link_tiny`."""
+    from helpers import tiny_assets
+
+    return tiny_assets()
+
+
+def link_tiny(tiny: Path, where: Path) -> Path:
+    """`where/tiny` -> the shared assets: paths under the test's own directory (unique markers on the workers'
+    command lines, relative `tiny/model` arguments) without building or copying anything."""
+    link = where / "tiny"
+    if not link.exists():
+        link.symlink_to(tiny, target_is_directory=True)
+    return link
+
+
 @pytest.fixture
 def write(tmp_path):
     """write('name.yaml', text) -> path"""

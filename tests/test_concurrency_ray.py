@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from ray_helpers import FakeGpuCluster, eventually, ray_env
+from helpers import eventually
+from ray_helpers import FakeGpuCluster, ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import dualrun
-from ray_helpers import (CRASH, DUMP_ENV, FAIL_FIRST_ATTEMPT, GLOO, KILL_ACTOR, SLEEP, FakeGpuCluster, eventually, pids_matching,
-                         ray_env)
+from helpers import cmdline, eventually, pids_matching
+from ray_helpers import (CRASH, DUMP_ENV, FAIL_FIRST_ATTEMPT, GLOO, KILL_ACTOR, SLEEP, FakeGpuCluster, ray_env)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -227,12 +227,7 @@ def test_embedded_cluster_is_loopback_only_without_dashboard(job):
                             text=True)
     try:
         assert eventually(lambda: (job / "up").exists(), timeout=120)
-        cmds = []
-        for pid in pids_matching(env["RAY_TMPDIR"]):
-            try:
-                cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                pass
+        cmds = [cmd for cmd in map(cmdline, pids_matching(env["RAY_TMPDIR"])) if cmd]
         assert any("raylet" in c for c in cmds), cmds
         # Ray always runs a minimal dashboard process; without include_dashboard it must have no web frontend
         heads = [c for c in cmds if "dashboard/dashboard.py" in c]
