@@ -48,6 +48,7 @@ def test_ddp_timeout_is_filled_only_where_left_at_default(tmp_path):
     assert "ddp_timeout=42" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])

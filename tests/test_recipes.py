@@ -25,7 +25,7 @@ from helpers import free_port, pids_matching
 RECIPES = REPO / "examples" / "multi-node"
 BIN = str(Path(sys.executable).parent)
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
@@ -119,7 +119,6 @@ def _trained(out: Path, steps: int) -> None:
 
 # -- the recipes -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ray_by_hand_two_local_nodes(tiny, ray_temp, tmp_path):
     """examples/multi-node/ray-by-hand: `ray start --head`, `ray start --address`, one `dualrun launch --backend

@@ -13,7 +13,7 @@ import pytest
 from conftest import dualrun
 from helpers import pids_matching
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
 
 SLEEPER = """
 import os, sys, time, pathlib

@@ -189,6 +189,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
@@ -207,6 +208,7 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
                 if p.get("name", "").startswith("dualrun-big-") and p.get("state") != "REMOVED"]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_every_combination_equal_on_ray_and_local(ray_cluster):
@@ -228,6 +230,7 @@ def test_every_combination_equal_on_ray_and_local(ray_cluster):
     on_ray.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_proxy_on_ray_places_groups_on_their_own_gpus(ray_cluster):
@@ -251,6 +254,7 @@ def test_proxy_on_ray_places_groups_on_their_own_gpus(ray_cluster):
     where.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_slice_moves_one_nth_per_worker(ray_cluster):
@@ -295,6 +299,7 @@ def by_rank(length, i, *args, **kwargs):
     return [args[0][i]], {}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_a_two_worker_group_all_reduces_in_its_own_process_group(ray_cluster):

@@ -27,6 +27,7 @@ def test_plan_shows_groups():
     assert "role groups" in res.stdout and "prm        2 worker(s)" in res.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_sampling_same_jsonl_on_both_backends(tiny, tmp_path):

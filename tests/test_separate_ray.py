@@ -13,7 +13,7 @@ import pytest
 from conftest import link_tiny
 from helpers import gone, pids_matching
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

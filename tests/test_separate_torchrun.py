@@ -42,6 +42,7 @@ def _teacher_yaml(tiny: Path, **extra: str) -> str:
             f"  teacher: {{gpus: 1, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90{more}}}\n")
 
 
+@pytest.mark.slow
 def test_gkd_with_a_separate_teacher_trains_and_cleans_up(tmp_path, tiny):
     proc = _gkd(tmp_path, tiny, _teacher_yaml(tiny))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -57,6 +58,7 @@ def test_gkd_with_a_separate_teacher_trains_and_cleans_up(tmp_path, tiny):
     assert "job succeeded" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_trainer_crash_stops_the_server(tmp_path, tiny):
     proc = _gkd(tmp_path, tiny, _teacher_yaml(tiny), "--max_steps", "3", "--crash_at_step", "1")
     assert proc.returncode != 0
@@ -64,6 +66,7 @@ def test_a_trainer_crash_stops_the_server(tmp_path, tiny):
     assert gone(_server_pid(proc.stderr))
 
 
+@pytest.mark.slow
 def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, tiny):
     cfg = _teacher_yaml(tiny).replace("health_timeout_s: 90", "health_timeout_s: 3, server_args: [--startup-delay, 60]")
     proc = _gkd(tmp_path, tiny, cfg)
@@ -74,6 +77,7 @@ def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, t
     assert gone(_server_pid(proc.stderr))
 
 
+@pytest.mark.slow
 def test_grpo_server_mode_wiring(tmp_path, tiny):
     """The fields the unchanged GRPOConfig ends with: the rollout server's host/port and server mode, only where
     the user left the defaults; the address answers; the server runs on other devices than the trainer."""

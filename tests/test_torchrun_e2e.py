@@ -55,6 +55,7 @@ def test_two_ranks_train_together(job):
     assert "job succeeded" in proc.stderr
 
 
+@pytest.mark.slow
 def test_failing_rank_is_named_and_exit_code_kept(job):
     proc = dualrun("launch", "--config_file", "cpu2.yaml", "w.py", "out", "--fail", cwd=job)
     assert proc.returncode == 1
@@ -69,6 +70,7 @@ def test_exit_code_of_script_is_the_jobs(job):
     assert "train rank 0 failed (exit code 3)" in proc.stderr
 
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(job):
     """The accelerate-style multi-node recipe: the same command with machine_rank 0 and 1."""
     port = str(free_port())

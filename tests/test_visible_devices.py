@@ -59,6 +59,7 @@ def test_unset_means_all_gpus(job):
     assert [p["devices"] for p in json.loads(proc.stdout)["processes"]] == [[0], [1]]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_torchrun_ranks_run_on_the_visible_gpus(job):
