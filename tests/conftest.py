@@ -22,6 +22,12 @@ def loopback_only() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests stay on one worker, one at a
+    # time as without xdist: two Ray clusters starting at once on 2 cores can time out. The rest runs beside them.
+    serial = pytest.mark.xdist_group("slow-e2e")
+    for item in items:
+        if "e2e" in item.keywords and "slow" in item.keywords:
+            item.add_marker(serial)
     if loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see README)")
