@@ -39,6 +39,7 @@ def _ranks(out):
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(len(list(out.glob("rank*.json"))))]
 
 
+@pytest.mark.slow
 def test_two_ranks_train_together(job):
     proc = dualrun("launch", "--backend", "torchrun", "--config_file", "cpu2.yaml", "w.py", "out", "--x", "1",
                    "--n", "3", "--config_file", "theirs.yaml", "-m", "x", cwd=job, env={"SHOULD_NOT_LEAK": "1"})
@@ -63,6 +64,7 @@ def test_failing_rank_is_named_and_exit_code_kept(job):
     assert not pids_matching(f"dualrun.bootstrap w.py {job.name}")
 
 
+@pytest.mark.slow
 def test_exit_code_of_script_is_the_jobs(job):
     (job / "exit3.py").write_text("import sys, os\nsys.exit(3 if os.environ['RANK'] == '0' else 0)\n")
     proc = dualrun("launch", "--config_file", "cpu2.yaml", "exit3.py", cwd=job)

@@ -31,6 +31,7 @@ def job(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_plan_and_dry_run_use_the_visible_gpus(job):
     env = {"CUDA_VISIBLE_DEVICES": "3,4", "DUALRUN_CACHE": "0"}
     plan = dualrun("plan", "--json", "--config_file", "gpu2.yaml", cwd=job, env=env)
