@@ -107,8 +107,8 @@ class OneNodeSlurm:
 
     def _remember(self, pidfile: Path) -> None:
         deadline = time.monotonic() + 10
-        while not pidfile.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)   # the daemon creates the file before it writes its pid
         self.pids.append(int(pidfile.read_text().split()[0]))
 
     def sbatch(self, script: Path, *options: str, env: dict[str, str], cwd: Path,
