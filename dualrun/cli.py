@@ -5,6 +5,7 @@ Bad input ends with exit code 2 and one line on stderr (file, key, what was expe
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import sys
@@ -138,6 +139,8 @@ def cmd_config_default(ns: argparse.Namespace) -> int:
     if os.path.exists(path):
         raise ConfigError(path, "path", "a file that does not exist yet (dualrun never overwrites)",
                           "an existing file")
+    if not os.path.isdir(os.path.dirname(path) or "."):   # before detecting devices: that imports torch (seconds)
+        raise ConfigError(path, "path", "a new file in an existing, writable folder", os.strerror(errno.ENOENT))
     devices, dist = (0, "NO") if ns.cpu else detected_devices()
     text = starter_text(path, ns.method, ns.cpu, devices, dist)
     try:

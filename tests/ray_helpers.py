@@ -9,9 +9,7 @@ import atexit
 import os
 import shutil
 import tempfile
-import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class FakeGpuCluster:
@@ -64,31 +62,6 @@ class FakeGpuCluster:
         ray.shutdown()
         self.cluster.shutdown()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
-def eventually(check: Callable[[], Any], timeout: float = 15.0, every: float = 0.2) -> Any:
-    """The first truthy value of `check()` within `timeout` s (cleanup in Ray is asynchronous), else the last."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(every)
-
-
-def pids_matching(marker: str) -> list[int]:
-    """Processes whose command line contains `marker` (a test's unique path), this process excluded."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-        except OSError:
-            continue
-        if marker in cmd:
-            out.append(int(entry.name))
-    return out
 
 
 def ray_env(**extra: str) -> dict[str, str]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
+
+from dualrun.ports import free_port
 
 NEEDED = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo", "srun", "scontrol")
 
@@ -35,12 +36,6 @@ def ensure_installed() -> str | None:
             return None
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     return f"could not install slurm-wlm and munge with apt-get: {tail[0]}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONF = """\
@@ -96,8 +91,8 @@ class OneNodeSlurm:
                         "--pid-file", str(r / "munge" / "pid"), "--log-file", str(r / "munge" / "log"),
                         "--seed-file", str(r / "munge" / "seed")], check=True, capture_output=True)
         self._remember(r / "munge" / "pid")
-        (r / "slurm.conf").write_text(CONF.format(root=r, cpus=self.cpus, ctld_port=_free_port(),
-                                                  d_port=_free_port()))
+        (r / "slurm.conf").write_text(CONF.format(root=r, cpus=self.cpus, ctld_port=free_port(),
+                                                  d_port=free_port()))
         subprocess.run(["slurmctld", "-i"], env=self.env, check=True, capture_output=True)
         self._remember(r / "slurmctld.pid")
         subprocess.run(["slurmd", "-N", "localhost"], env=self.env, check=True, capture_output=True)
@@ -112,8 +107,8 @@ class OneNodeSlurm:
 
     def _remember(self, pidfile: Path) -> None:
         deadline = time.monotonic() + 10
-        while not pidfile.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        while not (pidfile.exists() and pidfile.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)   # the daemon creates the file before it writes its pid
         self.pids.append(int(pidfile.read_text().split()[0]))
 
     def sbatch(self, script: Path, *options: str, env: dict[str, str], cwd: Path,

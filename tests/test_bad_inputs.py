@@ -1,4 +1,7 @@
-"""The bad-input corpus (tests/bad_inputs.yaml) through the real CLI, one fresh interpreter per case.
+"""The bad-input corpus (tests/bad_inputs.yaml) through the real CLI: `dualrun.cli.main` in this process for most
+cases (milliseconds each instead of an interpreter start), a fresh `python -m dualrun` for the representative ones
+(the first case of each command, of `env`, `secret`, `script` and `both`) and for every `make` case (fifos, huge files
+and bombs stay out of the test process).
 
 Every case: exit code 2, exactly one line on stderr naming the key, under 300 bytes, printable ASCII only (no
 forged lines, no terminal escapes), no secret value, under 10 s, nothing on stdout and nothing started (the script
@@ -17,6 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from dualrun import errors
+from dualrun.cli import main
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "bad_inputs.yaml").read_text())
 SCRIPT = "import pathlib; pathlib.Path('STARTED').write_text('yes')\n"
@@ -111,14 +117,19 @@ MAKERS = {f.__name__[1:]: f for f in (_fifo, _big_json, _just_too_big, _alias_bo
                                        _devzero, _symlink_to_devzero)}
 
 
-def _expand(corpus: list[dict]) -> list[tuple[str, dict]]:
-    out = []
+def _expand(corpus: list[dict]) -> list[tuple[str, dict, bool]]:
+    """(test id, case, whether it runs in a fresh interpreter)."""
+    out, seen = [], set()
     for i, case in enumerate(corpus):
+        traits = {f"command={case.get('command', 'launch')}"} | {k for k in ("env", "secret", "script", "both")
+                                                                  if case.get(k)}
+        fresh = bool(case.get("make")) or not traits <= seen
+        seen |= traits
         for backend in (("torchrun", "ray") if case.get("both") else (None,)):
             c = dict(case)
             if backend:
                 c["args"] = ["--backend", backend] + list(c.get("args", []))
-            out.append((f"{i}-{c['key'][:40]}" + (f"-{backend}" if backend else ""), c))
+            out.append((f"{i}-{c['key'][:40]}" + (f"-{backend}" if backend else ""), c, fresh))
     return out
 
 
@@ -129,7 +140,7 @@ def test_corpus_is_big_enough():
     assert len(CORPUS) >= 115 and len(CASES) >= 130
 
 
-def _run(tmp_path: Path, case: dict) -> subprocess.CompletedProcess:
+def _args(tmp_path: Path, case: dict) -> list[str]:
     (tmp_path / "train.py").write_text(SCRIPT)
     config = None
     if case.get("make"):
@@ -139,27 +150,63 @@ def _run(tmp_path: Path, case: dict) -> subprocess.CompletedProcess:
         config = "bad.yaml"
     command = case.get("command", "launch")
     if command == "config":
-        args = ["config", "default"] + case.get("args", [])
-    else:
-        args = [command] + (["--config_file", config] if config else []) + case.get("args", [])
-        if command == "launch":
-            args += [case.get("script", "train.py")]
+        return ["config", "default"] + case.get("args", [])
+    args = [command] + (["--config_file", config] if config else []) + case.get("args", [])
+    return args + [case.get("script", "train.py")] if command == "launch" else args
+
+
+def _env(case: dict) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "RAY_ADDRESS")}
     env.update({k: str(v) for k, v in (case.get("env") or {}).items()})
     env["DUALRUN_CACHE"] = "0"
-    return subprocess.run([sys.executable, "-m", "dualrun", *args], cwd=tmp_path, capture_output=True,
-                          timeout=60, env=env)
+    return env
 
 
-@pytest.mark.parametrize("case", [c for _, c in CASES], ids=[i for i, _ in CASES])
-def test_bad_input(tmp_path, case):
+def _in_a_fresh_interpreter(tmp_path: Path, case: dict) -> tuple[int, bytes, bytes]:
+    proc = subprocess.run([sys.executable, "-m", "dualrun", *_args(tmp_path, case)], cwd=tmp_path,
+                          capture_output=True, timeout=60, env=_env(case))
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _in_this_process(tmp_path: Path, case: dict, monkeypatch, capfdbinary) -> tuple[int, bytes, bytes]:
+    """`main(argv)` as `python -m dualrun` runs it: the case's cwd and environment, output captured at the file
+    descriptors, `sys.exit` from argparse taken as the exit code. Nothing may have started afterwards either."""
+    args = _args(tmp_path, case)
+    monkeypatch.chdir(tmp_path)
+    env = _env(case)
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setitem(errors._STATE, "started", False)
+    capfdbinary.readouterr()
+    try:
+        code = main(args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capfdbinary.readouterr()
+    assert not errors.has_started(), "the job was marked as started"
+    return code, out, err
+
+
+def test_both_ways_are_used():
+    fresh = [c for _, c, f in CASES if f]
+    assert len(CASES) - len(fresh) >= 100 and len(fresh) >= 8
+    assert all(f for _, c, f in CASES if c.get("make"))
+
+
+@pytest.mark.parametrize("case,fresh", [(c, f) for _, c, f in CASES], ids=[i for i, _, _ in CASES])
+def test_bad_input(tmp_path, case, fresh, monkeypatch, capfdbinary):
     start = time.monotonic()
-    proc = _run(tmp_path, case)
+    if fresh:
+        returncode, stdout, stderr = _in_a_fresh_interpreter(tmp_path, case)
+    else:
+        returncode, stdout, stderr = _in_this_process(tmp_path, case, monkeypatch, capfdbinary)
     elapsed = time.monotonic() - start
-    err = proc.stderr.decode("utf-8", "replace")
-    lines = [line for line in proc.stderr.split(b"\n") if line.strip()]
-    assert proc.returncode == 2, err[-2000:]
-    assert len(lines) == 1 and b"Traceback (most recent call last):\n" not in proc.stderr, err[-2000:]
+    err = stderr.decode("utf-8", "replace")
+    lines = [line for line in stderr.split(b"\n") if line.strip()]
+    assert returncode == 2, err[-2000:]
+    assert len(lines) == 1 and b"Traceback (most recent call last):\n" not in stderr, err[-2000:]
     line = lines[0]
     assert len(line) < MAX_LINE_BYTES, line
     assert all(32 <= b < 127 for b in line), line       # printable ASCII: no control, escape or bidi characters
@@ -169,7 +216,7 @@ def test_bad_input(tmp_path, case):
     if "hint" in case:
         assert case["hint"] in text, text
     if "secret" in case:
-        assert case["secret"].encode() not in proc.stderr + proc.stdout, text
+        assert case["secret"].encode() not in stderr + stdout, text
     assert elapsed < MAX_SECONDS, f"{elapsed:.1f} s"
-    assert proc.stdout == b""
+    assert stdout == b""
     assert not (tmp_path / "STARTED").exists() and not (tmp_path / "PWNED").exists()

@@ -17,6 +17,7 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_fake_numbers_write_table_chart_and_planner(tmp_path):
     r = _run("--fake", "--reps", "3", "--planner-reps", "1", "--out-dir", str(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -50,6 +51,7 @@ def test_schedule_is_round_robin_and_rotates():
         assert idx == list(range(idx[0], idx[0] + len(idx)))
 
 
+@pytest.mark.slow
 def test_topk_memory_benchmark_runs_and_the_top_k_path_is_smaller(tmp_path):
     """Small vocabularies: both paths give the same loss; the top-k teacher holds B x T x k, the dense one
     B x T x V; the whole top-k step peaks below the dense one."""

@@ -98,6 +98,7 @@ def cluster():
     shutil.rmtree(fake, ignore_errors=True)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(240)
 def test_ray_check_passes_then_finds_the_planted_version_mismatch(tmp_path, cluster):

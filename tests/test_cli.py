@@ -50,6 +50,7 @@ def test_missing_script_and_missing_config(tmp_path):
     assert "unrecognized arguments" in line or "bogus" in line
 
 
+@pytest.mark.slow
 def test_dry_run_prints_command_and_redacts_secrets(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("use_cpu: true\nroles: {train: {gpus: 2}}\nenv: {HF_TOKEN: hf_sekrit, VISIBLE: yes-me}\n")
@@ -99,6 +100,7 @@ def test_env_reports_versions():
         assert f"{name}:" in proc.stdout
 
 
+@pytest.mark.slow
 def test_config_default_takes_accelerates_flag_and_counts_this_machines_gpus(tmp_path):
     import torch
 

@@ -39,6 +39,7 @@ print(dist.init_process_group._dualrun_timeout)
 """
 
 
+@pytest.mark.slow
 def test_ddp_timeout_is_filled_only_where_left_at_default(tmp_path):
     env = dict(os.environ, DUALRUN_SETTINGS='{"collective_timeout_s": 42}', PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", FILL], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -48,6 +49,7 @@ def test_ddp_timeout_is_filled_only_where_left_at_default(tmp_path):
     assert "ddp_timeout=42" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])

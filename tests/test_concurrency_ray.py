@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from ray_helpers import FakeGpuCluster, eventually, ray_env
+from helpers import eventually
+from ray_helpers import FakeGpuCluster, ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400), pytest.mark.slow]
 
 QUICK = """
 import os, sys, pathlib, torch, torch.distributed as dist

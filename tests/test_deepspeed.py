@@ -2,21 +2,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, dualrun
+from conftest import REPO, dualrun, link_tiny
 from ray_helpers import ray_env
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_zero2_sft_on_both_backends(tmp_path):
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(tmp_path / "tiny")],
-                   check=True, capture_output=True)
+def test_zero2_sft_on_both_backends(tmp_path, tiny):
+    link_tiny(tiny, tmp_path)
     args = [str(REPO / "examples" / "sft.py"), "--model_name_or_path", "tiny/model", "--dataset_path",
             "tiny/data/sft.jsonl", "--max_steps", "4", "--save_steps", "4", "--seed", "5"]
     losses = {}

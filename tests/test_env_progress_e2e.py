@@ -9,7 +9,7 @@ from conftest import dualrun
 from dualrun.progress import looks_like_bar
 from ray_helpers import ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.slow]
 
 SCRIPT = """
 import os, sys, time

@@ -120,6 +120,7 @@ def test_sys_exit_with_a_message_prints_it_and_exits_1(tmp_path):
     assert proc.returncode == 1 and "bad arguments, on purpose" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
 def test_a_gloo_job_whose_ranks_block_in_teardown_finishes(tmp_path, backend):

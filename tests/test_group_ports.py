@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from ray_helpers import ray_env
-from test_servers import tiny_assets
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -20,8 +19,7 @@ PROBE = Path(__file__).resolve().parent / "assets" / "grpo_wiring_probe.py"
 TRL_DEFAULT = 51216
 
 
-def test_concurrent_jobs_get_distinct_weight_sync_ports(tmp_path_factory):
-    tiny = tiny_assets(tmp_path_factory)
+def test_concurrent_jobs_get_distinct_weight_sync_ports(tmp_path_factory, tiny):
     root = tmp_path_factory.mktemp("ports")
     (root / "job.yaml").write_text(
         "use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"

@@ -51,6 +51,7 @@ def test_refused_key_is_one_line_and_exit_code_2(tmp_path):
     assert set(REFUSED) == {"sleep_level", "offload_teacher_model"}
 
 
+@pytest.mark.slow
 def test_gkd_trainer_refuses_a_rollout_server_it_never_reads():
     from trl.experimental.gkd import GKDTrainer
 

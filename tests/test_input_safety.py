@@ -109,6 +109,7 @@ def test_the_failure_path_imports_no_torch_or_ray(tmp_path):
     assert not heavy, sorted(heavy)
 
 
+@pytest.mark.slow
 def test_deep_script_is_no_role_program_and_no_traceback(tmp_path):
     (tmp_path / "c.yaml").write_text("use_cpu: true\nnum_processes: 1\n")
     (tmp_path / "deep.py").write_text("x = " + "(" * 100_000 + "1" + ")" * 100_000 + "\n")
@@ -122,6 +123,7 @@ SERVER_ARGS = ("method: grpo\nuse_cpu: true\nroles:\n  train: {gpus: 1}\n"
                "env: {DATABASE_URL: 'postgres://me:pg_pw_123@db/x'}\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
 def test_server_args_and_url_passwords_never_printed(tmp_path, backend):
     (tmp_path / "c.yaml").write_text(SERVER_ARGS)

@@ -3,13 +3,12 @@ metrics are equal for the same seed. Tolerance: exact equality (the runs are bit
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, dualrun
-from ray_helpers import pids_matching, ray_env
+from conftest import REPO, dualrun, link_tiny
+from helpers import pids_matching
+from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -26,10 +25,9 @@ CONFIGS = {"gkd_separate_teacher": (REPO / "configs" / "gkd_cpu_separate_teacher
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, tiny):
     root = tmp_path_factory.mktemp("methods")
-    subprocess.run([sys.executable, str(EXAMPLES / "make_tiny_model.py"), "--out", str(root / "tiny")], check=True,
-                   capture_output=True)
+    link_tiny(tiny, root)
     for method in METHODS:
         text = CONFIGS.get(method, f"use_cpu: true\nmethod: {method}\nroles: {{train: {{gpus: 2}}}}\n")
         (root / f"{method}.yaml").write_text(text)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import dualrun
-from ray_helpers import (CRASH, DUMP_ENV, FAIL_FIRST_ATTEMPT, GLOO, KILL_ACTOR, SLEEP, FakeGpuCluster, eventually, pids_matching,
-                         ray_env)
+from helpers import cmdline, eventually, pids_matching
+from ray_helpers import (CRASH, DUMP_ENV, FAIL_FIRST_ATTEMPT, GLOO, KILL_ACTOR, SLEEP, FakeGpuCluster, ray_env)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -50,6 +50,7 @@ def _assert_clean(cluster: FakeGpuCluster, marker: str) -> None:
     assert eventually(lambda: not pids_matching(marker)), pids_matching(marker)
 
 
+@pytest.mark.slow
 def test_env_names_equal_torchrun(job, cluster):
     """Same config file, only --backend differs: same variable names, same values except backend-defined ones."""
     (job / "tr").mkdir()
@@ -70,6 +71,7 @@ def test_env_names_equal_torchrun(job, cluster):
     assert not any(k.startswith("RAY_") for k in ry[0])
 
 
+@pytest.mark.slow
 def test_two_nodes_one_gpu_each(job, cluster):
     """4 GPU ranks on 2 nodes x 2 fake GPUs: both nodes used, distinct GPU per node, LOCAL_RANK=0, one master
     (on the port `--main_process_port` asks for, as torchrun would)."""
@@ -92,6 +94,7 @@ def test_two_nodes_one_gpu_each(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.slow
 def test_crash_on_rank_1_stops_everything(job, cluster):
     proc = dualrun("launch", "--backend", "ray", "--config_file", "cpu2.yaml", "crash.py", str(job), cwd=job,
                    env=ray_env(RAY_ADDRESS=cluster.address), timeout=60)
@@ -102,6 +105,7 @@ def test_crash_on_rank_1_stops_everything(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.slow
 def test_dead_actor_is_a_failure(job, cluster):
     proc = dualrun("launch", "--backend", "ray", "--config_file", "cpu2.yaml", "kill_actor.py", str(job), cwd=job,
                    env=ray_env(RAY_ADDRESS=cluster.address), timeout=60)
@@ -110,6 +114,7 @@ def test_dead_actor_is_a_failure(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.slow
 def test_max_failures_restarts_the_whole_job(job, cluster):
     (job / "retry.yaml").write_text(CPU2 + "max_failures: 1\n")
     proc = dualrun("launch", "--backend", "ray", "--config_file", "retry.yaml", "flaky.py", str(job), cwd=job,
@@ -121,6 +126,7 @@ def test_max_failures_restarts_the_whole_job(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.slow
 def test_more_gpus_than_the_cluster_has(job, cluster):
     (job / "gpu6.yaml").write_text("roles: {train: {gpus: 6}}\nray: {placement_timeout_s: 60}\n")
     start = time.monotonic()
@@ -134,6 +140,7 @@ def test_more_gpus_than_the_cluster_has(job, cluster):
     assert not cluster.live_placement_groups()
 
 
+@pytest.mark.slow
 def test_unplaceable_group_times_out(job, cluster):
     """STRICT_SPREAD of 3 bundles over 2 nodes can never be placed: a clear error after the timeout."""
     (job / "spread.yaml").write_text("roles: {train: {gpus: 3}}\n"
@@ -149,6 +156,7 @@ def test_unplaceable_group_times_out(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_on_the_driver_stops_the_job(job, cluster, sig, code):
     env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address))
@@ -172,6 +180,7 @@ def test_signal_on_the_driver_stops_the_job(job, cluster, sig, code):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.slow
 def test_plan_shows_the_live_cluster(job, cluster):
     (job / "gpu4.yaml").write_text(f"roles: {{train: {{gpus: 4}}}}\nray: {{address: '{cluster.address}'}}\n")
     proc = dualrun("plan", "--backend", "ray", "--config_file", "gpu4.yaml", cwd=job, env=ray_env())
@@ -189,6 +198,7 @@ def test_plan_without_a_cluster_starts_none(job):
     assert not pids_matching(env["RAY_TMPDIR"]) and not list(Path(env["RAY_TMPDIR"]).iterdir())
 
 
+@pytest.mark.slow
 def test_embedded_cluster_gloo_run(job):
     """No cluster running, no address: an embedded Ray runs a real gloo job and leaves no Ray process behind."""
     env = ray_env()
@@ -218,6 +228,7 @@ def test_dry_run_starts_nothing(job):
 
 
 
+@pytest.mark.slow
 def test_embedded_cluster_is_loopback_only_without_dashboard(job):
     """Security: the embedded Ray binds to 127.0.0.1 and starts no dashboard unless `ray.include_dashboard`."""
     import subprocess
@@ -231,12 +242,7 @@ def test_embedded_cluster_is_loopback_only_without_dashboard(job):
                             text=True)
     try:
         assert eventually(lambda: (job / "up").exists(), timeout=120)
-        cmds = []
-        for pid in pids_matching(env["RAY_TMPDIR"]):
-            try:
-                cmds.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-            except OSError:
-                pass
+        cmds = [cmd for cmd in map(cmdline, pids_matching(env["RAY_TMPDIR"])) if cmd]
         assert any("raylet" in c for c in cmds), cmds
         # Ray always runs a minimal dashboard process; without include_dashboard it must have no web frontend
         heads = [c for c in cmds if "dashboard/dashboard.py" in c]

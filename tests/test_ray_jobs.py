@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from ray_helpers import FakeGpuCluster, eventually, ray_env
+from helpers import eventually
+from ray_helpers import FakeGpuCluster, ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
 
 CALL = """
 import json, os, sys

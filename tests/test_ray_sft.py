@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, dualrun
+from conftest import REPO, dualrun, link_tiny
 from dualrun.progress import looks_like_bar
-from ray_helpers import pids_matching, ray_env
+from helpers import pids_matching
+from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -18,8 +17,8 @@ TINY = REPO / "examples" / "make_tiny_model.py"
 
 
 @pytest.mark.skipif(not (SFT.exists() and TINY.exists()), reason="examples/sft.py not there yet")
-def test_sft_losses_equal_on_torchrun_and_ray(tmp_path):
-    subprocess.run([sys.executable, str(TINY), "--out", str(tmp_path / "tiny")], check=True, capture_output=True)
+def test_sft_losses_equal_on_torchrun_and_ray(tmp_path, tiny):
+    link_tiny(tiny, tmp_path)   # under tmp_path: the leftover check below finds the workers by that path
     (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
     args = [str(SFT), "--model_name_or_path", str(tmp_path / "tiny" / "model"), "--dataset_path", "tiny/data/sft.jsonl",
             "--seed", "7",

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,11 +20,12 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
+from helpers import free_port, pids_matching
 
 RECIPES = REPO / "examples" / "multi-node"
 BIN = str(Path(sys.executable).parent)
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
@@ -56,12 +56,6 @@ def substitute(commands: list[str], values: dict[str, str]) -> list[str]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def shell_env(**extra: str) -> dict[str, str]:
     """The user's shell: this venv's `ray` / `dualrun` on PATH, no inherited Ray address or auth mode."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
@@ -70,43 +64,18 @@ def shell_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def pids_of(temp_dir: str) -> list[int]:
-    """Processes of the Ray cluster living in `temp_dir`: its path on their command line or among their open files
-    (Ray's agents rename themselves to `ray::...`, but keep their log files open)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
-            hit = temp_dir in cmd
-            if not hit:
-                for fd in (entry / "fd").iterdir():
-                    try:
-                        if os.readlink(fd).startswith(temp_dir):
-                            hit = True
-                            break
-                    except OSError:
-                        continue
-        except OSError:
-            continue
-        if hit:
-            out.append(int(entry.name))
-    return out
-
-
 def stop_cluster(temp_dir: str, grace: float = 3.0) -> None:
     """What `ray stop` does, for this cluster only: SIGTERM, then SIGKILL whatever is left after `grace` s."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        for pid in pids_of(temp_dir):
+        for pid in pids_matching(temp_dir, open_files=True):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while pids_of(temp_dir) and time.monotonic() < deadline:
+        while pids_matching(temp_dir, open_files=True) and time.monotonic() < deadline:
             time.sleep(0.3)
-    assert not pids_of(temp_dir), f"Ray processes of {temp_dir} left running: {pids_of(temp_dir)}"
+    assert not pids_matching(temp_dir, open_files=True), f"Ray processes of {temp_dir} left running: {pids_matching(temp_dir, open_files=True)}"
 
 
 def run_block(commands: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -127,14 +96,6 @@ print(*collections.Counter(a["Address"]["NodeID"] for a in actors).values())
 def token_mode() -> dict[str, str]:
     """The READMEs' rule: with ~/.ray/auth_token, Ray 2.60's `ray start --head` turns token auth on."""
     return {"RAY_AUTH_MODE": "token"} if (Path.home() / ".ray" / "auth_token").exists() else {}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out)], check=True,
-                   capture_output=True, timeout=120)
-    return out
 
 
 @pytest.fixture
@@ -158,7 +119,6 @@ def _trained(out: Path, steps: int) -> None:
 
 # -- the recipes -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_ray_by_hand_two_local_nodes(tiny, ray_temp, tmp_path):
     """examples/multi-node/ray-by-hand: `ray start --head`, `ray start --address`, one `dualrun launch --backend

@@ -11,8 +11,9 @@ import uuid
 import pytest
 
 from conftest import dualrun
+from helpers import pids_matching
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
 
 SLEEPER = """
 import os, sys, time, pathlib
@@ -30,11 +31,6 @@ dist.all_reduce(t)
 pathlib.Path(sys.argv[1], f"done{dist.get_rank()}").write_text(str(t.item()))
 dist.destroy_process_group()
 """
-
-
-def _alive(marker: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    return [p for p in out if int(p) != os.getpid()]
 
 
 def _wait_for(paths, timeout=90):
@@ -55,20 +51,20 @@ def test_signal_stops_every_worker(tmp_path, sig, code):
                              str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for([tmp_path / "up0", tmp_path / "up1"])
-        assert len(_alive(marker)) >= 2
+        assert len(pids_matching(marker)) >= 2
         proc.send_signal(sig)
         start = time.monotonic()
         _, err = proc.communicate(timeout=20)
         assert proc.returncode == code, err
-        while _alive(marker) and time.monotonic() - start < 10:
+        while pids_matching(marker) and time.monotonic() - start < 10:
             time.sleep(0.2)
-        assert _alive(marker) == [], "workers left behind"
+        assert pids_matching(marker) == [], "workers left behind"
         assert time.monotonic() - start < 10
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _alive(marker):
-            os.kill(int(pid), signal.SIGKILL)
+        for pid in pids_matching(marker):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_three_jobs_at_once_do_not_collide(tmp_path):

@@ -9,35 +9,18 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from conftest import REPO
+from helpers import pids_matching
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("restart")
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(root / "tiny")],
-                   check=True, capture_output=True)
-    return root / "tiny"
-
-
 def _workers(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if marker in cmd and "dualrun.rank.bootstrap" in cmd:
-                pids.append(int(entry.name))
-    return pids
+    return pids_matching(marker, "dualrun.rank.bootstrap")
 
 
 def _run_and_kill(tmp_path, tiny, backend, max_failures):

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CODE = """
 from dualrun.rank.resume import activate; activate()
 import sys, torch.distributed
@@ -22,6 +24,7 @@ def _patched(**env: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow
 def test_store_keys_scoped_on_restart_only():
     assert _patched(TORCHELASTIC_RESTART_COUNT="1", TORCHELASTIC_USE_AGENT_STORE="True") == "True"
     assert _patched(TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_USE_AGENT_STORE="True") == "False"

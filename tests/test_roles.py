@@ -207,6 +207,7 @@ def ray_cluster():
     ray.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
 def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
@@ -227,6 +228,7 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
                 if p.get("name", "").startswith("dualrun-big-") and p.get("state") != "REMOVED"]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_every_combination_equal_on_ray_and_local(ray_cluster):
@@ -249,6 +251,7 @@ def test_every_combination_equal_on_ray_and_local(ray_cluster):
     here.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_proxy_on_ray_places_groups_on_their_own_gpus(ray_cluster):
@@ -272,6 +275,7 @@ def test_proxy_on_ray_places_groups_on_their_own_gpus(ray_cluster):
     where.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_slice_moves_one_nth_per_worker(ray_cluster):
@@ -316,6 +320,7 @@ def by_rank(length, i, *args, **kwargs):
     return [args[0][i]], {}
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_a_two_worker_group_all_reduces_in_its_own_process_group(ray_cluster):

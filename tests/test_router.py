@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dualrun.servers import routing
-from test_servers import _free, tiny_assets
+from helpers import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,19 +91,18 @@ def _start_all(servers):
 def _router(replicas, log):
     from dualrun.servers.router import router_argv
 
-    return _start_all([_server("router", router_argv("127.0.0.1", _free(), replicas), log)])[0]
+    return _start_all([_server("router", router_argv("127.0.0.1", free_port(), replicas), log)])[0]
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def engines(tmp_path_factory, tiny):
     """Three CPU-engine replicas of the tiny model, each logging every request it serves."""
     from dualrun.config.model import RoleSpec
     from dualrun.servers.commands import cpu_engine
 
-    tiny = tiny_assets(tmp_path_factory)
     logs = tmp_path_factory.mktemp("engines")
     role = RoleSpec("rollout", 1, 1, server_args=("--verbose",))
-    servers = [_server(f"rollout server {i}", cpu_engine(role, str(tiny / "model"), "127.0.0.1", _free()),
+    servers = [_server(f"rollout server {i}", cpu_engine(role, str(tiny / "model"), "127.0.0.1", free_port()),
                        logs / f"engine{i}.log") for i in range(3)]
     yield _start_all(servers)
     for s in servers:
@@ -200,7 +199,7 @@ def test_weight_transfer_fans_out_with_rank_offsets(tmp_path, world_sizes):
     rec.mkdir()
     names = [f"r{i}" for i in range(len(world_sizes))]
     replicas = _start_all([
-        _server(name, [sys.executable, str(ASSETS / "recording_replica.py"), str(_free()), str(w), str(rec), name],
+        _server(name, [sys.executable, str(ASSETS / "recording_replica.py"), str(free_port()), str(w), str(rec), name],
                 tmp_path / f"{name}.log", env={"REPLICAS": str(len(world_sizes))})
         for name, w in zip(names, world_sizes)])
     router = _router([r.address for r in replicas], tmp_path / "router.log")

@@ -3,8 +3,6 @@ an embedded cluster) and `--backend torchrun` (groups in-process) write the same
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -12,14 +10,6 @@ import pytest
 from conftest import REPO, dualrun
 
 ARGS = ["--num_completions", "2", "--limit", "4", "--max_new_tokens", "8", "--seed", "7", "--orm", "contains_answer"]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out)], check=True,
-                   capture_output=True, timeout=120)
-    return out
 
 
 def test_reward_helpers():
@@ -37,6 +27,7 @@ def test_plan_shows_groups():
     assert "role groups" in res.stdout and "prm        2 worker(s)" in res.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(420)   # torchrun: each of its 2 processes spawns the 2 sampler workers (as Ray starts actors)
 def test_sampling_same_jsonl_on_both_backends(tiny, tmp_path):

@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from test_servers import _gone, tiny_assets
+from conftest import link_tiny
+from helpers import gone, pids_matching
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_assets(tmp_path_factory)
+def tiny(tiny, tmp_path_factory) -> Path:
+    """The shared assets under this module's own path: the teacher's path on a command line marks this module's
+    servers (see conftest.link_tiny)."""
+    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def test_teacher_server_in_its_own_placement_group(ray_cluster, tiny):
     assert not http_ok(f"http://{address}/health")
     assert servers.actors == [] and servers.pgs == []
     time.sleep(1)
-    assert _gone(pid)
+    assert gone(pid)
     assert all(t["state"] == "REMOVED" for t in placement_group_table().values())
 
 
@@ -128,7 +131,7 @@ def test_gkd_with_a_separate_teacher_on_the_ray_backend(tmp_path, tiny):
     """`dualrun launch --backend ray`: the teacher role is its own actor/placement group; the trainers get its
     address, train, and nothing of the job is left afterwards."""
     from conftest import dualrun
-    from ray_helpers import pids_matching, ray_env
+    from ray_helpers import ray_env
 
     from test_separate_torchrun import ASSETS, _teacher_yaml
 

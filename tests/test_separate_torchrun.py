@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun
-from test_servers import _gone, tiny_assets
+from conftest import dualrun, link_tiny
+from helpers import gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -17,8 +17,10 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_assets(tmp_path_factory)
+def tiny(tiny, tmp_path_factory) -> Path:
+    """The shared assets under this module's own path: the teacher's path on a command line marks this module's
+    servers (see conftest.link_tiny)."""
+    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 def _gkd(tmp_path: Path, tiny: Path, config: str, *extra: str):
@@ -40,6 +42,7 @@ def _teacher_yaml(tiny: Path, **extra: str) -> str:
             f"  teacher: {{gpus: 1, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90{more}}}\n")
 
 
+@pytest.mark.slow
 def test_gkd_with_a_separate_teacher_trains_and_cleans_up(tmp_path, tiny):
     proc = _gkd(tmp_path, tiny, _teacher_yaml(tiny))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,17 +54,19 @@ def test_gkd_with_a_separate_teacher_trains_and_cleans_up(tmp_path, tiny):
         assert len(r["losses"]) == 2 and all(x == x and x >= 0 for x in r["losses"])  # finite, trained
     assert ranks[0]["losses"] == ranks[1]["losses"]  # DDP: one loss
     assert f"served by the teacher role at {address} (top-5" in proc.stderr
-    assert _gone(_server_pid(proc.stderr)), "the teacher server must be stopped after the job"
+    assert gone(_server_pid(proc.stderr)), "the teacher server must be stopped after the job"
     assert "job succeeded" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_trainer_crash_stops_the_server(tmp_path, tiny):
     proc = _gkd(tmp_path, tiny, _teacher_yaml(tiny), "--max_steps", "3", "--crash_at_step", "1")
     assert proc.returncode != 0
     assert "crashed on purpose" in proc.stderr
-    assert _gone(_server_pid(proc.stderr))
+    assert gone(_server_pid(proc.stderr))
 
 
+@pytest.mark.slow
 def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, tiny):
     cfg = _teacher_yaml(tiny).replace("health_timeout_s: 90", "health_timeout_s: 3, server_args: [--startup-delay, 60]")
     proc = _gkd(tmp_path, tiny, cfg)
@@ -69,9 +74,10 @@ def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, t
     assert "teacher server 0 did not become healthy within 3 s" in proc.stderr
     assert "--- last lines of its log ---" in proc.stderr and "dualrun engine: loading" in proc.stderr
     assert not list((tmp_path / "out").glob("rank*.json"))
-    assert _gone(_server_pid(proc.stderr))
+    assert gone(_server_pid(proc.stderr))
 
 
+@pytest.mark.slow
 def test_grpo_server_mode_wiring(tmp_path, tiny):
     """The fields the unchanged GRPOConfig ends with: the rollout server's host/port and server mode, only where
     the user left the defaults; the address answers; the server runs on other devices than the trainer."""

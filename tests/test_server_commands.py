@@ -97,6 +97,7 @@ class _HTTPPlugin:
         return "/"
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_local_launcher_and_ray_actor_run_the_placeholder_with_their_python(tmp_path):
     cfg = build_config({**GRPO, "use_cpu": True, "roles": {"train": {"gpus": 1}, "rollout": {"model": "/m", "gpus": 1}},

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ray_helpers import FakeGpuCluster, eventually, pids_matching, ray_env
-from test_servers import tiny_assets
+from conftest import link_tiny
+from helpers import eventually, pids_matching
+from ray_helpers import FakeGpuCluster, ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,8 +24,10 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_assets(tmp_path_factory)
+def tiny(tiny, tmp_path_factory) -> Path:
+    """The shared assets under this module's own path: the teacher's path on a command line marks this module's
+    servers (see conftest.link_tiny)."""
+    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +38,7 @@ def cluster():
 
 
 def _server_pids(tiny: Path) -> list[int]:
-    return [p for p in pids_matching(str(tiny / "teacher")) if "transformers_server" in _cmd(p)]
-
-
-def _cmd(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+    return pids_matching(str(tiny / "teacher"), "transformers_server")
 
 
 def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster) -> subprocess.Popen:

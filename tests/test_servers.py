@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dualrun.servers.process import ServerError, ServerProcess, http_ok
+from helpers import free_port, gone
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,44 +37,13 @@ HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-def tiny_assets(factory) -> Path:
-    """examples/make_tiny_model.py once per session (it does nothing on a complete dir)."""
-    out = factory.getbasetemp() / "tiny"
-    if not (out / "teacher" / "config.json").exists():
-        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(out)],
-                       check=True, capture_output=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_assets(tmp_path_factory)
-
-
-def _free() -> int:
-    from dualrun.ports import free_port
-
-    return free_port()
-
-
 def _standin(tmp_path, delay=0.0, timeout=20.0, **env) -> ServerProcess:
     script = tmp_path / "standin.py"
     script.write_text(STANDIN)
-    port = _free()
+    port = free_port()
     full = dict(os.environ, **env)
     return ServerProcess("teacher server 0", [sys.executable, str(script), str(port), str(delay)], full,
                          "127.0.0.1", port, "/health", timeout, str(tmp_path / "s.log"), stream=None)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:  # a zombie is gone for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return True
 
 
 def test_start_healthy_stop_kills_the_group(tmp_path):
@@ -84,7 +53,7 @@ def test_start_healthy_stop_kills_the_group(tmp_path):
     child = int(next(ln for ln in server.tail().splitlines() if ln.startswith("child pid")).split()[-1])
     pid = server.proc.pid
     server.stop(grace_s=5)
-    assert _gone(pid) and _gone(child), "the server and its helpers must all be gone"
+    assert gone(pid) and gone(child), "the server and its helpers must all be gone"
     assert not http_ok(server.health_url)
     assert "stand-in starting" in (tmp_path / "s.log").read_text()
     server.stop()  # idempotent
@@ -99,7 +68,7 @@ def test_never_healthy_fails_within_timeout_with_log_tail(tmp_path):
     text = str(e.value)
     assert "did not become healthy within 1.5 s" in text and "stand-in starting" in text and "s.log" in text
     server.stop()
-    assert _gone(server.proc.pid)
+    assert gone(server.proc.pid)
 
 
 def test_exit_before_healthy_is_reported_at_once(tmp_path):
@@ -136,7 +105,7 @@ def test_free_port_never_returns_an_avoided_port():
 
 
 def test_missing_command_is_a_server_error(tmp_path):
-    server = ServerProcess("rollout server 0", ["/nonexistent/vllm"], {}, "127.0.0.1", _free())
+    server = ServerProcess("rollout server 0", ["/nonexistent/vllm"], {}, "127.0.0.1", free_port())
     with pytest.raises(ServerError, match="could not start"):
         server.start()
 

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import REPO, loopback_only
 from slurm_helpers import OneNodeSlurm, ensure_installed
-from test_recipes import free_port, pids_of, shell_env, stop_cluster, tiny  # noqa: F401 - tiny is a fixture
+from helpers import free_port, pids_matching
+from test_recipes import shell_env, stop_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SLURM = REPO / "examples" / "multi-node" / "slurm"
@@ -51,7 +52,7 @@ def test_sbatch_recipe_trains(slurm, tiny, tmp_path, backend):
         assert code == 0, log[-5000:] + slurm.logs()
         state = json.loads((out / "trainer_state.json").read_text())
         assert state["global_step"] == 2 and "job succeeded" in log, log[-3000:]
-        assert not pids_of(ray_tmp), f"left running after the job: {pids_of(ray_tmp)}"
+        assert not pids_matching(ray_tmp, open_files=True), f"left running after the job: {pids_matching(ray_tmp, open_files=True)}"
     finally:
         stop_cluster(ray_tmp)
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from dualrun.rank.teacher import RemoteTeacher, topk_to_logits, use_topk_loss  # noqa: E402
 from dualrun.rank.topk_loss import TopK, topk_generalized_jsd_loss  # noqa: E402
-from test_servers import engine, tiny  # noqa: E402,F401 - module fixtures: the CPU engine in this process
+from test_servers import engine  # noqa: E402,F401 - a module fixture: the CPU engine in this process
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from conftest import dualrun
+from helpers import free_port, pids_matching
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -40,6 +39,7 @@ def _ranks(out):
     return [json.loads((out / f"rank{i}.json").read_text()) for i in range(len(list(out.glob("rank*.json"))))]
 
 
+@pytest.mark.slow
 def test_two_ranks_train_together(job):
     proc = dualrun("launch", "--backend", "torchrun", "--config_file", "cpu2.yaml", "w.py", "out", "--x", "1",
                    "--n", "3", "--config_file", "theirs.yaml", "-m", "x", cwd=job, env={"SHOULD_NOT_LEAK": "1"})
@@ -56,14 +56,15 @@ def test_two_ranks_train_together(job):
     assert "job succeeded" in proc.stderr
 
 
+@pytest.mark.slow
 def test_failing_rank_is_named_and_exit_code_kept(job):
     proc = dualrun("launch", "--config_file", "cpu2.yaml", "w.py", "out", "--fail", cwd=job)
     assert proc.returncode == 1
     assert "train rank 1 failed" in proc.stderr and "ValueError: rank one is broken" in proc.stderr
-    leftovers = subprocess.run(["pgrep", "-f", f"dualrun.rank.bootstrap w.py {job.name}"], capture_output=True)
-    assert leftovers.returncode == 1
+    assert not pids_matching(f"dualrun.rank.bootstrap w.py {job.name}")
 
 
+@pytest.mark.slow
 def test_exit_code_of_script_is_the_jobs(job):
     (job / "exit3.py").write_text("import sys, os\nsys.exit(3 if os.environ['RANK'] == '0' else 0)\n")
     proc = dualrun("launch", "--config_file", "cpu2.yaml", "exit3.py", cwd=job)
@@ -71,15 +72,10 @@ def test_exit_code_of_script_is_the_jobs(job):
     assert "train rank 0 failed (exit code 3)" in proc.stderr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(job):
     """The accelerate-style multi-node recipe: the same command with machine_rank 0 and 1."""
-    port = str(_free_port())
+    port = str(free_port())
     cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "cpu2.yaml", "--num_machines", "2",
            "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", port, "w.py", "out"]
     procs = [subprocess.Popen([c.format(rank=r) for c in cmd], cwd=job, stdout=subprocess.PIPE,

@@ -31,6 +31,7 @@ def job(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_plan_and_dry_run_use_the_visible_gpus(job):
     env = {"CUDA_VISIBLE_DEVICES": "3,4", "DUALRUN_CACHE": "0"}
     plan = dualrun("plan", "--json", "--config_file", "gpu2.yaml", cwd=job, env=env)
@@ -59,6 +60,7 @@ def test_unset_means_all_gpus(job):
     assert [p["devices"] for p in json.loads(proc.stdout)["processes"]] == [[0], [1]]
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_torchrun_ranks_run_on_the_visible_gpus(job):

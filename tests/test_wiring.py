@@ -46,6 +46,7 @@ def _probe(env_extra, body, argv=()):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_gkd_colocated_teacher_model_from_config_but_user_value_wins(tmp_path):
     _, env = _settings({"method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": {"gpus": 2, "model": "T"}},

@@ -8,11 +8,11 @@ test, never two at once (about 3.4 GB each)."""
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import pids_matching, tiny_assets
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -26,12 +26,8 @@ SERVER_ENV = "{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_OMP_THREADS_BIND: auto}"
 
 
 def tiny_vllm(factory) -> Path:
-    """A student and a teacher vLLM can serve (head size 32), once per session."""
-    out = factory.getbasetemp() / "tiny-vllm"
-    if not (out / "data" / "gkd.jsonl").exists():
-        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--vllm", "--out", str(out)],
-                       check=True, capture_output=True)
-    return out
+    """A student and a teacher vLLM can serve (head size 32), built once (helpers.tiny_assets)."""
+    return tiny_assets(vllm=True)
 
 
 def server_role(name: str, model: Path, **extra) -> str:
@@ -42,14 +38,10 @@ def server_role(name: str, model: Path, **extra) -> str:
 
 def vllm_processes() -> list[int]:
     """vLLM's engine processes (they rename themselves `VLLM::...`); only this tier runs vLLM on the machine."""
-    from ray_helpers import pids_matching
-
     return pids_matching("VLLM::")
 
 
 def assert_nothing_left(log: str, marker: str) -> None:
     """The job's servers are gone: nothing naming `marker` (the test's model or directory) and no vLLM engine."""
-    from ray_helpers import pids_matching
-
     assert not pids_matching(marker), f"processes naming {marker} are left"
     assert not vllm_processes(), "vLLM engine processes are left"

@@ -1,0 +1,117 @@
+"""What many test modules share: the tiny assets (built once, cached by the builder's content), the leftover-process
+check, a free port and a wait for asynchronous cleanup. One copy of each, so a fix reaches every test."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+from dualrun.ports import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+BUILDER = REPO / "examples" / "make_tiny_model.py"
+
+__all__ = ["cmdline", "eventually", "free_port", "gone", "pids_matching", "tiny_assets"]
+
+
+def _cache_key(vllm: bool) -> str:
+    """The builder's source, this interpreter and its transformers/tokenizers (the vLLM tier's venv pins others)."""
+    h = hashlib.sha1(BUILDER.read_bytes())
+    versions = []
+    for dist in ("transformers", "tokenizers", "torch"):
+        try:
+            versions.append(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            versions.append("-")
+    h.update(repr((sys.executable, versions, vllm)).encode())
+    return h.hexdigest()[:16]
+
+
+def tiny_assets(vllm: bool = False) -> Path:
+    """examples/make_tiny_model.py's output (model, teacher, data), built once and then reused by every test, every
+    xdist worker and later runs until the builder changes. Built beside the cache and renamed into place, so a
+    crashed or concurrent build never leaves a half-made directory. Tests only read it (outputs go elsewhere)."""
+    root = Path(os.environ.get("DUALRUN_TEST_CACHE", Path(tempfile.gettempdir()) / "dualrun-test-cache"))
+    out = root / f"tiny{'-vllm' if vllm else ''}-{_cache_key(vllm)}"
+    if (out / "data" / "gkd.jsonl").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=root))
+    cmd = [sys.executable, str(BUILDER), "--out", str(work / "tiny")] + (["--vllm"] if vllm else [])
+    subprocess.run(cmd, check=True, capture_output=True)
+    try:
+        os.rename(work / "tiny", out)
+    except OSError:   # another worker finished first: its copy is as good
+        if not (out / "data" / "gkd.jsonl").exists():
+            raise
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def cmdline(pid: int) -> str:
+    """The process's command line as one string ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _has_open_file_under(pid: int, prefix: str) -> bool:
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd).startswith(prefix):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def pids_matching(marker: str, *also: str, open_files: bool = False) -> list[int]:
+    """Processes (this one excluded) whose command line contains `marker` (a test's unique path) and every word of
+    `also`; with `open_files`, also those holding a file under `marker` open (Ray's agents rename themselves to
+    `ray::...` but keep their logs open). The one leftover check of the suite: a test that started something asserts
+    this is empty afterwards."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        cmd = cmdline(int(entry.name))
+        hit = marker in cmd and all(word in cmd for word in also)
+        if not hit and open_files and not also:
+            hit = _has_open_file_under(int(entry.name), marker)
+        if hit:
+            out.append(int(entry.name))
+    return out
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: only its parent's wait is missing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def eventually(check: Callable[[], Any], timeout: float = 15.0, every: float = 0.2) -> Any:
+    """The first truthy value of `check()` within `timeout` s (cleanup in Ray is asynchronous), else the last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(every)
