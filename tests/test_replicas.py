@@ -15,7 +15,6 @@ from dualrun.config import build_config
 from dualrun.errors import ConfigError
 from dualrun.plan import ROUTER, Cluster, make_plan
 from dualrun.servers.local import addresses, log_name, phases, replica_addresses, server_command
-from test_servers import tiny  # noqa: F401 - the module's tiny assets fixture
 
 
 def _cfg(teacher: dict, backend: str = "torchrun", **top) -> object:

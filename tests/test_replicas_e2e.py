@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from conftest import dualrun
-from ray_helpers import FakeGpuCluster, eventually, pids_matching, ray_env
-from test_server_watch import STEPS, _cmd, assert_restarted_once
-from test_servers import tiny  # noqa: F401 - the module's tiny assets fixture
+from helpers import cmdline, eventually, pids_matching
+from ray_helpers import FakeGpuCluster, ray_env
+from test_server_watch import STEPS, assert_restarted_once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -94,7 +94,7 @@ def _kill_replica_mid_training(tmp_path: Path, driver: subprocess.Popen, replica
 
 
 def _engines(tiny: Path) -> list[int]:
-    return [p for p in pids_matching(str(tiny / "teacher")) if "transformers_server" in _cmd(p)]
+    return [p for p in pids_matching(str(tiny / "teacher")) if "transformers_server" in cmdline(p)]
 
 
 def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
