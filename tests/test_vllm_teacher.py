@@ -3,14 +3,12 @@ starts the exact `vllm serve` command it builds, health-checks it, the unchanged
 few steps, and the server is stopped with nothing left behind. The two backends log equal losses."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from conftest import dualrun
-from ray_helpers import ray_env
-from vllm_helpers import ASSETS, TIER, assert_nothing_left, server_role, tiny_vllm
+from vllm_helpers import TIER, assert_nothing_left, run_gkd_probe, server_role, tiny_vllm
 
 pytestmark = [*TIER, pytest.mark.timeout(400)]
 
@@ -21,17 +19,8 @@ def tiny(tmp_path_factory):
 
 
 def _gkd(tmp_path, tiny, backend):
-    (tmp_path / "job.yaml").write_text(
-        "use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 1}\n"
-        + server_role("teacher", tiny / "teacher", top_k=5))
-    (tmp_path / "out").mkdir()
-    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
-                   "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
-                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "2",
-                   cwd=tmp_path, env=ray_env(TRL_EXPERIMENTAL_SILENCE="1"), timeout=380)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rank = json.loads((tmp_path / "out" / "rank0.json").read_text())
-    assert rank["teacher"] == "RemoteTeacher" and len(rank["losses"]) == 2
+    proc, rank = run_gkd_probe(tmp_path, tiny, "use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 1}\n"
+                               + server_role("teacher", tiny / "teacher", top_k=5), backend)
     address = re.search(r"teacher: server healthy at ([\d.]+:\d+)", proc.stderr).group(1)
     assert rank["teacher_address"] == address
     assert f"served by the teacher role at {address} (top-5 log-probabilities)" in proc.stderr

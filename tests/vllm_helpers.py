@@ -30,10 +30,30 @@ def tiny_vllm(factory) -> Path:
     return tiny_assets(vllm=True)
 
 
-def server_role(name: str, model: Path, **extra) -> str:
+def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 300, **extra) -> str:
     more = "".join(f", {k}: {v}" for k, v in extra.items())
-    return (f"  {name}: {{gpus: 1, engine: vllm, model: {model}, health_timeout_s: 300, server_args: {SERVER_ARGS}, "
+    return (f"  {name}: {{gpus: {gpus}, engine: vllm, model: {model}, health_timeout_s: {health_timeout_s}, "
+            f"server_args: {SERVER_ARGS}, "
             f"env: {SERVER_ENV}{more}}}\n")
+
+
+def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "torchrun", timeout: int = 380):
+    """The unchanged GKD probe script (2 steps) under `job_yaml`: the finished process and rank 0's report."""
+    import json
+
+    from conftest import dualrun
+    from ray_helpers import ray_env
+
+    (tmp_path / "job.yaml").write_text(job_yaml)
+    (tmp_path / "out").mkdir()
+    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
+                   "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
+                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "2",
+                   cwd=tmp_path, env=ray_env(TRL_EXPERIMENTAL_SILENCE="1"), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rank = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert rank["teacher"] == "RemoteTeacher" and len(rank["losses"]) == 2
+    return proc, rank
 
 
 def vllm_processes() -> list[int]:
