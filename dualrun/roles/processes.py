@@ -21,7 +21,7 @@ import threading
 import time
 import types
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 from dualrun.errors import killed_by
 from dualrun.roles.context import RemoteFailure, WorkerError, method_name
@@ -131,7 +131,7 @@ class ProcessWorkers:
     def _sentinels(self) -> list[Any]:
         return [p.sentinel for p in self.procs]
 
-    def _died(self, rank: int, method: str) -> None:
+    def _died(self, rank: int, method: str) -> NoReturn:
         """A worker ended: stop every worker, then raise naming the one that died (the first gone, else `rank`)."""
         end = time.monotonic() + GRACE_S   # its exit follows its pipe closing within moments
         while not any(p.exitcode is not None for p in self.procs) and time.monotonic() < end:
@@ -158,14 +158,12 @@ class ProcessWorkers:
         from multiprocessing.connection import wait
 
         conn = self.conns[rank]
-        while True:
-            ready = wait([conn, *self._sentinels()])
-            if conn in ready:
-                try:
-                    return pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    self._died(rank, name)
-            self._died(rank, name)
+        if conn in wait([conn, *self._sentinels()]):   # else a worker ended first: `_died` raises
+            try:
+                return pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                pass
+        self._died(rank, name)
 
     # -- calling ---------------------------------------------------------------------------------------
     def submit(self, method: Any, calls: Calls, collect: CollectFn) -> GroupFuture:

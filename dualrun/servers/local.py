@@ -19,7 +19,6 @@ from dualrun.errors import LaunchError
 from dualrun.plan import AUTO, ROUTER, Plan, Process
 from dualrun.servers.process import ServerError, ServerProcess
 
-_PORT_IN_USE = ("address already in use", "errno 98")
 
 
 def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
@@ -171,8 +170,7 @@ class LocalServers:
                 server.wait_healthy(deadline)
                 return server
             except ServerError as e:
-                lost_port = any(s in e.tail.lower() for s in _PORT_IN_USE)
-                if not lost_port or attempt == 2:
+                if not e.lost_port or attempt == 2:
                     raise
                 server.stop()  # the free port was taken between picking and binding it: pick another
                 server = self._spawn(index, proc, replicas)

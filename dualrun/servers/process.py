@@ -23,6 +23,9 @@ from dualrun.parent_death import terminate_with_parent
 TAIL_LINES = 30
 
 
+_PORT_IN_USE = ("address already in use", "errno 98")
+
+
 class ServerError(RuntimeError):
     """A server failed to start or to become healthy; the message ends with the tail of its log."""
 
@@ -34,6 +37,11 @@ class ServerError(RuntimeError):
         if tail.strip():
             text += "\n--- last lines of its log ---\n" + tail.rstrip()
         super().__init__(text)
+
+    @property
+    def lost_port(self) -> bool:
+        """Whether it failed because its free port was taken between picking and binding it (pick another)."""
+        return any(s in self.tail.lower() for s in _PORT_IN_USE)
 
     def one_line(self) -> str:
         last = next((ln for ln in reversed(self.tail.strip().splitlines()) if ln.strip()), "")

@@ -27,8 +27,6 @@ from typing import Any, Callable, Collection, Mapping
 from dualrun.protocol import ActorPlace, ServerStart
 from dualrun.servers.process import ServerError, ServerProcess
 
-_PORT_IN_USE = ("address already in use", "errno 98")
-
 
 class ServerActor:
     """One server on the actor's node. Threaded actor: `stop` may run while `start` still waits for health."""
@@ -59,7 +57,7 @@ class ServerActor:
             self.server.start().wait_healthy()
         except ServerError as e:
             self.server.stop()
-            return ServerStart(False, error=str(e), port_in_use=any(s in e.tail.lower() for s in _PORT_IN_USE))
+            return ServerStart(False, error=str(e), port_in_use=e.lost_port)
         return ServerStart(True, self.server.address, self.server.proc.pid if self.server.proc else None)
 
     def alive(self) -> bool:
