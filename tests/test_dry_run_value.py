@@ -37,10 +37,11 @@ def _printed_env(lines: list[str]) -> dict[str, str]:
     return out
 
 
-def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path):
+def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path, monkeypatch):
     from dualrun.envspec import REDACTED, redact
     from dualrun.launchers.base import join_cmd
 
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # torchrun's rule: 1 when a node runs several processes
     launcher, plan = _launcher("torchrun", tmp_path, args=("--lr", "1"))
     prepared = launcher.prepare(plan)
     text = launcher.describe(prepared).splitlines()
@@ -49,6 +50,7 @@ def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path):
     assert text[-1].strip() == join_cmd(prepared.argv)
     assert prepared.env["MY_FLAG"] == "on" and _printed_env(env_lines)["HF_TOKEN"] == REDACTED
     assert prepared.argv[-2:] == ("--lr", "1")
+    assert _printed_env(env_lines)["OMP_NUM_THREADS"] == "1"
 
 
 def test_ray_dry_run_prints_each_prepared_rank_env(tmp_path):

@@ -157,6 +157,27 @@ def test_engine_generates_and_reports_models(engine):
     assert http_ok(f"http://{address}/health") and http_ok(f"http://{address}/get_world_size")
 
 
+def test_engine_stats_count_what_it_served(engine):
+    """`GET /engine/stats`: what the router tests and the replica benchmark read to see every replica got work."""
+    import json
+    import urllib.request
+
+    from dualrun.engines.transformers_server import STATS_PATH
+    from dualrun.rank.teacher import teacher_client
+
+    _, address = engine
+
+    def stats() -> dict:
+        with urllib.request.urlopen(f"http://{address}{STATS_PATH}", timeout=10) as r:
+            return json.loads(r.read())
+
+    before = stats()
+    teacher_client(f"http://{address}").generate([[1, 5, 9], [2, 4]], n=1, max_tokens=3)
+    after = stats()
+    assert after["completions"] == before["completions"] + 1 and after["prompts"] == before["prompts"] + 2
+    assert after["completion_tokens"] > before["completion_tokens"]
+
+
 def test_remote_teacher_equals_the_local_teacher_cut_to_top_k(engine, tiny):
     """Left padding, a masked row tail, several rows: each position gets the teacher's top-k plus the tail."""
     import torch
