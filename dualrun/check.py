@@ -6,15 +6,16 @@ node once (a zero-CPU task pinned to it, under the config's runtime_env), compar
 one line per problem (exit 1) or a table of the nodes (exit 0). On torchrun the same for this machine: the
 packages, its GPUs against the plan, the ports the plan binds here, and the route to the master address.
 
-Ports: servers and rank 0 take free ports, so the plan fixes a port only where the config does - torchrun's
-`main_process_port` (29500 when several machines rendezvous) on machine 0, and a `--port` in a server role's
-`server_args` on the node the plan puts that server. Each is checked on its node, on Ray by the same probe.
+Ports: servers and rank 0 take free ports, so the plan fixes a port only where the config does: rank 0's
+`main_process_port` (on torchrun 29500 when several machines rendezvous), on machine 0 (torchrun) or on the node
+the plan puts rank 0 (Ray; its placement group decides the final node). A server's port is never fixed: a
+`--port` in `server_args` is a config error (dualrun.servers.commands.validate_server_role).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from dualrun.config.model import JobConfig
 from dualrun.errors import DualrunError
@@ -61,27 +62,13 @@ def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
     return [f"{node.name}: {p}" for p in out]
 
 
-def explicit_port(args: Sequence[str]) -> int | None:
-    """The port a `--port N` / `--port=N` in a server's extra arguments fixes (the last wins, as in argparse)."""
-    port = None
-    for i, arg in enumerate(args):
-        value = args[i + 1] if arg == "--port" and i + 1 < len(args) else (
-            arg.split("=", 1)[1] if arg.startswith("--port=") else None)
-        if value is not None and value.isdigit():
-            port = int(value)
-    return port
-
-
-def server_ports(cfg: JobConfig, plan: Plan | None) -> dict[int, dict[int, str]]:
-    """Pure: node index -> {port: which server} for the servers whose `server_args` fix their port."""
-    out: dict[int, dict[int, str]] = {}
-    for proc in plan.servers if plan else ():
-        for name in proc.roles:
-            role = cfg.role(name)
-            port = explicit_port(role.server_args) if role else None
-            if port is not None:
-                out.setdefault(proc.node, {})[port] = f"{proc.label}: roles.{name}.server_args --port"
-    return out
+def rank0_ports(cfg: JobConfig, plan: Plan | None) -> dict[int, dict[int, str]]:
+    """Pure, Ray: node index -> {port: who} for `main_process_port`, which rank 0 binds as MASTER_PORT there."""
+    port = cfg.main_process_port
+    rank0 = next((p for p in plan.workers if p.rank == 0), None) if plan else None
+    if port is None or rank0 is None:
+        return {}
+    return {rank0.node: {port: f"{rank0.label}: main_process_port"}}
 
 
 def table(nodes: list[NodeReport]) -> str:
@@ -141,7 +128,7 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
         gcs = ray.get_runtime_context().gcs_address
         host, _, port = gcs.rpartition(":")
         probe = ray.remote(num_cpus=0, max_retries=0)(facts)
-        fixed = server_ports(cfg, plan)
+        fixed = rank0_ports(cfg, plan)
         refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
                 .remote(_directory(cfg), [(host, int(port))], list(fixed.get(i, {}))) for i, n in enumerate(raw)]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PROBE_TIMEOUT_S)
@@ -170,14 +157,12 @@ def check_torchrun(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
     """This machine (machine_rank) against the plan, and the master address from here."""
     problems: list[str] = []
     plan = _plan(cfg, None, problems)
-    fixed = server_ports(cfg, plan).get(cfg.machine_rank, {})
-    here = facts(os.getcwd(), ports=list(fixed))
+    here = facts(os.getcwd())
     for name in CHECKED_PACKAGES:
         if here["versions"][name] is None:
             problems.append(f"this machine: {name} is not installed")
     gpus = 0 if cfg.use_cpu else _local_gpus()
-    node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here,
-                      ports=fixed)
+    node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here)
     problems += compare(here, node)
     master = cfg.main_process_ip or "127.0.0.1"
     if cfg.machine_rank == 0 and (cfg.main_process_port or cfg.num_machines > 1):

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from conftest import dualrun
-from dualrun.check import NodeReport, compare, explicit_port, server_ports
+from dualrun.check import NodeReport, compare, rank0_ports
 from dualrun.node_facts import facts
 from ray_helpers import ray_env
 
@@ -31,25 +31,35 @@ def test_compare_names_each_difference_once():
     assert compare(driver, NodeReport("n", 0, 0, facts())) == []
 
 
-def test_only_ports_the_config_fixes_are_checked_on_the_node_of_their_server():
+def test_only_the_port_the_config_fixes_is_checked_on_rank_0s_node():
     from dualrun.config.load import build_config
     from dualrun.plan import Cluster, make_plan
 
-    assert explicit_port(["--port", "81", "--x", "--port=82"]) == 82 and explicit_port(["--portx", "1"]) is None
-    cfg = build_config({"backend": "ray", "method": "grpo", "roles": {
-        "train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m", "server_args": ["--port", "4242"]}}}, "x.yaml")
-    plan = make_plan(cfg, Cluster.uniform(2, 1))
-    node = next(p.node for p in plan.servers)
-    assert server_ports(cfg, plan) == {node: {4242: "rollout server 0: roles.rollout.server_args --port"}}
-    free = build_config({"method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m"}}},
-                        "y.yaml")
-    assert server_ports(free, make_plan(free, Cluster.uniform(1, 2))) == {}   # servers take free ports
+    fixed = build_config({"backend": "ray", "main_process_port": 4242, "roles": {"train": {"gpus": 2}}}, "x.yaml")
+    plan = make_plan(fixed, Cluster.uniform(2, 1))
+    node = next(p.node for p in plan.workers if p.rank == 0)
+    assert rank0_ports(fixed, plan) == {node: {4242: "train rank 0: main_process_port"}}
+    free = build_config({"backend": "ray", "method": "grpo", "roles": {"train": {"gpus": 1},
+                                                                      "rollout": {"gpus": 1, "model": "m"}}}, "y.yaml")
+    assert rank0_ports(free, make_plan(free, Cluster.uniform(1, 2))) == {}   # rank 0 and servers take free ports
+    assert rank0_ports(fixed, None) == {}                                      # no plan: nothing to place it on
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         port = busy.getsockname()[1]
         here = facts(ports=[port])
-    problems = compare(facts(), NodeReport("node 1 10.0.0.2", 1, 1, here, ports={port: "rollout server 0"}))
-    assert problems == [f"node 1 10.0.0.2: port {port} (rollout server 0) is not free there (Address already in use)"]
+    problems = compare(facts(), NodeReport("node 1 10.0.0.2", 1, 1, here, ports={port: "train rank 0"}))
+    assert problems == [f"node 1 10.0.0.2: port {port} (train rank 0) is not free there (Address already in use)"]
+
+
+def test_a_server_port_in_server_args_is_a_config_error_not_a_probe(tmp_path):
+    (tmp_path / "p.yaml").write_text("use_cpu: true\nmethod: grpo\nroles: {train: {gpus: 1}, rollout: {gpus: 1, "
+                                     "model: m, server_args: [--port, '4242']}}\n")
+    proc = dualrun("check", "--config_file", "p.yaml", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "dualrun: error: p.yaml: roles.rollout.server_args: expected no --port (dualrun gives each server a free "
+        "port and wires the trainers to it), got --port 4242 (for a server you run yourself: "
+        "`roles.rollout.address: host:port`)"]
 
 
 @pytest.mark.e2e
@@ -112,20 +122,19 @@ def test_ray_check_passes_then_finds_the_planted_version_mismatch(tmp_path, clus
     assert short.returncode == 1 and "plan:" in short.stdout and "roles.train.gpus" in short.stdout, short.stdout
     c.add_node(**planted)
     c.wait_for_nodes()
-    with socket.socket() as busy:   # a port the config fixes for the rollout server, held on this machine
+    with socket.socket() as busy:   # the port the config fixes for rank 0 (MASTER_PORT), held on this machine
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        (tmp_path / "two.yaml").write_text(f"backend: ray\nray: {{address: '{c.address}'}}\nmethod: grpo\nroles:\n"
-                                           f"  train: {{gpus: 1}}\n  rollout: {{gpus: 1, model: m, server_args: "
-                                           f"[--port, '{port}']}}\n")
+        (tmp_path / "two.yaml").write_text(f"backend: ray\nray: {{address: '{c.address}'}}\nmain_process_port: "
+                                           f"{port}\nroles: {{train: {{gpus: 1}}}}\n")
         two = dualrun("check", "--config_file", "two.yaml", cwd=tmp_path, env=ray_env(), timeout=120)
     lines = two.stdout.strip().splitlines()
     assert two.returncode == 1 and len(lines) == 2, two.stdout + two.stderr
     assert any(line.startswith("dualrun check: node 1 127.0.0.1: trl 0.0.1, the driver has ") for line in lines)
     assert any(line.startswith("dualrun check: node ") and line.endswith(
-        f": port {port} (rollout server 0: roles.rollout.server_args --port) is not free there "
-        "(Address already in use)") for line in lines), lines
+        f": port {port} (train rank 0: main_process_port) is not free there (Address already in use)")
+        for line in lines), lines
 
 
 def test_ray_check_names_an_unreachable_cluster(tmp_path):

@@ -42,6 +42,29 @@ BAD = [
      "colocate_groups[0]", "equal gpus"),
     ("grpo", {"roles": {"train": {"gpu_ids": [0, 1]}, "rollout": {**R, "gpu_ids": [1]}}}, "roles.rollout.gpu_ids",
      "must not share GPUs"),
+    # flags dualrun sets on the server's command line: a second one would win (argparse) and miswire the trainers
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--max-model-len", "64", "--port",
+                                                                              "9000"]}}},
+     "roles.rollout.server_args", "expected no --port (dualrun gives each server a free port and wires the trainers "
+     "to it), got --port 9000 (for a server you run yourself: `roles.rollout.address: host:port`)"),
+    ("gkd", {"roles": {"train": {"gpus": 1}, "teacher": {**T, "server_args": ["--port=9000"]}}},
+     "roles.teacher.server_args", "got --port=9000"),
+    ("gkd", {"use_cpu": True, "roles": {"train": {"gpus": 1}, "teacher": {**T, "server_args": ["--host", "0.0.0.0"]}}},
+     "roles.teacher.server_args", "no --host"),
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--model=/other"]}}},
+     "roles.rollout.server_args", "no --model (dualrun passes `roles.rollout.model`)"),
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "gpus": 2, "server_args": ["-tp", "2"]}}},
+     "roles.rollout.server_args", "`roles.rollout.tensor_parallel_size` and sizes the replicas by it), got -tp 2"),
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--tensor_parallel_size=1"]}}},
+     "roles.rollout.server_args", "no --tensor-parallel-size"),
+    ("gkd", {"roles": {"train": {"gpus": 1}, "teacher": {**T, "gpus": 2, "server_args": ["--data-parallel-size",
+                                                                                         "2"]}}},
+     "roles.teacher.server_args", "(dualrun passes `roles.teacher.data_parallel_size`"),
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--portable", "--hostname", "x",
+                                                                              "--model-impl", "vllm"]}}},
+     None, None),  # other flags that only start like dualrun's pass through
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {"address": "h:1", "server_args": ["--port", "2"]}}},
+     None, None),  # a server the user runs: dualrun builds no command line for it
 ]
 
 

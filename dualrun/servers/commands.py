@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from typing import Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.envinfo import vllm_cpu_only
@@ -107,6 +108,31 @@ def replica_count(cfg: JobConfig, role: RoleSpec) -> int:
     return max(1, (role.gpus or role.processes) // engine_size(cfg, role))
 
 
+# The flags dualrun itself puts on a server's command line (the builders above), and the key that sets each.
+# The same flag again in `server_args` would win (argparse: the last one), and the trainers would be wired to
+# a port, host or model the server no longer has. vLLM's parser takes `_` for `-` and these short aliases too.
+OWN_FLAGS: dict[str, str] = {
+    "--port": "dualrun gives each server a free port and wires the trainers to it",
+    "--host": "dualrun binds each server to the address it gives the trainers",
+    "--model": "dualrun passes `roles.<role>.model`",
+    "--tensor-parallel-size": "dualrun passes `roles.<role>.tensor_parallel_size` and sizes the replicas by it",
+    "--data-parallel-size": "dualrun passes `roles.<role>.data_parallel_size` and sizes the replicas by it",
+}
+_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}
+
+
+def own_flag(args: Sequence[str]) -> tuple[str, str] | None:
+    """Pure: (the argument as written, the flag it is) for the first of `OWN_FLAGS` in `args`, in either form
+    (`--port N`, `--port=N`, `--tensor_parallel_size`, `-tp 2`); None when there is none."""
+    for i, arg in enumerate(args):
+        name = arg.split("=", 1)[0]
+        flag = _ALIASES.get(name) or ("--" + name[2:].replace("_", "-") if name.startswith("--") else name)
+        if flag in OWN_FLAGS:
+            value = args[i + 1] if "=" not in arg and i + 1 < len(args) else None
+            return (arg if value is None or value.startswith("-") else f"{arg} {value}"), flag
+    return None
+
+
 def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     """Rules every separate role that dualrun starts a server for must meet (a user-run `address:` skips them)."""
     from dualrun.errors import ConfigError
@@ -114,6 +140,12 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     if role.address:
         return
     key = f"roles.{role.name}"
+    found = own_flag(role.server_args)
+    if found:
+        arg, flag = found
+        why = OWN_FLAGS[flag].replace("<role>", role.name)
+        yours = f"for a server you run yourself: `{key}.address: host:port`" if flag in ("--port", "--host") else ""
+        raise ConfigError(cfg.source, f"{key}.server_args", f"no {flag} ({why})", arg, hint=yours)
     if not role.model:
         raise ConfigError(cfg.source, f"{key}.model", f"the model path the {role.name} server serves ({serves})",
                           hint=f"or `{key}.address: host:port` of a server you started yourself")
