@@ -28,12 +28,10 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
             out: TextIO | None = None) -> JobResult:
     out = out or sys.stderr
     started = time.monotonic()
-    from dualrun.roles.driver import is_role_job, local_config
+    from dualrun.roles.driver import is_role_job
 
-    if is_role_job(program, plugin):  # a role program (docs/roles.md): once as the Ray driver, or
-        if cfg.backend == "ray":      # in every torchrun process with its groups in-process
-            return _run_role_driver(cfg, program, plugin, dry_run)
-        cfg = local_config(cfg)
+    if is_role_job(program, plugin):  # a role program (docs/roles.md): once, as the driver of its groups
+        return _run_role_driver(cfg, program, plugin, dry_run)
     launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
     # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address
@@ -77,9 +75,11 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
 
 
 def _run_role_driver(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bool) -> JobResult:
-    """A role program on Ray: one driver process, no plan of ranks and no accelerate env of its own to prepare."""
+    """A role program: one driver process, no plan of ranks and no accelerate env of its own to prepare."""
     from dualrun.launchers.roles import RoleDriverLauncher
+    from dualrun.roles.driver import check_role_job
 
+    check_role_job(cfg)
     launcher = RoleDriverLauncher(cfg, program, plugin=plugin)
     prepared = launcher.prepare()
     if dry_run:

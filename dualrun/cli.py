@@ -96,6 +96,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from dualrun.plan import make_plan
 
     cfg, plugin = _load(ns)
+    if getattr(plugin, "single_controller", False):   # what runs is the driver and its groups, not ranks
+        return _plan_role_program(cfg, ns.json)
     cluster = None
     if cfg.backend == "ray":
         from dualrun.raycluster import live_cluster
@@ -106,10 +108,25 @@ def cmd_plan(ns: argparse.Namespace) -> int:
                               cfg.ray.address)
     plan = make_plan(cfg, cluster)
     print(plan.to_json() if ns.json else plan.table())
-    if getattr(plugin, "single_controller", False) and not ns.json:
-        from dualrun.roles.spec import groups_table, spec_from_config
+    return 0
 
-        print(groups_table(spec_from_config(cfg)))
+
+def _plan_role_program(cfg: Any, as_json: bool) -> int:
+    """A single-controller method (docs/roles.md): the one driver and each group's workers, as a launch starts."""
+    import json
+    from dataclasses import asdict
+
+    from dualrun.roles.driver import check_role_job, roles_mode
+    from dualrun.roles.spec import groups_table, spec_from_config
+
+    check_role_job(cfg)
+    spec = spec_from_config(cfg)
+    if as_json:
+        print(json.dumps({"backend": cfg.backend, "method": cfg.method, "config": cfg.source, "role_program": {
+            "runs": "once, as the driver", "groups_mode": roles_mode(cfg),
+            "groups": [asdict(g) for g in spec.groups]}}, indent=2))
+    else:
+        print(groups_table(spec, cfg.backend))
     return 0
 
 

@@ -6,8 +6,8 @@ The same file runs unchanged everywhere (it is a role program, see docs/roles.md
     dualrun launch --backend ray      --config_file configs/sampling_cpu.yaml examples/sampling.py --model M ...
     dualrun launch --backend torchrun --config_file configs/sampling_cpu.yaml examples/sampling.py --model M ...
 
-With Ray the sampler/prm/orm groups are actors on their roles' devices; otherwise each worker of a group of
-several is a child process of this one (a group of one runs in this process).
+It runs once, as the driver; with Ray the sampler/prm/orm groups are actors on their roles' devices, otherwise
+each worker of a group of several is a child process of this one (a group of one runs in this process).
 `--prm` / `--orm` take a model path or a reward function (`contains_answer`, `step_length`, `pkg.mod:fn`).
 A role's `model:` in the config is the default for --model / --prm / --orm.
 """
@@ -46,12 +46,11 @@ def main() -> None:
     samples = run_sampling(rows, model, args.num_completions, args.max_new_tokens, args.temperature, args.seed,
                            prm=args.prm or role_model("prm"), orm=args.orm or role_model("orm"),
                            engine=runtime.spec.group("sampler").engine if runtime.spec.group("sampler") else None)
-    if os.environ.get("RANK", "0") == "0":  # under torchrun every process samples; one writes
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            for row in samples:
-                f.write(json.dumps(row, sort_keys=True) + "\n")
-        print(f"wrote {len(samples)} scored completions of {len(rows)} prompts to {args.out}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)   # the program runs once, on any backend
+    with open(args.out, "w", encoding="utf-8") as f:
+        for row in samples:
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+    print(f"wrote {len(samples)} scored completions of {len(rows)} prompts to {args.out}")
     dualrun.shutdown()
 
 

@@ -1,8 +1,10 @@
-"""The role-program launcher (`dualrun launch --backend ray` of a single-controller program, docs/roles.md).
+"""The role-program launcher (`dualrun launch` of a single-controller program, docs/roles.md), both backends.
 
-A role program runs once, as the driver of the Ray job: its worker classes become actor groups placed by the
-config's roles (dualrun.roles). So this launcher starts one local process, `python -m dualrun.rank.bootstrap ...`,
-with `DUALRUN_ROLES_MODE=ray` and the groups in `DUALRUN_ROLES_SPEC`; the program itself joins Ray.
+A role program runs once, as the driver: its worker classes become groups placed by the config's roles
+(dualrun.roles) - Ray actors on `--backend ray`, child processes of the driver under `--backend torchrun` - so
+each group is started once, as in Ray Train or ms-swift's Ray helper. This launcher starts one local process,
+`python -m dualrun.rank.bootstrap ...`, with `DUALRUN_ROLES_MODE` (`ray` / `local`) and the groups in
+`DUALRUN_ROLES_SPEC`; the program itself joins Ray or spawns its local workers.
 """
 from __future__ import annotations
 
@@ -14,12 +16,12 @@ from dualrun.envspec import redact_value
 from dualrun.launchers.base import JobResult, Launcher, Prepared, RankResult, bootstrap_cmd, join_cmd
 from dualrun.plan import Plan
 from dualrun.protocol import ROLES_MODE, ROLES_SPEC
-from dualrun.roles.driver import driver_env
+from dualrun.roles.driver import driver_env, roles_mode
 from dualrun.roles.spec import groups_table, spec_from_config
 
 
 class RoleDriverLauncher(Launcher):
-    name = "ray-roles"
+    name = "roles"
 
     def prepare(self, plan: Plan | None = None) -> Prepared:
         """The driver's command and its whole env (ours, the plan's common env, the groups)."""
@@ -27,15 +29,20 @@ class RoleDriverLauncher(Launcher):
 
         return Prepared(plan, tuple(bootstrap_cmd(self.program)), driver_env(self.cfg, self.run_id), os.getcwd())
 
+    def table(self) -> str:
+        """What runs: the driver and its groups (the first line of a launch; `dualrun plan` prints the same)."""
+        return groups_table(spec_from_config(self.cfg), self.cfg.backend)
+
     def describe(self, prepared: Prepared) -> str:
-        return (f"{groups_table(spec_from_config(self.cfg))}\n"
-                "# dualrun dry run: backend=ray, role program run once as the driver; nothing was started\n"
+        return (f"{self.table()}\n"
+                f"# dualrun dry run: backend={self.cfg.backend}, role program run once as the driver "
+                f"({prepared.env[ROLES_MODE]} groups); nothing was started\n"
                 f"{ROLES_MODE}={prepared.env[ROLES_MODE]} "
                 f"{ROLES_SPEC}='{redact_value(ROLES_SPEC, prepared.env[ROLES_SPEC])}' {join_cmd(prepared.argv)}")
 
     def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
         """Run the driver to its end; the job's exit code is the driver's."""
-        print(f"dualrun: {groups_table(spec_from_config(self.cfg))}", file=sys.stderr, flush=True)
+        print(f"dualrun: {self.table()}", file=sys.stderr, flush=True)
         start = time.monotonic()
         proc = subprocess.run(list(prepared.argv), env=dict(prepared.env), cwd=prepared.cwd)
         wall = time.monotonic() - start

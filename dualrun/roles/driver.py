@@ -3,8 +3,9 @@
 A *role program* is a single controller: its worker classes become actor groups placed by the config's roles.
 `dualrun launch` recognises one (a `@dualrun.worker` / `@worker` class, a `dualrun.init(...)` or `WorkerGroup(...)`
 call, a module-level `DUALRUN_ROLE_PROGRAM = True`, or a method plugin with `single_controller = True`) and
-runs it in one process with `DUALRUN_ROLES_MODE=ray` and the groups in `DUALRUN_ROLES_SPEC`. Under torchrun
-(or plain python) the same file runs in every process and its groups are local.
+runs it once, in one process, with the groups in `DUALRUN_ROLES_SPEC`: `DUALRUN_ROLES_MODE=ray` (groups are
+actors) on Ray, `local` (groups are child processes of the driver) under torchrun - the same single controller
+as Ray Train's or ms-swift's driver, so each group is started once, whatever the primary role's size.
 """
 from __future__ import annotations
 
@@ -56,15 +57,19 @@ def is_role_job(program: Any, plugin: Any) -> bool:
     return not program.module and is_role_program(program.target)
 
 
-def local_config(cfg: Any) -> Any:
-    """torchrun: a role program runs in the first role's processes with every group in-process, so the other
-    roles are not separate servers; the groups travel in `DUALRUN_ROLES_SPEC`."""
-    from dataclasses import replace
+def roles_mode(cfg: Any) -> str:
+    """`ray` on the Ray backend, else `local` (torchrun, python): what `DUALRUN_ROLES_MODE` the driver gets."""
+    return "ray" if cfg.backend == "ray" else "local"
 
-    from dualrun.config.model import frozen_map
 
-    env = {**cfg.env, ROLES_SPEC: spec_from_config(cfg).to_json(), ROLES_MODE: "local"}
-    return replace(cfg, roles=(cfg.primary,), colocate_groups=(), env=frozen_map(env))
+def check_role_job(cfg: Any) -> None:
+    """Layouts a role program cannot run: local groups are processes of this machine, so torchrun on several."""
+    if roles_mode(cfg) == "local" and cfg.num_machines > 1:
+        from dualrun.errors import ConfigError
+
+        raise ConfigError(cfg.source, "num_machines", "1 for a role program under torchrun (it runs once; its "
+                          "groups are processes of this machine)", cfg.num_machines,
+                          hint="use --backend ray to place its groups on several machines")
 
 
 def driver_env(cfg: Any, run_id: str) -> dict[str, str]:
@@ -73,6 +78,6 @@ def driver_env(cfg: Any, run_id: str) -> dict[str, str]:
 
     env = dict(os.environ)
     env.update({k: (run_id if v == AUTO else v) for k, v in make_plan(cfg).env.items()})
-    env[ROLES_MODE] = "ray"
+    env[ROLES_MODE] = roles_mode(cfg)
     env[ROLES_SPEC] = spec_from_config(cfg).to_json()
     return env

@@ -106,11 +106,20 @@ def load_spec(config: Any = None) -> RolesSpec:
     return spec_from_config(config)
 
 
-def groups_table(spec: RolesSpec) -> str:
-    """What `dualrun plan` prints for a role program: each group, its workers and devices."""
-    lines = ["role groups (single controller; each worker an actor on Ray, a local process otherwise; one worker: in-process):"]
+def groups_table(spec: RolesSpec, backend: str = "ray") -> str:
+    """What `dualrun plan` and a launch print for a role program: the one driver, each group, its workers and
+    devices (docs/roles.md: the program runs once; its groups are started once)."""
+    ray = backend == "ray"
+    where = ("each worker a Ray actor on its role's devices" if ray else
+             "each worker a child process of the driver on this machine (a group of one worker: in the driver)")
+    lines = [f"role program: runs once, as the {'Ray ' if ray else ''}driver on this machine; its groups ({where}):"]
     for g in spec.groups:
-        dev = f"{g.gpus} GPU(s), one per worker" if g.gpus else f"{g.size} CPU worker(s)"
+        if g.gpus and (ray or not g.devices):
+            dev = f"{g.gpus} GPU(s), one per worker"
+        elif g.gpus:
+            dev = "GPU " + ",".join(map(str, g.devices))
+        else:
+            dev = f"{g.size} CPU worker(s)"
         shared = f"  shares devices with {', '.join(r for r in g.unit if r != g.name)}" if len(g.unit) > 1 else ""
         lines.append(f"  {g.name:<10} {g.size} worker(s), {dev}{shared}")
     return "\n".join(lines)
