@@ -369,3 +369,47 @@ def test_local_workers_get_their_groups_rendezvous():
     assert [c.rank for c in ctxs] == [0, 1] and {c.world_size for c in ctxs} == {2}
     assert len({(c.master_addr, c.master_port) for c in ctxs}) == 1 and ctxs[0].master_port
     assert group.run(lambda ctx, x: x, [5, 7], dispatch=by_rank) == [5, 7]
+    # docs/roles.md: a group of several workers gets copies of the arguments (as on Ray), a group of one the
+    # caller's objects themselves
+    batch = [1, 2]
+    assert group.run(lambda ctx, xs: xs.append(9) or xs, batch) == [[1, 2, 9], [1, 2, 9]] and batch == [1, 2]
+    one = dualrun.WorkerGroup(lambda: None, "c", runtime=runtime)
+    assert one.size == 1 and one.run(lambda obj, xs: xs.append(9), batch) == [None] and batch == [1, 2, 9]
+
+
+THREAD_MADE_GROUP = """
+import json, os, threading, time
+import dualrun
+from dualrun.roles.runtime import Runtime
+from dualrun.roles.spec import load_spec
+runtime = Runtime(load_spec({"use_cpu": True, "roles": {"a": {"processes": 2}}}), "local")
+made = {}
+maker = threading.Thread(target=lambda: made.update(group=dualrun.WorkerGroup(lambda: None, "a", runtime=runtime)))
+maker.start()
+maker.join()
+time.sleep(1.0)
+print(json.dumps(made["group"].run(lambda obj: os.getpid())), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_a_group_made_in_a_thread_outlives_the_thread_but_not_the_process():
+    """Local workers watch the process that made their group, not the thread (PR_SET_PDEATHSIG's unit)."""
+    import json
+    import signal
+    import subprocess
+
+    from helpers import eventually, gone
+
+    proc = subprocess.Popen([sys.executable, "-c", THREAD_MADE_GROUP], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()   # the maker thread has ended: its workers still answer
+        pids = json.loads(line) if line else []
+        assert len(set(pids)) == 2, f"the group's workers did not survive their thread: {line!r}"
+    finally:
+        proc.send_signal(signal.SIGKILL)   # no cleanup runs: only the workers' own watch can end them
+        proc.wait()
+        proc.stdout.close()
+    assert eventually(lambda: all(gone(pid) for pid in pids), timeout=10), [p for p in pids if not gone(p)]

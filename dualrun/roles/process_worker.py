@@ -12,7 +12,7 @@ import pickle
 from typing import Any
 
 from dualrun import protocol
-from dualrun.parent_death import die_with_parent
+from dualrun.parent_death import exit_with_process
 from dualrun.roles.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
 from dualrun.roles.workers import bind
 
@@ -35,9 +35,11 @@ def _enter(env: dict[str, str], group: str, rank: int, size: int) -> None:
     set_actor_context(WorkerContext(group, rank, size, "local", env["MASTER_ADDR"], int(env["MASTER_PORT"])))
 
 
-def serve(conn: Any, rank: int, size: int, env: dict[str, str], group: str, blob: bytes) -> None:
+def serve(conn: Any, rank: int, size: int, env: dict[str, str], group: str, blob: bytes, parent: int) -> None:
     """The child's entry: returns (exit code 0) when told to stop; a crash is its exit code."""
-    die_with_parent()   # PR_SET_PDEATHSIG: no worker outlives the process that started its group
+    # No worker outlives the process that started its group, even when the thread that started it has ended
+    # (PR_SET_PDEATHSIG would fire then: a group made in a worker thread would die with that thread).
+    exit_with_process(parent)
     _enter(env, group, rank, size)
     try:
         factory, args, kwargs = pickle.loads(blob)

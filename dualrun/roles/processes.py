@@ -3,13 +3,14 @@
 Why processes: a group's workers form a torch.distributed process group among themselves (a sharded sampler,
 an all-reduce of reward scores) only when each is its own process and they run at the same time, as on Ray.
 multiprocessing's spawn starts them (a fresh interpreter: safe with CUDA, and no torch imported unless the worker
-uses it; PR_SET_PDEATHSIG, so none outlives the thread that started its group); when one dies, it is named and the
-others are stopped (a worker left waiting in a collective would wait forever). Each worker gets
-its group's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (a port free here, picked before any worker starts),
-not the launcher's. The factory, calls and results travel as cloudpickle bytes over one pipe per worker, so
-classes defined in `__main__` need no import in the child (as on Ray), and the child does not re-run the program
-(`__main__` is hidden from multiprocessing while the workers start: a script without an `if __name__ ==
-"__main__"` guard would otherwise start itself again in every worker). The child side is roles/process_worker.py.
+uses it; each watches this process's id, so none outlives the process that started its group - whichever thread
+did: PR_SET_PDEATHSIG would end them with that thread); when one dies, it is named and the others are stopped
+(a worker left waiting in a collective would wait forever). Each worker gets its group's RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT (a port free here, picked before any worker starts), not the launcher's. The factory,
+calls and results travel as cloudpickle bytes over one pipe per worker, so classes defined in `__main__` need no
+import in the child (as on Ray), and the child does not re-run the program (`__main__` is hidden from
+multiprocessing while the workers start: a script without an `if __name__ == "__main__"` guard would otherwise
+start itself again in every worker). The child side is roles/process_worker.py.
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ class ProcessWorkers:
                 if spec.devices:   # torchrun: the role's GPUs of this machine, shared out as Ray's bundles are
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, worker_devices(spec.devices, spec.size, rank)))
                 self.visible.append(env.get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES")))
-                proc = mp.Process(target=serve, args=(child, rank, spec.size, env, spec.name, blob),
+                proc = mp.Process(target=serve, args=(child, rank, spec.size, env, spec.name, blob, os.getpid()),
                                   name=f"dualrun-{spec.name}-{rank}")
                 proc.start()
                 child.close()
