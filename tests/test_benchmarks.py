@@ -19,9 +19,14 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_fake_numbers_write_table_chart_and_planner(tmp_path):
-    r = _run("--fake", "--reps", "3", "--planner-reps", "1", "--out-dir", str(tmp_path), timeout=120)
+    """`--quick` (the smoke run benchmarks/README.md gives) on fake numbers: 2 repetitions of 60 steps."""
+    r = _run("--fake", "--quick", "--out-dir", str(tmp_path), timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     md = (tmp_path / "launch.md").read_text()
+    assert "60 steps" in md and "2 repetitions" in md, md
+    every = md.split("## Every run", 1)[1]
+    assert [ln.split("|")[1].strip() for ln in every.splitlines() if ln.startswith("| ") and "yes" in ln] == \
+        ["1"] * 5 + ["2"] * 5, every
     for label in ("bare torchrun", "dualrun --backend torchrun", "Ray Train TorchTrainer",
                   "dualrun --backend ray (running cluster)", "dualrun --backend ray (embedded, cold)"):
         assert label in md

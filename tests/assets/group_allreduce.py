@@ -7,6 +7,7 @@ import sys
 import dualrun
 
 GROUP_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+FROM_RUNTIME_ENV = "GROUP_TEST_FROM_RUNTIME_ENV"   # set only by the config's ray.runtime_env.env_vars
 
 
 def by_rank(n, i, *args, **kwargs):
@@ -21,6 +22,7 @@ class Reducer:
 
         dist.init_process_group("gloo")   # no arguments: the group's own RANK / WORLD_SIZE / MASTER_*
         self.env = {k: os.environ[k] for k in GROUP_VARS}
+        self.env[FROM_RUNTIME_ENV] = os.environ.get(FROM_RUNTIME_ENV)
 
     @dualrun.function(dispatch=by_rank)
     def total(self, x):
@@ -34,7 +36,8 @@ class Reducer:
 
 
 if __name__ == "__main__":
+    with open(sys.argv[1] + ".runs", "a") as f:   # one line per run of the program: a single controller runs once
+        f.write(f"{os.getpid()}\n")
     results = Reducer().total([1, 2])
-    if os.environ.get("RANK", "0") == "0":   # under torchrun every process runs the program
-        with open(sys.argv[1], "w") as f:
-            json.dump({"results": results, "pid": os.getpid(), "MASTER_PORT": os.environ.get("MASTER_PORT")}, f)
+    with open(sys.argv[1], "w") as f:
+        json.dump({"results": results, "pid": os.getpid(), "RANK": os.environ.get("RANK")}, f)

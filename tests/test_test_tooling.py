@@ -1,0 +1,59 @@
+"""The knobs the test tooling documents (README "Tests", scripts/test.sh, tests/helpers.py) do what they say:
+`DUALRUN_TEST_WORKERS` sets pytest-xdist's worker count (`0`: one process, no xdist) and `DUALRUN_TEST_CACHE`
+moves the tiny-asset cache. scripts/test.sh runs against a stand-in venv (`DUALRUN_VENV`) whose `python`
+records its arguments, so nothing is installed and no suite runs (milliseconds)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import helpers
+from conftest import REPO
+
+
+@pytest.fixture
+def recording_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv setup.sh accepts as ready (python, activate, the stamp of this pyproject + constraints)."""
+    venv, log = tmp_path / "venv", tmp_path / "argv.log"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n')
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv}/bin:$PATH"\n')
+    stamp = hashlib.sha1((REPO / "pyproject.toml").read_bytes() + (REPO / "constraints.txt").read_bytes())
+    (venv / f".dualrun-{stamp.hexdigest()[:12]}").touch()
+    return venv, log
+
+
+@pytest.mark.parametrize("workers,expected", [(None, "-n 2 --dist loadgroup"), ("3", "-n 3 --dist loadgroup"),
+                                              ("0", None)])
+def test_test_sh_runs_xdist_workers_as_dualrun_test_workers_says(recording_venv, workers, expected):
+    venv, log = recording_venv
+    env = {k: v for k, v in os.environ.items() if k != "DUALRUN_TEST_WORKERS"}
+    env.update(DUALRUN_VENV=str(venv), **({"DUALRUN_TEST_WORKERS": workers} if workers is not None else {}))
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "test.sh"), "tests/test_x.py"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = log.read_text().splitlines()   # one run: a file argument skips the vLLM tier
+    assert argv.startswith("-m pytest -q -p no:cacheprovider ") and argv.endswith(" tests/test_x.py"), argv
+    if expected is None:
+        assert " -n " not in argv and "--dist" not in argv, argv
+    else:
+        assert f" {expected} " in argv, argv
+
+
+def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_path, monkeypatch):
+    builder = tmp_path / "builder.py"   # a stand-in for examples/make_tiny_model.py: what tiny_assets waits for
+    builder.write_text("import pathlib, sys\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+                       "(out / 'data').mkdir(parents=True)\n(out / 'data' / 'gkd.jsonl').write_text('{}')\n")
+    monkeypatch.setattr(helpers, "BUILDER", builder)
+    monkeypatch.setattr(helpers, "_cache_key", lambda vllm: "k")
+    monkeypatch.setenv("DUALRUN_TEST_CACHE", str(tmp_path / "cache"))
+    built = helpers.tiny_assets()
+    assert built == tmp_path / "cache" / "tiny-k" and (built / "data" / "gkd.jsonl").exists()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k"]   # the work directory is gone
+    builder.unlink()   # found again without building: the builder is not even there
+    assert helpers.tiny_assets() == built
