@@ -111,15 +111,15 @@ def groups_table(spec: RolesSpec, backend: str = "ray") -> str:
     devices (docs/roles.md: the program runs once; its groups are started once)."""
     ray = backend == "ray"
     where = ("each worker a Ray actor on its role's devices" if ray else
-             "each worker a child process of the driver on this machine (a group of one worker: in the driver)")
-    lines = [f"role program: runs once, as the {'Ray ' if ray else ''}driver on this machine; its groups ({where}):"]
+             "each worker a child process of the driver, a group of one worker in the driver itself")
+    lines = [f"role program: runs once, as the {'Ray ' if ray else ''}driver on this machine; groups: {where}"]
     for g in spec.groups:
         if g.gpus and (ray or not g.devices):
             dev = f"{g.gpus} GPU(s), one per worker"
         elif g.gpus:
             dev = "GPU " + ",".join(map(str, g.devices))
         else:
-            dev = f"{g.size} CPU worker(s)"
+            dev = "CPU"
         shared = f"  shares devices with {', '.join(r for r in g.unit if r != g.name)}" if len(g.unit) > 1 else ""
         lines.append(f"  {g.name:<10} {g.size} worker(s), {dev}{shared}")
     return "\n".join(lines)
