@@ -16,7 +16,7 @@ from dualrun.envspec import redact_value
 from dualrun.launchers.base import JobResult, Launcher, Prepared, RankResult, bootstrap_cmd, join_cmd
 from dualrun.plan import Plan
 from dualrun.protocol import ROLES_MODE, ROLES_SPEC
-from dualrun.roles.driver import driver_env, roles_mode
+from dualrun.roles.driver import driver_env
 from dualrun.roles.spec import groups_table, spec_from_config
 
 
