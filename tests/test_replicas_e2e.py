@@ -165,6 +165,7 @@ def _assert_four_engines_served(tmp_path: Path, err: str) -> str:
     for i in range(ROLLOUT_ENGINES):   # the plan, the launch's first line
         assert f"rollout server {i}\n" in err, err[:2000]
     assert "rollout router\n" in err
+    assert f"starting 1 train worker, {ROLLOUT_ENGINES} rollout servers, 1 rollout router on" in err
     address = re.search(r"rollout: server healthy at ([\d.]+:\d+)", err).group(1)
     router_log = (tmp_path / "logs" / "rollout-router.log").read_text()
     assert f"serving http://{address} for {ROLLOUT_ENGINES} replicas" in router_log
