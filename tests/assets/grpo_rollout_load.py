@@ -18,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
-from datasets import load_dataset
 from transformers import AutoTokenizer
 from trl import GRPOConfig
 from trl.generation import vllm_client
@@ -52,7 +51,8 @@ replicas = [r["address"] for r in get(f"{base}{ROUTER_STATS}")["replicas"]]
 rec["replicas"] = replicas
 
 tok = AutoTokenizer.from_pretrained(model)
-rows = load_dataset("json", data_files=data, split="train").select(range(8))
+with open(data) as f:   # GRPO's conversational prompts, tokenized with the chat template as GRPOTrainer does
+    rows = [json.loads(line) for line, _ in zip(f, range(8))]
 ids = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
        for r in rows]
 greedy = dict(n=config.num_generations, max_tokens=config.max_completion_length, temperature=0.0, logprobs=0)
