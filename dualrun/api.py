@@ -116,7 +116,7 @@ def _startup_line(cfg: JobConfig, plan: Any) -> str:
     """What starts and where its output goes, before anything starts."""
     units: dict[str, int] = {}
     for p in plan.processes:
-        key = f"{p.unit} {'worker' if p.kind == 'worker' else 'server'}"
+        key = f"{p.unit} {p.kind}"   # worker, server (an engine replica) or router
         units[key] = units.get(key, 0) + 1
     what = ", ".join(f"{n} {u}{'s' if n > 1 else ''}" for u, n in units.items())
     logs = f"output prefixed per rank, also in {cfg.log_dir}/<role>_<rank>.log" if cfg.log_dir else (

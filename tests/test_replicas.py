@@ -92,6 +92,30 @@ def test_router_command_and_the_trainers_address():
     assert [log_name(p) for p in plan.servers] == ["teacher-server-0.log", "teacher-server-1.log", "teacher-router.log"]
 
 
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_four_engine_rollout_is_four_cpu_engines_behind_one_router(backend):
+    """The issue's layout, `roles.rollout: {gpus: 4, tensor_parallel_size: 1}`, on the CPU engine: four replicas
+    of the rollout model, a router in front of all four, and the trainers wired to the router only."""
+    from dualrun.plugin import get_plugin
+
+    cfg = build_config({"backend": backend, "method": "grpo", "use_cpu": True, "roles": {
+        "train": {"gpus": 1},
+        "rollout": {"gpus": 4, "tensor_parallel_size": 1, "model": "/m", "engine": "transformers"}}}, "job.yaml")
+    plugin = get_plugin("grpo")
+    plugin.validate(cfg)
+    plan = make_plan(cfg, Cluster.uniform(1, 0) if backend == "ray" else None)
+    assert [p.label for p in plan.servers] == [f"rollout server {i}" for i in range(4)] + ["rollout router"]
+    assert phases(plan) == [[0, 1, 2, 3], [4]]
+    started = {i: f"127.0.0.1:{9001 + i}" for i in range(4)}
+    for i, p in enumerate(plan.servers[:4]):
+        argv = server_command(cfg, plugin, p, "127.0.0.1", 9001 + i)
+        assert argv[1:5] == ["-m", "dualrun.engines.transformers_server", "--model", "/m"]
+    router = server_command(cfg, plugin, plan.servers[4], "127.0.0.1", 9000, replica_addresses(plan, started, 4))
+    assert router[router.index("--replica"):] == [w for a in started.values() for w in ("--replica", a)]
+    assert addresses(plan, {**started, 4: "127.0.0.1:9000"}) == {"rollout": "127.0.0.1:9000"}
+    assert plugin.wiring_env(cfg, {"rollout": "127.0.0.1:9000"})["DUALRUN_ROLLOUT_ADDRESS"] == "127.0.0.1:9000"
+
+
 def _cli_dir(tmp_path, teacher: str):
     (tmp_path / "job.yaml").write_text(f"use_cpu: true\nmethod: gkd\nroles:\n  train: {{gpus: 1}}\n"
                                        f"  teacher: {{model: {tmp_path}, top_k: 5, {teacher}}}\n")

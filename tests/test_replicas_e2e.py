@@ -1,7 +1,8 @@
-"""Engine replicas behind one router, end to end on CPU with the built-in engine and real TRL GKD: 2 and 3
-replicas on both backends serve the teacher and every replica gets requests (counted in each replica's own log).
-A replica killed mid-training ends the job within 10 s
-naming it; with max_failures: 1 the job restarts with fresh replicas and a fresh router and finishes."""
+"""Engine replicas behind one router, end to end on CPU with the built-in engine: 2 and 3 replicas on both backends
+serve real TRL GKD's teacher, and a 4-engine GRPO rollout serves TRL's own client built from the unchanged
+GRPOConfig; every replica gets requests (counted in each replica's own log or stats). A replica killed mid-training
+ends the job within 10 s naming it (torchrun; on Ray once the rollout has served); with max_failures: 1 the job
+restarts with fresh replicas and a fresh router and finishes."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun
+from conftest import dualrun, link_tiny
 from helpers import cmdline, eventually, pids_matching
 from ray_helpers import FakeGpuCluster, ray_env
 from test_server_watch import STEPS, assert_restarted_once
@@ -27,7 +28,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = FakeGpuCluster(nodes=1, gpus=0, cpus=8)   # 2 trainers + 3 replicas + the router, one CPU each
+    c = FakeGpuCluster(nodes=1, gpus=0, cpus=8)   # 2 trainers + 3 replicas + the router (or 1 + 4 + 1), a CPU each
     yield c
     c.shutdown()
 
@@ -102,8 +103,7 @@ def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
     return pids_matching(f"dualrun.servers.router --host {host} --port {port} ")
 
 
-# torchrun only: the Ray launcher watches each server actor the same way (one wait_exit ref per plan.servers entry,
-# replicas and router alike; test_server_watch.py kills a Ray-started server), and each Ray job here costs ~1 min
+# torchrun here: on Ray a replica is killed in the 4-engine rollout's job below (each Ray job costs ~1 min)
 @pytest.mark.parametrize("backend", ["torchrun"])
 def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, request, backend):
     cluster = request.getfixturevalue("cluster") if backend == "ray" else None
@@ -129,3 +129,103 @@ def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, tiny):
     _kill_replica_mid_training(tmp_path, driver, 0)
     assert_restarted_once(driver, tmp_path / "out", "teacher server 0")   # the trainers' address: a fresh router
     assert eventually(lambda: not _engines(tiny))
+
+
+# -- a 4-engine GRPO rollout behind one address ------------------------------------------------------------------
+ROLLOUT_ENGINES = 4
+
+
+@pytest.fixture(scope="module")
+def rollout_tiny(tiny, tmp_path_factory) -> Path:
+    """The shared assets under this module's own path: the model path on the engines' command lines is this
+    module's marker (see conftest.link_tiny)."""
+    return link_tiny(tiny, tmp_path_factory.mktemp("rollout"))
+
+
+def _rollout_job(tmp_path: Path, tiny: Path, backend: str, cluster, *probe_args: str) -> tuple[subprocess.Popen, Path]:
+    (tmp_path / "job.yaml").write_text(
+        "use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
+        f"  rollout: {{gpus: {ROLLOUT_ENGINES}, tensor_parallel_size: 1, model: {tiny / 'model'}, "
+        "engine: transformers, health_timeout_s: 120}\n")
+    (tmp_path / "out").mkdir()
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1",
+               **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
+    err = tmp_path / "stderr.txt"
+    with open(tmp_path / "stdout.txt", "w") as out, open(err, "w") as errors:   # files: a full pipe never blocks
+        proc = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
+                                 "job.yaml", str(ASSETS / "grpo_rollout_load.py"), str(tiny / "model"),
+                                 str(tiny / "data" / "prompts.jsonl"), "out", *probe_args],
+                                cwd=tmp_path, env=env, stdout=out, stderr=errors, text=True)
+    return proc, err
+
+
+def _assert_four_engines_served(tmp_path: Path, err: str) -> str:
+    """What the probe saw (grpo_rollout_load.py): one address, the router's, for four replicas that all served
+    GRPO's load, answering like one engine. The router's address."""
+    for i in range(ROLLOUT_ENGINES):   # the plan, the launch's first line
+        assert f"rollout server {i}\n" in err, err[:2000]
+    assert "rollout router\n" in err
+    assert f"starting 1 train worker, {ROLLOUT_ENGINES} rollout servers, 1 rollout router on" in err
+    address = re.search(r"rollout: server healthy at ([\d.]+:\d+)", err).group(1)
+    router_log = (tmp_path / "logs" / "rollout-router.log").read_text()
+    assert f"serving http://{address} for {ROLLOUT_ENGINES} replicas" in router_log
+    rec = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    grpo = rec["grpo"]
+    assert grpo["use_vllm"] and grpo["vllm_mode"] == "server" and grpo["vllm_server_base_url"] is None
+    assert f"{grpo['vllm_server_host']}:{grpo['vllm_server_port']}" == address
+    assert len(rec["replicas"]) == ROLLOUT_ENGINES and address not in rec["replicas"]
+    assert rec["world_size"] == ROLLOUT_ENGINES                          # the replicas' world sizes summed
+    got, want = rec["got"], rec["want"]
+    assert len(got["completion_ids"]) == 16                              # 8 prompts x num_generations 2
+    assert (got["prompt_ids"], got["completion_ids"]) == (want["prompt_ids"], want["completion_ids"])
+    flat = lambda lps: [x for seq in lps for step in seq for x in step]  # noqa: E731
+    assert flat(got["logprobs"]) == pytest.approx(flat(want["logprobs"]), abs=1e-5)
+    assert rec["single"] == rec["want_single"] == want["completion_ids"][:8:2]
+    assert all(n >= 1 for n in rec["served"]), rec["served"]             # every replica served
+    assert sum(rec["served"]) == ROLLOUT_ENGINES + 4 and sum(rec["prompts"]) == 8 + 4, rec
+    return address
+
+
+def _nothing_left(tmp_path: Path, tiny: Path, address: str, cluster) -> None:
+    host, _, port = address.rpartition(":")
+    assert eventually(lambda: not pids_matching(str(tmp_path / "out")))            # the trainer
+    assert eventually(lambda: not pids_matching(f"dualrun.servers.router --host {host} --port {port} "))
+    assert eventually(lambda: not pids_matching(str(tiny / "model"), "transformers_server"))
+    if cluster:
+        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
+
+
+def test_a_four_engine_rollout_serves_grpo_behind_one_address_torchrun(tmp_path, rollout_tiny):
+    proc, err = _rollout_job(tmp_path, rollout_tiny, "torchrun", None)
+    code = proc.wait(timeout=240)
+    text = err.read_text()
+    assert code == 0, text[-3000:]
+    address = _assert_four_engines_served(tmp_path, text)
+    _nothing_left(tmp_path, rollout_tiny, address, None)
+
+
+def test_a_four_engine_rollout_on_ray_and_a_dead_replica_ends_the_job_within_10_s(tmp_path, rollout_tiny, cluster):
+    """The same load on Ray (an actor and placement group per replica, the router in a CPU actor); then one
+    replica is SIGKILLed while the trainer still runs: the job ends within 10 s naming it, nothing left."""
+    proc, err = _rollout_job(tmp_path, rollout_tiny, "ray", cluster, "--then-wait")
+    try:
+        assert eventually(lambda: (tmp_path / "out" / "generated").exists() or proc.poll() is not None,
+                          timeout=200)
+        assert proc.poll() is None, err.read_text()[-3000:]
+        address = _assert_four_engines_served(tmp_path, err.read_text())
+        victim = 2
+        log = (tmp_path / "logs" / f"rollout-server-{victim}.log").read_text()
+        os.kill(int(re.findall(r"dualrun engine: loading .* \(pid (\d+)\)", log)[-1]), signal.SIGKILL)
+        killed = time.monotonic()
+        code = proc.wait(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = err.read_text()
+    assert code == 1, text[-3000:]
+    assert took < 10, f"{took:.1f} s"
+    assert (f"dualrun: error: rollout server {victim} exited with code -9 (killed by SIGKILL) while the job was "
+            "running") in text
+    assert "--- last lines of its log ---" in text and "dualrun engine" in text.split("last lines of its log")[-1]
+    _nothing_left(tmp_path, rollout_tiny, address, cluster)

@@ -61,6 +61,7 @@ def test_routes_cover_trl_client_endpoints():
     assert routing.route("POST", "/v1/completions") == routing.SPLIT
     assert routing.route("GET", "/server_info?config_format=json") == routing.FIRST
     assert routing.route("POST", "/sleep") is None
+    assert routing.route("POST", "/pause?mode=keep") == routing.route("POST", "/resume") == routing.ALL
     assert "POST /update_weights" in routing.unknown_endpoint("POST", "/sleep")
     assert routing.prompts_of({"prompt": [1, 2]}) is None and routing.prompts_of({"prompt": "x"}) is None
     assert routing.prompts_of({"prompt": [[1], "x"]}) == [[1], "x"]
@@ -217,15 +218,28 @@ def test_weight_transfer_fans_out_with_rank_offsets(tmp_path, world_sizes):
             client._post(f"{base}/update_weights", json={"update_info": update})
             client._post(f"{base}/update_weights", json={"update_info": update})
         client.reset_prefix_cache()
+        # AsyncGRPOTrainer's client: generation paused on every engine around an update; adapters on every engine
+        from trl.experimental.async_grpo.vllm_client import VLLMClient as AsyncClient
+
+        async_client = AsyncClient(base)
+        async_client.pause(timeout=10)
+        async_client.start_weight_update(timeout=10)
+        async_client.finish_weight_update(timeout=10)
+        async_client.resume(timeout=10)
+        async_client.load_lora_adapter("policy-v1", "/adapters/v1", timeout=10)
+        async_client.unload_lora_adapter("policy-v0", timeout=10)
 
         offsets = routing.rank_offsets(world_sizes, 1)
         for name, offset in zip(names, offsets):
             posts = [r for r in _recorded(rec, name) if r["method"] == "POST"]
             assert [p["path"] for p in posts] == ["/init_weight_transfer_engine", "/start_weight_update",
                                                   "/update_weights", "/update_weights", "/finish_weight_update",
-                                                  "/reset_prefix_cache"]
+                                                  "/reset_prefix_cache", "/pause?mode=keep", "/start_weight_update",
+                                                  "/finish_weight_update", "/resume", "/v1/load_lora_adapter",
+                                                  "/v1/unload_lora_adapter"]
             assert posts[0]["body"]["init_info"] == {**info, "rank_offset": offset}
             assert posts[2]["body"] == {"update_info": update}
+            assert posts[10]["body"]["lora_name"] == "policy-v1" and posts[11]["body"] == {"lora_name": "policy-v0"}
         assert offsets[-1] + world_sizes[-1] == info["world_size"]  # the group is exactly full
 
         # a group too small for every replica is refused before any replica is asked

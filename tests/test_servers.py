@@ -157,6 +157,19 @@ def test_engine_generates_and_reports_models(engine):
     assert http_ok(f"http://{address}/health") and http_ok(f"http://{address}/get_world_size")
 
 
+def test_engine_greedy_with_several_completions_answers_copies(engine):
+    """GRPO asks for `num_generations` completions per prompt; greedy, they are all the one greedy completion (as vLLM
+    answers; transformers' generate refuses num_return_sequences > 1 without sampling)."""
+    from dualrun.rank.teacher import teacher_client
+
+    _, address = engine
+    client = teacher_client(f"http://{address}")
+    out = client.generate([[1, 5, 9], [2, 4]], n=3, max_tokens=4, temperature=0.0, logprobs=0)
+    one = client.generate([[1, 5, 9], [2, 4]], n=1, max_tokens=4, temperature=0.0, logprobs=0)
+    assert out["completion_ids"] == [c for c in one["completion_ids"] for _ in range(3)]
+    assert out["logprobs"] == [lp for lp in one["logprobs"] for _ in range(3)]
+
+
 def test_engine_stats_count_what_it_served(engine):
     """`GET /engine/stats`: what the router tests and the replica benchmark read to see every replica got work."""
     import json

@@ -6,7 +6,9 @@ Why: vLLM needs GPUs. With this engine a separate rollout/teacher role runs on C
 the same interface: `GET /health`, `GET /v1/models`, `GET /get_world_size`, `POST /v1/completions` (generation
 with per-token top-k logprobs, and `prompt_logprobs` scoring of given token sequences, which is what a teacher
 serves) and `POST /generate/` (the older `trl vllm-serve` form). Requests are served one at a time; `GET /engine/stats`
-counts what it served (tests check that every replica behind a router got work).
+counts what it served (tests check that every replica behind a router got work). It has no weight-transfer
+endpoints: a rollout on it serves generation, and a trainer cannot push its weights to it (TRL's weight sync runs on
+vLLM's NCCL engine, CUDA only).
 """
 from __future__ import annotations
 
@@ -108,9 +110,11 @@ class Engine:
         from transformers import GenerationConfig
 
         greedy = not temperature or temperature <= 0
-        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=not greedy, num_return_sequences=n,
+        # greedy: the n completions are one and the same (vLLM answers n copies; transformers refuses n > 1)
+        runs = 1 if greedy else n
+        config = GenerationConfig(max_new_tokens=max_tokens, do_sample=not greedy, num_return_sequences=runs,
                                   temperature=None if greedy else temperature, top_p=None if greedy else top_p,
-                                  top_k=top_k if (top_k and top_k > 0 and not greedy) else 0,
+                                  top_k=None if greedy else (top_k if top_k and top_k > 0 else 0),  # 0: no cut
                                   pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
                                   return_dict_in_generate=True, output_logits=True)
         ids = torch.tensor([prompt], device=self.device)
@@ -119,7 +123,7 @@ class Engine:
         steps = torch.stack(out.logits, dim=1) if out.logits else None     # (n, T, V)
         eos = self.tokenizer.eos_token_id
         results = []
-        for i in range(n):
+        for i in (0,) * n if greedy else range(n):
             tokens = out.sequences[i, len(prompt):].tolist()
             finish = "length"
             if eos is not None and eos in tokens:

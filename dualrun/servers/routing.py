@@ -1,10 +1,12 @@
 """What the router does with each request of TRL's server protocol: pure logic, no sockets (`router.py` serves it).
 
-Why a table: TRL 1.16's `VLLMClient` speaks a fixed set of endpoints, and each needs one of a few treatments when
-several engine replicas stand behind one address — health and world size are aggregated, generation is spread
-(a request carrying many prompts is split and its answers put back in order), and the weight-transfer calls are
-fanned out to every replica, each with its own rank offset in the trainer's one NCCL group (the layout verl and
-OpenRLHF use). Anything not in the table is refused with a line that says so.
+Why a table: TRL 1.16's clients (GRPOTrainer's `VLLMClient`, AsyncGRPOTrainer's in `trl.experimental.async_grpo`)
+speak a fixed set of endpoints, and each needs one of a few treatments when several engine replicas stand behind
+one address — health and world size are aggregated, generation is spread (a request carrying many prompts is split
+and its answers put back in order), and the weight-transfer calls are fanned out to every replica, each with its
+own rank offset in the trainer's one NCCL group (the layout verl and OpenRLHF use), as are the calls that must reach
+every engine (pause/resume around an update, a LoRA adapter to load). Anything not in the table is refused with a
+line that says so.
 """
 from __future__ import annotations
 
@@ -35,6 +37,11 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/finish_weight_update"): ALL,
     ("POST", "/reset_prefix_cache"): ALL,
     ("POST", "/close_communicator"): ALL,
+    # AsyncGRPOTrainer's client: generation paused on every engine while its weights change; an adapter on each
+    ("POST", "/pause"): ALL,
+    ("POST", "/resume"): ALL,
+    ("POST", "/v1/load_lora_adapter"): ALL,
+    ("POST", "/v1/unload_lora_adapter"): ALL,
 }
 STATS_PATH = "/router/stats"  # the router's own: requests per replica
 

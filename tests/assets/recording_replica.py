@@ -75,7 +75,8 @@ class H(BaseHTTPRequestHandler):
         elif self.path == "/update_weights":
             ok = rendezvous(self.path, int(os.environ["REPLICAS"]))
             self.send(200 if ok else 504, {"joined": ok})
-        elif self.path in ("/start_weight_update", "/finish_weight_update", "/reset_prefix_cache"):
+        elif self.path.split("?")[0] in ("/start_weight_update", "/finish_weight_update", "/reset_prefix_cache",
+                                         "/pause", "/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
             self.send(200, {"name": name})
         else:
             self.send(404, {})
