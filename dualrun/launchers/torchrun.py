@@ -22,6 +22,7 @@ from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
 from dualrun.servers.local import LocalServers, server_command
+from dualrun.servers.machines import finish, share
 
 
 class TorchrunLauncher(Launcher):
@@ -31,6 +32,7 @@ class TorchrunLauncher(Launcher):
         super().__init__(*args, **kwargs)
         self._used_ports: set[int] = set()   # every server port of this launch: a restart never reuses one
         self._server_failure: Any = None     # the server whose death ended the last attempt
+        self.prepared_plan: Plan | None = None
 
     def _port(self) -> int:
         if not hasattr(self, "_chosen_port"):
@@ -113,10 +115,15 @@ class TorchrunLauncher(Launcher):
         result, servers = self._attempt(prepared, attempt, self._used_ports)
         self._used_ports |= servers.ports_used
         self._server_failure = servers.failure
+        if servers.failure is not None and self.cfg.max_failures and _beyond_machine_0(prepared.plan):
+            result.message = (f"{result.message} (not restarted: with servers on machines other than 0, every "
+                              "machine's launch must be started again)")
         return result
 
     def restart_cause(self, result: JobResult) -> str | None:
-        if self._server_failure is None:
+        # servers on machine K >= 1: that machine's launcher would have to restart them in step with machine 0's
+        # fresh store, which nothing coordinates (torchrun still restarts failed workers: the servers stay)
+        if self._server_failure is None or _beyond_machine_0(self.prepared_plan):
             return None
         return f"{self._server_failure.one_line()}; restarting the job with fresh servers"
 
@@ -135,6 +142,7 @@ class TorchrunLauncher(Launcher):
         start = time.monotonic()
         plan = prepared.plan
         assert plan is not None
+        self.prepared_plan = plan
         # separate roles: their servers start first (on their own devices), the trainers get their addresses
         servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid_ports=used_ports)
         try:
@@ -154,11 +162,16 @@ class TorchrunLauncher(Launcher):
         env = {**prepared.env, **extra}
         with clear_environment():   # the agent and its workers see exactly the job's env; ours comes back after
             os.environ.update(env)
-            if threading.current_thread() is threading.main_thread():
+            main = threading.current_thread() is threading.main_thread()
+            end_job = (lambda _: os.kill(os.getpid(), signal.SIGTERM)) if main else (lambda _: None)
+            if main:
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
-                servers.watch(lambda _: os.kill(os.getpid(), signal.SIGTERM))
+                servers.watch(end_job)
+            if self.cfg.num_machines > 1 and plan.servers:   # the machines' servers meet in torchrun's store
+                share(servers, self._addr(), self._port(), end_job)
             try:
                 run(args)
+                finish(servers, self._addr(), self._port())   # several machines: before this one's servers stop
             except ChildFailedError as e:
                 servers.unwatch()
                 if servers.check() is not None:   # a server died first and the workers failed for it: the cause
@@ -174,6 +187,10 @@ class TorchrunLauncher(Launcher):
         n = len(self.node_workers(plan))
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
         return JobResult(0, ranks, time.monotonic() - start), servers
+
+
+def _beyond_machine_0(plan: Plan | None) -> bool:
+    return plan is not None and any(p.node != 0 for p in plan.servers)
 
 
 def _server_died(servers: LocalServers, start: float) -> JobResult:
