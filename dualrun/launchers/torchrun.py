@@ -156,7 +156,7 @@ class TorchrunLauncher(Launcher):
         args = parse_args(argv[: len(argv) - len(script_args)])
         args.training_script_args = script_args
         args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
-        extra = servers.wiring_env()
+        extra = servers.wiring_env(f"{self._addr()}:{self._port()}")
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         env = {**prepared.env, **extra}

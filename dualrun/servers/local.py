@@ -237,12 +237,12 @@ class LocalServers:
                 self.running[index] = server
         return server
 
-    def wiring_env(self) -> dict[str, str]:
+    def wiring_env(self, store: str = "") -> dict[str, str]:
         """Env for this machine's trainer ranks: the plugin's wiring of the servers' addresses and a free weight-sync
-        port (`shared_wiring`); with several machines and servers, only that the ranks read it from the store,
-        where machine 0's launcher puts it once every machine's servers answer."""
+        port (`shared_wiring`); with several machines and servers, only that the ranks read it from torchrun's
+        store at `store` (host:port), where machine 0's launcher puts it once every machine's servers answer."""
         if self.cfg.num_machines > 1 and self.plan.servers:
-            return {protocol.WIRING_FETCH: "1"}
+            return {protocol.WIRING_FETCH: store}
         return self.shared_wiring()
 
     def shared_wiring(self) -> dict[str, str]:
