@@ -157,3 +157,50 @@ def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny)
     assert not (tmp_path / "logs1" / "teacher-server-0.log").exists()
     assert all(len(r["losses"]) == 2 and all(x == x and x >= 0 for x in r["losses"]) for r in ranks)
     assert eventually(lambda: not pids_matching(str(tiny / "teacher")))   # replicas and router are gone
+
+
+# -- machine 0 watches the other machines' replicas ----------------------------------------------------------
+@pytest.mark.e2e
+def test_machine_0_names_another_machines_replica_that_stops_answering():
+    """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
+    LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
+    said its ranks finished (the store's key), the same silence is no failure."""
+    import http.server
+    import threading
+    import time
+
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.local import LocalServers
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    cfg = _cpu_cfg(2)
+    plan = make_plan(cfg)
+    for finished in (False, True):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers = LocalServers(cfg, get_plugin("gkd"), plan, dict, stream=None)
+        servers.started[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
+        servers.finished_elsewhere = lambda machine: finished and machine == 1
+        try:
+            assert servers.check() is None                            # answering: fine
+            server.shutdown()
+            server.server_close()
+            deadline = time.monotonic() + (3.5 if finished else 10)   # probes ~1 s apart: two misses fit in 3.5 s
+            while servers.check() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if finished:
+                assert servers.failure is None
+            else:
+                assert servers.failure is not None and time.monotonic() < deadline
+                assert servers.failure.one_line().startswith(
+                    f"teacher server 1 on machine 1 stopped answering its health check (http://127.0.0.1:"
+                    f"{server.server_address[1]}/health) while the job was running"), servers.failure.one_line()
+        finally:
+            servers.stop()
