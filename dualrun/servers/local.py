@@ -107,7 +107,6 @@ class LocalServers:
         self.addresses: dict[str, str] = dict(plan.external)
         self.avoid_ports = set(avoid_ports)   # ports of an earlier attempt's servers: never reused
         self.ports_used: set[int] = set()
-        self.elsewhere = False   # some server runs on another machine: the wiring comes through the store
         self.started: dict[int, str] = {}   # plan.servers index -> advertised host:port (machine 0: every machine's)
         self.pending: list[int] = []        # routers whose replicas include another machine's: started by `complete`
         self.pending_done: list[int] = []   # those `complete` started
@@ -160,7 +159,6 @@ class LocalServers:
                 for index in phase:
                     proc = self.plan.servers[index]
                     if proc.node != self.cfg.machine_rank:  # another machine runs it: it publishes the address
-                        self.elsewhere = True
                         continue
                     if proc.kind == ROUTER and not self._has_replicas(index):
                         self.pending.append(index)

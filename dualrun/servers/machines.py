@@ -8,6 +8,12 @@ servers before its torchrun agent; then, beside the agent, `share` runs in a thr
   with its other servers), and publishes the trainers' wiring env (`job_store.WIRING_KEY`), the same for
   every machine. Every rank reads it before the user's program starts (dualrun/rank/store_wiring.py), so no
   rank uses the router's address before it answers for every replica.
+Machine 0 also health-checks the other machines' servers while the job runs (LocalServers.check), so a replica
+that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds;
+machine K says when its ranks finished (`finish`) so that its servers' normal end is no failure. The store is the
+one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the rendezvous store).
+Every machine hosts trainer ranks (torchrun needs `num_processes` to be a multiple of `num_machines`), so a
+machine that only serves does not arise.
 """
 from __future__ import annotations
 
