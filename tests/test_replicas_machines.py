@@ -143,6 +143,8 @@ def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny)
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     address = ranks[0]["teacher_address"]
     assert address == ranks[1]["teacher_address"] and address.startswith("127.0.0.1:")   # one address: the router's
+    assert f"dualrun: teacher: server healthy at {address}" in outs[0][1]
+    assert re.search(r"dualrun: teacher server 1: server healthy at 127\.0\.0\.1:\d+ \(machine 1\)", outs[1][1])
     router_log = (tmp_path / "logs0" / "teacher-router.log").read_text()
     assert re.search(rf"serving http://0\.0\.0\.0:{address.rpartition(':')[2]} for 2 replicas: 127\.0\.0\.1:\d+ "
                      r"127\.0\.0\.1:\d+\n", router_log), router_log

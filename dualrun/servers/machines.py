@@ -38,6 +38,9 @@ def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[Ser
             store = job_store.connect(host, port, _wait_s(servers))
             for index, address in servers.own().items():
                 store.set(job_store.server_key(index), address)
+                if servers.cfg.machine_rank != 0:
+                    print(f"dualrun: {servers.plan.servers[index].label}: server healthy at {address} (machine "
+                          f"{servers.cfg.machine_rank}), handed to machine 0", file=sys.stderr, flush=True)
             if servers.cfg.machine_rank != 0:
                 return
             remote = {i: store.get(job_store.server_key(i)).decode() for i in servers.others()}
