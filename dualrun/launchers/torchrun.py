@@ -22,7 +22,7 @@ from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
 from dualrun.servers.local import LocalServers, server_command
-from dualrun.servers.machines import finish, share
+from dualrun.servers.machines import finish, not_started, share
 
 
 class TorchrunLauncher(Launcher):
@@ -135,7 +135,7 @@ class TorchrunLauncher(Launcher):
 
     def _attempt(self, prepared: Prepared, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
         from accelerate.utils import clear_environment
-        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
@@ -149,6 +149,7 @@ class TorchrunLauncher(Launcher):
             servers.start()
             report_servers(servers.addresses, plan.external)
         except LaunchError as e:
+            not_started(servers, self._addr(), self._port(), str(e))   # machine K >= 1: machine 0 ends too
             return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e)), servers
         # the script's own arguments bypass torchrun's parser: `--n` must not match torchrun's `--nnodes`
         argv = list(prepared.argv[3:])   # after `python -m torch.distributed.run`
@@ -163,7 +164,7 @@ class TorchrunLauncher(Launcher):
         with clear_environment():   # the agent and its workers see exactly the job's env; ours comes back after
             os.environ.update(env)
             main = threading.current_thread() is threading.main_thread()
-            end_job = (lambda _: os.kill(os.getpid(), signal.SIGTERM)) if main else (lambda _: None)
+            end_job = (lambda e: _end_job(servers, e, _terminate_process_handler)) if main else (lambda _: None)
             if main:
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
                 servers.watch(end_job)
@@ -187,6 +188,19 @@ class TorchrunLauncher(Launcher):
         n = len(self.node_workers(plan))
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
         return JobResult(0, ranks, time.monotonic() - start), servers
+
+
+def _end_job(servers: LocalServers, failure: Exception, agent_handler: Any) -> None:
+    """From a watcher thread: end this attempt because of `failure`. Once the workers run, torchrun's agent turns
+    SIGTERM into SignalException and stops them (the launch then names `servers.failure`). Before, its rendezvous
+    may wait in C++ for another machine (no Python signal handler runs there): the error is printed, the servers
+    are stopped and the launcher exits with code 1."""
+    if signal.getsignal(signal.SIGTERM) is agent_handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    print(f"dualrun: error: {failure}", file=sys.stderr, flush=True)
+    servers.stop()
+    os._exit(1)
 
 
 def _beyond_machine_0(plan: Plan | None) -> bool:

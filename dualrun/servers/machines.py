@@ -43,7 +43,7 @@ def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[Ser
                           f"{servers.cfg.machine_rank}), handed to machine 0", file=sys.stderr, flush=True)
             if servers.cfg.machine_rank != 0:
                 return
-            remote = {i: store.get(job_store.server_key(i)).decode() for i in servers.others()}
+            remote = {i: _address(servers, i, store.get(job_store.server_key(i)).decode()) for i in servers.others()}
             addresses = servers.complete(remote)
             if not addresses and servers.plan.servers:
                 return   # stopped meanwhile
@@ -64,6 +64,31 @@ def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[Ser
     thread = threading.Thread(target=run, name="dualrun-server-wiring", daemon=True)
     thread.start()
     return thread
+
+
+def _address(servers: LocalServers, index: int, value: str) -> str:
+    if value.startswith(job_store.FAILED):
+        proc = servers.plan.servers[index]
+        raise ServerError(proc.label, f"did not start on machine {proc.node}: {value[len(job_store.FAILED):]}")
+    return value
+
+
+def not_started(servers: LocalServers, host: str, port: int, error: str) -> None:
+    """Machine K >= 1 whose servers did not start: put the reason where machine 0 waits for their addresses, so
+    it ends the job too (naming them) instead of waiting for addresses that never come. Best effort: machine 0's
+    store may not be up yet (waited for a minute)."""
+    if servers.cfg.num_machines == 1 or servers.cfg.machine_rank == 0:
+        return
+    mine = [i for i, p in enumerate(servers.plan.servers) if p.node == servers.cfg.machine_rank]
+    if not mine:
+        return
+    line = next((ln for ln in error.splitlines() if ln.strip()), "no message")
+    try:
+        store = job_store.connect(host, port, 60.0)
+        for index in mine:
+            store.set(job_store.server_key(index), job_store.FAILED + line)
+    except Exception:  # noqa: BLE001 - no store: machine 0 is not running; this machine's error is named anyway
+        pass
 
 
 def finish(servers: LocalServers, host: str, port: int) -> None:
