@@ -79,8 +79,9 @@ def test_replicas_that_fit_no_machine_are_a_config_error(teacher, per_machine, e
     assert e.value.key == "roles.teacher.gpus" and expected in str(e.value), str(e.value)
 
 
-def _cpu_cfg(teacher_processes: int) -> object:
+def _cpu_cfg(teacher_processes: int, rank: int = 0) -> object:
     return build_config({"method": "gkd", "use_cpu": True, "num_machines": 2, "main_process_ip": "10.0.0.1",
+                         "machine_rank": rank,
                          "torchrun": {"gpus_per_machine": 2}, "roles": {
                              "train": {"gpus": 2}, "teacher": {"gpus": teacher_processes, "model": "/m", "top_k": 5}}},
                         "job.yaml")
@@ -206,3 +207,32 @@ def test_machine_0_names_another_machines_replica_that_stops_answering():
                     f"{server.server_address[1]}/health) while the job was running"), servers.failure.one_line()
         finally:
             servers.stop()
+
+
+@pytest.mark.e2e
+def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
+    """The exchange through a real TCPStore (standing in for torchrun's agent store): machine 1's launcher, whose
+    replica failed its start, leaves the reason under the replica's key; machine 0's, waiting for that address,
+    ends its job with it instead of waiting for an address that never comes."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from dualrun.plugin import get_plugin
+    from dualrun.ports import free_port
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.machines import not_started, share
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)   # noqa: F841 - serves the test
+    machine = [LocalServers(_cpu_cfg(2, r), get_plugin("gkd"), make_plan(_cpu_cfg(2, r)), dict, stream=None)
+               for r in (0, 1)]
+    ended: list[Exception] = []
+    done = threading.Event()
+    share(machine[0], "127.0.0.1", port, lambda e: (ended.append(e), done.set()))
+    not_started(machine[1], "127.0.0.1", port, "teacher server 1 exited with code 1 before it became healthy\n"
+                                                 "--- last lines of its log ---\nOSError: no model")
+    assert done.wait(10), "machine 0 still waits"
+    assert ended[0].one_line() == ("teacher server 1 did not start on machine 1: teacher server 1 exited with code "
+                                   "1 before it became healthy"), ended[0].one_line()
+    machine[0].stop()
