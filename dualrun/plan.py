@@ -176,6 +176,10 @@ def assumed_cluster(cfg: JobConfig, environ: Mapping[str, str] | None = None) ->
     per_node_primary = primary.gpus // n if primary.gpus else 0
     servers = sum(r.gpus for g, r in units(cfg)[1:] if not r.address)
     visible = visible_devices(cfg, environ)
+    per_machine = cfg.torchrun.gpus_per_machine if cfg.backend == "torchrun" else None
+    if per_machine is not None and visible is not None and per_machine != len(visible):
+        raise ConfigError(cfg.source, "torchrun.gpus_per_machine", "the launching shell's CUDA_VISIBLE_DEVICES "
+                          f"count, {len(visible)} (or unset it)", per_machine)
     if visible is not None:
         for role in cfg.roles:
             outside = sorted(set(role.gpu_ids or ()) - set(visible))
@@ -184,6 +188,9 @@ def assumed_cluster(cfg: JobConfig, environ: Mapping[str, str] | None = None) ->
                                   f"CUDA_VISIBLE_DEVICES={','.join(map(str, visible))}", outside[0])
         hosts = ["127.0.0.1"] if n == 1 else [(cfg.main_process_ip or "HEAD")] + [f"node{i}" for i in range(1, n)]
         return Cluster(tuple(Node(i, hosts[i], len(visible), device_ids=visible) for i in range(n)))
+    if per_machine is not None:   # every machine alike: the servers fill what the trainers leave, in order
+        hosts = ["127.0.0.1"] if n == 1 else [(cfg.main_process_ip or "HEAD")] + [f"node{i}" for i in range(1, n)]
+        return Cluster(tuple(Node(i, hosts[i], per_machine) for i in range(n)))
     if cfg.backend == "torchrun":
         nodes = [Node(i, "127.0.0.1" if n == 1 else (cfg.main_process_ip or "HEAD") if i == 0 else f"node{i}",
                       per_node_primary + (servers if i == 0 else 0)) for i in range(n)]
@@ -211,6 +218,10 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
         unit = "+".join(group)
         if i == 0:
             procs += _place_workers(cfg, cluster, free, group, role, unit, common)
+            if cfg.backend == "torchrun" and cfg.torchrun.gpus_per_machine:
+                for p in procs:   # on CPU a machine's slots are processes: each trainer rank takes one
+                    if not p.devices and free[p.node]:
+                        free[p.node].pop(0)
             continue
         if role.address:
             for name in group:
@@ -319,17 +330,17 @@ def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]],
 
 def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], group: tuple[str, ...],
                   role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
-    """A separate role's engines: one replica of `engine_size` GPUs each (torchrun: on machine 0, beside the
-    launcher that starts them; Ray: each on any node, in its own placement group), and with several a router
-    (CPU only, on the first replica's node) whose address the trainers get."""
+    """A separate role's engines: one replica of `engine_size` GPUs each (torchrun: on the first machine, from 0
+    up, with that many free GPUs left by the trainers, started by that machine's launcher; Ray: each on any node,
+    in its own placement group), and with several a router (CPU only; torchrun: on machine 0, beside trainer
+    rank 0; Ray: on the first replica's node) whose address the trainers get."""
     from dualrun.servers.commands import engine_size, replica_count, server_env
 
     count = replica_count(cfg, role)
     size = engine_size(cfg, role) if role.gpus else 0
+    slots = size or (1 if cfg.backend == "torchrun" and cfg.torchrun.gpus_per_machine else 0)   # CPU: a process
     fixed = role.gpu_ids
     candidates: Iterable[Node] = cluster.nodes
-    if cfg.backend == "torchrun":
-        candidates = [n for n in cluster.nodes if n.index == 0]
     env = dict(common)
     env.update(server_env(cfg, role))
     env.update(role.env)
@@ -337,19 +348,22 @@ def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], 
     procs = []
     for replica in range(count):
         mine = tuple(fixed[replica * size:(replica + 1) * size]) if fixed is not None else None
-        node = next((n for n in candidates if len(free[n.index]) >= size or mine is not None), None)
+        node = next((n for n in candidates if len(free[n.index]) >= slots or mine is not None), None)
         if node is None:
             have = max((len(free[n.index]) for n in candidates), default=0)
-            what = f"{size} free GPUs on one node for each of its {count} engines" if count > 1 else \
-                f"at most {have} free GPUs on one node for a separate role"
+            what = "GPUs" if size else "process slots (torchrun.gpus_per_machine)"
+            what = f"{slots} free {what} on one node for each of its {count} engines" if count > 1 else \
+                f"at most {have} free {what} on one node for a separate role"
             raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
                               (f"{what} (engine {replica} finds at most {have})" if count > 1 else what)
                               + _visible_note(next(iter(candidates), None)), role.gpus)
-        devices = _take(free, node.index, size, mine) if size else ()
+        taken = _take(free, node.index, slots, mine) if slots else ()
+        devices = taken if size else ()
         procs.append(Process(unit, group, "server", replica, count, node.index, 0, 1, devices,
                              frozen_map({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))})))
     if count > 1:
-        procs.append(Process(unit, group, ROUTER, 0, count, procs[0].node, 0, 1, (),
+        home = cluster.nodes[0].index if cfg.backend == "torchrun" else procs[0].node
+        procs.append(Process(unit, group, ROUTER, 0, count, home, 0, 1, (),
                              frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""})))
     return procs
 

@@ -30,3 +30,15 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def route_address(peer: str) -> str:
+    """This machine's address on its route to `peer`: the interface the OS would send from, so the address `peer`
+    reaches it at on a flat network (127.0.0.1 when `peer` is loopback). No packet is sent (a UDP connect only
+    picks the route); a peer that does not resolve gives this host name's address."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())

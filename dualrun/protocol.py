@@ -34,9 +34,8 @@ GROUP_SIZE = "DUALRUN_GROUP_SIZE"   # the number of workers of the group
 # 51216 makes two jobs with rollout servers on one node collide.
 VLLM_GROUP_PORT = "DUALRUN_VLLM_GROUP_PORT"
 # Multi-node torchrun: the servers' addresses travel through torchrun's store (dualrun/rank/store_wiring.py).
-WIRING_PUBLISH = "DUALRUN_WIRING_PUBLISH"   # '1': this machine started the servers; its env holds the wiring
-WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # '1': read the wiring from the store
-WIRING_NAMES = "DUALRUN_WIRING_NAMES"       # JSON list: the variables to publish
+WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # 'host:port' of the store to read the wiring from (machine 0's launcher
+                                            # puts it there: main_process_ip:main_process_port, whatever rdzv_backend)
 
 # -- set by the user (read by workers or the driver) ---------------------------------------------------------
 PROGRESS = "DUALRUN_PROGRESS"              # rank0 (default) | all | none

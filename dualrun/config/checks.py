@@ -38,7 +38,7 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
     backend = values.get("backend", "torchrun")
     machines = int(acc.get("num_machines") or 1)
     if backend == "torchrun" and roles:
-        _check_machine_size(source, roles, groups, machines, from_flags)
+        _check_machine_size(source, roles, groups, machines, from_flags, torchrun.gpus_per_machine)
     rank = int(acc.get("machine_rank") or 0)
     if backend == "torchrun" and machines > 1 and rank >= 1 and not acc.get("main_process_ip"):
         raise ConfigError(source, "main_process_ip", f"the address of machine 0 (num_machines={machines}, "
@@ -64,8 +64,9 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
 
 
 def _check_machine_size(source: str, roles: Sequence[RoleSpec], groups: Sequence[Sequence[str]], machines: int,
-                        from_flags: bool) -> None:
-    """torchrun runs every process of a machine there, and the servers of separate roles on machine 0: bound both."""
+                        from_flags: bool, per_machine: int | None = None) -> None:
+    """torchrun runs every process of a machine there, and the servers of separate roles on machine 0 unless
+    `torchrun.gpus_per_machine` spreads them (then the plan bounds each machine): bound both."""
     limit = schema.MAX_PER_MACHINE
     primary = roles[0]
     if -(-primary.processes // machines) > limit:
@@ -75,7 +76,7 @@ def _check_machine_size(source: str, roles: Sequence[RoleSpec], groups: Sequence
     with_primary = next((set(g) for g in groups if primary.name in g), {primary.name})
     servers = [r for r in roles if r.name not in with_primary and not r.address]
     used = primary.gpus // machines + sum(r.gpus for r in servers)
-    if servers and used > limit:
+    if servers and used > limit and per_machine is None:
         biggest = max(servers, key=lambda r: r.gpus)
         raise ConfigError(source, f"roles.{biggest.name}.gpus", f"at most {limit} GPUs on machine 0 with the "
                           "trainers' (torchrun starts separate roles' servers there)", biggest.gpus)

@@ -44,6 +44,7 @@ class TorchrunOptions:
     rdzv_backend: str = "static"
     monitor_interval: float = 0.1
     log_dir: str | None = None
+    gpus_per_machine: int | None = None   # each machine's GPUs (CPU: process slots); None: not known
 
 
 @dataclass(frozen=True)

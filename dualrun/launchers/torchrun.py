@@ -22,6 +22,7 @@ from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
 from dualrun.servers.local import LocalServers, server_command
+from dualrun.servers.machines import finish, not_started, share
 
 
 class TorchrunLauncher(Launcher):
@@ -31,6 +32,7 @@ class TorchrunLauncher(Launcher):
         super().__init__(*args, **kwargs)
         self._used_ports: set[int] = set()   # every server port of this launch: a restart never reuses one
         self._server_failure: Any = None     # the server whose death ended the last attempt
+        self.prepared_plan: Plan | None = None
 
     def _port(self) -> int:
         if not hasattr(self, "_chosen_port"):
@@ -113,10 +115,15 @@ class TorchrunLauncher(Launcher):
         result, servers = self._attempt(prepared, attempt, self._used_ports)
         self._used_ports |= servers.ports_used
         self._server_failure = servers.failure
+        if servers.failure is not None and self.cfg.max_failures and _beyond_machine_0(prepared.plan):
+            result.message = (f"{result.message} (not restarted: with servers on machines other than 0, every "
+                              "machine's launch must be started again)")
         return result
 
     def restart_cause(self, result: JobResult) -> str | None:
-        if self._server_failure is None:
+        # servers on machine K >= 1: that machine's launcher would have to restart them in step with machine 0's
+        # fresh store, which nothing coordinates (torchrun still restarts failed workers: the servers stay)
+        if self._server_failure is None or _beyond_machine_0(self.prepared_plan):
             return None
         return f"{self._server_failure.one_line()}; restarting the job with fresh servers"
 
@@ -128,19 +135,21 @@ class TorchrunLauncher(Launcher):
 
     def _attempt(self, prepared: Prepared, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
         from accelerate.utils import clear_environment
-        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         from torch.distributed.run import parse_args, run
 
         start = time.monotonic()
         plan = prepared.plan
         assert plan is not None
+        self.prepared_plan = plan
         # separate roles: their servers start first (on their own devices), the trainers get their addresses
         servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid_ports=used_ports)
         try:
             servers.start()
             report_servers(servers.addresses, plan.external)
         except LaunchError as e:
+            not_started(servers, self._addr(), self._port(), str(e))   # machine K >= 1: machine 0 ends too
             return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e)), servers
         # the script's own arguments bypass torchrun's parser: `--n` must not match torchrun's `--nnodes`
         argv = list(prepared.argv[3:])   # after `python -m torch.distributed.run`
@@ -148,17 +157,22 @@ class TorchrunLauncher(Launcher):
         args = parse_args(argv[: len(argv) - len(script_args)])
         args.training_script_args = script_args
         args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
-        extra = servers.wiring_env()
+        extra = servers.wiring_env(f"{self._addr()}:{self._port()}")
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         env = {**prepared.env, **extra}
         with clear_environment():   # the agent and its workers see exactly the job's env; ours comes back after
             os.environ.update(env)
-            if threading.current_thread() is threading.main_thread():
+            main = threading.current_thread() is threading.main_thread()
+            end_job = (lambda e: _end_job(servers, e, _terminate_process_handler)) if main else (lambda _: None)
+            if main:
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
-                servers.watch(lambda _: os.kill(os.getpid(), signal.SIGTERM))
+                servers.watch(end_job)
+            if self.cfg.num_machines > 1 and plan.servers:   # the machines' servers meet in torchrun's store
+                share(servers, self._addr(), self._port(), end_job)
             try:
                 run(args)
+                finish(servers, self._addr(), self._port())   # several machines: before this one's servers stop
             except ChildFailedError as e:
                 servers.unwatch()
                 if servers.check() is not None:   # a server died first and the workers failed for it: the cause
@@ -174,6 +188,23 @@ class TorchrunLauncher(Launcher):
         n = len(self.node_workers(plan))
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
         return JobResult(0, ranks, time.monotonic() - start), servers
+
+
+def _end_job(servers: LocalServers, failure: Exception, agent_handler: Any) -> None:
+    """From a watcher thread: end this attempt because of `failure`. Once the workers run, torchrun's agent turns
+    SIGTERM into SignalException and stops them (the launch then names `servers.failure`). Before, its rendezvous
+    may wait in C++ for another machine (no Python signal handler runs there): the error is printed, the servers
+    are stopped and the launcher exits with code 1."""
+    if signal.getsignal(signal.SIGTERM) is agent_handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    print(f"dualrun: error: {failure}", file=sys.stderr, flush=True)
+    servers.stop()
+    os._exit(1)
+
+
+def _beyond_machine_0(plan: Plan | None) -> bool:
+    return plan is not None and any(p.node != 0 for p in plan.servers)
 
 
 def _server_died(servers: LocalServers, start: float) -> JobResult:

@@ -1,8 +1,10 @@
 """The servers a torchrun plan places on this machine: started before the trainers, stopped after them.
 
 Each server binds a port the OS picks. One machine: 127.0.0.1. Several machines (torchrun by hand, like
-accelerate): the servers run on machine 0 and bind 0.0.0.0; the other machines' ranks read the addresses from
-torchrun's store when they start (dualrun/rank/store_wiring.py), since the machines do not talk before the job.
+accelerate): a separate role's servers run on whichever machines the plan gives them (machine 0 first), bind
+0.0.0.0 and are advertised at the machine's address on its route to machine 0; each machine starts and watches
+its own, and the addresses meet in torchrun's store (dualrun/servers/machines.py: machine 0 starts the routers in
+front of every machine's replicas and publishes the trainers' wiring; dualrun/rank/store_wiring.py reads it).
 """
 from __future__ import annotations
 
@@ -105,17 +107,29 @@ class LocalServers:
         self.addresses: dict[str, str] = dict(plan.external)
         self.avoid_ports = set(avoid_ports)   # ports of an earlier attempt's servers: never reused
         self.ports_used: set[int] = set()
-        self.elsewhere = False   # some server runs on another machine: the wiring comes through the store
+        self.started: dict[int, str] = {}   # plan.servers index -> advertised host:port (machine 0: every machine's)
+        self.pending: list[int] = []        # routers whose replicas include another machine's: started by `complete`
+        self.pending_done: list[int] = []   # those `complete` started
         self.failure: ServerError | None = None   # the first server that died while watched
         self._watching = threading.Event()
+        self._lock = threading.Lock()       # `complete` (a thread beside torchrun's agent) against `stop`
+        self._stopped = False
+        self._misses: dict[int, int] = {}   # remote server index -> failed health checks in a row
+        self.finished_elsewhere: Callable[[int], bool] = lambda machine: False   # its ranks succeeded (the store)
+        self.stopped = threading.Event()
+        self._next_probe = 0.0
 
     def _endpoint(self, index: int) -> tuple[str, str, int]:
         """(bind host, advertised host, port) of the plan's `index`-th server."""
         from dualrun.ports import free_port
 
+        from dualrun.ports import route_address
+
         if self.cfg.num_machines == 1:
             return "127.0.0.1", "127.0.0.1", free_port("127.0.0.1", self.avoid_ports)
-        return "0.0.0.0", self.cfg.main_process_ip or "127.0.0.1", free_port("0.0.0.0", self.avoid_ports)
+        main = self.cfg.main_process_ip or "127.0.0.1"
+        advertised = main if self.cfg.machine_rank == 0 else route_address(main)   # what machine 0 reaches it at
+        return "0.0.0.0", advertised, free_port("0.0.0.0", self.avoid_ports)
 
     def _log_path(self, proc: Process) -> str:
         if not self.log_dir:
@@ -136,31 +150,75 @@ class LocalServers:
         return server.start()
 
     def start(self) -> dict[str, str]:
-        """Start every server of this machine, wait until all are healthy; role -> address of all servers.
+        """Start every server of this machine, wait until all are healthy; role -> address of the servers known
+        here. A router in front of another machine's replicas waits in `pending` for `complete`.
 
         On any failure every server started so far is stopped and a LaunchError carries the log's tail."""
         try:
-            started: dict[int, str] = {}
             for phase in phases(self.plan):   # the replicas, then their routers
                 for index in phase:
                     proc = self.plan.servers[index]
-                    if proc.node != self.cfg.machine_rank:  # another machine runs it: its ranks publish the address
-                        self.elsewhere = True
+                    if proc.node != self.cfg.machine_rank:  # another machine runs it: it publishes the address
                         continue
-                    self.running[index] = self._spawn(index, proc, replica_addresses(self.plan, started, index))
-                for index in phase:  # all of a phase start at once, then each is waited for
-                    if index in self.running:
-                        proc = self.plan.servers[index]
-                        self.running[index] = self._wait(index, proc, self.running[index],
-                                                         replica_addresses(self.plan, started, index))
-                        started[index] = self.running[index].advertised  # type: ignore[attr-defined]
+                    if proc.kind == ROUTER and not self._has_replicas(index):
+                        self.pending.append(index)
+                        continue
+                    self.running[index] = self._spawn(index, proc, replica_addresses(self.plan, self.started, index))
+                self._wait_all([i for i in phase if i in self.running and i not in self.started])
         except ServerError as e:
             self.stop()
             raise LaunchError(str(e)) from None
         except BaseException:
             self.stop()
             raise
-        self.addresses = addresses(self.plan, started)
+        self.addresses = addresses(self.plan, self.started)
+        return self.addresses
+
+    def _has_replicas(self, index: int) -> bool:
+        unit = self.plan.servers[index].unit
+        return all(i in self.started for i, p in enumerate(self.plan.servers) if p.unit == unit and p.kind != ROUTER)
+
+    def _wait_all(self, indices: Sequence[int]) -> None:
+        """All of a phase start at once, then each is waited for."""
+        for index in indices:
+            proc = self.plan.servers[index]
+            self.running[index] = self._wait(index, proc, self.running[index],
+                                             replica_addresses(self.plan, self.started, index))
+            self.started[index] = self.running[index].advertised  # type: ignore[attr-defined]
+
+    def own(self) -> dict[int, str]:
+        """plan.servers index -> advertised address, of the servers this machine runs."""
+        return {i: a for i, a in self.started.items() if self.plan.servers[i].node == self.cfg.machine_rank}
+
+    def others(self) -> list[int]:
+        """plan.servers indices of the servers other machines run."""
+        return [i for i, p in enumerate(self.plan.servers) if p.node != self.cfg.machine_rank]
+
+    def complete(self, remote: Mapping[int, str]) -> dict[str, str]:
+        """Machine 0, once the other machines' servers answer (`remote`: index -> address): start the routers that
+        stand in front of them, wait until they are healthy; role -> address of every server. ServerError when a
+        router fails; a router started while `stop` runs is stopped at once."""
+        with self._lock:
+            if self._stopped:
+                return {}
+            self.started.update(remote)
+            spawned = {i: self._spawn(i, self.plan.servers[i], replica_addresses(self.plan, self.started, i))
+                       for i in self.pending}
+            self.running.update(spawned)
+        try:
+            for index, server in spawned.items():
+                server = self._wait(index, self.plan.servers[index], server,
+                                    replica_addresses(self.plan, self.started, index))
+                spawned[index] = server
+                self.started[index] = server.advertised  # type: ignore[attr-defined]
+        finally:
+            if self._stopped:   # stopped meanwhile (the job ended): nothing started here may outlive it
+                for server in spawned.values():
+                    server.stop()
+        if self._stopped:
+            return {}
+        self.pending_done, self.pending = self.pending, []
+        self.addresses = addresses(self.plan, self.started)
         return self.addresses
 
     def _wait(self, index: int, proc: Process, server: ServerProcess, replicas: Sequence[str] = ()) -> ServerProcess:
@@ -177,31 +235,52 @@ class LocalServers:
                 self.running[index] = server
         return server
 
-    def wiring_env(self) -> dict[str, str]:
-        """Env for the trainer ranks: the plugin's wiring of the servers' addresses and a free weight-sync port on
-        this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's value is used); with
-        several machines, also whether this machine's ranks publish it (it started servers) or read it."""
-        import json
+    def wiring_env(self, store: str = "") -> dict[str, str]:
+        """Env for this machine's trainer ranks: the plugin's wiring of the servers' addresses and a free weight-sync
+        port (`shared_wiring`); with several machines and servers, only that the ranks read it from torchrun's
+        store at `store` (host:port), where machine 0's launcher puts it once every machine's servers answer."""
+        if self.cfg.num_machines > 1 and self.plan.servers:
+            return {protocol.WIRING_FETCH: store}
+        return self.shared_wiring()
 
+    def shared_wiring(self) -> dict[str, str]:
+        """The trainers' wiring env (the same for every machine): the plugin's wiring of every server's address and a
+        free weight-sync port on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's
+        value is used)."""
         from dualrun.ports import free_port
         from dualrun.rank.wiring import group_port_env
 
-        if self.elsewhere:
-            return {protocol.WIRING_FETCH: "1"}
         env = wiring_env(self.cfg, self.plugin, self.addresses)
         env.update(group_port_env(env, free_port("127.0.0.1" if self.cfg.num_machines == 1 else "0.0.0.0")))
-        if self.running and self.cfg.num_machines > 1:
-            env.update({protocol.WIRING_PUBLISH: "1", protocol.WIRING_NAMES: json.dumps(sorted(env))})
         return env
 
     def check(self) -> ServerError | None:
-        """One look at every server: the first that has ended becomes `failure` (kept once set)."""
+        """One look at every server: the first that has ended becomes `failure` (kept once set). On machine 0, the
+        other machines' servers are health-checked about once a second: two misses in a row are a failure too
+        (their own machine's launcher names the exit code)."""
         if self.failure is None:
             for server in list(self.running.values()):
                 if server.proc is not None and server.proc.poll() is not None:
                     self.failure = server.wait_exit()
                     break
+        if self.failure is None and self.cfg.machine_rank == 0 and time.monotonic() >= self._next_probe:
+            self._next_probe = time.monotonic() + 1.0
+            self.failure = self._probe_others()
         return self.failure
+
+    def _probe_others(self) -> ServerError | None:
+        from dualrun.servers.process import http_ok
+
+        for index in self.others():
+            if index not in self.started:
+                continue
+            proc = self.plan.servers[index]
+            url = f"http://{self.started[index]}{server_health_path(self.plugin, server_role(self.cfg, proc), proc)}"
+            self._misses[index] = 0 if http_ok(url, timeout=1.0) else self._misses.get(index, 0) + 1
+            if self._misses[index] >= 2 and not self.finished_elsewhere(proc.node):
+                return ServerError(proc.label, f"on machine {proc.node} stopped answering its health check ({url}) "
+                                   "while the job was running (that machine's launcher names its exit)")
+        return None
 
     def watch(self, on_death: Callable[[ServerError], None], every_s: float = 0.25) -> None:
         """While the job runs: the first server that ends is recorded in `failure` and `on_death` is called once
@@ -222,12 +301,20 @@ class LocalServers:
     def unwatch(self) -> None:
         self._watching.clear()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopped
+
     def stop(self) -> None:
         """Stop every server started here (idempotent); used on success, failure and interruption alike."""
         self._watching.clear()
-        for server in list(self.running.values()):
+        with self._lock:
+            self._stopped = True
+            servers = list(self.running.values())
+            self.running.clear()
+        for server in servers:
             server.stop()
-        self.running.clear()
+        self.stopped.set()
 
     def __enter__(self) -> "LocalServers":
         return self

@@ -1,0 +1,33 @@
+"""torchrun's agent store as the one channel between machines started by hand: key names and the client, for the
+launchers (driver side) and the ranks (worker side) alike.
+
+Why this store: the machines of a multi-machine torchrun job do not talk before the job; the first thing they
+share is the TCPStore that torchrun's agent on machine 0 serves at `main_process_ip:main_process_port` once the
+rendezvous begins (static rendezvous, the default: it lives as long as that agent, across torchrun's own worker
+restarts, so the keys below need no attempt number; a restart dualrun makes itself runs a new agent, a new store).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+SERVER_KEY = "dualrun/server/{index}"   # `host:port` of plan.servers[index], set by the machine that runs it,
+FAILED = "failed: "                     # or this prefix and one line when it did not start there
+WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by machine 0 once every server answers
+FINISHED_KEY = "dualrun/finished/{machine}"   # set by a machine whose ranks succeeded, before it stops its servers
+WAIT_S = 600.0                          # how long a reader waits for a key (machines are started by hand)
+
+
+def connect(host: str, port: int, timeout_s: float = WAIT_S):
+    """A client of the store at `host:port`; it waits (up to `timeout_s`) for the store to exist, and every
+    `get` waits as long for its key."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def server_key(index: int) -> str:
+    return SERVER_KEY.format(index=index)
+
+
+def finished_key(machine: int) -> str:
+    return FINISHED_KEY.format(machine=machine)

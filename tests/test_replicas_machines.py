@@ -1,0 +1,238 @@
+"""A separate role's engine replicas across several torchrun machines (started by hand, like accelerate).
+
+Planning is pure (milliseconds): replicas fill the GPUs the trainers leave on machine 0, then machine 1, ...
+(`torchrun.gpus_per_machine`, or the launching shell's CUDA_VISIBLE_DEVICES), each replica on one machine, the
+router on machine 0; what cannot be placed is a config error naming the key. End to end: two `dualrun launch`
+machines on one host, real TRL GKD with a CPU-engine teacher whose two replicas run one on each machine; both
+machines' ranks get the same router address, every replica is served, and nothing is left running.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import dualrun, link_tiny
+from dualrun.config import build_config
+from dualrun.errors import ConfigError
+from dualrun.plan import ROUTER, make_plan
+from helpers import eventually, pids_matching
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+def _cfg(teacher: dict, train: int = 4, machines: int = 2, rank: int = 0, **torchrun) -> object:
+    spec = {"model": "/m", "top_k": 5, **teacher}
+    return build_config({"method": "gkd", "num_machines": machines, "machine_rank": rank,
+                         "main_process_ip": "10.0.0.1", "torchrun": torchrun,
+                         "roles": {"train": {"gpus": train}, "teacher": spec}}, "job.yaml")
+
+
+def _replicas(plan) -> list[tuple[int, tuple[int, ...]]]:
+    return [(p.node, p.devices) for p in plan.servers if p.kind != ROUTER]
+
+
+def test_replicas_fill_machine_0_then_machine_1_each_on_one_machine():
+    plan = make_plan(_cfg({"gpus": 4, "tensor_parallel_size": 2}, gpus_per_machine=4))
+    assert [(p.node, p.devices) for p in plan.workers] == [(0, (0,)), (0, (1,)), (1, (0,)), (1, (1,))]
+    assert _replicas(plan) == [(0, (2, 3)), (1, (2, 3))]
+    router = plan.servers[-1]
+    assert router.kind == ROUTER and router.node == 0 and router.devices == ()
+    table = plan.table()
+    assert re.search(r"node 0 .*\n(.*\n)*  GPU 2,3 +teacher server 0\n  CPU +teacher router", table), table
+    assert re.search(r"node 1 node1: 4 GPU\(s\)\n(.*\n)*  GPU 2,3 +teacher server 1", table), table
+
+
+def test_machine_0_is_filled_first():
+    plan = make_plan(_cfg({"gpus": 4}, train=2, gpus_per_machine=4))
+    assert _replicas(plan) == [(0, (1,)), (0, (2,)), (0, (3,)), (1, (1,))]
+
+
+def test_without_a_machine_size_every_server_stays_on_machine_0():
+    plan = make_plan(_cfg({"gpus": 4, "tensor_parallel_size": 2}))
+    assert _replicas(plan) == [(0, (2, 3)), (0, (4, 5))]
+
+
+def test_the_launching_shells_visible_gpus_are_each_machines(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    plan = make_plan(_cfg({"gpus": 4, "tensor_parallel_size": 2}))
+    assert _replicas(plan) == [(0, (6, 7)), (1, (6, 7))]
+    with pytest.raises(ConfigError) as e:
+        make_plan(_cfg({"gpus": 2}, gpus_per_machine=8))
+    assert e.value.key == "torchrun.gpus_per_machine" and "CUDA_VISIBLE_DEVICES count, 4" in str(e.value)
+
+
+@pytest.mark.parametrize("teacher, per_machine, expected", [
+    ({"gpus": 4, "tensor_parallel_size": 4}, 4, "at most 3 free GPUs on one node for a separate role"),
+    ({"gpus": 6, "tensor_parallel_size": 2}, 3, "2 free GPUs on one node for each of its 3 engines (engine 2 "
+                                                "finds at most 0)"),
+    ({"gpus": 8}, 4, "1 free GPUs on one node for each of its 8 engines (engine 6 finds at most 0)"),
+])
+def test_replicas_that_fit_no_machine_are_a_config_error(teacher, per_machine, expected):
+    with pytest.raises(ConfigError) as e:
+        make_plan(_cfg(teacher, train=2, gpus_per_machine=per_machine))
+    assert e.value.key == "roles.teacher.gpus" and expected in str(e.value), str(e.value)
+
+
+def _cpu_cfg(teacher_processes: int, rank: int = 0) -> object:
+    return build_config({"method": "gkd", "use_cpu": True, "num_machines": 2, "main_process_ip": "10.0.0.1",
+                         "machine_rank": rank,
+                         "torchrun": {"gpus_per_machine": 2}, "roles": {
+                             "train": {"gpus": 2}, "teacher": {"gpus": teacher_processes, "model": "/m", "top_k": 5}}},
+                        "job.yaml")
+
+
+def test_cpu_replicas_take_process_slots():
+    plan = make_plan(_cpu_cfg(2))
+    assert _replicas(plan) == [(0, ()), (1, ())]
+    assert plan.servers[-1].kind == ROUTER and plan.servers[-1].node == 0
+    with pytest.raises(ConfigError, match=r"roles.teacher.gpus: expected 1 free process slots "
+                                          r"\(torchrun.gpus_per_machine\) on one node for each of its 3 engines"):
+        make_plan(_cpu_cfg(3))
+
+
+def test_dry_run_of_machine_1_shows_the_replica_it_starts(tmp_path):
+    (tmp_path / "job.yaml").write_text(
+        "use_cpu: true\nmethod: gkd\ntorchrun: {gpus_per_machine: 2}\nroles:\n  train: {gpus: 2}\n"
+        f"  teacher: {{gpus: 2, model: {tmp_path}, top_k: 5}}\n")
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    out = dualrun("launch", "--config_file", "job.yaml", "--num_machines", "2", "--machine_rank", "1",
+                  "--main_process_ip", "10.0.0.1", "--dry_run", "train.py", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "# teacher server 1, started first" in out.stdout
+    assert "teacher server 0, started first" not in out.stdout and "teacher router, started" not in out.stdout
+
+
+# -- end to end: two machines on one host --------------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny):
+    from dualrun.ports import free_port
+
+    tiny = link_tiny(tiny, tmp_path)   # the teacher's path under this test's own directory marks its servers
+    port = free_port()
+    (tmp_path / "job.yaml").write_text(
+        "use_cpu: true\nmethod: gkd\ntorchrun: {gpus_per_machine: 2}\nroles:\n  train: {gpus: 2}\n"
+        f"  teacher: {{gpus: 2, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
+        "server_args: [--verbose]}\n")
+    cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml", "--num_machines", "2",
+           "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+           str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
+           "--teacher_model_name_or_path", str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"),
+           "--output_dir", str(tmp_path / "out")]
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
+    procs = []
+    for rank in (0, 1):
+        (tmp_path / f"m{rank}").mkdir()
+        (tmp_path / f"m{rank}" / "job.yaml").write_text(
+            (tmp_path / "job.yaml").read_text() + f"log_dir: {tmp_path / f'logs{rank}'}\n")
+        procs.append(subprocess.Popen([c.format(rank=rank) for c in cmd], cwd=tmp_path / f"m{rank}", env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=270) for p in procs]
+    finally:
+        for p in procs:   # a hung machine must not outlive the test
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    address = ranks[0]["teacher_address"]
+    assert address == ranks[1]["teacher_address"] and address.startswith("127.0.0.1:")   # one address: the router's
+    assert f"dualrun: teacher: server healthy at {address}" in outs[0][1]
+    assert re.search(r"dualrun: teacher server 1: server healthy at 127\.0\.0\.1:\d+ \(machine 1\)", outs[1][1])
+    router_log = (tmp_path / "logs0" / "teacher-router.log").read_text()
+    assert re.search(rf"serving http://0\.0\.0\.0:{address.rpartition(':')[2]} for 2 replicas: 127\.0\.0\.1:\d+ "
+                     r"127\.0\.0\.1:\d+\n", router_log), router_log
+    assert not (tmp_path / "logs1" / "teacher-router.log").exists()
+    spread = re.search(r"served per replica: \[(\d+), (\d+)\]", router_log)
+    assert spread and all(int(n) >= 1 for n in spread.groups()), router_log[-500:]
+    # each machine ran its own replica, and each replica's own log counts the scoring requests it answered
+    served = [(tmp_path / f"logs{m}" / f"teacher-server-{m}.log").read_text().count('"POST /v1/completions')
+              for m in (0, 1)]
+    assert all(n >= 1 for n in served), served
+    assert not (tmp_path / "logs0" / "teacher-server-1.log").exists()
+    assert not (tmp_path / "logs1" / "teacher-server-0.log").exists()
+    assert all(len(r["losses"]) == 2 and all(x == x and x >= 0 for x in r["losses"]) for r in ranks)
+    assert eventually(lambda: not pids_matching(str(tiny / "teacher")))   # replicas and router are gone
+
+
+# -- machine 0 watches the other machines' replicas ----------------------------------------------------------
+@pytest.mark.e2e
+def test_machine_0_names_another_machines_replica_that_stops_answering():
+    """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
+    LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
+    said its ranks finished (the store's key), the same silence is no failure."""
+    import http.server
+    import threading
+    import time
+
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.local import LocalServers
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    cfg = _cpu_cfg(2)
+    plan = make_plan(cfg)
+    for finished in (False, True):
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers = LocalServers(cfg, get_plugin("gkd"), plan, dict, stream=None)
+        servers.started[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
+        servers.finished_elsewhere = lambda machine: finished and machine == 1
+        try:
+            assert servers.check() is None                            # answering: fine
+            server.shutdown()
+            server.server_close()
+            deadline = time.monotonic() + (3.5 if finished else 10)   # probes ~1 s apart: two misses fit in 3.5 s
+            while servers.check() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if finished:
+                assert servers.failure is None
+            else:
+                assert servers.failure is not None and time.monotonic() < deadline
+                assert servers.failure.one_line().startswith(
+                    f"teacher server 1 on machine 1 stopped answering its health check (http://127.0.0.1:"
+                    f"{server.server_address[1]}/health) while the job was running"), servers.failure.one_line()
+        finally:
+            servers.stop()
+
+
+@pytest.mark.e2e
+def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
+    """The exchange through a real TCPStore (standing in for torchrun's agent store): machine 1's launcher, whose
+    replica failed its start, leaves the reason under the replica's key; machine 0's, waiting for that address,
+    ends its job with it instead of waiting for an address that never comes."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from dualrun.plugin import get_plugin
+    from dualrun.ports import free_port
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.machines import not_started, share
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)   # noqa: F841 - serves the test
+    machine = [LocalServers(_cpu_cfg(2, r), get_plugin("gkd"), make_plan(_cpu_cfg(2, r)), dict, stream=None)
+               for r in (0, 1)]
+    ended: list[Exception] = []
+    done = threading.Event()
+    share(machine[0], "127.0.0.1", port, lambda e: (ended.append(e), done.set()))
+    not_started(machine[1], "127.0.0.1", port, "teacher server 1 exited with code 1 before it became healthy\n"
+                                                 "--- last lines of its log ---\nOSError: no model")
+    assert done.wait(10), "machine 0 still waits"
+    assert ended[0].one_line() == ("teacher server 1 did not start on machine 1: teacher server 1 exited with code "
+                                   "1 before it became healthy"), ended[0].one_line()
+    machine[0].stop()
