@@ -60,11 +60,11 @@ def _dump(pgid: int) -> str:
     return "\n".join(out)
 
 
-def one_run(backend: str, tiny: Path, work: Path, timeout: float) -> dict:
+def one_run(backend: str, tiny: Path, work: Path, timeout: float, ray_address: str = "") -> dict:
     out = work / "out"
     shutil.rmtree(out, ignore_errors=True)
     ray_tmp = tempfile.mkdtemp(prefix="drx", dir="/tmp")
-    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS="", RAY_TMPDIR=ray_tmp)
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=ray_address, RAY_TMPDIR=ray_tmp)
     (work / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
     cmd = [sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file", "cpu2.yaml", sft_script(), "--model_name_or_path", str(tiny / "model"), "--dataset_name", str(tiny / "sft-dataset"),
            "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2", "--use_cpu", "true",
@@ -114,6 +114,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=20, help="runs per backend")
     p.add_argument("--backends", default="torchrun,ray")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds after which a run counts as hung")
+    p.add_argument("--ray-address", default="", help="a running Ray cluster to join (default: an embedded one per run)")
     p.add_argument("--tiny", type=Path, default=None, help="tiny assets dir (built when missing)")
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     a = p.parse_args()
@@ -122,7 +123,7 @@ def main() -> int:
     results = []
     for i in range(a.runs):
         for backend in a.backends.split(","):
-            r = one_run(backend, tiny, work, a.timeout)
+            r = one_run(backend, tiny, work, a.timeout, a.ray_address)
             results.append(r)
             status = "HUNG" if r["hung"] else f"exit {r['exit_code']}"
             print(f"run {i + 1}/{a.runs} {backend}: {status} in {r['wall_s']} s"

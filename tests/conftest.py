@@ -2,6 +2,7 @@
 (`unshare -n` + `ip link set lo up`, as .ci/run does); elsewhere they are skipped with that reason."""
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -21,13 +22,24 @@ def loopback_only() -> bool:
         return False
 
 
+def uses_ray(item) -> bool:
+    """A test that starts or joins a Ray cluster: its id, its fixtures or its code say so."""
+    if "ray" in item.nodeid.lower() or {"ray_cluster", "cluster"} & set(item.fixturenames):
+        return True
+    try:
+        return "ray" in inspect.getsource(item.function).lower()
+    except (OSError, TypeError):
+        return False
+
+
 def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests stay on one worker, one at a
-    # time as without xdist: two Ray clusters starting at once on 2 cores can time out. The rest runs beside them.
-    serial = pytest.mark.xdist_group("slow-e2e")
+    # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests run in two queues, one per
+    # worker, each one test at a time: those that use Ray on one (two Ray clusters starting at once on 2 loaded
+    # cores can time out; they share the run's running cluster, `ray_cluster`), the torchrun-only ones on the other.
+    # The rest runs beside them.
     for item in items:
         if "e2e" in item.keywords and "slow" in item.keywords:
-            item.add_marker(serial)
+            item.add_marker(pytest.mark.xdist_group("slow-ray" if uses_ray(item) else "slow-local"))
     if loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see README)")
@@ -53,6 +65,21 @@ def tiny() -> Path:
     from helpers import tiny_assets
 
     return tiny_assets()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One running local Ray cluster for the run (one node, 8 logical CPUs, no GPUs), for the end-to-end tests that
+    need *a* cluster, not a fresh one: `dualrun launch --backend ray` with its RAY_ADDRESS joins it, as on a real
+    cluster, instead of each job starting and stopping an embedded one (~5-30 s each on 2 cores). The embedded path
+    keeps its own tests (test_ray_backend.py, test_cli.py's README command). A test that uses it checks that its
+    job left no actor and no placement group (`ray_cluster.assert_nothing_left()`). The slow ones all run on one
+    xdist worker (see pytest_collection_modifyitems), so one run starts it once."""
+    from ray_helpers import FakeGpuCluster
+
+    cluster = FakeGpuCluster(nodes=1, gpus=0, cpus=8)
+    yield cluster
+    cluster.shutdown()
 
 
 def link_tiny(tiny: Path, where: Path) -> Path:

@@ -44,22 +44,43 @@ class FakeGpuCluster:
                 else:
                     os.environ[k] = v
         self.address = self.cluster.address
+        self.connect()
+
+    def connect(self) -> None:
+        """Make this process a driver of this cluster. One process is a driver of one cluster at a time, and the
+        run-wide cluster (conftest's `ray_cluster`) lives beside a module's own: the counters reconnect."""
+        import ray
+
+        if ray.is_initialized():
+            if ray.get_runtime_context().gcs_address == self.address:
+                return
+            ray.shutdown()
         ray.init(address=self.address, log_to_driver=False)
 
     def alive_actors(self) -> list[dict[str, Any]]:
         import ray
 
+        self.connect()
         return [a for a in ray._private.state.actors().values() if a.get("State") != "DEAD"]
 
     def live_placement_groups(self) -> list[dict[str, Any]]:
         import ray
 
+        self.connect()
         return [p for p in ray.util.placement_group_table().values() if p.get("state") != "REMOVED"]
+
+    def assert_nothing_left(self, timeout: float = 30.0) -> None:
+        """No actor and no placement group left on this (running, shared) cluster once a job has ended."""
+        from helpers import eventually
+
+        assert eventually(lambda: not self.alive_actors(), timeout=timeout), self.alive_actors()
+        assert eventually(lambda: not self.live_placement_groups(), timeout=timeout), self.live_placement_groups()
 
     def shutdown(self) -> None:
         import ray
 
-        ray.shutdown()
+        if ray.is_initialized() and ray.get_runtime_context().gcs_address == self.address:
+            ray.shutdown()
         self.cluster.shutdown()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 

@@ -53,11 +53,12 @@ def test_ddp_timeout_is_filled_only_where_left_at_default(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_a_hung_all_reduce_fails_after_the_configured_seconds(tmp_path, backend):
+def test_a_hung_all_reduce_fails_after_the_configured_seconds(tmp_path, backend, request):
+    address = request.getfixturevalue("ray_cluster").address if backend == "ray" else ""
     (tmp_path / "hang.py").write_text(HANG)
     (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\ncollective_timeout_s: 2\n")
     proc = dualrun("launch", "--backend", backend, "--config_file", "cpu2.yaml", "hang.py", cwd=tmp_path,
-                   env=ray_env(), timeout=180)
+                   env=ray_env(RAY_ADDRESS=address), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if "timed out after" in ln or "no timeout" in ln)
     seconds = float(line.rsplit(" ", 2)[-2])

@@ -123,13 +123,14 @@ def test_sys_exit_with_a_message_prints_it_and_exits_1(tmp_path):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_a_gloo_job_whose_ranks_block_in_teardown_finishes(tmp_path, backend):
+def test_a_gloo_job_whose_ranks_block_in_teardown_finishes(tmp_path, backend, request):
+    address = request.getfixturevalue("ray_cluster").address if backend == "ray" else ""
     (tmp_path / "t.py").write_text(GLOO_TEARDOWN)
     (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
     (tmp_path / "out").mkdir()
     start = time.monotonic()
     proc = dualrun("launch", "--backend", backend, "--config_file", "cpu2.yaml", "t.py", "out", cwd=tmp_path,
-                   env=ray_env(DUALRUN_EXIT_TIMEOUT_S="3"), timeout=200)
+                   env=ray_env(DUALRUN_EXIT_TIMEOUT_S="3", RAY_ADDRESS=address), timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "job succeeded" in proc.stderr
     assert "dualrun: rank 1: the program ended (exit code 0) but its exit" in proc.stderr + proc.stdout
@@ -141,11 +142,15 @@ def test_a_gloo_job_whose_ranks_block_in_teardown_finishes(tmp_path, backend):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_trl_sft_script_never_hangs_at_exit(tmp_path, backend):
-    """TRL's scripts/sft.py (ends with trainer.end()) DUALRUN_STRESS_RUNS times (default 2): zero hangs."""
+def test_trl_sft_script_never_hangs_at_exit(tmp_path, backend, request):
+    """TRL's scripts/sft.py (ends with trainer.end()) DUALRUN_STRESS_RUNS times (default 2): zero hangs. Ray: on the
+    run's running cluster (the rank's teardown is what hung, not the cluster's; the benchmark itself, 20 runs,
+    starts an embedded cluster per run)."""
     runs = os.environ.get("DUALRUN_STRESS_RUNS", "2")
+    address = request.getfixturevalue("ray_cluster").address if backend == "ray" else ""
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "exit_stress.py"), "--runs", runs,
-                           "--backends", backend, "--timeout", "240", "--out-dir", str(tmp_path)],
+                           "--backends", backend, "--timeout", "240", "--out-dir", str(tmp_path),
+                           "--ray-address", address],
                           capture_output=True, text=True, timeout=1700)
     results = json.loads((tmp_path / "exit_stress.json").read_text())
     assert len(results) == int(runs)

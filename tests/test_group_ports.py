@@ -19,7 +19,7 @@ PROBE = Path(__file__).resolve().parent / "assets" / "grpo_wiring_probe.py"
 TRL_DEFAULT = 51216
 
 
-def test_concurrent_jobs_get_distinct_weight_sync_ports(tmp_path_factory, tiny):
+def test_concurrent_jobs_get_distinct_weight_sync_ports(tmp_path_factory, tiny, ray_cluster):
     root = tmp_path_factory.mktemp("ports")
     (root / "job.yaml").write_text(
         "use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"
@@ -29,7 +29,7 @@ def test_concurrent_jobs_get_distinct_weight_sync_ports(tmp_path_factory, tiny):
     for j, backend in enumerate(("torchrun", "torchrun", "ray")):
         out = root / f"job{j}"
         out.mkdir()
-        env = dict(os.environ, **ray_env())
+        env = dict(os.environ, **ray_env(RAY_ADDRESS=ray_cluster.address))
         jobs.append((out, subprocess.Popen(
             [sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file", "job.yaml",
              str(PROBE), str(out), args], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

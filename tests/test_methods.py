@@ -40,11 +40,11 @@ def _history(path):
 
 
 @pytest.mark.parametrize("method", list(METHODS))
-def test_method_runs_and_matches_across_backends(workdir, method):
+def test_method_runs_and_matches_across_backends(workdir, method, ray_cluster):
     script, extra = METHODS[method]
     args = [str(EXAMPLES / script), "--model_name_or_path", "tiny/model", *extra, "--seed", "3",
             "--save_strategy", "no", "--max_steps", "4"]
-    env = ray_env()
+    env = ray_env(RAY_ADDRESS=ray_cluster.address)   # a running cluster (conftest): no embedded start per job
     history = {}
     for backend in ("torchrun", "ray"):
         out = f"out_{method}_{backend}"
@@ -54,4 +54,5 @@ def test_method_runs_and_matches_across_backends(workdir, method):
         history[backend] = _history(workdir / out / "trainer_state.json")
     assert len(history["torchrun"]) == 4
     assert history["ray"] == history["torchrun"]
-    assert not pids_matching(env["RAY_TMPDIR"])
+    ray_cluster.assert_nothing_left()
+    assert not pids_matching(f"out_{method}_ray", "dualrun.rank.bootstrap")   # no rank process of the Ray job

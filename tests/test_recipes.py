@@ -240,11 +240,14 @@ def test_plugin_example_from_docs(backend, tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_api_example(backend, tiny, tmp_path):
-    """`dualrun.launch(fn)` returns every rank's value; `dualrun.launch(script)` runs examples/sft.py; 2 CPU workers."""
+def test_api_example(backend, tiny, tmp_path, request):
+    """`dualrun.launch(fn)` returns every rank's value; `dualrun.launch(script)` runs examples/sft.py; 2 CPU workers
+    (Ray: on the run's running cluster, as `RAY_ADDRESS` gives it)."""
     import json
 
-    env = shell_env(RAY_TMPDIR=tempfile.mkdtemp(prefix="dra", dir="/tmp"))
+    cluster = request.getfixturevalue("ray_cluster") if backend == "ray" else None
+    env = shell_env(RAY_TMPDIR=tempfile.mkdtemp(prefix="dra", dir="/tmp"),
+                    **({"RAY_ADDRESS": cluster.address} if cluster else {}))
     try:
         proc = subprocess.run([sys.executable, str(REPO / "examples" / "api_example.py"), "--backend", backend,
                                "--tiny", str(tiny), "--out", str(tmp_path / "sft")], cwd=tmp_path, env=env,
@@ -258,6 +261,8 @@ def test_api_example(backend, tiny, tmp_path):
     assert {r["backend"] for r in fn} == {backend}
     assert fn[0]["weights"] == fn[1]["weights"] and fn[0]["loss"] < 1.0, fn
     assert summary["script"]["exit_codes"] == [0, 0] and len(summary["script"]["losses"]) == 2, summary
+    if cluster:
+        cluster.assert_nothing_left()
 
 
 # -- docs/migration.md: every dualrun command line is valid as written ---------------------------------------------

@@ -193,12 +193,14 @@ def test_local_proxy_and_errors():
 
 # -- Ray (fake GPUs) vs local ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def ray_cluster():
+def local_ray():
     import ray
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests folder
     tmp = tempfile.mkdtemp(prefix="drr", dir="/tmp")
+    if ray.is_initialized():   # connected to the run's shared cluster (conftest.ray_cluster): this module starts its own
+        ray.shutdown()
     ray.init(address="local", num_gpus=8, num_cpus=8, include_dashboard=False, _temp_dir=tmp,
              log_to_driver=False)
     runtime = dualrun.init(ROLES, backend="ray", track_bytes=True)
@@ -210,7 +212,7 @@ def ray_cluster():
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(60)
-def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
+def test_a_group_the_cluster_cannot_place_fails_with_one_line(local_ray):
     """16 GPUs asked of an 8-GPU cluster: after placement_timeout_s, one line naming the roles (exit code 2)."""
     import ray
 
@@ -231,7 +233,7 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(ray_cluster):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_every_combination_equal_on_ray_and_local(ray_cluster):
+def test_every_combination_equal_on_ray_and_local(local_ray):
     local = Runtime(load_spec(ROLES), "local")
     on_ray = dualrun.WorkerGroup(Calc, "b", (2,))
     here = dualrun.WorkerGroup(Calc, "b", (2,), runtime=local)
@@ -254,7 +256,7 @@ def test_every_combination_equal_on_ray_and_local(ray_cluster):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_proxy_on_ray_places_groups_on_their_own_gpus(ray_cluster):
+def test_proxy_on_ray_places_groups_on_their_own_gpus(local_ray):
     calc, where = Calc(3), Where()
     assert calc.times(list(range(7))) == [0, 3, 6, 9, 12, 15, 18]
     assert calc.head() == [0]
@@ -278,7 +280,7 @@ def test_proxy_on_ray_places_groups_on_their_own_gpus(ray_cluster):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_slice_moves_one_nth_per_worker(ray_cluster):
+def test_slice_moves_one_nth_per_worker(local_ray):
     group = dualrun.WorkerGroup(Sink, "b")
     batch = [bytes(64 * 1024) for _ in range(60)]   # ~3.9 MB
     total = sum(map(len, batch))
@@ -323,7 +325,7 @@ def by_rank(length, i, *args, **kwargs):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
-def test_a_two_worker_group_all_reduces_in_its_own_process_group(ray_cluster):
+def test_a_two_worker_group_all_reduces_in_its_own_process_group(local_ray):
     group = dualrun.WorkerGroup(Reducer, "a")
     assert group.run("total", [1, 2], dispatch=by_rank) == [(3.0, 0, 2), (3.0, 1, 2)]
     group.shutdown()

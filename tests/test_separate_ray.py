@@ -24,9 +24,11 @@ def tiny(tiny, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def local_ray():
     import ray
 
+    if ray.is_initialized():   # connected to the run's shared cluster (conftest.ray_cluster): this module starts its own
+        ray.shutdown()
     ray.init(address="local", num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
     yield ray
@@ -56,7 +58,7 @@ def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     return plan, servers
 
 
-def test_teacher_server_in_its_own_placement_group(ray_cluster, tiny):
+def test_teacher_server_in_its_own_placement_group(local_ray, tiny):
     from ray.util import placement_group_table
 
     from dualrun.servers.process import http_ok
@@ -71,11 +73,11 @@ def test_teacher_server_in_its_own_placement_group(ray_cluster, tiny):
         assert servers.wiring_env() == {"DUALRUN_TEACHER_ADDRESS": address}
         gpus = servers.server_devices()["teacher server 0"]
         assert len(gpus) == 1, gpus                                         # the actor holds exactly its GPU
-        assert ray_cluster.available_resources().get("GPU", 0) == 2          # ... leaving the trainers' two
+        assert local_ray.available_resources().get("GPU", 0) == 2          # ... leaving the trainers' two
         client = teacher_client(f"http://{address}")
         got = client.get_sequence_logprobs([[1, 5, 9, 12]], [1], top_logprobs=5)
         assert len(got["logprobs"][0]) == 3 and len(got["logprobs"][0][0]) == 5
-        pid = ray_cluster.get(servers.actors[0].where.remote()).pid
+        pid = local_ray.get(servers.actors[0].where.remote()).pid
     finally:
         servers.stop()
     assert not http_ok(f"http://{address}/health")
@@ -85,7 +87,7 @@ def test_teacher_server_in_its_own_placement_group(ray_cluster, tiny):
     assert all(t["state"] == "REMOVED" for t in placement_group_table().values())
 
 
-def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(ray_cluster, tiny):
+def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(local_ray, tiny):
     from dualrun.errors import LaunchError
 
     _, servers = _servers(tiny, health_timeout_s=2, server_args=["--startup-delay", "60"])
@@ -97,13 +99,13 @@ def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(ray_cluster, tin
     assert "dualrun engine: loading" in str(e.value)
     assert servers.actors == [] and servers.pgs == []
     deadline = time.monotonic() + 10
-    while ray_cluster.available_resources().get("GPU", 0) < 3 and time.monotonic() < deadline:
+    while local_ray.available_resources().get("GPU", 0) < 3 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert ray_cluster.available_resources().get("GPU", 0) == 3
+    assert local_ray.available_resources().get("GPU", 0) == 3
     assert os.environ.get("DUALRUN_TEACHER_ADDRESS") is None
 
 
-def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(ray_cluster, tiny):
+def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(local_ray, tiny):
     """The cluster could hold the teacher, but not now: after ray.placement_timeout_s the same line (and exit
     code 2) as for trainer ranks and role groups, and no placement group or actor is left."""
     from ray.util import placement_group_table
@@ -113,7 +115,7 @@ def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(ray_cluster, t
 
     _, servers = _servers(tiny, ray_opts={"placement_timeout_s": 1})
     blocker = placement_group([{"GPU": 3}])   # every GPU taken for now
-    ray_cluster.get(blocker.ready(), timeout=30)
+    local_ray.get(blocker.ready(), timeout=30)
     try:
         with pytest.raises(LaunchError, match=r"t\.yaml: role\(s\) teacher: 1 server\(s\) .* within "
                                               r"ray\.placement_timeout_s=1 s") as e:
@@ -127,7 +129,7 @@ def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(ray_cluster, t
 
 
 @pytest.mark.timeout(300)
-def test_gkd_with_a_separate_teacher_on_the_ray_backend(tmp_path, tiny):
+def test_gkd_with_a_separate_teacher_on_the_ray_backend(tmp_path, tiny, ray_cluster):
     """`dualrun launch --backend ray`: the teacher role is its own actor/placement group; the trainers get its
     address, train, and nothing of the job is left afterwards."""
     from conftest import dualrun
@@ -137,7 +139,7 @@ def test_gkd_with_a_separate_teacher_on_the_ray_backend(tmp_path, tiny):
 
     (tmp_path / "job.yaml").write_text(_teacher_yaml(tiny))
     (tmp_path / "out").mkdir()
-    env = ray_env(TRL_EXPERIMENTAL_SILENCE="1")
+    env = ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=ray_cluster.address)
     proc = dualrun("launch", "--backend", "ray", "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
                    "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
                    "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", cwd=tmp_path, env=env,
@@ -147,4 +149,5 @@ def test_gkd_with_a_separate_teacher_on_the_ray_backend(tmp_path, tiny):
     assert {r["teacher"] for r in ranks} == {"RemoteTeacher"}
     assert len({r["teacher_address"] for r in ranks}) == 1
     assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 2
-    assert not pids_matching(env["RAY_TMPDIR"]) and not pids_matching(str(tiny / "teacher"))
+    assert not pids_matching(str(tiny / "teacher"))
+    ray_cluster.assert_nothing_left()
