@@ -25,13 +25,15 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, tiny, backend):
+def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, tiny, backend, request):
+    cluster = request.getfixturevalue("ray_cluster") if backend == "ray" else None   # a running cluster
     (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"
                                        + server_role("rollout", tiny / "model"))
     (tmp_path / "out").mkdir()
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
                    str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
-                   env=ray_env(TRL_EXPERIMENTAL_SILENCE="1"), timeout=380)
+                   env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
+                   timeout=380)
     assert proc.returncode == 1, proc.stderr[-4000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dualrun: error:")]
     assert len(errors) == 1 and "train rank 0 failed" in errors[0] and NCCL_NEEDS_CUDA in errors[0], errors
@@ -46,3 +48,5 @@ def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, tiny, backend):
     assert (grpo["vllm_server_host"], grpo["vllm_server_port"]) == (host, int(port))
     assert grpo["vllm_group_port"] not in (51216, int(port))
     assert_nothing_left(proc.stderr, str(tmp_path))
+    if cluster:
+        cluster.assert_nothing_left()

@@ -18,9 +18,9 @@ def tiny(tmp_path_factory):
     return tiny_vllm(tmp_path_factory)
 
 
-def _gkd(tmp_path, tiny, backend):
+def _gkd(tmp_path, tiny, backend, ray_address=""):
     proc, rank = run_gkd_probe(tmp_path, tiny, "use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 1}\n"
-                               + server_role("teacher", tiny / "teacher", top_k=5), backend)
+                               + server_role("teacher", tiny / "teacher", top_k=5), backend, ray_address=ray_address)
     address = re.search(r"teacher: server healthy at ([\d.]+:\d+)", proc.stderr).group(1)
     assert rank["teacher_address"] == address
     assert f"served by the teacher role at {address} (top-5 log-probabilities)" in proc.stderr
@@ -46,7 +46,10 @@ def losses():
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, tiny, backend, losses):
-    losses[backend] = _gkd(tmp_path, tiny, backend)
+def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, tiny, backend, losses, request):
+    cluster = request.getfixturevalue("ray_cluster") if backend == "ray" else None   # a running cluster
+    losses[backend] = _gkd(tmp_path, tiny, backend, cluster.address if cluster else "")
+    if cluster:
+        cluster.assert_nothing_left()
     if len(losses) == 2:
         assert losses["torchrun"] == losses["ray"]

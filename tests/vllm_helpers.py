@@ -37,8 +37,10 @@ def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 3
             f"env: {SERVER_ENV}{more}}}\n")
 
 
-def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "torchrun", timeout: int = 380):
-    """The unchanged GKD probe script (2 steps) under `job_yaml`: the finished process and rank 0's report."""
+def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "torchrun", timeout: int = 380,
+                  ray_address: str = ""):
+    """The unchanged GKD probe script (2 steps) under `job_yaml`: the finished process and rank 0's report.
+    `ray_address`: a running cluster to join (conftest.ray_cluster), else Ray starts an embedded one."""
     import json
 
     from conftest import dualrun
@@ -49,7 +51,7 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
                    "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
                    "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "2",
-                   cwd=tmp_path, env=ray_env(TRL_EXPERIMENTAL_SILENCE="1"), timeout=timeout)
+                   cwd=tmp_path, env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=ray_address), timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rank = json.loads((tmp_path / "out" / "rank0.json").read_text())
     assert rank["teacher"] == "RemoteTeacher" and len(rank["losses"]) == 2

@@ -77,11 +77,12 @@ class ServerProcess:
     def __init__(self, label: str, argv: Sequence[str], env: Mapping[str, str], host: str, port: int,
                  health_path: str = "/health", timeout_s: float = 600.0, log_path: str | None = None,
                  stream: TextIO | None = sys.stderr, check_host: str | None = None,
-                 die_with_parent: bool = True) -> None:
+                 die_with_parent: bool = True, cwd: str | None = None) -> None:
         # a command built elsewhere names no interpreter path (dualrun.interpreter): the spawning process runs its own
         self.label, self.argv, self.env = label, resolve(argv), dict(env)
         self.host, self.port, self.health_path, self.timeout_s = host, port, health_path, timeout_s
         self.log_path, self.stream, self.die_with_parent = log_path, stream, die_with_parent
+        self.cwd = cwd   # where relative paths in the command (a role's `model: tiny/teacher`) resolve
         # a server bound to 0.0.0.0 is checked on loopback: the check runs on the server's own node
         self.check_host = check_host or ("127.0.0.1" if host in ("0.0.0.0", "") else host)
         self.proc: subprocess.Popen | None = None
@@ -107,7 +108,7 @@ class ServerProcess:
         log = open(self.log_path, "a", buffering=1) if self.log_path else None  # noqa: SIM115 - closed by reader
         try:
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace", bufsize=1,
                 preexec_fn=terminate_with_parent if self.die_with_parent else None)
         except OSError as e:

@@ -46,13 +46,17 @@ class ServerActor:
                           os.getpid(), port)
 
     def start(self, argv: list[str], env: dict[str, str], host: str, port: int, health_path: str,
-              timeout_s: float, log_path: str | None) -> ServerStart:
-        """Start and wait for health; the outcome as a value (never an exception: it must cross Ray intact)."""
+              timeout_s: float, log_path: str | None, cwd: str | None = None) -> ServerStart:
+        """Start and wait for health; the outcome as a value (never an exception: it must cross Ray intact).
+
+        `cwd`: the launching directory, as for the ranks, so a relative `model:` means what it means under
+        torchrun (a Ray worker's own directory is Ray's session dir on a running cluster); on a node without that
+        directory the server runs where Ray put it and only absolute paths work."""
         if log_path is None:
             log_path = os.path.join(tempfile.mkdtemp(prefix="dualrun-server-"), "server.log")
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         self.server = ServerProcess(self.label, argv, env, host, port, health_path, timeout_s, log_path,
-                                    stream=sys.stderr)
+                                    stream=sys.stderr, cwd=cwd if cwd and os.path.isdir(cwd) else None)
         try:
             self.server.start().wait_healthy()
         except ServerError as e:
@@ -165,7 +169,7 @@ class RayServers:
                 log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
                 refs[i] = self.actors[i].start.remote(argv, env, info.ip, info.port,
                                                       server_health_path(self.plugin, role, p),
-                                                      role.health_timeout_s, log)
+                                                      role.health_timeout_s, log, os.getcwd())
             retry = []
             limit = max(server_role(self.cfg, self.plan.servers[i]).health_timeout_s for i in refs) + 30.0
             results = wait_refs(list(refs.values()), "get their servers healthy", limit, self.check)
