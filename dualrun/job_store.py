@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-SERVER_KEY = "dualrun/server/{index}"   # `host:port` of plan.servers[index], set by the machine that runs it,
+SERVER_KEY = "dualrun/server/{index}"   # `host:port` of plan.servers[index] (routers too), set by its machine,
 FAILED = "failed: "                     # or this prefix and one line when it did not start there
 WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by machine 0 once every server answers
 FINISHED_KEY = "dualrun/finished/{machine}"   # set by a machine whose ranks succeeded, before it stops its servers

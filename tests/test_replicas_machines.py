@@ -112,10 +112,11 @@ def test_dry_run_of_machine_1_shows_the_replica_it_starts(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny):
+def _two_machines(tmp_path: Path, tiny: Path, *script_args: str) -> list[subprocess.Popen]:
+    """Both machines' `dualrun launch` of a GKD job whose teacher has a replica on each (stdout and stderr in
+    m{rank}/out and m{rank}/err; logs in logs{rank})."""
     from dualrun.ports import free_port
 
-    tiny = link_tiny(tiny, tmp_path)   # the teacher's path under this test's own directory marks its servers
     port = free_port()
     (tmp_path / "job.yaml").write_text(
         "use_cpu: true\nmethod: gkd\ntorchrun: {gpus_per_machine: 2}\nroles:\n  train: {gpus: 2}\n"
@@ -125,21 +126,42 @@ def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny)
            "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
            str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
            "--teacher_model_name_or_path", str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"),
-           "--output_dir", str(tmp_path / "out")]
+           "--output_dir", str(tmp_path / "out"), *script_args]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
     procs = []
     for rank in (0, 1):
-        (tmp_path / f"m{rank}").mkdir()
-        (tmp_path / f"m{rank}" / "job.yaml").write_text(
-            (tmp_path / "job.yaml").read_text() + f"log_dir: {tmp_path / f'logs{rank}'}\n")
-        procs.append(subprocess.Popen([c.format(rank=rank) for c in cmd], cwd=tmp_path / f"m{rank}", env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        here = tmp_path / f"m{rank}"
+        here.mkdir()
+        (here / "job.yaml").write_text((tmp_path / "job.yaml").read_text() + f"log_dir: {tmp_path / f'logs{rank}'}\n")
+        with open(here / "out", "w") as out, open(here / "err", "w") as err:
+            procs.append(subprocess.Popen([c.format(rank=rank) for c in cmd], cwd=here, env=env, stdout=out,
+                                          stderr=err, text=True))
+    return procs
+
+
+def _ended(tmp_path: Path, procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[str, str]]:
+    """Wait for both machines (killing what is left after `timeout_s`: a hung machine must not outlive the test);
+    their (stdout, stderr)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
     try:
-        outs = [p.communicate(timeout=270) for p in procs]
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:
-        for p in procs:   # a hung machine must not outlive the test
+        for p in procs:
             if p.poll() is None:
                 p.kill()
+    return [((tmp_path / f"m{r}" / "out").read_text(), (tmp_path / f"m{r}" / "err").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny):
+    tiny = link_tiny(tiny, tmp_path)   # the teacher's path under this test's own directory marks its servers
+    procs = _two_machines(tmp_path, tiny)
+    outs = _ended(tmp_path, procs, 270)
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     address = ranks[0]["teacher_address"]
@@ -162,18 +184,44 @@ def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny)
     assert eventually(lambda: not pids_matching(str(tiny / "teacher")))   # replicas and router are gone
 
 
-# -- machine 0 watches the other machines' replicas ----------------------------------------------------------
 @pytest.mark.e2e
-def test_machine_0_names_another_machines_replica_that_stops_answering():
-    """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
-    LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
-    said its ranks finished (the store's key), the same silence is no failure."""
-    import http.server
-    import threading
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_machine_0s_router_killed_mid_training_ends_both_machines_naming_it(tmp_path, tiny):
+    """SIGKILL machine 0's router while both machines train: machine 0 names its router's exit, machine 1 (whose
+    ranks would otherwise wait on the router or a collective) names the router that stopped answering; both exit
+    1 within seconds and no rank, replica or router is left."""
+    import signal
     import time
 
-    from dualrun.plugin import get_plugin
-    from dualrun.servers.local import LocalServers
+    from helpers import gone
+
+    tiny = link_tiny(tiny, tmp_path)
+    procs = _two_machines(tmp_path, tiny, "--max_steps", "100000")
+    replica1 = tmp_path / "logs1" / "teacher-server-1.log"
+    router_log = tmp_path / "logs0" / "teacher-router.log"
+    training = eventually(lambda: replica1.exists() and '"POST /v1/completions' in replica1.read_text(), 200, 0.5)
+    assert training, _ended(tmp_path, procs, 0)
+    port = re.search(r"serving http://0\.0\.0\.0:(\d+) ", router_log.read_text()).group(1)
+    [router] = pids_matching("dualrun.servers.router", f"--port {port}")
+    os.kill(router, signal.SIGKILL)
+    killed = time.monotonic()
+    outs = _ended(tmp_path, procs, 60)
+    took = time.monotonic() - killed
+    assert [p.returncode for p in procs] == [1, 1], [o[1][-3000:] for o in outs]
+    assert took < 20, took   # about 10 s on an idle machine: detection ~2 s, then torchrun stops the ranks
+    assert "teacher router exited with code -9 (killed by SIGKILL)" in outs[0][1], outs[0][1][-2000:]
+    assert re.search(r"teacher router on machine 0 stopped answering its health check \(http://127\.0\.0\.1:"
+                     rf"{port}/health\)", outs[1][1]), outs[1][1][-2000:]
+    # the teacher's path is in every rank's and replica's command line
+    assert gone(router) and eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny))
+
+
+# -- machine 0 watches the other machines' replicas, and they watch its router ------------------------------
+def _answering():
+    """A real HTTP server that answers every GET with 200: another machine's server, as a health check sees it."""
+    import http.server
+    import threading
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - the stdlib's name
@@ -183,11 +231,25 @@ def test_machine_0_names_another_machines_replica_that_stops_answering():
         def log_message(self, *args):
             pass
 
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.e2e
+def test_machine_0_names_another_machines_replica_that_stops_answering():
+    """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
+    LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
+    said its ranks finished (the store's key), the same silence is no failure."""
+    import time
+
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.local import LocalServers
+
     cfg = _cpu_cfg(2)
     plan = make_plan(cfg)
     for finished in (False, True):
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = _answering()
         servers = LocalServers(cfg, get_plugin("gkd"), plan, dict, stream=None)
         servers.started[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
         servers.finished_elsewhere = lambda machine: finished and machine == 1
@@ -236,3 +298,55 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
     assert ended[0].one_line() == ("teacher server 1 did not start on machine 1: teacher server 1 exited with code "
                                    "1 before it became healthy"), ended[0].one_line()
     machine[0].stop()
+
+
+@pytest.mark.e2e
+def test_machine_1_names_machine_0s_router_that_stops_answering():
+    """Through a real TCPStore: machine 1's launcher reads the router's address that machine 0 published and
+    health-checks it about once a second. Once machine 0 said its ranks finished, the router's end is no failure;
+    when machine 0 is gone (its store with it) and the router is silent, two misses name the router."""
+    import gc
+    import time
+
+    from torch.distributed import TCPStore
+
+    from dualrun import job_store
+    from dualrun.plugin import get_plugin
+    from dualrun.ports import free_port
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.machines import share
+
+    for finished in (True, False):
+        port = free_port()
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        cfg = _cpu_cfg(2, 1)
+        router = next(i for i, p in enumerate(make_plan(cfg).servers) if p.kind == ROUTER)
+        server = _answering()
+        address = f"127.0.0.1:{server.server_address[1]}"
+        store.set(job_store.server_key(router), address)          # what machine 0 published
+        machine1 = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), dict, stream=None)
+        ended: list[Exception] = []
+        share(machine1, "127.0.0.1", port, ended.append)
+        try:
+            assert eventually(lambda: machine1.started.get(router) == address, 10), machine1.started
+            assert machine1.check() is None                        # answering: fine
+            if finished:
+                store.set(job_store.finished_key(0), "1")
+            else:
+                del store                                          # machine 0's agent is gone with its store
+                gc.collect()
+            server.shutdown()
+            server.server_close()
+            deadline = time.monotonic() + (3.5 if finished else 10)   # probes ~1 s apart: two misses fit in 3.5 s
+            while machine1.check() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if finished:
+                assert machine1.failure is None
+            else:
+                assert machine1.failure is not None and time.monotonic() < deadline
+                assert machine1.failure.one_line().startswith(
+                    f"teacher router on machine 0 stopped answering its health check (http://{address}/health) "
+                    "while the job was running"), machine1.failure.one_line()
+            assert not ended   # the exchange itself went fine
+        finally:
+            machine1.stop()

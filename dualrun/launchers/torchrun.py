@@ -175,7 +175,7 @@ class TorchrunLauncher(Launcher):
                 finish(servers, self._addr(), self._port())   # several machines: before this one's servers stop
             except ChildFailedError as e:
                 servers.unwatch()
-                if servers.check() is not None:   # a server died first and the workers failed for it: the cause
+                if servers.settle() is not None:   # a server died first and the workers failed for it: the cause
                     return _server_died(servers, start), servers
                 return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
             except SignalException as e:
