@@ -112,21 +112,24 @@ def test_dry_run_of_machine_1_shows_the_replica_it_starts(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def _two_machines(tmp_path: Path, tiny: Path, *script_args: str) -> list[subprocess.Popen]:
+def _gkd(tmp_path: Path, tiny: Path, *more: str) -> list[str]:
+    return [str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path",
+            str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", str(tmp_path / "out"),
+            *more]
+
+
+def _two_machines(tmp_path: Path, tiny: Path, program: list[str], extra: str = "") -> list[subprocess.Popen]:
     """Both machines' `dualrun launch` of a GKD job whose teacher has a replica on each (stdout and stderr in
-    m{rank}/out and m{rank}/err; logs in logs{rank})."""
+    m{rank}/out and m{rank}/err; logs in logs{rank}); `extra`: more top-level YAML."""
     from dualrun.ports import free_port
 
     port = free_port()
     (tmp_path / "job.yaml").write_text(
-        "use_cpu: true\nmethod: gkd\ntorchrun: {gpus_per_machine: 2}\nroles:\n  train: {gpus: 2}\n"
+        f"use_cpu: true\nmethod: gkd\n{extra}torchrun: {{gpus_per_machine: 2}}\nroles:\n  train: {{gpus: 2}}\n"
         f"  teacher: {{gpus: 2, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
         "server_args: [--verbose]}\n")
     cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml", "--num_machines", "2",
-           "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-           str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
-           "--teacher_model_name_or_path", str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"),
-           "--output_dir", str(tmp_path / "out"), *script_args]
+           "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *program]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
     procs = []
     for rank in (0, 1):
@@ -160,7 +163,7 @@ def _ended(tmp_path: Path, procs: list[subprocess.Popen], timeout_s: float) -> l
 @pytest.mark.timeout(300)
 def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny):
     tiny = link_tiny(tiny, tmp_path)   # the teacher's path under this test's own directory marks its servers
-    procs = _two_machines(tmp_path, tiny)
+    procs = _two_machines(tmp_path, tiny, _gkd(tmp_path, tiny))
     outs = _ended(tmp_path, procs, 270)
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -197,7 +200,7 @@ def test_machine_0s_router_killed_mid_training_ends_both_machines_naming_it(tmp_
     from helpers import gone
 
     tiny = link_tiny(tiny, tmp_path)
-    procs = _two_machines(tmp_path, tiny, "--max_steps", "100000")
+    procs = _two_machines(tmp_path, tiny, _gkd(tmp_path, tiny, "--max_steps", "100000"))
     replica1 = tmp_path / "logs1" / "teacher-server-1.log"
     router_log = tmp_path / "logs0" / "teacher-router.log"
     training = eventually(lambda: replica1.exists() and '"POST /v1/completions' in replica1.read_text(), 200, 0.5)
@@ -215,6 +218,36 @@ def test_machine_0s_router_killed_mid_training_ends_both_machines_naming_it(tmp_
                      rf"{port}/health\)", outs[1][1]), outs[1][1][-2000:]
     # the teacher's path is in every rank's and replica's command line
     assert gone(router) and eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_max_failures_restarts_both_machines_with_fresh_replicas_when_machine_1s_dies(tmp_path, tiny):
+    """`max_failures: 1`, SIGKILL machine 1's replica mid-run (a stand-in trainer that asks the router's /health
+    every step): both machines restart in step (machine 1 waits for machine 0's new store), with fresh replicas
+    and router, and finish every step."""
+    import signal
+
+    tiny = link_tiny(tiny, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = _two_machines(tmp_path, tiny, [str(ASSETS / "uses_teacher.py"), str(out), "12"], "max_failures: 1\n")
+    started = eventually(lambda: (out / "step_0_1").exists() and (out / "step_1_1").exists(), 200, 0.5)
+    assert started, _ended(tmp_path, procs, 0)
+    port = re.search(r"on http://0\.0\.0\.0:(\d+) ", (tmp_path / "logs1" / "teacher-server-1.log").read_text())[1]
+    [replica] = pids_matching(str(tiny / "teacher"), "transformers_server", f"--port {port}")
+    os.kill(replica, signal.SIGKILL)
+    outs = _ended(tmp_path, procs, 240)
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    assert "teacher server 1 exited with code -9 (killed by SIGKILL) while the job was running" in outs[1][1]
+    assert "teacher server 1 on machine 1 stopped answering its health check" in outs[0][1], outs[0][1][-2000:]
+    for err in (o[1] for o in outs):
+        assert "restarting the job with fresh servers (1/1)" in err and "after 1 restart(s)" in err, err[-2000:]
+    first, second = ({json.loads((out / f"address_{a}_{r}.json").read_text()) for r in (0, 1)} for a in (0, 1))
+    assert len(first) == len(second) == 1 and first != second   # one router per attempt, a fresh one after
+    assert all((out / f"step_{r}_11").exists() for r in (0, 1))
+    assert eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny))
 
 
 # -- machine 0 watches the other machines' replicas, and they watch its router ------------------------------

@@ -29,7 +29,8 @@ from dualrun.servers.local import LocalServers
 from dualrun.servers.process import ServerError
 
 
-def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[ServerError], None]) -> threading.Thread:
+def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[ServerError], None],
+          attempt: int = 0) -> threading.Thread:
     """Run the exchange above in a daemon thread (the store exists once torchrun's agent rendezvous begins).
     A router that fails, or an address that never comes, is recorded as `servers.failure` and `on_failure` is
     called (the launcher ends the job with it); nothing is reported once the servers are being stopped."""
@@ -39,6 +40,8 @@ def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[Ser
         servers.finished_elsewhere = lambda machine: _finished(host, port, machine, gone_is_finished=here == 0)
         try:
             store = job_store.connect(host, port, _wait_s(servers))
+            if here == 0:
+                store.set(job_store.ATTEMPT_KEY, str(attempt))   # this store serves that attempt (`await_attempt`)
             for index, address in servers.own().items():
                 store.set(job_store.server_key(index), address)
                 if here != 0:
@@ -95,6 +98,23 @@ def not_started(servers: LocalServers, host: str, port: int, error: str) -> None
             store.set(job_store.server_key(index), job_store.FAILED + line)
     except Exception:  # noqa: BLE001 - no store: machine 0 is not running; this machine's error is named anyway
         pass
+
+
+def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_store.WAIT_S) -> None:
+    """Machine K >= 1, before its restart `attempt`: wait while the store at `host:port` is still the ending
+    attempt's (machine 0 restarts too, on the same port, once its agent has stopped), so that neither this machine's
+    addresses nor its torchrun agent go to a store about to vanish. Returns once it is gone or marked `attempt`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _listening(host, port):
+        try:
+            store = job_store.connect(host, port, 2.0)
+            if store.check([job_store.ATTEMPT_KEY]) and int(store.get(job_store.ATTEMPT_KEY)) >= attempt:
+                return
+        except Exception:  # noqa: BLE001 - the store went away meanwhile: the next look sees it gone
+            pass
+        time.sleep(0.5)
 
 
 def finish(servers: LocalServers, host: str, port: int) -> None:
