@@ -171,6 +171,7 @@ class TorchrunLauncher(Launcher):
                 share(servers, self._addr(), self._port(), end_job, attempt)
             try:
                 run(args)
+                servers.unwatch()   # every machine's ranks passed torchrun's exit barrier: servers may end now
                 finish(servers, self._addr(), self._port())   # several machines: before this one's servers stop
             except ChildFailedError as e:
                 servers.unwatch()
