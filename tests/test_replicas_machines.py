@@ -269,12 +269,30 @@ def _answering():
     return server
 
 
+def _after_silence(servers, server, finished: bool) -> str | None:
+    """Stop `server` (another machine's, health-checked by `servers`) and keep calling `servers.check()`: once that
+    machine said it finished, no failure within 3.5 s (two probes ~1 s apart fit); else the failure's line, within
+    10 s."""
+    import time
+
+    assert servers.check() is None                            # answering: fine
+    server.shutdown()
+    server.server_close()
+    deadline = time.monotonic() + (3.5 if finished else 10)
+    while servers.check() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if finished:
+        assert servers.failure is None
+        return None
+    assert servers.failure is not None and time.monotonic() < deadline
+    return servers.failure.one_line()
+
+
 @pytest.mark.e2e
 def test_machine_0_names_another_machines_replica_that_stops_answering():
     """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
     LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
     said its ranks finished (the store's key), the same silence is no failure."""
-    import time
 
     from dualrun.plugin import get_plugin
     from dualrun.servers.local import LocalServers
@@ -287,19 +305,10 @@ def test_machine_0_names_another_machines_replica_that_stops_answering():
         servers.started[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
         servers.finished_elsewhere = lambda machine: finished and machine == 1
         try:
-            assert servers.check() is None                            # answering: fine
-            server.shutdown()
-            server.server_close()
-            deadline = time.monotonic() + (3.5 if finished else 10)   # probes ~1 s apart: two misses fit in 3.5 s
-            while servers.check() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if finished:
-                assert servers.failure is None
-            else:
-                assert servers.failure is not None and time.monotonic() < deadline
-                assert servers.failure.one_line().startswith(
-                    f"teacher server 1 on machine 1 stopped answering its health check (http://127.0.0.1:"
-                    f"{server.server_address[1]}/health) while the job was running"), servers.failure.one_line()
+            line = _after_silence(servers, server, finished)
+            assert finished or line.startswith(
+                f"teacher server 1 on machine 1 stopped answering its health check (http://127.0.0.1:"
+                f"{server.server_address[1]}/health) while the job was running"), line
         finally:
             servers.stop()
 
@@ -339,7 +348,6 @@ def test_machine_1_names_machine_0s_router_that_stops_answering():
     health-checks it about once a second. Once machine 0 said its ranks finished, the router's end is no failure;
     when machine 0 is gone (its store with it) and the router is silent, two misses name the router."""
     import gc
-    import time
 
     from torch.distributed import TCPStore
 
@@ -362,24 +370,15 @@ def test_machine_1_names_machine_0s_router_that_stops_answering():
         share(machine1, "127.0.0.1", port, ended.append)
         try:
             assert eventually(lambda: machine1.started.get(router) == address, 10), machine1.started
-            assert machine1.check() is None                        # answering: fine
             if finished:
                 store.set(job_store.finished_key(0), "1")
             else:
                 del store                                          # machine 0's agent is gone with its store
                 gc.collect()
-            server.shutdown()
-            server.server_close()
-            deadline = time.monotonic() + (3.5 if finished else 10)   # probes ~1 s apart: two misses fit in 3.5 s
-            while machine1.check() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if finished:
-                assert machine1.failure is None
-            else:
-                assert machine1.failure is not None and time.monotonic() < deadline
-                assert machine1.failure.one_line().startswith(
-                    f"teacher router on machine 0 stopped answering its health check (http://{address}/health) "
-                    "while the job was running"), machine1.failure.one_line()
+            line = _after_silence(machine1, server, finished)
+            assert finished or line.startswith(
+                f"teacher router on machine 0 stopped answering its health check (http://{address}/health) "
+                "while the job was running"), line
             assert not ended   # the exchange itself went fine
         finally:
             machine1.stop()
