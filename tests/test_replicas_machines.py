@@ -293,7 +293,6 @@ def test_machine_0_names_another_machines_replica_that_stops_answering():
     """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
     LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
     said its ranks finished (the store's key), the same silence is no failure."""
-
     from dualrun.plugin import get_plugin
     from dualrun.servers.local import LocalServers
 
