@@ -369,3 +369,33 @@ def test_machine_1_names_machine_0s_router_that_stops_answering():
             assert not ended   # the exchange itself went fine
         finally:
             machine1.stop()
+
+
+@pytest.mark.e2e
+def test_machine_1_restarts_only_once_the_ending_attempts_store_is_gone_or_replaced():
+    """`await_attempt` against a real TCPStore: while the store is still marked with the ending attempt, machine 1
+    waits; a store marked with the new attempt, or none at all, lets it start."""
+    import gc
+    import time
+
+    from torch.distributed import TCPStore
+
+    from dualrun import job_store
+    from dualrun.ports import free_port
+    from dualrun.servers.machines import await_attempt
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set(job_store.ATTEMPT_KEY, "0")
+    t = time.monotonic()
+    await_attempt("127.0.0.1", port, 1, timeout_s=1.5)
+    assert time.monotonic() - t >= 1.5                       # still attempt 0's store: waited it out
+    store.set(job_store.ATTEMPT_KEY, "1")
+    t = time.monotonic()
+    await_attempt("127.0.0.1", port, 1, timeout_s=10)
+    assert time.monotonic() - t < 5                          # machine 0's new store: go
+    del store
+    gc.collect()
+    t = time.monotonic()
+    await_attempt("127.0.0.1", port, 1, timeout_s=10)
+    assert time.monotonic() - t < 2                          # no store: machine 0 is between attempts, go
