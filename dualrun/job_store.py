@@ -4,16 +4,18 @@ launchers (driver side) and the ranks (worker side) alike.
 Why this store: the machines of a multi-machine torchrun job do not talk before the job; the first thing they
 share is the TCPStore that torchrun's agent on machine 0 serves at `main_process_ip:main_process_port` once the
 rendezvous begins (static rendezvous, the default: it lives as long as that agent, across torchrun's own worker
-restarts, so the keys below need no attempt number; a restart dualrun makes itself runs a new agent, a new store).
+restarts, so the keys below need no attempt number; a restart dualrun makes itself runs a new agent, a new store,
+which machine 0 marks with `ATTEMPT_KEY` so that machine K does not join the ending attempt's store).
 """
 from __future__ import annotations
 
 from datetime import timedelta
 
-SERVER_KEY = "dualrun/server/{index}"   # `host:port` of plan.servers[index], set by the machine that runs it,
+SERVER_KEY = "dualrun/server/{index}"   # `host:port` of plan.servers[index] (routers too), set by its machine,
 FAILED = "failed: "                     # or this prefix and one line when it did not start there
 WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by machine 0 once every server answers
 FINISHED_KEY = "dualrun/finished/{machine}"   # set by a machine whose ranks succeeded, before it stops its servers
+ATTEMPT_KEY = "dualrun/attempt"         # set by machine 0 in each attempt's store: which dualrun attempt it serves
 WAIT_S = 600.0                          # how long a reader waits for a key (machines are started by hand)
 
 

@@ -4,7 +4,8 @@ Planning is pure (milliseconds): replicas fill the GPUs the trainers leave on ma
 (`torchrun.gpus_per_machine`, or the launching shell's CUDA_VISIBLE_DEVICES), each replica on one machine, the
 router on machine 0; what cannot be placed is a config error naming the key. End to end: two `dualrun launch`
 machines on one host, real TRL GKD with a CPU-engine teacher whose two replicas run one on each machine; both
-machines' ranks get the same router address, every replica is served, and nothing is left running.
+machines' ranks get the same router address, every replica is served, and nothing is left running; a replica that
+dies on machine 1 restarts both machines (`max_failures`), and machine 0's router dying ends both, named.
 """
 from __future__ import annotations
 
@@ -112,34 +113,59 @@ def test_dry_run_of_machine_1_shows_the_replica_it_starts(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny):
+def _gkd(tmp_path: Path, tiny: Path, *more: str) -> list[str]:
+    return [str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path",
+            str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", str(tmp_path / "out"),
+            *more]
+
+
+def _two_machines(tmp_path: Path, tiny: Path, program: list[str], extra: str = "") -> list[subprocess.Popen]:
+    """Both machines' `dualrun launch` of a GKD job whose teacher has a replica on each (stdout and stderr in
+    m{rank}/out and m{rank}/err; logs in logs{rank}); `extra`: more top-level YAML."""
     from dualrun.ports import free_port
 
-    tiny = link_tiny(tiny, tmp_path)   # the teacher's path under this test's own directory marks its servers
     port = free_port()
     (tmp_path / "job.yaml").write_text(
-        "use_cpu: true\nmethod: gkd\ntorchrun: {gpus_per_machine: 2}\nroles:\n  train: {gpus: 2}\n"
+        f"use_cpu: true\nmethod: gkd\n{extra}torchrun: {{gpus_per_machine: 2}}\nroles:\n  train: {{gpus: 2}}\n"
         f"  teacher: {{gpus: 2, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
         "server_args: [--verbose]}\n")
     cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml", "--num_machines", "2",
-           "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-           str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
-           "--teacher_model_name_or_path", str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"),
-           "--output_dir", str(tmp_path / "out")]
+           "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *program]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
     procs = []
     for rank in (0, 1):
-        (tmp_path / f"m{rank}").mkdir()
-        (tmp_path / f"m{rank}" / "job.yaml").write_text(
-            (tmp_path / "job.yaml").read_text() + f"log_dir: {tmp_path / f'logs{rank}'}\n")
-        procs.append(subprocess.Popen([c.format(rank=rank) for c in cmd], cwd=tmp_path / f"m{rank}", env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        here = tmp_path / f"m{rank}"
+        here.mkdir()
+        (here / "job.yaml").write_text((tmp_path / "job.yaml").read_text() + f"log_dir: {tmp_path / f'logs{rank}'}\n")
+        with open(here / "out", "w") as out, open(here / "err", "w") as err:
+            procs.append(subprocess.Popen([c.format(rank=rank) for c in cmd], cwd=here, env=env, stdout=out,
+                                          stderr=err, text=True))
+    return procs
+
+
+def _ended(tmp_path: Path, procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[str, str]]:
+    """Wait for both machines (killing what is left after `timeout_s`: a hung machine must not outlive the test);
+    their (stdout, stderr)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
     try:
-        outs = [p.communicate(timeout=270) for p in procs]
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
     finally:
-        for p in procs:   # a hung machine must not outlive the test
+        for p in procs:
             if p.poll() is None:
                 p.kill()
+    return [((tmp_path / f"m{r}" / "out").read_text(), (tmp_path / f"m{r}" / "err").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny):
+    tiny = link_tiny(tiny, tmp_path)   # the teacher's path under this test's own directory marks its servers
+    procs = _two_machines(tmp_path, tiny, _gkd(tmp_path, tiny))
+    outs = _ended(tmp_path, procs, 270)
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     address = ranks[0]["teacher_address"]
@@ -162,18 +188,61 @@ def test_two_machines_serve_one_teacher_behind_machine_0s_router(tmp_path, tiny)
     assert eventually(lambda: not pids_matching(str(tiny / "teacher")))   # replicas and router are gone
 
 
-# -- machine 0 watches the other machines' replicas ----------------------------------------------------------
 @pytest.mark.e2e
-def test_machine_0_names_another_machines_replica_that_stops_answering():
-    """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
-    LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
-    said its ranks finished (the store's key), the same silence is no failure."""
-    import http.server
-    import threading
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_both_machines_restart_for_machine_1s_replica_then_end_naming_machine_0s_router(tmp_path, tiny):
+    """`max_failures: 1` and a stand-in trainer that asks the router's /health every step. SIGKILL machine 1's
+    replica: both machines restart in step (machine 1 waits for machine 0's new store) with a fresh replica and
+    router. Then SIGKILL machine 0's router: the budget is spent, so both end with exit 1 within seconds, machine 0
+    naming its router's exit and machine 1 the router that stopped answering; nothing is left running."""
+    import signal
     import time
 
-    from dualrun.plugin import get_plugin
-    from dualrun.servers.local import LocalServers
+    from helpers import gone
+
+    tiny = link_tiny(tiny, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = _two_machines(tmp_path, tiny, [str(ASSETS / "uses_teacher.py"), str(out), "100000"], "max_failures: 1\n")
+    steps = lambda: len(list(out.glob("step_1_*")))  # noqa: E731 - rank 1's steps so far, over both attempts
+
+    def port_in(log: Path, pattern: str) -> str:
+        assert eventually(lambda: log.exists() and re.search(pattern, log.read_text()), 200, 0.5), \
+            _ended(tmp_path, procs, 0)
+        return re.findall(pattern, log.read_text())[-1]   # the newest attempt's
+
+    assert eventually(lambda: steps() >= 2, 200, 0.5), _ended(tmp_path, procs, 0)
+    replica = port_in(tmp_path / "logs1" / "teacher-server-1.log", r"on http://0\.0\.0\.0:(\d+) ")
+    os.kill(*pids_matching(str(tiny / "teacher"), "transformers_server", f"--port {replica}"), signal.SIGKILL)
+    assert eventually(lambda: (out / "address_1_1.json").exists(), 200, 0.5), _ended(tmp_path, procs, 0)
+    before = steps()
+    assert eventually(lambda: steps() >= before + 2, 60, 0.5), _ended(tmp_path, procs, 0)   # attempt 1 trains
+    router = port_in(tmp_path / "logs0" / "teacher-router.log", r"serving http://0\.0\.0\.0:(\d+) ")
+    [pid] = pids_matching("dualrun.servers.router", f"--port {router}")
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    outs = _ended(tmp_path, procs, 60)
+    took = time.monotonic() - killed
+    assert [p.returncode for p in procs] == [1, 1], [o[1][-3000:] for o in outs]
+    assert took < 20, took   # about 10 s on an idle machine: detection ~2 s, then torchrun stops the ranks
+    assert "teacher server 1 exited with code -9 (killed by SIGKILL) while the job was running" in outs[1][1]
+    assert "teacher server 1 on machine 1 stopped answering its health check" in outs[0][1], outs[0][1][-2000:]
+    assert all("restarting the job with fresh servers (1/1)" in o[1] for o in outs), [o[1][-2000:] for o in outs]
+    first, second = ({json.loads((out / f"address_{a}_{r}.json").read_text()) for r in (0, 1)} for a in (0, 1))
+    assert len(first) == len(second) == 1 and first != second   # one router per attempt, a fresh one after
+    assert "teacher router exited with code -9 (killed by SIGKILL)" in outs[0][1], outs[0][1][-2000:]
+    assert re.search(rf"teacher router on machine 0 stopped answering its health check \(http://127\.0\.0\.1:"
+                     rf"{router}/health\)", outs[1][1]), outs[1][1][-2000:]
+    # the teacher's path is in every rank's and replica's command line
+    assert gone(pid) and eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny))
+
+
+# -- machine 0 watches the other machines' replicas, and they watch its router ------------------------------
+def _answering():
+    """A real HTTP server that answers every GET with 200: another machine's server, as a health check sees it."""
+    import http.server
+    import threading
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - the stdlib's name
@@ -183,28 +252,50 @@ def test_machine_0_names_another_machines_replica_that_stops_answering():
         def log_message(self, *args):
             pass
 
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _after_silence(servers, server, finished: bool) -> str | None:
+    """Stop `server` (another machine's, health-checked by `servers`) and keep calling `servers.check()`: once that
+    machine said it finished, no failure within 3.5 s (two probes ~1 s apart fit); else the failure's line, within
+    10 s."""
+    import time
+
+    assert servers.check() is None                            # answering: fine
+    server.shutdown()
+    server.server_close()
+    deadline = time.monotonic() + (3.5 if finished else 10)
+    while servers.check() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if finished:
+        assert servers.failure is None
+        return None
+    assert servers.failure is not None and time.monotonic() < deadline
+    return servers.failure.one_line()
+
+
+@pytest.mark.e2e
+def test_machine_0_names_another_machines_replica_that_stops_answering():
+    """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
+    LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
+    said its ranks finished (the store's key), the same silence is no failure."""
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.local import LocalServers
+
     cfg = _cpu_cfg(2)
     plan = make_plan(cfg)
     for finished in (False, True):
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = _answering()
         servers = LocalServers(cfg, get_plugin("gkd"), plan, dict, stream=None)
         servers.started[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
         servers.finished_elsewhere = lambda machine: finished and machine == 1
         try:
-            assert servers.check() is None                            # answering: fine
-            server.shutdown()
-            server.server_close()
-            deadline = time.monotonic() + (3.5 if finished else 10)   # probes ~1 s apart: two misses fit in 3.5 s
-            while servers.check() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if finished:
-                assert servers.failure is None
-            else:
-                assert servers.failure is not None and time.monotonic() < deadline
-                assert servers.failure.one_line().startswith(
-                    f"teacher server 1 on machine 1 stopped answering its health check (http://127.0.0.1:"
-                    f"{server.server_address[1]}/health) while the job was running"), servers.failure.one_line()
+            line = _after_silence(servers, server, finished)
+            assert finished or line.startswith(
+                f"teacher server 1 on machine 1 stopped answering its health check (http://127.0.0.1:"
+                f"{server.server_address[1]}/health) while the job was running"), line
         finally:
             servers.stop()
 
@@ -236,3 +327,75 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
     assert ended[0].one_line() == ("teacher server 1 did not start on machine 1: teacher server 1 exited with code "
                                    "1 before it became healthy"), ended[0].one_line()
     machine[0].stop()
+
+
+@pytest.mark.e2e
+def test_machine_1_names_machine_0s_router_that_stops_answering():
+    """Through a real TCPStore: machine 1's launcher reads the router's address that machine 0 published and
+    health-checks it about once a second. Once machine 0 said its ranks finished, the router's end is no failure;
+    when machine 0 is gone (its store with it) and the router is silent, two misses name the router."""
+    import gc
+
+    from torch.distributed import TCPStore
+
+    from dualrun import job_store
+    from dualrun.plugin import get_plugin
+    from dualrun.ports import free_port
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.machines import share
+
+    for finished in (True, False):
+        port = free_port()
+        store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        cfg = _cpu_cfg(2, 1)
+        router = next(i for i, p in enumerate(make_plan(cfg).servers) if p.kind == ROUTER)
+        server = _answering()
+        address = f"127.0.0.1:{server.server_address[1]}"
+        store.set(job_store.server_key(router), address)          # what machine 0 published
+        machine1 = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), dict, stream=None)
+        ended: list[Exception] = []
+        share(machine1, "127.0.0.1", port, ended.append)
+        try:
+            assert eventually(lambda: machine1.started.get(router) == address, 10), machine1.started
+            if finished:
+                store.set(job_store.finished_key(0), "1")
+            else:
+                del store                                          # machine 0's agent is gone with its store
+                gc.collect()
+            line = _after_silence(machine1, server, finished)
+            assert finished or line.startswith(
+                f"teacher router on machine 0 stopped answering its health check (http://{address}/health) "
+                "while the job was running"), line
+            assert not ended   # the exchange itself went fine
+        finally:
+            machine1.stop()
+
+
+@pytest.mark.e2e
+def test_machine_1_restarts_only_once_the_ending_attempts_store_is_gone_or_replaced():
+    """`await_attempt` against a real TCPStore: while the store is still marked with the ending attempt, machine 1
+    waits; a store marked with the new attempt, or none at all, lets it start."""
+    import gc
+    import time
+
+    from torch.distributed import TCPStore
+
+    from dualrun import job_store
+    from dualrun.ports import free_port
+    from dualrun.servers.machines import await_attempt
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set(job_store.ATTEMPT_KEY, "0")
+    t = time.monotonic()
+    await_attempt("127.0.0.1", port, 1, timeout_s=1.5)
+    assert time.monotonic() - t >= 1.5                       # still attempt 0's store: waited it out
+    store.set(job_store.ATTEMPT_KEY, "1")
+    t = time.monotonic()
+    await_attempt("127.0.0.1", port, 1, timeout_s=10)
+    assert time.monotonic() - t < 5                          # machine 0's new store: go
+    del store
+    gc.collect()
+    t = time.monotonic()
+    await_attempt("127.0.0.1", port, 1, timeout_s=10)
+    assert time.monotonic() - t < 2                          # no store: machine 0 is between attempts, go

@@ -22,7 +22,7 @@ from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.commands import ROLLOUT_SERVER_ENV
 from dualrun.servers.local import LocalServers, server_command
-from dualrun.servers.machines import finish, not_started, share
+from dualrun.servers.machines import await_attempt, finish, not_started, share
 
 
 class TorchrunLauncher(Launcher):
@@ -32,7 +32,7 @@ class TorchrunLauncher(Launcher):
         super().__init__(*args, **kwargs)
         self._used_ports: set[int] = set()   # every server port of this launch: a restart never reuses one
         self._server_failure: Any = None     # the server whose death ended the last attempt
-        self.prepared_plan: Plan | None = None
+        self._attempt_no = 0
 
     def _port(self) -> int:
         if not hasattr(self, "_chosen_port"):
@@ -112,22 +112,22 @@ class TorchrunLauncher(Launcher):
     # -- launch: a server that dies ends the job (or, with max_failures, restarts it with fresh servers on fresh
     # ports); torchrun restarts the workers itself ------------------------------------------------------------
     def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
+        self._attempt_no = attempt
         result, servers = self._attempt(prepared, attempt, self._used_ports)
         self._used_ports |= servers.ports_used
         self._server_failure = servers.failure
-        if servers.failure is not None and self.cfg.max_failures and _beyond_machine_0(prepared.plan):
-            result.message = (f"{result.message} (not restarted: with servers on machines other than 0, every "
-                              "machine's launch must be started again)")
         return result
 
     def restart_cause(self, result: JobResult) -> str | None:
-        # servers on machine K >= 1: that machine's launcher would have to restart them in step with machine 0's
-        # fresh store, which nothing coordinates (torchrun still restarts failed workers: the servers stay)
-        if self._server_failure is None or _beyond_machine_0(self.prepared_plan):
+        # several machines: a dead server ends the attempt on every machine (each watches the others' servers it
+        # depends on), and each restarts; machine K waits for machine 0's new store (`before_restart`)
+        if self._server_failure is None:
             return None
         return f"{self._server_failure.one_line()}; restarting the job with fresh servers"
 
     def before_restart(self, prepared: Prepared) -> Prepared:
+        if self.cfg.num_machines > 1 and self.cfg.machine_rank != 0 and prepared.plan and prepared.plan.servers:
+            await_attempt(self._addr(), self._port(), self._attempt_no + 1)
         if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
             self.__dict__.pop("_chosen_port", None)   # a fresh rendezvous port too
             return self.prepare(prepared.plan)
@@ -142,7 +142,6 @@ class TorchrunLauncher(Launcher):
         start = time.monotonic()
         plan = prepared.plan
         assert plan is not None
-        self.prepared_plan = plan
         # separate roles: their servers start first (on their own devices), the trainers get their addresses
         servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid_ports=used_ports)
         try:
@@ -169,13 +168,14 @@ class TorchrunLauncher(Launcher):
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
                 servers.watch(end_job)
             if self.cfg.num_machines > 1 and plan.servers:   # the machines' servers meet in torchrun's store
-                share(servers, self._addr(), self._port(), end_job)
+                share(servers, self._addr(), self._port(), end_job, attempt)
             try:
                 run(args)
+                servers.unwatch()   # every machine's ranks passed torchrun's exit barrier: servers may end now
                 finish(servers, self._addr(), self._port())   # several machines: before this one's servers stop
             except ChildFailedError as e:
                 servers.unwatch()
-                if servers.check() is not None:   # a server died first and the workers failed for it: the cause
+                if servers.settle() is not None:   # a server died first and the workers failed for it: the cause
                     return _server_died(servers, start), servers
                 return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
             except SignalException as e:
@@ -201,10 +201,6 @@ def _end_job(servers: LocalServers, failure: Exception, agent_handler: Any) -> N
     print(f"dualrun: error: {failure}", file=sys.stderr, flush=True)
     servers.stop()
     os._exit(1)
-
-
-def _beyond_machine_0(plan: Plan | None) -> bool:
-    return plan is not None and any(p.node != 0 for p in plan.servers)
 
 
 def _server_died(servers: LocalServers, start: float) -> JobResult:

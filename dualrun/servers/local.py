@@ -115,7 +115,7 @@ class LocalServers:
         self._lock = threading.Lock()       # `complete` (a thread beside torchrun's agent) against `stop`
         self._stopped = False
         self._misses: dict[int, int] = {}   # remote server index -> failed health checks in a row
-        self.finished_elsewhere: Callable[[int], bool] = lambda machine: False   # its ranks succeeded (the store)
+        self.finished_elsewhere: Callable[[int], bool] = lambda machine: False   # it said so (the store)
         self.stopped = threading.Event()
         self._next_probe = 0.0
 
@@ -194,6 +194,12 @@ class LocalServers:
         """plan.servers indices of the servers other machines run."""
         return [i for i, p in enumerate(self.plan.servers) if p.node != self.cfg.machine_rank]
 
+    def facing(self) -> list[int]:
+        """plan.servers indices of the servers the trainers talk to: each router, and the replica of a unit
+        without one (machine K >= 1 watches those that run elsewhere: they are machine 0's router)."""
+        routed = {p.unit for p in self.plan.servers if p.kind == ROUTER}
+        return [i for i, p in enumerate(self.plan.servers) if p.kind == ROUTER or p.unit not in routed]
+
     def complete(self, remote: Mapping[int, str]) -> dict[str, str]:
         """Machine 0, once the other machines' servers answer (`remote`: index -> address): start the routers that
         stand in front of them, wait until they are healthy; role -> address of every server. ServerError when a
@@ -255,17 +261,27 @@ class LocalServers:
         return env
 
     def check(self) -> ServerError | None:
-        """One look at every server: the first that has ended becomes `failure` (kept once set). On machine 0, the
-        other machines' servers are health-checked about once a second: two misses in a row are a failure too
-        (their own machine's launcher names the exit code)."""
+        """One look at every server: the first that has ended becomes `failure` (kept once set). With several
+        machines, the other machines' servers known here are health-checked about once a second (machine 0: every
+        replica; machine K: machine 0's routers, `facing`): two misses in a row are a failure too (their own
+        machine's launcher names the exit code)."""
         if self.failure is None:
             for server in list(self.running.values()):
                 if server.proc is not None and server.proc.poll() is not None:
                     self.failure = server.wait_exit()
                     break
-        if self.failure is None and self.cfg.machine_rank == 0 and time.monotonic() >= self._next_probe:
+        if self.failure is None and self.cfg.num_machines > 1 and time.monotonic() >= self._next_probe:
             self._next_probe = time.monotonic() + 1.0
             self.failure = self._probe_others()
+        return self.failure
+
+    def settle(self) -> ServerError | None:
+        """`check` once the ranks failed: another machine's server that just missed a health check gets its second
+        look now (about a second), so a dead router is named as the cause, not the ranks that failed for it."""
+        self._next_probe = 0.0
+        while self.check() is None and any(0 < n < 2 for n in self._misses.values()):
+            time.sleep(1.0)
+            self._next_probe = 0.0
         return self.failure
 
     def _probe_others(self) -> ServerError | None:

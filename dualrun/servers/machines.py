@@ -10,7 +10,9 @@ servers before its torchrun agent; then, beside the agent, `share` runs in a thr
   rank uses the router's address before it answers for every replica.
 Machine 0 also health-checks the other machines' servers while the job runs (LocalServers.check), so a replica
 that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds;
-machine K says when its ranks finished (`finish`) so that its servers' normal end is no failure. The store is the
+machine K health-checks machine 0's routers the same way (machine 0 publishes their addresses too), so machine 0
+or its router dying ends machine K's job instead of leaving its ranks waiting in a collective. Each machine says
+when its ranks finished (`finish`) so that its servers' normal end is no failure. The store is the
 one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the rendezvous store).
 Every machine hosts trainer ranks (torchrun needs `num_processes` to be a multiple of `num_machines`), so a
 machine that only serves does not arise.
@@ -27,21 +29,27 @@ from dualrun.servers.local import LocalServers
 from dualrun.servers.process import ServerError
 
 
-def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[ServerError], None]) -> threading.Thread:
+def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[ServerError], None],
+          attempt: int = 0) -> threading.Thread:
     """Run the exchange above in a daemon thread (the store exists once torchrun's agent rendezvous begins).
     A router that fails, or an address that never comes, is recorded as `servers.failure` and `on_failure` is
     called (the launcher ends the job with it); nothing is reported once the servers are being stopped."""
 
     def run() -> None:
-        servers.finished_elsewhere = lambda machine: _finished(host, port, machine)
+        here = servers.cfg.machine_rank
+        servers.finished_elsewhere = lambda machine: _finished(host, port, machine, gone_is_finished=here == 0)
         try:
             store = job_store.connect(host, port, _wait_s(servers))
+            if here == 0:
+                store.set(job_store.ATTEMPT_KEY, str(attempt))   # this store serves that attempt (`await_attempt`)
             for index, address in servers.own().items():
                 store.set(job_store.server_key(index), address)
-                if servers.cfg.machine_rank != 0:
+                if here != 0:
                     print(f"dualrun: {servers.plan.servers[index].label}: server healthy at {address} (machine "
-                          f"{servers.cfg.machine_rank}), handed to machine 0", file=sys.stderr, flush=True)
-            if servers.cfg.machine_rank != 0:
+                          f"{here}), handed to machine 0", file=sys.stderr, flush=True)
+            if here != 0:   # watch the servers the ranks talk to that run elsewhere (LocalServers.check)
+                servers.started.update({i: _address(servers, i, store.get(job_store.server_key(i)).decode())
+                                        for i in servers.facing() if servers.plan.servers[i].node != here})
                 return
             remote = {i: _address(servers, i, store.get(job_store.server_key(i)).decode()) for i in servers.others()}
             addresses = servers.complete(remote)
@@ -49,6 +57,7 @@ def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[Ser
                 return   # stopped meanwhile
             for index in servers.pending_done:
                 proc = servers.plan.servers[index]
+                store.set(job_store.server_key(index), servers.started[index])   # the other machines watch it
                 print(f"dualrun: {proc.unit}: server healthy at {servers.started[index]}", file=sys.stderr,
                       flush=True)
             store.set(job_store.WIRING_KEY, json.dumps(servers.shared_wiring()))
@@ -91,10 +100,28 @@ def not_started(servers: LocalServers, host: str, port: int, error: str) -> None
         pass
 
 
+def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_store.WAIT_S) -> None:
+    """Machine K >= 1, before its restart `attempt`: wait while the store at `host:port` is still the ending
+    attempt's (machine 0 restarts too, on the same port, once its agent has stopped), so that neither this machine's
+    addresses nor its torchrun agent go to a store about to vanish. Returns once it is gone or marked `attempt`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _listening(host, port):
+        try:
+            store = job_store.connect(host, port, 2.0)
+            if store.check([job_store.ATTEMPT_KEY]) and int(store.get(job_store.ATTEMPT_KEY)) >= attempt:
+                return
+        except Exception:  # noqa: BLE001 - the store went away meanwhile: the next look sees it gone
+            pass
+        time.sleep(0.5)
+
+
 def finish(servers: LocalServers, host: str, port: int) -> None:
-    """Machine K >= 1, its ranks done: say so before its servers stop, so that machine 0 does not take their end
-    for a death (machine 0's store may be gone already: then its ranks are done too)."""
-    if servers.cfg.num_machines == 1 or servers.cfg.machine_rank == 0 or not servers.own():
+    """A machine whose ranks are done: say so before its servers stop, so that the machines watching them do not
+    take their end for a death. The store may be gone already (it ends with machine 0's torchrun agent): then every
+    machine's ranks passed torchrun's exit barrier, and each machine's watch ends as its own agent returns."""
+    if servers.cfg.num_machines == 1 or not servers.own():
         return
     if not _listening(host, port):
         return
@@ -115,13 +142,15 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def _finished(host: str, port: int, machine: int) -> bool:
+def _finished(host: str, port: int, machine: int, gone_is_finished: bool) -> bool:
+    """Whether `machine` said its ranks finished. A store that is gone means this machine's own agent ended on
+    machine 0 (`gone_is_finished`), but machine 0's end on machine K: silence there is a failure."""
     if not _listening(host, port):
-        return True
+        return gone_is_finished
     try:
         return job_store.connect(host, port, 2.0).check([job_store.finished_key(machine)])
-    except Exception:  # noqa: BLE001 - the store is gone: this machine's agent is ending anyway
-        return True
+    except Exception:  # noqa: BLE001 - the store went away meanwhile: as above
+        return gone_is_finished
 
 
 def _wait_s(servers: LocalServers) -> float:
