@@ -32,6 +32,7 @@ def uses_ray(item) -> bool:
         return False
 
 
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (its hook turns them into node ids)
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests run in two queues, one per
     # worker, each one test at a time: those that use Ray on one (two Ray clusters starting at once on 2 loaded

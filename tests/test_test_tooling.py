@@ -57,3 +57,33 @@ def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_pat
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["tiny-k"]   # the work directory is gone
     builder.unlink()   # found again without building: the builder is not even there
     assert helpers.tiny_assets() == built
+
+
+def test_slow_e2e_tests_run_in_their_two_queues_under_xdist(tmp_path):
+    """The queues of tests/conftest.py reach pytest-xdist: every slow end-to-end Ray test on one worker, every
+    torchrun-only one on one worker (pytest 9.2 broke xdist 3.8's groups: its node-id suffix no longer took,
+    so both queues ran spread over both workers; constraints.txt pins pytest 9.1)."""
+    import re
+    import sys
+
+    (tmp_path / "conftest.py").write_text(   # the repo's hook, loaded under another module name
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
+        "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\n"
+        "pytest_collection_modifyitems = repo.pytest_collection_modifyitems\n")
+    (tmp_path / "test_q.py").write_text(
+        "import time, pytest\npytestmark = [pytest.mark.e2e, pytest.mark.slow]\n"
+        "@pytest.mark.parametrize('i', range(4))\ndef test_on_ray(i):\n    time.sleep(0.2)\n"
+        "@pytest.mark.parametrize('i', range(4))\ndef test_torchrun_only(i):\n    time.sleep(0.2)\n")
+    env = dict(os.environ, DUALRUN_TEST_ANY_NETWORK="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                           "loadgroup", "-v", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    workers: dict[str, set[str]] = {}
+    for worker, name, group in re.findall(r"\[(gw\d)\].*PASSED .*::(test_\w+)\[\d\]@(\S+)", proc.stdout):
+        assert group == ("slow-ray" if name == "test_on_ray" else "slow-local"), (name, group)
+        workers.setdefault(name, set()).add(worker)
+    assert sorted(workers) == ["test_on_ray", "test_torchrun_only"], proc.stdout[-3000:]
+    assert all(len(w) == 1 for w in workers.values()), workers
