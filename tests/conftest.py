@@ -23,8 +23,13 @@ def loopback_only() -> bool:
 
 
 def uses_ray(item) -> bool:
-    """A test that starts or joins a Ray cluster: its id, its fixtures or its code say so."""
-    if "ray" in item.nodeid.lower() or {"ray_cluster", "cluster"} & set(item.fixturenames):
+    """A test that starts or joins a Ray cluster: its id, its fixtures or its code say so (the torchrun case of a
+    test parametrized by backend does not, unless it takes a cluster fixture)."""
+    clusters = {"ray_cluster", "cluster", "local_ray"} & set(item.fixturenames)
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "torchrun" and not clusters:
+        return False
+    if "ray" in item.nodeid.lower() or clusters:
         return True
     try:
         return "ray" in inspect.getsource(item.function).lower()

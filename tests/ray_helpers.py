@@ -23,8 +23,12 @@ class FakeGpuCluster:
 
         self.temp_dir = tempfile.mkdtemp(prefix="drt", dir="/tmp")
         os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
+        from helpers import free_port
+
+        # the dashboard agent's port: Ray's default (52365) is one per host, and the run's shared cluster lives
+        # beside clusters that tests start with `ray start` (whose agent then cannot bind it: no job agent)
         args = dict(num_cpus=cpus, num_gpus=gpus, node_ip_address="127.0.0.1", include_dashboard=False,
-                    temp_dir=self.temp_dir)
+                    temp_dir=self.temp_dir, dashboard_agent_listen_port=free_port())
         # Ray's `ray_current_cluster` file goes to $RAY_TMPDIR/ray: this cluster's own dir, never /tmp/ray
         saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "TMPDIR")}
         os.environ["RAY_TMPDIR"] = self.temp_dir
