@@ -121,9 +121,7 @@ class LocalServers:
 
     def _endpoint(self, index: int) -> tuple[str, str, int]:
         """(bind host, advertised host, port) of the plan's `index`-th server."""
-        from dualrun.ports import free_port
-
-        from dualrun.ports import route_address
+        from dualrun.ports import free_port, route_address
 
         if self.cfg.num_machines == 1:
             return "127.0.0.1", "127.0.0.1", free_port("127.0.0.1", self.avoid_ports)
