@@ -37,15 +37,27 @@ def uses_ray(item) -> bool:
         return False
 
 
+def starts_own_ray(item) -> bool:
+    """A Ray test that starts a cluster of its own (an embedded `dualrun launch --backend ray`, `ray start`, a
+    FakeGpuCluster of another shape, an in-process `ray.init(address="local")`), as opposed to one that only joins
+    this worker's running cluster: it takes `ray_cluster` (directly or through a module fixture) or is marked
+    `ray_shared` (it asks for `ray_cluster` with `request.getfixturevalue`)."""
+    if not uses_ray(item):
+        return False
+    shared = "ray_cluster" in item.fixturenames or item.get_closest_marker("ray_shared") is not None
+    return not shared or "local_ray" in item.fixturenames
+
+
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (its hook turns them into node ids)
 def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests run in two queues, one per
-    # worker, each one test at a time: those that use Ray on one (two Ray clusters starting at once on 2 loaded
-    # cores can time out; they share the run's running cluster, `ray_cluster`), the torchrun-only ones on the other.
-    # The rest runs beside them.
+    # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests that start a Ray cluster of
+    # their own run in one queue, on one worker, one at a time (two clusters starting at once on 2 loaded cores can
+    # time out). Every other test, those that join the worker's running cluster (`ray_cluster`, one per worker)
+    # included, goes to whichever worker is free. xdist hands out the largest group first, so the queue starts at
+    # once and the other worker takes the rest meanwhile.
     for item in items:
-        if "e2e" in item.keywords and "slow" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("slow-ray" if uses_ray(item) else "slow-local"))
+        if "e2e" in item.keywords and "slow" in item.keywords and starts_own_ray(item):
+            item.add_marker(pytest.mark.xdist_group("slow-ray"))
     if loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see README)")
@@ -75,12 +87,12 @@ def tiny() -> Path:
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One running local Ray cluster for the run (one node, 8 logical CPUs, no GPUs), for the end-to-end tests that
-    need *a* cluster, not a fresh one: `dualrun launch --backend ray` with its RAY_ADDRESS joins it, as on a real
-    cluster, instead of each job starting and stopping an embedded one (~5-30 s each on 2 cores). The embedded path
-    keeps its own tests (test_ray_backend.py, test_cli.py's README command). A test that uses it checks that its
-    job left no actor and no placement group (`ray_cluster.assert_nothing_left()`). The slow ones all run on one
-    xdist worker (see pytest_collection_modifyitems), so one run starts it once."""
+    """One running local Ray cluster per test worker (one node, 8 logical CPUs, no GPUs), for the end-to-end tests
+    that need *a* cluster, not a fresh one: `dualrun launch --backend ray` with its RAY_ADDRESS joins it, as on a
+    real cluster, instead of each job starting and stopping an embedded one (~5-30 s each on 2 cores). The embedded
+    path keeps its own tests (test_ray_backend.py, test_cli.py's README command). A test that uses it checks that
+    its job left no actor and no placement group (`ray_cluster.assert_nothing_left()`): one worker's tests run one at
+    a time, so whatever is left on its cluster is the test's own."""
     from ray_helpers import FakeGpuCluster
 
     cluster = FakeGpuCluster(nodes=1, gpus=0, cpus=8)

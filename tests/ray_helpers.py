@@ -32,6 +32,7 @@ class FakeGpuCluster:
         # Ray's `ray_current_cluster` file goes to $RAY_TMPDIR/ray: this cluster's own dir, never /tmp/ray
         saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "TMPDIR")}
         os.environ["RAY_TMPDIR"] = self.temp_dir
+        lock = _one_start_at_a_time()
         try:
             for i in range(nodes):
                 if node_tmpdirs:
@@ -42,6 +43,7 @@ class FakeGpuCluster:
                     self.cluster.add_node(**args)
             self.cluster.wait_for_nodes()
         finally:
+            lock.close()
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -87,6 +89,17 @@ class FakeGpuCluster:
             ray.shutdown()
         self.cluster.shutdown()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _one_start_at_a_time():
+    """An exclusive lock (released on close) that every test worker takes while its clusters start: each xdist
+    worker has its own running cluster (conftest.ray_cluster), and two starting at once on 2 busy cores can miss
+    Ray's start-up timeouts."""
+    import fcntl
+
+    f = open(os.path.join(tempfile.gettempdir(), "dualrun-test-ray-start.lock"), "a")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
 
 
 def ray_env(**extra: str) -> dict[str, str]:

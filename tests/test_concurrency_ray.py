@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from helpers import eventually
-from ray_helpers import FakeGpuCluster, ray_env
+from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400), pytest.mark.slow]
 
@@ -22,14 +22,8 @@ dist.destroy_process_group()
 """
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = FakeGpuCluster(nodes=1, gpus=0, cpus=6)
-    yield c
-    c.shutdown()
-
-
-def test_three_jobs_at_once(tmp_path, cluster):
+def test_three_jobs_at_once(tmp_path, ray_cluster):
+    cluster = ray_cluster   # this worker's running cluster (conftest): 8 CPUs, the three jobs take 6
     (tmp_path / "quick.py").write_text(QUICK)
     (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\nray: {placement_timeout_s: 120}\n")
     env = dict(__import__("os").environ, **ray_env(RAY_ADDRESS=cluster.address))

@@ -18,8 +18,8 @@ from conftest import REPO
 
 pytestmark = pytest.mark.timeout(240)
 
-SKIP = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-                              "runs", "tiny", ".whl", ".gl")
+SKIP = shutil.ignore_patterns(".git", ".venv*", "venv", "build", "dist", "*.egg-info", "__pycache__",   # .venv-vllm too
+                              ".pytest_cache", "runs", "tiny", ".whl", ".gl")
 
 MUST_HAVE = ["dualrun/__init__.py", "dualrun/cli.py", "dualrun/rank/bootstrap.py", "dualrun/config/schema.py",
              "dualrun/plugins/__init__.py", "dualrun/plugins/sft.py", "dualrun/plugins/grpo.py",

@@ -239,6 +239,7 @@ def test_plugin_example_from_docs(backend, tmp_path):
 # -- examples/api_example.py: the Python API ------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
+@pytest.mark.ray_shared   # the Ray case joins this worker's running cluster (conftest.ray_cluster)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
 def test_api_example(backend, tiny, tmp_path, request):
     """`dualrun.launch(fn)` returns every rank's value; `dualrun.launch(script)` runs examples/sft.py; 2 CPU workers

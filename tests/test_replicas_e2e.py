@@ -18,19 +18,18 @@ import pytest
 
 from conftest import dualrun, link_tiny
 from helpers import cmdline, eventually, pids_matching
-from ray_helpers import FakeGpuCluster, ray_env
+from ray_helpers import ray_env
 from test_server_watch import STEPS, assert_restarted_once
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray_shared, pytest.mark.timeout(300)]
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = FakeGpuCluster(nodes=1, gpus=0, cpus=8)   # 2 trainers + 3 replicas + the router (or 1 + 4 + 1), a CPU each
-    yield c
-    c.shutdown()
+@pytest.fixture
+def cluster(ray_cluster):
+    """This worker's running cluster (conftest): 8 CPUs, for 2 trainers + 3 replicas + the router (or 1 + 4 + 1)."""
+    return ray_cluster
 
 
 def _yaml(tiny: Path, replicas: int, max_failures: int = 0) -> str:

@@ -16,7 +16,7 @@ from conftest import REPO
 from helpers import pids_matching
 from ray_helpers import ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray_shared, pytest.mark.timeout(400)]
 
 
 def _workers(marker: str) -> list[int]:

@@ -15,9 +15,9 @@ import pytest
 
 from conftest import link_tiny
 from helpers import eventually, pids_matching
-from ray_helpers import FakeGpuCluster, ray_env
+from ray_helpers import ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray_shared, pytest.mark.timeout(300)]
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 STEPS = 8
@@ -30,11 +30,10 @@ def tiny(tiny, tmp_path_factory) -> Path:
     return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    c = FakeGpuCluster(nodes=1, gpus=0, cpus=4)
-    yield c
-    c.shutdown()
+@pytest.fixture
+def cluster(request, backend):
+    """The Ray cases: this worker's running cluster (conftest.ray_cluster); the torchrun ones start none."""
+    return request.getfixturevalue("ray_cluster") if backend == "ray" else None
 
 
 def _server_pids(tiny: Path) -> list[int]:

@@ -59,10 +59,11 @@ def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_pat
     assert helpers.tiny_assets() == built
 
 
-def test_slow_e2e_tests_run_in_their_two_queues_under_xdist(tmp_path):
-    """The queues of tests/conftest.py reach pytest-xdist: every slow end-to-end Ray test on one worker, every
-    torchrun-only one on one worker (pytest 9.2 broke xdist 3.8's groups: its node-id suffix no longer took,
-    so both queues ran spread over both workers; constraints.txt pins pytest 9.1)."""
+def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_xdist(tmp_path):
+    """The queue of tests/conftest.py reaches pytest-xdist: every slow end-to-end test that starts a Ray cluster of
+    its own on one worker, one at a time; those that only join the worker's running cluster (`ray_cluster`, or
+    marked `ray_shared`) and the torchrun-only ones on whichever worker is free (pytest 9.2 broke xdist 3.8's groups:
+    its node-id suffix no longer took, so the queue ran spread over both workers; constraints.txt pins pytest 9.1)."""
     import re
     import sys
 
@@ -71,19 +72,27 @@ def test_slow_e2e_tests_run_in_their_two_queues_under_xdist(tmp_path):
         f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
         f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
         "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\n"
-        "pytest_collection_modifyitems = repo.pytest_collection_modifyitems\n")
+        "pytest_collection_modifyitems = repo.pytest_collection_modifyitems\n"
+        "import pytest\n@pytest.fixture\ndef ray_cluster():\n    return None\n")
     (tmp_path / "test_q.py").write_text(
         "import time, pytest\npytestmark = [pytest.mark.e2e, pytest.mark.slow]\n"
         "@pytest.mark.parametrize('i', range(4))\ndef test_on_ray(i):\n    time.sleep(0.2)\n"
+        "@pytest.mark.parametrize('i', range(4))\ndef test_joins_ray(i, ray_cluster):\n    time.sleep(0.2)\n"
+        "@pytest.mark.ray_shared\n@pytest.mark.parametrize('i', range(4))\ndef test_asks_ray_later(i):\n"
+        "    time.sleep(0.2)\n"
         "@pytest.mark.parametrize('i', range(4))\ndef test_torchrun_only(i):\n    time.sleep(0.2)\n")
     env = dict(os.environ, DUALRUN_TEST_ANY_NETWORK="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
-                           "loadgroup", "-v", str(tmp_path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120)
+                           "loadgroup", "-v", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     workers: dict[str, set[str]] = {}
-    for worker, name, group in re.findall(r"\[(gw\d)\].*PASSED .*::(test_\w+)\[\d\]@(\S+)", proc.stdout):
-        assert group == ("slow-ray" if name == "test_on_ray" else "slow-local"), (name, group)
+    groups: dict[str, set[str]] = {}
+    for worker, name, group in re.findall(r"\[(gw\d)\].*PASSED .*::(test_\w+)\[\d\](@\S+)?", proc.stdout):
         workers.setdefault(name, set()).add(worker)
-    assert sorted(workers) == ["test_on_ray", "test_torchrun_only"], proc.stdout[-3000:]
-    assert all(len(w) == 1 for w in workers.values()), workers
+        groups.setdefault(name, set()).add(group)
+    assert sorted(workers) == ["test_asks_ray_later", "test_joins_ray", "test_on_ray", "test_torchrun_only"], \
+        proc.stdout[-3000:]
+    assert groups == {"test_on_ray": {"@slow-ray"}, "test_joins_ray": {""}, "test_asks_ray_later": {""},
+                      "test_torchrun_only": {""}}, groups
+    assert len(workers["test_on_ray"]) == 1, workers

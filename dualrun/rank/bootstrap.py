@@ -17,21 +17,29 @@ import sys
 
 
 def _record(exc: BaseException) -> None:
+    """torch's error-file format (what ErrorHandler.record_exception writes), but written whole or not at all: when
+    another rank dies, the launcher SIGTERMs this one, possibly mid-write, and then parses the file; torch's own
+    writer truncates first, and an empty file made torchrun's agent raise JSONDecodeError instead of restarting."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path or "torch" not in sys.modules:
-        if path:
-            import json
-            import time
-            import traceback
-
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as f:
-                json.dump({"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
-                    "py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}}}, f)
+    if not path:
         return
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    import json
+    import tempfile
+    import time
+    import traceback
 
-    ErrorHandler().record_exception(exc)
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}", "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(int(time.time()))}}}
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".error-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _activate_plugin() -> None:

@@ -15,6 +15,7 @@ start itself again in every worker). The child side is roles/process_worker.py.
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util  # noqa: F401 - before our atexit handlers: see LocalGroup.__init__
 import os
 import pickle
 import sys
@@ -89,6 +90,9 @@ class ProcessWorkers:
         self._answers: list[dict[int, Any]] = [{} for _ in range(spec.size)]
         self._next_call = 0
         self._lock = threading.RLock()
+        # atexit runs last-registered first: multiprocessing's own handler (which joins every child, forever) is
+        # registered when multiprocessing.util is first imported - at the first start, after this line, unless
+        # imported above - and would then run before this one and wait on workers nobody told to stop
         atexit.register(self.shutdown)
         with _main_hidden(), _stopping_on_error(self):
             for rank in range(spec.size):
