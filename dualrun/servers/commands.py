@@ -121,13 +121,25 @@ OWN_FLAGS: dict[str, str] = {
 _ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}
 
 
+def _own(name: str) -> str | None:
+    """Pure: the flag of `OWN_FLAGS` that the option `name` is for argparse - itself, an alias, `_` for `-`, or an
+    abbreviation (vLLM's, TRL's and dualrun's parsers all keep argparse's allow_abbrev: `--po 9000` is `--port`)."""
+    flag = _ALIASES.get(name) or ("--" + name[2:].replace("_", "-") if name.startswith("--") else name)
+    if flag in OWN_FLAGS:
+        return flag
+    if len(flag) > 3 and flag.startswith("--"):
+        longer = [own for own in OWN_FLAGS if own.startswith(flag)]
+        if len(longer) == 1:
+            return longer[0]
+    return None
+
+
 def own_flag(args: Sequence[str]) -> tuple[str, str] | None:
-    """Pure: (the argument as written, the flag it is) for the first of `OWN_FLAGS` in `args`, in either form
-    (`--port N`, `--port=N`, `--tensor_parallel_size`, `-tp 2`); None when there is none."""
+    """Pure: (the argument as written, the flag it is) for the first of `OWN_FLAGS` in `args`, in any form argparse
+    takes (`--port N`, `--port=N`, `--tensor_parallel_size`, `-tp 2`, `--po 9000`); None when there is none."""
     for i, arg in enumerate(args):
-        name = arg.split("=", 1)[0]
-        flag = _ALIASES.get(name) or ("--" + name[2:].replace("_", "-") if name.startswith("--") else name)
-        if flag in OWN_FLAGS:
+        flag = _own(arg.split("=", 1)[0])
+        if flag is not None:
             value = args[i + 1] if "=" not in arg and i + 1 < len(args) else None
             return (arg if value is None or value.startswith("-") else f"{arg} {value}"), flag
     return None
