@@ -15,7 +15,7 @@ start itself again in every worker). The child side is roles/process_worker.py.
 from __future__ import annotations
 
 import atexit
-import multiprocessing.util  # noqa: F401 - before our atexit handlers: see LocalGroup.__init__
+import multiprocessing.util  # noqa: F401 - before our atexit handlers: see ProcessWorkers.__init__
 import os
 import pickle
 import sys
