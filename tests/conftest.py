@@ -40,11 +40,11 @@ def uses_ray(item) -> bool:
 def starts_own_ray(item) -> bool:
     """A Ray test that starts a cluster of its own (an embedded `dualrun launch --backend ray`, `ray start`, a
     FakeGpuCluster of another shape, an in-process `ray.init(address="local")`), as opposed to one that only joins
-    this worker's running cluster: it takes `ray_cluster` (directly or through a module fixture) or is marked
-    `ray_shared` (it asks for `ray_cluster` with `request.getfixturevalue`)."""
+    this worker's running cluster: it takes `ray_cluster` or `ray_cluster_if_ray` (directly or through a module
+    fixture)."""
     if not uses_ray(item):
         return False
-    shared = "ray_cluster" in item.fixturenames or item.get_closest_marker("ray_shared") is not None
+    shared = bool({"ray_cluster", "ray_cluster_if_ray"} & set(item.fixturenames))
     return not shared or "local_ray" in item.fixturenames
 
 
@@ -98,6 +98,14 @@ def ray_cluster():
     cluster = FakeGpuCluster(nodes=1, gpus=0, cpus=8)
     yield cluster
     cluster.shutdown()
+
+
+@pytest.fixture
+def ray_cluster_if_ray(request, backend):
+    """For a test parametrized by `backend`: this worker's running cluster (`ray_cluster`) in its "ray" case, None in
+    its "torchrun" case, which then starts no cluster at all. Asked for by name, so the queue rule above
+    (`starts_own_ray`) sees that the Ray case only joins the running cluster."""
+    return request.getfixturevalue("ray_cluster") if backend == "ray" else None
 
 
 def link_tiny(tiny: Path, where: Path) -> Path:

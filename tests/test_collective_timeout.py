@@ -52,10 +52,9 @@ def test_ddp_timeout_is_filled_only_where_left_at_default(tmp_path):
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(200)
-@pytest.mark.ray_shared   # the Ray case joins this worker's running cluster (conftest.ray_cluster)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_a_hung_all_reduce_fails_after_the_configured_seconds(tmp_path, backend, request):
-    address = request.getfixturevalue("ray_cluster").address if backend == "ray" else ""
+def test_a_hung_all_reduce_fails_after_the_configured_seconds(tmp_path, backend, ray_cluster_if_ray):
+    address = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
     (tmp_path / "hang.py").write_text(HANG)
     (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\ncollective_timeout_s: 2\n")
     proc = dualrun("launch", "--backend", backend, "--config_file", "cpu2.yaml", "hang.py", cwd=tmp_path,

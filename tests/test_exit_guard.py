@@ -122,10 +122,9 @@ def test_sys_exit_with_a_message_prints_it_and_exits_1(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.e2e
-@pytest.mark.ray_shared   # the Ray case joins this worker's running cluster (conftest.ray_cluster)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_a_gloo_job_whose_ranks_block_in_teardown_finishes(tmp_path, backend, request):
-    address = request.getfixturevalue("ray_cluster").address if backend == "ray" else ""
+def test_a_gloo_job_whose_ranks_block_in_teardown_finishes(tmp_path, backend, ray_cluster_if_ray):
+    address = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
     (tmp_path / "t.py").write_text(GLOO_TEARDOWN)
     (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
     (tmp_path / "out").mkdir()
@@ -142,18 +141,21 @@ def test_a_gloo_job_whose_ranks_block_in_teardown_finishes(tmp_path, backend, re
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.ray_shared   # the Ray case joins this worker's running cluster (conftest.ray_cluster)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_trl_sft_script_never_hangs_at_exit(tmp_path, backend, request):
+def test_trl_sft_script_never_hangs_at_exit(tmp_path, tiny, backend, ray_cluster_if_ray):
     """TRL's scripts/sft.py (ends with trainer.end()) DUALRUN_STRESS_RUNS times (default 1: the deterministic hangs
     above are the regression tests, this is the real script): zero hangs. Ray: on the worker's running cluster (the
     rank's teardown is what hung, not the cluster's; the benchmark itself, 20 runs, starts an embedded cluster per
     run)."""
     runs = os.environ.get("DUALRUN_STRESS_RUNS", "1")
-    address = request.getfixturevalue("ray_cluster").address if backend == "ray" else ""
+    address = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
+    assets = tmp_path / "tiny"   # the run's tiny model, not one more build: exit_stress adds its dataset dir here
+    assets.mkdir()
+    for entry in tiny.iterdir():
+        (assets / entry.name).symlink_to(entry)
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "exit_stress.py"), "--runs", runs,
                            "--backends", backend, "--timeout", "240", "--out-dir", str(tmp_path),
-                           "--ray-address", address],
+                           "--ray-address", address, "--tiny", str(assets)],
                           capture_output=True, text=True, timeout=1700)
     results = json.loads((tmp_path / "exit_stress.json").read_text())
     assert len(results) == int(runs)

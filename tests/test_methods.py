@@ -3,11 +3,12 @@ metrics are equal for the same seed. Tolerance: exact equality (the runs are bit
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from conftest import REPO, dualrun, link_tiny
-from helpers import pids_matching
+from helpers import gone, pids_matching
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -39,6 +40,15 @@ def _history(path):
     return [{k: h[k] for k in METRICS if k in h} for h in history if "loss" in h]
 
 
+def _assert_served_by_the_teacher_role(stderr: str, backend: str) -> None:
+    """GKDTrainer got the teacher role's server (its one line on rank 0), and the server is gone after the job (on
+    Ray: checked as the job's actors, below)."""
+    assert re.search(r"GKD teacher served by the teacher role at 127\.0\.0\.1:\d+ \(top-5 ", stderr), stderr[-3000:]
+    if backend == "torchrun":
+        pid = int(re.search(r"\[teacher server 0\] dualrun engine: loading .* \(pid (\d+)\)", stderr).group(1))
+        assert gone(pid), "the teacher server must be stopped after the job"
+
+
 @pytest.mark.parametrize("method", list(METHODS))
 def test_method_runs_and_matches_across_backends(workdir, method, ray_cluster):
     script, extra = METHODS[method]
@@ -52,6 +62,8 @@ def test_method_runs_and_matches_across_backends(workdir, method, ray_cluster):
                        cwd=workdir, env=env, timeout=400)
         assert proc.returncode == 0, proc.stderr[-3000:]
         history[backend] = _history(workdir / out / "trainer_state.json")
+        if method == "gkd_separate_teacher":
+            _assert_served_by_the_teacher_role(proc.stderr, backend)
     assert len(history["torchrun"]) == 4
     assert history["ray"] == history["torchrun"]
     ray_cluster.assert_nothing_left()

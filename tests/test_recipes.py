@@ -239,14 +239,13 @@ def test_plugin_example_from_docs(backend, tmp_path):
 # -- examples/api_example.py: the Python API ------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
-@pytest.mark.ray_shared   # the Ray case joins this worker's running cluster (conftest.ray_cluster)
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_api_example(backend, tiny, tmp_path, request):
+def test_api_example(backend, tiny, tmp_path, ray_cluster_if_ray):
     """`dualrun.launch(fn)` returns every rank's value; `dualrun.launch(script)` runs examples/sft.py; 2 CPU workers
     (Ray: on the run's running cluster, as `RAY_ADDRESS` gives it)."""
     import json
 
-    cluster = request.getfixturevalue("ray_cluster") if backend == "ray" else None
+    cluster = ray_cluster_if_ray
     env = shell_env(RAY_TMPDIR=tempfile.mkdtemp(prefix="dra", dir="/tmp"),
                     **({"RAY_ADDRESS": cluster.address} if cluster else {}))
     try:

@@ -10,7 +10,6 @@ import uuid
 
 import pytest
 
-from conftest import dualrun
 from helpers import pids_matching
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]

@@ -21,9 +21,16 @@ from helpers import cmdline, eventually, pids_matching
 from ray_helpers import ray_env
 from test_server_watch import STEPS, assert_restarted_once
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray_shared, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny, tmp_path_factory) -> Path:
+    """The shared assets under this module's own path: the teacher's path on the replicas' command lines marks this
+    module's servers (see conftest.link_tiny)."""
+    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture
@@ -47,6 +54,9 @@ def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", e
                    env={"TRL_EXPERIMENTAL_SILENCE": "1", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text()) for i in range(2)]
+    assert [r["teacher"] for r in ranks] == ["RemoteTeacher"] * 2             # GKDTrainer's teacher: the role's
+    assert len({r["teacher_address"] for r in ranks}) == 1                    # one address for every rank
+    assert ranks[0]["losses"] == ranks[1]["losses"]                           # DDP: one loss
     logs = tmp_path / "logs"
     served = [(logs / f"teacher-server-{i}.log").read_text().count('"POST /v1/completions') for i in range(replicas)]
     return {"losses": ranks[0]["losses"], "address": ranks[0]["teacher_address"], "served": served,
@@ -54,9 +64,9 @@ def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", e
 
 
 @pytest.mark.parametrize("backend, replicas", [("torchrun", 3), ("ray", 2)])
-def test_replicas_serve_the_teacher(tmp_path, tiny, request, backend, replicas):
+def test_replicas_serve_the_teacher(tmp_path, tiny, ray_cluster_if_ray, backend, replicas):
     """(That a router's greedy answers are one engine's, for 2 and 3 replicas, is test_router.py's.)"""
-    cluster = request.getfixturevalue("cluster") if backend == "ray" else None
+    cluster = ray_cluster_if_ray
     env = ray_env(RAY_ADDRESS=cluster.address) if cluster else None
     got = _gkd(tmp_path, tiny, replicas, backend, env)
     assert all(n >= 1 for n in got["served"]), got["served"]           # every replica got scoring requests
@@ -66,6 +76,7 @@ def test_replicas_serve_the_teacher(tmp_path, tiny, request, backend, replicas):
     assert spread and [int(n) >= 1 for n in spread.group(1).split(",")] == [True] * replicas, router_log[-500:]
     assert f"teacher: server healthy at {got['address']}" in got["stderr"]
     assert len(got["losses"]) == 2 and all(x == x and x >= 0 for x in got["losses"])
+    assert eventually(lambda: not _engines(tiny))                               # the replicas are stopped
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
@@ -104,8 +115,8 @@ def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
 
 # torchrun here: on Ray a replica is killed in the 4-engine rollout's job below (each Ray job costs ~1 min)
 @pytest.mark.parametrize("backend", ["torchrun"])
-def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, request, backend):
-    cluster = request.getfixturevalue("cluster") if backend == "ray" else None
+def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, ray_cluster_if_ray, backend):
+    cluster = ray_cluster_if_ray
     driver = _start(tmp_path, tiny, backend, 0, cluster)
     killed = _kill_replica_mid_training(tmp_path, driver, 1)
     assert _router_pids(tmp_path), "the trainers' address is the router's"

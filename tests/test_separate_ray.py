@@ -1,9 +1,9 @@
 """The Ray half of separate roles, on a real local Ray cluster with fake GPUs: the teacher server runs in an actor
 of its own placement group (its own GPU), serves the teacher for real, fails with its log tail when it never gets
-healthy, and leaves no process, actor or placement group behind. (RayServers is what the Ray launcher calls.)"""
+healthy, and leaves no process, actor or placement group behind. (RayServers is what the Ray launcher calls; a
+whole `dualrun launch --backend ray` GKD job with a separate teacher is test_methods.py[gkd_separate_teacher].)"""
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import link_tiny
-from helpers import gone, pids_matching
+from helpers import gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -126,28 +126,3 @@ def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(local_ray, tin
                     if p.get("name", "").startswith(servers.run_id) and p.get("state") != "REMOVED"]
     finally:
         remove_placement_group(blocker)
-
-
-@pytest.mark.timeout(300)
-def test_gkd_with_a_separate_teacher_on_the_ray_backend(tmp_path, tiny):
-    """`dualrun launch --backend ray`: the teacher role is its own actor/placement group; the trainers get its
-    address, train, and nothing of the job is left afterwards."""
-    from conftest import dualrun
-    from ray_helpers import ray_env
-
-    from test_separate_torchrun import ASSETS, _teacher_yaml
-
-    (tmp_path / "job.yaml").write_text(_teacher_yaml(tiny))
-    (tmp_path / "out").mkdir()
-    # an embedded cluster, as in test_sampling.py: the shared one breaks after test_roles.py's in-process Ray
-    env = ray_env(TRL_EXPERIMENTAL_SILENCE="1")
-    proc = dualrun("launch", "--backend", "ray", "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
-                   "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
-                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", cwd=tmp_path, env=env,
-                   timeout=280)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text()) for i in range(2)]
-    assert {r["teacher"] for r in ranks} == {"RemoteTeacher"}
-    assert len({r["teacher_address"] for r in ranks}) == 1
-    assert ranks[0]["losses"] == ranks[1]["losses"] and len(ranks[0]["losses"]) == 2
-    assert not pids_matching(env["RAY_TMPDIR"]) and not pids_matching(str(tiny / "teacher"))

@@ -17,7 +17,7 @@ from conftest import link_tiny
 from helpers import eventually, pids_matching
 from ray_helpers import ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray_shared, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 STEPS = 8
@@ -31,9 +31,9 @@ def tiny(tiny, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def cluster(request, backend):
+def cluster(ray_cluster_if_ray):
     """The Ray cases: this worker's running cluster (conftest.ray_cluster); the torchrun ones start none."""
-    return request.getfixturevalue("ray_cluster") if backend == "ray" else None
+    return ray_cluster_if_ray
 
 
 def _server_pids(tiny: Path) -> list[int]:

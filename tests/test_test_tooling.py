@@ -62,8 +62,9 @@ def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_pat
 def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_xdist(tmp_path):
     """The queue of tests/conftest.py reaches pytest-xdist: every slow end-to-end test that starts a Ray cluster of
     its own on one worker, one at a time; those that only join the worker's running cluster (`ray_cluster`, or
-    marked `ray_shared`) and the torchrun-only ones on whichever worker is free (pytest 9.2 broke xdist 3.8's groups:
-    its node-id suffix no longer took, so the queue ran spread over both workers; constraints.txt pins pytest 9.1)."""
+    `ray_cluster_if_ray` in a test parametrized by backend) and the torchrun-only ones on whichever worker is free
+    (pytest 9.2 broke xdist 3.8's groups: its node-id suffix no longer took, so the queue ran spread over both
+    workers; constraints.txt pins pytest 9.1)."""
     import re
     import sys
 
@@ -73,13 +74,14 @@ def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_
         f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
         "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\n"
         "pytest_collection_modifyitems = repo.pytest_collection_modifyitems\n"
+        "ray_cluster_if_ray = repo.ray_cluster_if_ray\n"
         "import pytest\n@pytest.fixture\ndef ray_cluster():\n    return None\n")
     (tmp_path / "test_q.py").write_text(
         "import time, pytest\npytestmark = [pytest.mark.e2e, pytest.mark.slow]\n"
         "@pytest.mark.parametrize('i', range(4))\ndef test_on_ray(i):\n    time.sleep(0.2)\n"
         "@pytest.mark.parametrize('i', range(4))\ndef test_joins_ray(i, ray_cluster):\n    time.sleep(0.2)\n"
-        "@pytest.mark.ray_shared\n@pytest.mark.parametrize('i', range(4))\ndef test_asks_ray_later(i):\n"
-        "    time.sleep(0.2)\n"
+        "@pytest.mark.parametrize('backend', ['torchrun', 'ray'])\n@pytest.mark.parametrize('i', range(2))\n"
+        "def test_asks_ray_later(i, backend, ray_cluster_if_ray):\n    time.sleep(0.2)\n"
         "@pytest.mark.parametrize('i', range(4))\ndef test_torchrun_only(i):\n    time.sleep(0.2)\n")
     env = dict(os.environ, DUALRUN_TEST_ANY_NETWORK="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
@@ -88,7 +90,7 @@ def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_
     assert proc.returncode == 0, proc.stdout[-3000:]
     workers: dict[str, set[str]] = {}
     groups: dict[str, set[str]] = {}
-    for worker, name, group in re.findall(r"\[(gw\d)\].*PASSED .*::(test_\w+)\[\d\](@\S+)?", proc.stdout):
+    for worker, name, group in re.findall(r"\[(gw\d)\].*PASSED .*::(test_\w+)\[[\w-]+\](@\S+)?", proc.stdout):
         workers.setdefault(name, set()).add(worker)
         groups.setdefault(name, set()).add(group)
     assert sorted(workers) == ["test_asks_ray_later", "test_joins_ray", "test_on_ray", "test_torchrun_only"], \

@@ -25,8 +25,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, tiny, backend, request):
-    cluster = request.getfixturevalue("ray_cluster") if backend == "ray" else None   # a running cluster
+def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, tiny, backend, ray_cluster_if_ray):
+    cluster = ray_cluster_if_ray   # Ray: a running cluster
     (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"
                                        + server_role("rollout", tiny / "model"))
     (tmp_path / "out").mkdir()

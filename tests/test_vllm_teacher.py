@@ -46,8 +46,8 @@ def losses():
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, tiny, backend, losses, request):
-    cluster = request.getfixturevalue("ray_cluster") if backend == "ray" else None   # a running cluster
+def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, tiny, backend, losses, ray_cluster_if_ray):
+    cluster = ray_cluster_if_ray   # Ray: a running cluster
     losses[backend] = _gkd(tmp_path, tiny, backend, cluster.address if cluster else "")
     if cluster:
         cluster.assert_nothing_left()
