@@ -69,6 +69,41 @@ def test_ray_dry_run_prints_each_prepared_rank_env(tmp_path):
         assert {**shared, **_printed_env(text[start + 1:end])} == redact(prepared.rank_envs[p.label])
 
 
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
+    """Both backends show every server's command (two teacher replicas and their router) from the prepared launch:
+    the command the launch builds once the host, the port and the replicas' addresses are known, with `<auto>`
+    in their place."""
+    from dualrun.config import build_config
+    from dualrun.launchers import Program, launcher_class
+    from dualrun.launchers.base import join_cmd
+    from dualrun.plan import AUTO, make_plan
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.local import server_command
+
+    cfg = build_config({"backend": backend, "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": {
+        "gpus": 2, "model": "/m/teacher", "top_k": 20}}}, str(tmp_path / "c.yaml"))
+    plugin = get_plugin("gkd")
+    plugin.validate(cfg)
+    launcher = launcher_class(backend)(cfg, Program(str(tmp_path / "t.py")), {}, plugin=plugin)
+    plan = make_plan(cfg)
+    prepared = launcher.prepare(plan)
+    text = launcher.describe(prepared)
+    assert [label for label, _, _ in prepared.servers] == [p.label for p in plan.servers] == [
+        "teacher server 0", "teacher server 1", "teacher router"]
+    host = "127.0.0.1" if backend == "torchrun" else "10.1.2.3"   # Ray: the server actor's node, known at launch
+    known = {host, "4321", "10.1.2.4:1", "10.1.2.4:2"} - {"127.0.0.1"}
+    for p, (label, argv, shown) in zip(plan.servers, prepared.servers):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"# {label}"))
+        assert line.endswith(join_cmd(list(argv))), line
+        real = server_command(cfg, plugin, p, host, 4321, ["10.1.2.4:1", "10.1.2.4:2"])
+        assert [a for a in argv if a != AUTO] == [a for a in real if a not in known]
+        assert len(argv) == len(real) and AUTO in argv
+        if backend == "ray":   # Ray gives a replica its GPUs; the router has none
+            assert shown["CUDA_VISIBLE_DEVICES"] == ("" if label == "teacher router" else AUTO)
+    assert "vllm.entrypoints.cli.main serve /m/teacher" in text and "dualrun.servers.router" in text
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_torchrun_runs_exactly_the_prepared_launch(tmp_path):

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from dualrun.envspec import forwarded_env, redact
+from dualrun.envspec import forwarded_env, redact, redact_argv
 from dualrun.errors import LaunchError
 from dualrun.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_cmd, join_cmd,
@@ -28,6 +28,7 @@ from dualrun.launchers.ray_results import failure, first_line, rank_results, val
 from dualrun.plan import AUTO, Cluster, Plan, Process, units
 from dualrun.protocol import ActorPlace, RankExit
 from dualrun.rank.wiring import group_port_env
+from dualrun.servers.local import server_previews
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
 _SHUTDOWN_S = 8.0       # stop + drain budget (a driver signal must end the job within 10 s)
@@ -122,7 +123,9 @@ class RayLauncher(Launcher):
         envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
         first = next(iter(envs.values()), {})
         shared = {k: v for k, v in first.items() if all(e.get(k) == v for e in envs.values())}
-        return Prepared(plan, tuple(bootstrap_cmd(self.program, PYTHON)), shared, os.getcwd(), rank_envs=envs)
+        servers = server_previews(self.cfg, self.plugin, plan, AUTO, devices=AUTO)   # Ray picks node and GPUs
+        return Prepared(plan, tuple(bootstrap_cmd(self.program, PYTHON)), shared, os.getcwd(), rank_envs=envs,
+                        servers=servers)
 
     def describe(self, prepared: Prepared) -> str:
         plan = prepared.plan
@@ -139,8 +142,10 @@ class RayLauncher(Launcher):
             own = {k: v for k, v in prepared.rank_envs[p.label].items() if k not in prepared.env}
             lines.append(f"# {p.label}: bundle {self.bundle(p)}, planned node {p.node}")
             lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(own).items())]
-        for p in plan.servers:
-            lines.append(f"# {p.label}: bundle {self.bundle(p)}, started (and healthy) before the trainers")
+        for p, (label, argv, shown) in zip(plan.servers, prepared.servers):
+            lines.append(f"# {label}: bundle {self.bundle(p)}, started (and healthy) before the trainers, in "
+                         f"{prepared.cwd}: " + " ".join(f"{k}={v}" for k, v in shown.items()) + " "
+                         + join_cmd(redact_argv(list(argv))))
         return "\n".join(lines)
 
     # -- launch --------------------------------------------------------------------------------------------------

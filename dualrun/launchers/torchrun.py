@@ -20,8 +20,7 @@ from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, b
                                     failed_job, report_servers, stopped_by)
 from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
-from dualrun.servers.commands import ROLLOUT_SERVER_ENV
-from dualrun.servers.local import LocalServers, server_command
+from dualrun.servers.local import LocalServers, server_previews
 from dualrun.servers.machines import await_attempt, finish, not_started, share
 
 
@@ -88,15 +87,9 @@ class TorchrunLauncher(Launcher):
         """This node's torchrun command and env, and the servers it starts first (their port is picked free at
         launch)."""
         assert plan is not None
-        servers = []
-        for p in plan.servers:
-            if p.node == self.cfg.machine_rank:
-                argv = server_command(self.cfg, self.plugin, p, "127.0.0.1", AUTO)  # type: ignore[arg-type]
-                shown = {"CUDA_VISIBLE_DEVICES": p.env.get("CUDA_VISIBLE_DEVICES", "")}
-                shown.update({k: p.env[k] for k in ROLLOUT_SERVER_ENV if k in p.env})
-                servers.append((p.label, tuple(argv), shown))
+        servers = server_previews(self.cfg, self.plugin, plan, "127.0.0.1", node=self.cfg.machine_rank)
         argv = [sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)
-        return Prepared(plan, tuple(argv), self.agent_env(plan), os.getcwd(), servers=tuple(servers))
+        return Prepared(plan, tuple(argv), self.agent_env(plan), os.getcwd(), servers=servers)
 
     def describe(self, prepared: Prepared) -> str:
         lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "

@@ -46,6 +46,25 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     raise LaunchError(f"method '{cfg.method}' has no server for the separate role(s) {', '.join(proc.roles)}", 2)
 
 
+def server_previews(cfg: JobConfig, plugin: Any, plan: Plan, host: str, node: int | None = None,
+                    devices: str | None = None) -> tuple[tuple[str, tuple[str, ...], dict[str, str]], ...]:
+    """What a dry run shows of each server that `node` starts (every node's: None): its label, its command from
+    `server_command` and the env it adds. Its port (picked free at launch) is `<auto>`, like `host` and `devices`
+    where only the launch knows them (Ray: the actor's node IP and GPUs, for a server that has any); else the
+    plan's devices."""
+    from dualrun.servers.commands import ROLLOUT_SERVER_ENV
+
+    out = []
+    for p in plan.servers:
+        if node is None or p.node == node:
+            argv = server_command(cfg, plugin, p, host, AUTO)  # type: ignore[arg-type]
+            planned = p.env.get("CUDA_VISIBLE_DEVICES", "")
+            shown = {"CUDA_VISIBLE_DEVICES": devices if devices is not None and p.devices else planned}
+            shown.update({k: p.env[k] for k in ROLLOUT_SERVER_ENV if k in p.env})
+            out.append((p.label, tuple(argv), shown))
+    return tuple(out)
+
+
 def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
     from dualrun.servers.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
 
