@@ -58,7 +58,7 @@ def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     return plan, servers
 
 
-def test_teacher_server_in_its_own_placement_group(local_ray, tiny):
+def test_teacher_server_in_its_own_placement_group(local_ray, tiny, capfd):
     from ray.util import placement_group_table
 
     from dualrun.servers.process import http_ok
@@ -80,6 +80,9 @@ def test_teacher_server_in_its_own_placement_group(local_ray, tiny):
         pid = local_ray.get(servers.actors[0].where.remote()).pid
     finally:
         servers.stop()
+    err = capfd.readouterr().err   # the server's output on this driver, as under torchrun: loading to stopping
+    assert f"[teacher server 0] dualrun engine: loading {tiny / 'teacher'}" in err and f"(pid {pid})" in err, err
+    assert "[teacher server 0] dualrun engine: serving" in err, err
     assert not http_ok(f"http://{address}/health")
     assert servers.actors == [] and servers.pgs == []
     time.sleep(1)

@@ -14,7 +14,6 @@ import codecs
 import collections
 import json
 import os
-import queue
 import shutil
 import signal
 import subprocess
@@ -23,18 +22,15 @@ import threading
 import time
 
 from dualrun.errors import killed_by
+from dualrun.line_queue import STDERR, STDOUT, LineQueue
 from dualrun.parent_death import die_with_parent
 from dualrun.progress import Collapser, show_progress
 from dualrun.protocol import PROGRESS, ActorPlace, RankExit
 from dualrun.ports import free_ports
 from dualrun.interpreter import resolve
 
-STDOUT, STDERR = 1, 2
 CALL = "<call>"     # stands for the pickled call's file on the actor's node
 _TAIL = 40          # stderr lines kept for the failure message
-_LINGER_S = 0.2
-_BATCH = 2000       # most lines handed over per `lines` call
-
 
 
 class RankWorker:
@@ -47,7 +43,7 @@ class RankWorker:
         os.makedirs(self.run_dir, exist_ok=True)
         self.tmp = tempfile.mkdtemp(dir=self.run_dir)
         self.proc: subprocess.Popen | None = None
-        self.queue: queue.Queue = queue.Queue()
+        self.queue = LineQueue()   # the driver's long-poll (`lines`)
         self.tail: collections.deque = collections.deque(maxlen=_TAIL)
         self.readers: list[threading.Thread] = []
         self.log = None
@@ -148,7 +144,7 @@ class RankWorker:
     def _emit(self, stream: int, text: str) -> None:
         if stream == STDERR and text.strip():
             self.tail.append(text)
-        self.queue.put((stream, text))
+        self.queue.put(stream, text)
 
     def wait(self) -> RankExit:
         """Block until the program exits (Ray notifies the driver); exit code, error text and end time."""
@@ -163,7 +159,7 @@ class RankWorker:
                 self.log.close()
                 self.log = None
         self.result = RankExit(code, end, self._error(code) if code else None, self._value())
-        self.queue.put(None)
+        self.queue.close()
         return self.result
 
     def _value(self) -> bytes | None:
@@ -198,28 +194,7 @@ class RankWorker:
 
     def lines(self, timeout: float = 5.0) -> list[tuple[int, str]] | None:
         """Long-poll: the queued lines (waits up to `timeout` for the first); None once output has ended."""
-        out: list[tuple[int, str]] = []
-        try:
-            item = self.queue.get(timeout=timeout)
-        except queue.Empty:
-            return out
-        # after the first line, keep collecting briefly: one remote call per burst of output, not per line,
-        # so streaming logs costs the training next to nothing (a step's log + progress bar arrive together)
-        until = time.monotonic() + _LINGER_S
-        while True:
-            if item is None:
-                if out:
-                    self.queue.put(None)  # hand EOF over on the next call
-                    return out
-                return None
-            out.append(item)
-            if len(out) >= _BATCH:
-                return out
-            left = until - time.monotonic()
-            try:
-                item = self.queue.get(timeout=left) if left > 0 else self.queue.get_nowait()
-            except queue.Empty:
-                return out
+        return self.queue.take(timeout)
 
     def _kill_group(self, sig: int) -> None:
         if self.proc is None:

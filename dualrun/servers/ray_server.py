@@ -6,7 +6,9 @@ land on any node) and a CPU-only one for the router in front of them, started on
 Why an actor per server: it holds the role's bundle (Ray gives it the GPUs and sets CUDA_VISIBLE_DEVICES), so
 the server's devices can never be a trainer's. Two phases, like the trainers' rendezvous: the actor reports its
 node IP, GPUs and a free port on its node; the driver builds the command with the plugin (which stays on the
-driver) and the actor starts it and waits for health there. The trainers then get `ip:port`.
+driver) and the actor starts it and waits for health there. The trainers then get `ip:port`. The server's output
+reaches the driver's stderr as under torchrun, `[teacher server 0] ...`, by the long-poll the rank actors use
+(line_queue.py), from its first line (while it loads) to its last; `log_dir` still gets all of it.
 
 The Ray launcher uses it as:
 
@@ -22,8 +24,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 from typing import Any, Callable, Collection, Mapping
 
+from dualrun.line_queue import STDERR, LineQueue
 from dualrun.protocol import ActorPlace, ServerStart
 from dualrun.servers.process import ServerError, ServerProcess
 
@@ -34,6 +38,7 @@ class ServerActor:
     def __init__(self, label: str) -> None:
         self.label = label
         self.server: ServerProcess | None = None
+        self.output = LineQueue()   # the server's lines, `[label] ...`, for the driver's long-poll (`lines`)
 
     def where(self, avoid: list[int] | None = None) -> ActorPlace:
         import ray
@@ -56,11 +61,12 @@ class ServerActor:
             log_path = os.path.join(tempfile.mkdtemp(prefix="dualrun-server-"), "server.log")
         os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
         self.server = ServerProcess(self.label, argv, env, host, port, health_path, timeout_s, log_path,
-                                    stream=sys.stderr, cwd=cwd if cwd and os.path.isdir(cwd) else None)
+                                    stream=_Lines(self.output), cwd=cwd if cwd and os.path.isdir(cwd) else None)
         try:
             self.server.start().wait_healthy()
         except ServerError as e:
             self.server.stop()
+            self.output.close()
             return ServerStart(False, error=str(e), port_in_use=e.lost_port)
         return ServerStart(True, self.server.address, self.server.proc.pid if self.server.proc else None)
 
@@ -70,10 +76,32 @@ class ServerActor:
     def wait_exit(self) -> str:
         """Block until the server ends; the error naming it, its exit code and its log's last lines."""
         assert self.server is not None, "start() was not called"
-        return str(self.server.wait_exit())
+        try:
+            return str(self.server.wait_exit())   # its output read to the end
+        finally:
+            self.output.close()
+
+    def lines(self, timeout: float = 5.0) -> list[tuple[int, str]] | None:
+        """Long-poll: the server's queued output lines; None once it has ended."""
+        return self.output.take(timeout)
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        return self.server.stop(grace_s) if self.server is not None else None
+        code = self.server.stop(grace_s) if self.server is not None else None
+        self.output.close()
+        return code
+
+
+class _Lines:
+    """The text stream ServerProcess tees the server's output to (one prefixed line per write): the queue."""
+
+    def __init__(self, output: LineQueue) -> None:
+        self.output = output
+
+    def write(self, text: str) -> None:
+        self.output.put(STDERR, text.rstrip("\n"))
+
+    def flush(self) -> None:
+        pass
 
 
 class RayServers:
@@ -92,6 +120,8 @@ class RayServers:
         self.infos: list[ActorPlace | None] = []
         self.addresses: dict[str, str] = dict(plan.external)
         self.watch: dict[Any, str] = {}   # ref that resolves when a server ends -> its label
+        self._printer: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def start(self) -> dict[str, str]:
         """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
@@ -103,6 +133,7 @@ class RayServers:
 
         try:
             self._place()
+            self._print_output()
             started = self._start_all()
         except RayError as e:
             self.stop()
@@ -136,6 +167,34 @@ class RayServers:
             pg = self.gang.place(name, p.roles[0], [b], what="server(s)")
             self.gang.spawn(cls, pg, 0, p.label, num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
                             max_concurrency=6, max_restarts=0, name=name)
+
+    def _print_output(self) -> None:
+        """A thread that prints every server's lines on this driver's stderr as they come (under torchrun the
+        servers' own tee does), until each has ended or `stop` is called."""
+        import ray
+        from ray.exceptions import RayError
+
+        actors, stopping, stream = list(self.actors), self._stopping, sys.stderr
+
+        def run() -> None:
+            pending = {a.lines.remote(): a for a in actors}
+            while pending and not stopping.is_set():
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+                for ref in ready:
+                    actor = pending.pop(ref)
+                    try:
+                        batch = ray.get(ref)
+                    except RayError:   # the actor is gone (stopped, or died: the watch names it)
+                        continue
+                    if batch is None:
+                        continue
+                    if batch:
+                        stream.write("".join(text + "\n" for _, text in batch))
+                        stream.flush()
+                    pending[actor.lines.remote()] = actor
+
+        self._printer = threading.Thread(target=run, name="dualrun-server-output", daemon=True)
+        self._printer.start()
 
     def _start_all(self) -> dict[int, str]:
         """Every engine replica at once, then the routers in front of them (they need the replicas' addresses)."""
@@ -212,5 +271,10 @@ class RayServers:
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop every server, kill its actor, remove its placement group (idempotent)."""
         self.gang.call_all("stop", grace_s, timeout=grace_s + 5)
+        if self._printer is not None:   # the servers' last lines (they have ended), then no more calls to them
+            self._printer.join(timeout=2.0)
+            self._stopping.set()
+            self._printer.join(timeout=2.0)
+            self._printer = None
         self.gang.stop()
         self.watch = {}

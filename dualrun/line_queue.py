@@ -1,0 +1,52 @@
+"""Output lines handed from a Ray actor to the driver by long-poll: the actor puts each line of its process's output
+on a LineQueue; the driver calls the actor's `lines()` (`LineQueue.take`) in a loop and prints each batch itself.
+
+Why a long-poll and not Ray's log forwarding: the driver prints whole lines with its own `[label]` prefix, without
+Ray's prefixes, and there is one remote call per burst of output, not per line, so streaming logs costs the
+training next to nothing (a step's log and its progress bar arrive together). Used by the rank actors
+(launchers/ray_worker.py) and the server actors (servers/ray_server.py); standard library only, as both are
+imported by Ray worker processes.
+"""
+from __future__ import annotations
+
+import queue
+import time
+
+STDOUT, STDERR = 1, 2
+LINGER_S = 0.2      # after the first line, how long to keep collecting before answering
+BATCH = 2000        # most lines handed over per call
+
+
+class LineQueue:
+    """Lines of one process's output, `(stream, text)`, then an end mark once it can write no more."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+
+    def put(self, stream: int, text: str) -> None:
+        self._queue.put((stream, text))
+
+    def close(self) -> None:
+        """No more output (the process ended and its pipes are read): `take` answers None from now on."""
+        self._queue.put(None)
+
+    def take(self, timeout: float = 5.0) -> list[tuple[int, str]] | None:
+        """Long-poll: the queued lines (waits up to `timeout` for the first; [] if none came); None once closed."""
+        out: list[tuple[int, str]] = []
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return out
+        until = time.monotonic() + LINGER_S
+        while True:
+            if item is None:
+                self._queue.put(None)   # every later call (and the next one, after these lines) sees the end too
+                return out or None
+            out.append(item)
+            if len(out) >= BATCH:
+                return out
+            left = until - time.monotonic()
+            try:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return out
