@@ -42,3 +42,30 @@ def test_a_rank_killed_while_writing_leaves_no_file_rather_than_a_broken_one(tmp
     with pytest.raises(KeyboardInterrupt):
         bootstrap._record(RuntimeError("boom"))
     assert not list(tmp_path.iterdir())   # neither error.json nor a half-written temporary file
+
+
+CUT_OFF = """
+import os, sys, time
+if os.environ["RANK"] == "1":   # as torch's own @record leaves it when the rank is stopped mid-write
+    with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+        f.write('{"message": {"message": "cut off')
+    os._exit(1)
+time.sleep(120)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_an_error_file_cut_off_mid_write_ends_the_job_with_one_line(tmp_path):
+    """A file dualrun did not write (a script's own `@record`) can still be cut off: torchrun's agent then gives up
+    parsing it. The job ends with exit 1 and one line saying so, not "unexpected JSONDecodeError while starting"."""
+    from conftest import dualrun
+
+    (tmp_path / "t.py").write_text(CUT_OFF)
+    (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    proc = dualrun("launch", "--backend", "torchrun", "--config_file", "cpu2.yaml", "t.py", cwd=tmp_path, timeout=100)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dualrun: error:")]
+    assert len(errors) == 1 and "unexpected" not in errors[0], errors
+    assert errors[0].startswith("dualrun: error: a train rank failed and torchrun could not read the error file it "
+                                "left ("), errors

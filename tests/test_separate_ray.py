@@ -5,6 +5,7 @@ whole `dualrun launch --backend ray` GKD job with a separate teacher is test_met
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -81,8 +82,10 @@ def test_teacher_server_in_its_own_placement_group(local_ray, tiny, capfd):
     finally:
         servers.stop()
     err = capfd.readouterr().err   # the server's output on this driver, as under torchrun: loading to stopping
-    assert f"[teacher server 0] dualrun engine: loading {tiny / 'teacher'}" in err and f"(pid {pid})" in err, err
-    assert "[teacher server 0] dualrun engine: serving" in err, err
+    loading = re.search(rf"\[teacher server 0\] dualrun engine: loading {re.escape(str(tiny / 'teacher'))} "
+                        r"\(pid (\d+)\)", err)
+    assert loading and "[teacher server 0] dualrun engine: serving" in err, err
+    assert gone(int(loading.group(1)))   # the server itself, not only its actor
     assert not http_ok(f"http://{address}/health")
     assert servers.actors == [] and servers.pgs == []
     time.sleep(1)

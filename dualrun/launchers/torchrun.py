@@ -6,6 +6,7 @@ env; torchrun adds the rank variables itself.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -176,6 +177,13 @@ class TorchrunLauncher(Launcher):
                 if servers.failure is not None:
                     return _server_died(servers, start), servers
                 return stopped_by(int(e.sigval), wall_time_s=time.monotonic() - start), servers
+            except json.JSONDecodeError as e:
+                # torchrun's agent reads a failed rank's error file and gives up on one cut off mid-write (torch's
+                # own `@record` writes it in place, and the rank may be stopped meanwhile); its workers are stopped
+                servers.unwatch()
+                return JobResult(1, wall_time_s=time.monotonic() - start, message=(
+                    f"a {self.node_workers(plan)[0].unit} rank failed and torchrun could not read the error file "
+                    f"it left ({e}); its output above says why")), servers
             finally:
                 servers.stop()
         n = len(self.node_workers(plan))
