@@ -24,14 +24,15 @@ if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_VLLM:-0}" != 1 ]; then
   vllm_tier=1
   # The vLLM tier (scripts/test-vllm.sh) runs beside the main suite, once its venv is ready (made on first use,
   # about 6 min: pip mostly waits on the network and the disk). Each alone leaves the 2 cores partly idle (waits on
-  # servers and process starts); side by side the whole run takes minutes less than one after the other. Its own
+  # servers and process starts); side by side they keep both busy (measured on 2 cores: 34.5 min for the two, 38
+  # one after the other), each test taking longer (the vLLM tier's timeouts allow for that). Its own
   # loopback namespace, Ray cluster and temp dirs keep the two apart. Its output is printed once the main suite has
-  # ended. setsid: its own process group, so an interrupted run stops it too (SIGINT, as Ctrl-C would: pytest's
-  # fixtures then stop its Ray cluster and servers).
+  # ended. setsid: its own process group, so an interrupted run stops it too (SIGTERM: a background job ignores
+  # SIGINT; tests/conftest.py makes SIGTERM end a run as Ctrl-C does, so its fixtures stop its cluster and servers).
   vllm_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-vllm-tier.XXXXXX")"
   setsid bash "$ROOT/scripts/test-vllm.sh" >"$vllm_log" 2>&1 &
   vllm_pid=$!
-  trap 'kill -INT -- -"$vllm_pid" 2>/dev/null || true' INT TERM
+  trap 'kill -TERM -- -"$vllm_pid" 2>/dev/null || true' INT TERM
 fi
 bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" || status=$?
 if [ "$vllm_tier" = 1 ]; then

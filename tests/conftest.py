@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,18 @@ def starts_own_ray(item) -> bool:
         return False
     shared = bool({"ray_cluster", "ray_cluster_if_ray"} & set(item.fixturenames))
     return not shared or "local_ray" in item.fixturenames
+
+
+def pytest_configure(config):
+    """SIGTERM ends the run as Ctrl-C does: the fixtures tear down, so the Ray clusters and servers they started
+    stop too. A cancelled CI job gets SIGTERM, and so does the vLLM tier that scripts/test.sh runs in the background
+    (where SIGINT is ignored)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
 
 
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (its hook turns them into node ids)

@@ -98,3 +98,32 @@ def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_
     assert groups == {"test_on_ray": {"@slow-ray"}, "test_joins_ray": {""}, "test_asks_ray_later": {""},
                       "test_torchrun_only": {""}}, groups
     assert len(workers["test_on_ray"]) == 1, workers
+
+
+def test_sigterm_ends_a_run_like_ctrl_c_so_fixtures_tear_down(tmp_path):
+    """tests/conftest.py: SIGTERM (a cancelled CI job; scripts/test.sh stopping the background vLLM tier, where SIGINT
+    is ignored) raises KeyboardInterrupt, so fixtures such as the Ray clusters' still stop what they started."""
+    import signal
+    import sys
+    import time
+
+    (tmp_path / "conftest.py").write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
+        "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\n"
+        "pytest_configure = repo.pytest_configure\n")
+    (tmp_path / "test_t.py").write_text(
+        "import pathlib, time, pytest\n@pytest.fixture\ndef res():\n    yield\n"
+        f"    pathlib.Path({str(tmp_path / 'torn-down')!r}).write_text('yes')\n"
+        f"def test_waits(res):\n    pathlib.Path({str(tmp_path / 'started')!r}).write_text('yes')\n"
+        "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-2000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert (tmp_path / "torn-down").read_text() == "yes", out[-2000:]
+    assert "KeyboardInterrupt" in out

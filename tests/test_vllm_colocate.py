@@ -10,7 +10,7 @@ import pytest
 from conftest import dualrun
 from vllm_helpers import ASSETS, SERVER_ENV, TIER, tiny_vllm
 
-pytestmark = [*TIER, pytest.mark.timeout(400)]
+pytestmark = [*TIER, pytest.mark.timeout(600)]
 
 
 def test_grpo_builds_the_colocated_vllm_engine_from_the_filled_fields(tmp_path_factory):
@@ -21,7 +21,7 @@ def test_grpo_builds_the_colocated_vllm_engine_from_the_filled_fields(tmp_path_f
                                   f"env: {SERVER_ENV}\n")
     (tmp / "out").mkdir()
     proc = dualrun("launch", "--config_file", "job.yaml", str(ASSETS / "grpo_colocate_probe.py"), str(tiny / "model"),
-                   str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp, timeout=380)
+                   str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp, timeout=580)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rec = json.loads((tmp / "out" / "rank0.json").read_text())
     assert rec == {"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 1,

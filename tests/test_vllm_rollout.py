@@ -14,7 +14,7 @@ from conftest import dualrun
 from ray_helpers import ray_env
 from vllm_helpers import ASSETS, TIER, assert_nothing_left, server_role, tiny_vllm
 
-pytestmark = [*TIER, pytest.mark.timeout(400)]
+pytestmark = [*TIER, pytest.mark.timeout(600)]
 
 NCCL_NEEDS_CUDA = "Weight synchronization runs on vLLM's NCCL weight-transfer engine, which needs a CUDA device"
 
@@ -33,7 +33,7 @@ def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, tiny, backend, ra
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
                    str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
                    env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
-                   timeout=380)
+                   timeout=580)
     assert proc.returncode == 1, proc.stderr[-4000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("dualrun: error:")]
     assert len(errors) == 1 and "train rank 0 failed" in errors[0] and NCCL_NEEDS_CUDA in errors[0], errors

@@ -10,7 +10,7 @@ import pytest
 from conftest import dualrun
 from vllm_helpers import TIER, assert_nothing_left, run_gkd_probe, server_role, tiny_vllm
 
-pytestmark = [*TIER, pytest.mark.timeout(400)]
+pytestmark = [*TIER, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

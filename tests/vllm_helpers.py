@@ -37,7 +37,7 @@ def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 3
             f"env: {SERVER_ENV}{more}}}\n")
 
 
-def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "torchrun", timeout: int = 380,
+def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "torchrun", timeout: int = 580,
                   ray_address: str = ""):
     """The unchanged GKD probe script (2 steps) under `job_yaml`: the finished process and rank 0's report.
     `ray_address`: a running cluster to join (conftest.ray_cluster), else Ray starts an embedded one."""
