@@ -66,7 +66,9 @@ TOP_KEYS: tuple[Key, ...] = (
         "`torch.distributed.init_process_group`'s `timeout` where the script passes none. Unset: the "
         "libraries' own defaults (HF: 1800 s).", minimum=1, maximum=MAX_SECONDS),
     Key("env", "dict", {}, "Extra environment variables for every worker (values are turned into strings)."),
-    Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log`."),
+    Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log`, and each "
+        "separate role's server's to `LOG_DIR/<role>-server-<i>.log` (a router's: `<role>-router.log`; without "
+        "log_dir, servers log to a temp dir)."),
     Key("ray", "dict", {}, "Ray backend settings (see `ray.*`).", backends="ray"),
     Key("torchrun", "dict", {}, "torchrun backend settings (see `torchrun.*`).", backends="torchrun"),
 )
