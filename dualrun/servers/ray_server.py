@@ -65,8 +65,7 @@ class ServerActor:
         try:
             self.server.start().wait_healthy()
         except ServerError as e:
-            self.server.stop()
-            self.output.close()
+            self.server.stop()   # its output stays open: a lost port is retried by this actor (`stop` closes it)
             return ServerStart(False, error=str(e), port_in_use=e.lost_port)
         return ServerStart(True, self.server.address, self.server.proc.pid if self.server.proc else None)
 
