@@ -24,7 +24,7 @@ if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_VLLM:-0}" != 1 ]; then
   vllm_tier=1
   # The vLLM tier (scripts/test-vllm.sh) runs beside the main suite, once its venv is ready (made on first use,
   # about 6 min: pip mostly waits on the network and the disk). Each alone leaves the 2 cores partly idle (waits on
-  # servers and process starts); side by side they keep both busy (measured on 2 cores: 34.5 min for the two, 38
+  # servers and process starts); side by side they keep both busy (measured on 2 cores: 33.5-34.5 min for the two, 38
   # one after the other), each test taking longer (the vLLM tier's timeouts allow for that). Its own
   # loopback namespace, Ray cluster and temp dirs keep the two apart. Its output is printed once the main suite has
   # ended. setsid: its own process group, so an interrupted run stops it too (SIGTERM: a background job ignores
