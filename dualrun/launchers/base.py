@@ -202,3 +202,11 @@ def join_cmd(cmd: Sequence[str]) -> str:
     import shlex
 
     return " ".join(shlex.quote(c) for c in cmd)
+
+
+def server_preview_line(shown: Mapping[str, str], argv: Sequence[str]) -> str:
+    """A dry run's view of one server, the same on every backend: the env it adds, then its command, secrets
+    redacted."""
+    from dualrun.envspec import redact_argv
+
+    return " ".join(f"{k}={v}" for k, v in shown.items()) + " " + join_cmd(redact_argv(list(argv)))

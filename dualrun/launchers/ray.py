@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from dualrun.envspec import forwarded_env, redact, redact_argv
+from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
 from dualrun.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_cmd, join_cmd,
-                                    report_servers, stopped_by)
+                                    report_servers, server_preview_line, stopped_by)
 from dualrun.launchers.ray_results import failure, first_line, rank_results, value
 from dualrun.plan import AUTO, Cluster, Plan, Process, units
 from dualrun.protocol import ActorPlace, RankExit
@@ -144,8 +144,7 @@ class RayLauncher(Launcher):
             lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(own).items())]
         for p, (label, argv, shown) in zip(plan.servers, prepared.servers):
             lines.append(f"# {label}: bundle {self.bundle(p)}, started (and healthy) before the trainers, in "
-                         f"{prepared.cwd}: " + " ".join(f"{k}={v}" for k, v in shown.items()) + " "
-                         + join_cmd(redact_argv(list(argv))))
+                         f"{prepared.cwd}: " + server_preview_line(shown, argv))
         return "\n".join(lines)
 
     # -- launch --------------------------------------------------------------------------------------------------

@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 from dualrun import protocol
-from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
+from dualrun.envspec import TORCHRUN_NAMES, redact
 from dualrun.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_module_argv, join_cmd,
-                                    failed_job, report_servers, stopped_by)
+                                    failed_job, report_servers, server_preview_line, stopped_by)
 from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
 from dualrun.servers.local import LocalServers, server_previews
@@ -96,8 +96,7 @@ class TorchrunLauncher(Launcher):
         lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "
                  f"{self.cfg.num_machines}; nothing was started", f"cd {join_cmd([prepared.cwd])}"]
         for label, argv, shown in prepared.servers:
-            lines.append(f"# {label}, started first: " + " ".join(f"{k}={v}" for k, v in shown.items())
-                         + " " + join_cmd(redact_argv(list(argv))))
+            lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
         lines.append("env -i \\")
         lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(redact(prepared.env).items())]
         lines.append("  " + join_cmd(prepared.argv))
