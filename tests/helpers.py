@@ -107,6 +107,18 @@ def gone(pid: int) -> bool:
         return True
 
 
+def engine_pid(text: str, label: str = "") -> int:
+    """The pid of the last CPU engine that started in `text` (its "loading ... (pid N)" line), optionally only one
+    whose lines carry the launcher's `[label]` prefix: so tests can check that the server itself, not only its
+    parent, is gone."""
+    import re
+
+    prefix = re.escape(f"[{label}] ") if label else ""
+    found = re.findall(prefix + r"dualrun engine: loading .* \(pid (\d+)\)", text)
+    assert found, f"no engine start{' of ' + label if label else ''} in:\n{text[-3000:]}"
+    return int(found[-1])
+
+
 def eventually(check: Callable[[], Any], timeout: float = 15.0, every: float = 0.2) -> Any:
     """The first truthy value of `check()` within `timeout` s (cleanup in Ray is asynchronous), else the last."""
     deadline = time.monotonic() + timeout

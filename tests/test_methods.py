@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import REPO, dualrun, link_tiny
-from helpers import eventually, gone, pids_matching
+from helpers import engine_pid, eventually, gone, pids_matching
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -44,7 +44,7 @@ def _assert_served_by_the_teacher_role(stderr: str) -> None:
     """GKDTrainer got the teacher role's server (its one line on rank 0); the server's own output reached the
     launch's stderr (on Ray too, from its actor), and the server is gone after the job."""
     assert re.search(r"GKD teacher served by the teacher role at 127\.0\.0\.1:\d+ \(top-5 ", stderr), stderr[-3000:]
-    pid = int(re.search(r"\[teacher server 0\] dualrun engine: loading .* \(pid (\d+)\)", stderr).group(1))
+    pid = engine_pid(stderr, "teacher server 0")
     assert "[teacher server 0] dualrun engine: serving" in stderr
     assert eventually(lambda: gone(pid)), "the teacher server must be stopped after the job"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dualrun, link_tiny
-from helpers import cmdline, eventually, pids_matching
+from helpers import cmdline, engine_pid, eventually, pids_matching
 from ray_helpers import ray_env
 from test_server_watch import STEPS, assert_restarted_once
 
@@ -93,7 +93,7 @@ def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster)
 
 def _replica_pid(tmp_path: Path, replica: int) -> int:
     text = (tmp_path / "logs" / f"teacher-server-{replica}.log").read_text()
-    return int(re.findall(r"dualrun engine: loading .* \(pid (\d+)\)", text)[-1])
+    return engine_pid(text)
 
 
 def _kill_replica_mid_training(tmp_path: Path, driver: subprocess.Popen, replica: int) -> float:
@@ -225,7 +225,7 @@ def test_a_four_engine_rollout_on_ray_and_a_dead_replica_ends_the_job_within_10_
         address = _assert_four_engines_served(tmp_path, err.read_text())
         victim = 2
         log = (tmp_path / "logs" / f"rollout-server-{victim}.log").read_text()
-        os.kill(int(re.findall(r"dualrun engine: loading .* \(pid (\d+)\)", log)[-1]), signal.SIGKILL)
+        os.kill(engine_pid(log), signal.SIGKILL)
         killed = time.monotonic()
         code = proc.wait(timeout=60)
         took = time.monotonic() - killed

@@ -4,13 +4,12 @@ test_methods.py[gkd_separate_teacher] and, through replicas, test_replicas_e2e.p
 checked in test_group_ports.py.)"""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
 from conftest import dualrun, link_tiny
-from helpers import gone
+from helpers import engine_pid, gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -33,10 +32,6 @@ def _gkd(tmp_path: Path, tiny: Path, config: str, *extra: str):
                    env={"TRL_EXPERIMENTAL_SILENCE": "1"})
 
 
-def _server_pid(stderr: str) -> int:
-    return int(re.search(r"\[teacher server 0\] dualrun engine: loading .* \(pid (\d+)\)", stderr).group(1))
-
-
 def _teacher_yaml(tiny: Path, **extra: str) -> str:
     more = "".join(f", {k}: {v}" for k, v in extra.items())
     return ("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
@@ -48,7 +43,7 @@ def test_a_trainer_crash_stops_the_server(tmp_path, tiny):
     proc = _gkd(tmp_path, tiny, _teacher_yaml(tiny), "--max_steps", "3", "--crash_at_step", "1")
     assert proc.returncode != 0
     assert "crashed on purpose" in proc.stderr
-    assert gone(_server_pid(proc.stderr))
+    assert gone(engine_pid(proc.stderr, "teacher server 0"))
 
 
 @pytest.mark.slow
@@ -59,7 +54,7 @@ def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, t
     assert "teacher server 0 did not become healthy within 3 s" in proc.stderr
     assert "--- last lines of its log ---" in proc.stderr and "dualrun engine: loading" in proc.stderr
     assert not list((tmp_path / "out").glob("rank*.json"))
-    assert gone(_server_pid(proc.stderr))
+    assert gone(engine_pid(proc.stderr, "teacher server 0"))
 
 
 def test_dry_run_shows_the_server_command(tmp_path, tiny):

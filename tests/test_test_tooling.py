@@ -127,3 +127,16 @@ def test_sigterm_ends_a_run_like_ctrl_c_so_fixtures_tear_down(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert (tmp_path / "torn-down").read_text() == "yes", out[-2000:]
     assert "KeyboardInterrupt" in out
+
+
+def test_engine_pid_is_the_last_start_of_the_labelled_server():
+    """Tests kill or check the server itself by this pid, so it must be the newest start (a retried start prints a
+    second line) and, with a label, only that server's lines (a launch interleaves several)."""
+    text = ("[teacher server 0] dualrun engine: loading /m/a (pid 11)\n"
+            "[teacher server 1] dualrun engine: loading /m/a (pid 22)\n"
+            "[teacher server 0] dualrun engine: loading /m/a (pid 33)\n")
+    assert helpers.engine_pid(text, "teacher server 0") == 33
+    assert helpers.engine_pid(text, "teacher server 1") == 22
+    assert helpers.engine_pid(text) == 33
+    with pytest.raises(AssertionError, match="no engine start of rollout server 0"):
+        helpers.engine_pid(text, "rollout server 0")
