@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,8 +112,6 @@ def engine_pid(text: str, label: str = "") -> int:
     """The pid of the last CPU engine that started in `text` (its "loading ... (pid N)" line), optionally only one
     whose lines carry the launcher's `[label]` prefix: so tests can check that the server itself, not only its
     parent, is gone."""
-    import re
-
     prefix = re.escape(f"[{label}] ") if label else ""
     found = re.findall(prefix + r"dualrun engine: loading .* \(pid (\d+)\)", text)
     assert found, f"no engine start{' of ' + label if label else ''} in:\n{text[-3000:]}"

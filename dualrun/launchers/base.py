@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from dualrun import protocol
 from dualrun.config.model import JobConfig
-from dualrun.envspec import forwarded_env
+from dualrun.envspec import forwarded_env, redact_argv
 from dualrun.errors import killed_by
 from dualrun.plan import AUTO, Cluster, Plan
 
@@ -207,6 +207,4 @@ def join_cmd(cmd: Sequence[str]) -> str:
 def server_preview_line(shown: Mapping[str, str], argv: Sequence[str]) -> str:
     """A dry run's view of one server, the same on every backend: the env it adds, then its command, secrets
     redacted."""
-    from dualrun.envspec import redact_argv
-
     return " ".join(f"{k}={v}" for k, v in shown.items()) + " " + join_cmd(redact_argv(list(argv)))
