@@ -25,7 +25,7 @@ from dualrun.errors import DualrunError
 from dualrun.node_facts import CHECKED_PACKAGES, can_bind, facts, routes_to
 from dualrun.plan import Cluster, Plan, make_plan
 from dualrun.weight_sync import (SyncGroup, is_hard, limit_s, master_endpoint, member_spec, port_host, run_local,
-                                 run_member, sync_group, verdict)
+                                 run_member, sync_group, unanswered, verdict)
 
 _PROBE_TIMEOUT_S = 60.0
 
@@ -206,7 +206,8 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str],
                 results[refs.index(r)] = {"ok": False, "error": str(e).strip().splitlines()[-1]}
     for r in pending:
         ray.cancel(r, force=True)
-    return verdict(group, results, names, address, port)
+    return verdict(group, unanswered(results, f"its task did not end within {limit_s() + _PROBE_TIMEOUT_S:g} s "
+                                              "(the node busy, or its GPUs taken)"), names, address, port)
 
 
 def check_torchrun(cfg: JobConfig) -> Outcome:
@@ -232,7 +233,8 @@ def check_torchrun(cfg: JobConfig) -> Outcome:
             problems.append(f"main_process_ip: no route to {master} from this machine ({why})")
     group = sync_group(cfg, plan) if plan else None
     notes: list[str] = []
-    if group is not None and all(m.node == cfg.machine_rank == 0 for m in group.members):
+    if group is not None and here["versions"]["torch"] and all(m.node == cfg.machine_rank == 0
+                                                                for m in group.members):
         address, port = master_endpoint(port_host(cfg), group.master.env)
         found, note = run_local(group, address, port, {0: node.name})
         problems += found

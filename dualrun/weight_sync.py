@@ -173,10 +173,19 @@ def is_hard(result: Mapping[str, Any] | None) -> bool:
     return result is not None and not result.get("ok") and not result.get("timeout")
 
 
+def unanswered(results: list[dict[str, Any] | None], why: str) -> list[dict[str, Any] | None]:
+    """Members still silent when the check stopped waiting: a timeout of their own, unless another member's
+    failure stopped it (then they are left out of the report)."""
+    if any(is_hard(r) for r in results):
+        return results
+    return [{"ok": False, "timeout": True, "error": why} if r is None else r for r in results]
+
+
 def verdict(group: SyncGroup, results: Sequence[Mapping[str, Any] | None], node_names: Mapping[int, str],
             address: str, port: int) -> tuple[list[str], str | None]:
     """Pure: (problem lines, or the success line). A member that failed on its own is the cause: the others'
-    timeouts (they wait for it) are left out; `None` stands for a member stopped before it answered."""
+    timeouts (they wait for it) are left out; `None` stands for a member stopped before it answered (`unanswered`).
+    """
     hard = [(m, r) for m, r in zip(group.members, results) if is_hard(r)]
     failed = hard or [(m, r or {"error": "stopped"}) for m, r in zip(group.members, results) if not (r or {}).get("ok")]
     at = lambda node: node_names.get(node, f"node {node}")  # noqa: E731
@@ -222,4 +231,5 @@ def run_local(group: SyncGroup, address: str, port: int, node_names: Mapping[int
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    return verdict(group, results, node_names, address, port)
+    return verdict(group, unanswered(results, f"no answer within {limit_s(timeout_s):g} s"), node_names, address,
+                   port)
