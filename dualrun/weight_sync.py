@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -135,27 +136,34 @@ def member_spec(group: SyncGroup, member: Member, address: str, port: int,
 
 
 def start_member(spec: Mapping[str, Any]) -> subprocess.Popen:
-    """The probe in a child process (it dies with this one), with the member's interface variables."""
+    """The probe in a child process (it dies with this one), with the member's interface variables. Its stderr
+    goes to a file (`NCCL_DEBUG=INFO` can say more than a pipe holds while nobody reads it)."""
     from dualrun.parent_death import die_with_parent
 
     env = {**os.environ, **spec["env"]}
-    return subprocess.Popen([sys.executable, "-m", "dualrun.weight_sync_probe", json.dumps(spec)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    err = tempfile.TemporaryFile("w+", errors="replace")
+    proc = subprocess.Popen([sys.executable, "-m", "dualrun.weight_sync_probe", json.dumps(spec)], env=env,
+                            stdout=subprocess.PIPE, stderr=err, text=True, preexec_fn=die_with_parent)
+    proc.err_file = err  # type: ignore[attr-defined]
+    return proc
 
 
 def member_result(proc: subprocess.Popen, limit_s: float) -> dict[str, Any]:
     """What the probe reported (its last stdout line), or why it reported nothing within `limit_s`."""
+    err = proc.err_file  # type: ignore[attr-defined]
     try:
-        out, err = proc.communicate(timeout=limit_s)
+        out, _ = proc.communicate(timeout=limit_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
+        err.close()
         return {"ok": False, "timeout": True, "error": f"no answer within {limit_s:g} s"}
-    lines = out.strip().splitlines()
+    err.seek(0)
+    tail = (err.read().strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    err.close()
     try:
-        return json.loads(lines[-1])
+        return json.loads(out.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        tail = (err.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         return {"ok": False, "timeout": False, "error": tail}
 
 
@@ -231,5 +239,6 @@ def run_local(group: SyncGroup, address: str, port: int, node_names: Mapping[int
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+            p.err_file.close()  # type: ignore[attr-defined]
     return verdict(group, unanswered(results, f"no answer within {limit_s(timeout_s):g} s"), node_names, address,
                    port)
