@@ -3,6 +3,7 @@ model loads. The layout is pure (who joins, ranks, world size, where the port is
 real torch.distributed groups in real processes, and on two local Ray nodes through the real CLI."""
 from __future__ import annotations
 
+import re
 import socket
 
 import pytest
@@ -105,6 +106,23 @@ def test_local_handshake_moves_a_tensor_then_names_a_taken_port():
     assert lines == [] and note.startswith(f"weight sync: gloo group of 3 at 127.0.0.1:{port} (trainer rank 0 on "
                                            "node 0 (this machine); rollout server 0 (ranks 1-2) on node 0 (this "
                                            "machine)) moved a tensor in "), note
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_check_runs_the_handshake_on_this_machine(tmp_path):
+    """Through the CLI on torchrun: the replica's interface variable from its role env reaches its member. (No
+    GPU here, so the plan's GPUs are a problem of their own: the check reports both and still forms the group.)"""
+    (tmp_path / "job.yaml").write_text("method: grpo\nroles:\n  train: {gpus: 1}\n  rollout: {gpus: 1, model: m, "
+                                       "env: {GLOO_SOCKET_IFNAME: nosuch0}}\n")
+    proc = dualrun("check", "--config_file", "job.yaml", cwd=tmp_path)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 2, proc.stdout + proc.stderr
+    assert lines[0] == "dualrun check: node 0 (this machine): the plan puts 2 GPU(s) there, it has 0", lines
+    assert re.fullmatch(r"dualrun check: weight sync \(gloo, trainer rank 0 at [\d.]+:\d+\): node 0 \(this machine\): "
+                        r"rollout server 0 \(rank 1\) with GLOO_SOCKET_IFNAME=nosuch0: Unable to find address for: "
+                        r"nosuch0 \(after [\d.]+ s\)", lines[1]), lines
 
 
 @pytest.fixture(scope="module")
