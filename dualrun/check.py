@@ -5,6 +5,8 @@ launching directory missing), a plan the nodes cannot hold, or nodes that cannot
 node once (a zero-CPU task pinned to it, under the config's runtime_env), compare with the driver, and print
 one line per problem (exit 1) or a table of the nodes (exit 0). On torchrun the same for this machine: the
 packages, its GPUs against the plan, the ports the plan binds here, and the route to the master address.
+Where the job syncs weights to separate rollout engines, the trainer's weight-sync group is then formed on the
+nodes the plan gives it and one tensor moved through it (dualrun.weight_sync), before any model loads.
 
 Ports: servers and rank 0 take free ports, so the plan fixes a port only where the config does: rank 0's
 `main_process_port` (on torchrun 29500 when several machines rendezvous), on machine 0 (torchrun) or on the node
@@ -14,6 +16,7 @@ the plan puts rank 0 (Ray; its placement group decides the final node). A server
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +24,8 @@ from dualrun.config.model import JobConfig
 from dualrun.errors import DualrunError
 from dualrun.node_facts import CHECKED_PACKAGES, can_bind, facts, routes_to
 from dualrun.plan import Cluster, Plan, make_plan
+from dualrun.weight_sync import (SyncGroup, is_hard, limit_s, master_endpoint, member_spec, port_host, run_local,
+                                 run_member, sync_group, unanswered, verdict)
 
 _PROBE_TIMEOUT_S = 60.0
 
@@ -102,7 +107,10 @@ def _directory(cfg: JobConfig) -> str | None:
     return None if cfg.ray.runtime_env.get("working_dir") else os.getcwd()
 
 
-def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
+Outcome = tuple[list[str], list[NodeReport], list[str]]   # problems, nodes, notes (lines said on success)
+
+
+def check_ray(cfg: JobConfig) -> Outcome:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -111,16 +119,16 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
     problems: list[str] = []
     working_dir = cfg.ray.runtime_env.get("working_dir")
     if working_dir and "://" not in str(working_dir) and not os.path.isdir(str(working_dir)):
-        return [f"ray.runtime_env.working_dir: {working_dir} does not exist on the driver"], []
+        return [f"ray.runtime_env.working_dir: {working_dir} does not exist on the driver"], [], []
     try:
         address = resolve_address(cfg.ray.address, cfg.source)
         conn = None if address is None else connect(cfg.ray, cfg.source, allow_start=False)
     except DualrunError as e:
-        return [str(e)], []
+        return [str(e)], [], []
     if address is None:   # `dualrun launch` would start an embedded cluster: this machine alone
         return check_torchrun(cfg)
     if conn is None:
-        return [f"ray.address: could not connect to the Ray cluster at {address}"], []
+        return [f"ray.address: could not connect to the Ray cluster at {address}"], [], []
     try:
         raw = alive_nodes()
         cluster = cluster_of(raw)
@@ -134,8 +142,9 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PROBE_TIMEOUT_S)
         driver = facts()
         nodes = []
+        names = {i: f"node {i} {n.get('NodeManagerAddress', '?')}" for i, n in enumerate(raw)}
         for i, (n, ref) in enumerate(zip(raw, refs)):
-            name = f"node {i} {n.get('NodeManagerAddress', '?')}"
+            name = names[i]
             if ref not in ready:
                 problems.append(f"{name}: did not answer within {_PROBE_TIMEOUT_S:g} s (a runtime_env that does "
                                 "not install there, or no free worker process)")
@@ -148,12 +157,60 @@ def check_ray(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
                 continue
             problems += compare(driver, report)
             nodes.append(report)
-        return problems, nodes
+        group = sync_group(cfg, plan) if plan else None
+        notes: list[str] = []
+        if group is not None and all(m.node in ready_nodes(refs, ready) for m in group.members):
+            found, note = handshake_ray(cfg, group, [n["NodeID"] for n in raw], names)
+            problems += found
+            notes += [note] if note else []
+        return problems, nodes, notes
     finally:
         conn.close()
 
 
-def check_torchrun(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
+def ready_nodes(refs: list[Any], ready: list[Any]) -> set[int]:
+    return {i for i, ref in enumerate(refs) if ref in ready}
+
+
+def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str],
+                  names: dict[int, str]) -> tuple[list[str], str | None]:
+    """The weight-sync group on the Ray nodes the plan gives its members: a port picked on trainer rank 0's node,
+    then one task per member on its node (with the member's GPUs where NCCL may run), stopped at the first that
+    fails on its own, all within the probe's limit."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    def on(node: int, num_gpus: float = 0) -> dict[str, Any]:
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_ids[node], soft=False),
+                "num_gpus": num_gpus}
+
+    endpoint = ray.remote(num_cpus=0, max_retries=0)(master_endpoint)
+    ref = endpoint.options(**on(group.master.node)).remote(port_host(cfg), dict(group.master.env))
+    ready, _ = ray.wait([ref], timeout=_PROBE_TIMEOUT_S)
+    if not ready:
+        return [f"weight sync: {names[group.master.node]}: trainer rank 0's node did not pick a port within "
+                f"{_PROBE_TIMEOUT_S:g} s"], None
+    address, port = ray.get(ref)
+    task = ray.remote(num_cpus=0, max_retries=0)(run_member)
+    refs = [task.options(**on(m.node, len(m.ranks) if group.gpus else 0)).remote(member_spec(group, m, address, port))
+            for m in group.members]
+    results: list[dict[str, Any] | None] = [None] * len(refs)
+    deadline = time.monotonic() + limit_s() + _PROBE_TIMEOUT_S
+    pending = list(refs)
+    while pending and time.monotonic() < deadline and not any(is_hard(r) for r in results):
+        done, pending = ray.wait(pending, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        for r in done:
+            try:
+                results[refs.index(r)] = ray.get(r)
+            except Exception as e:  # noqa: BLE001 - a node that cannot run the probe is a member's failure
+                results[refs.index(r)] = {"ok": False, "error": str(e).strip().splitlines()[-1]}
+    for r in pending:
+        ray.cancel(r, force=True)
+    return verdict(group, unanswered(results, f"its task did not end within {limit_s() + _PROBE_TIMEOUT_S:g} s "
+                                              "(the node busy, or its GPUs taken)"), names, address, port)
+
+
+def check_torchrun(cfg: JobConfig) -> Outcome:
     """This machine (machine_rank) against the plan, and the master address from here."""
     problems: list[str] = []
     plan = _plan(cfg, None, problems)
@@ -174,7 +231,15 @@ def check_torchrun(cfg: JobConfig) -> tuple[list[str], list[NodeReport]]:
         why = routes_to(master)
         if why:
             problems.append(f"main_process_ip: no route to {master} from this machine ({why})")
-    return problems, [node]
+    group = sync_group(cfg, plan) if plan else None
+    notes: list[str] = []
+    if group is not None and here["versions"]["torch"] and all(m.node == cfg.machine_rank == 0
+                                                                for m in group.members):
+        address, port = master_endpoint(port_host(cfg), group.master.env)
+        found, note = run_local(group, address, port, {0: node.name})
+        problems += found
+        notes += [note] if note else []
+    return problems, [node], notes
 
 
 def _local_gpus() -> int:
@@ -185,11 +250,13 @@ def _local_gpus() -> int:
 
 def run_check(cfg: JobConfig) -> int:
     """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0)."""
-    problems, nodes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg)
+    problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg)
     if problems:
         for p in problems:
             print(f"dualrun check: {p}")
         return 1
     print(table(nodes))
+    for note in notes:
+        print(f"dualrun check: {note}")
     print(f"dualrun check: {len(nodes)} node(s) ready for backend={cfg.backend}")
     return 0

@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     default.add_argument("--method", default="sft", choices=("sft", "pt", "grpo", "gkd"))
     default.add_argument("--cpu", action="store_true", help="a CPU config (gloo, no GPUs)")
 
-    check = sub.add_parser("check", help="pre-flight: every node's versions, directory, GPUs, ports, addresses")
+    check = sub.add_parser("check", help="pre-flight: every node's versions, directory, GPUs, ports, addresses, and "
+                           "the trainer's weight-sync group")
     _job_flags(check)
 
     sub.add_parser("env", help="versions, devices and whether a Ray cluster is reachable")

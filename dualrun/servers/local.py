@@ -272,9 +272,10 @@ class LocalServers:
         value is used)."""
         from dualrun.ports import free_port
         from dualrun.rank.wiring import group_port_env
+        from dualrun.weight_sync import port_host
 
         env = wiring_env(self.cfg, self.plugin, self.addresses)
-        env.update(group_port_env(env, free_port("127.0.0.1" if self.cfg.num_machines == 1 else "0.0.0.0")))
+        env.update(group_port_env(env, free_port(port_host(self.cfg))))
         return env
 
     def check(self) -> ServerError | None:

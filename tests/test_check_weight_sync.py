@@ -1,0 +1,159 @@
+"""`dualrun check`'s weight-sync handshake: the trainer's weight-sync group formed on the job's nodes, before any
+model loads. The layout is pure (who joins, ranks, world size, where the port is picked); the handshake itself runs
+real torch.distributed groups in real processes, and on two local Ray nodes through the real CLI."""
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+
+from conftest import dualrun
+from dualrun.config.load import build_config
+from dualrun.plan import Cluster, make_plan
+from dualrun.weight_sync import (Member, SyncGroup, advertised_address, port_host, run_local, sync_group,
+                                 verdict)
+from ray_helpers import FakeGpuCluster, ray_env
+
+
+def _cfg(roles: dict, **top) -> object:
+    return build_config({"method": "grpo", "roles": roles, **top}, "job.yaml")
+
+
+def test_the_group_is_trainer_rank_0_then_every_replica_from_its_rank_offset():
+    cfg = _cfg({"train": {"gpus": 1}, "rollout": {"gpus": 4, "tensor_parallel_size": 2, "model": "m",
+                                                  "env": {"GLOO_SOCKET_IFNAME": "eth1", "OTHER": "x"}}},
+               backend="ray")
+    group = sync_group(cfg, make_plan(cfg, Cluster.uniform(2, 4)))
+    assert group is not None and group.world_size == 5 and group.gpus
+    assert [(m.label, m.node, m.ranks, dict(m.env)) for m in group.members] == [
+        ("trainer rank 0", 0, (0,), {}),
+        ("rollout server 0", 0, (1, 2), {"GLOO_SOCKET_IFNAME": "eth1"}),   # 3 GPUs left on node 0: one replica
+        ("rollout server 1", 1, (3, 4), {"GLOO_SOCKET_IFNAME": "eth1"})]
+    assert [m.name for m in group.members] == ["trainer rank 0", "rollout server 0 (ranks 1-2)",
+                                               "rollout server 1 (ranks 3-4)"]
+    assert port_host(cfg) == "0.0.0.0"                                      # as the Ray rank 0 actor picks it
+    one = _cfg({"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m"}})
+    solo = sync_group(one, make_plan(one))
+    assert solo is not None and solo.world_size == 2 and [m.ranks for m in solo.members] == [(0,), (1,)]
+    assert port_host(one) == "127.0.0.1"                                    # one torchrun machine: loopback
+
+
+@pytest.mark.parametrize("roles, top", [
+    ({"train": {"gpus": 1}}, {}),                                                           # no rollout at all
+    ({"train": {"gpus": 1}, "rollout": {"gpus": 1, "engine": "vllm"}},
+     {"colocate_groups": [["train", "rollout"]]}),                                          # colocated: in-process
+    ({"train": {"gpus": 1}, "rollout": {"address": "10.0.0.9:8000"}}, {}),                 # a server you run
+    ({"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m", "engine": "transformers"}}, {}),  # no endpoints
+])
+def test_no_weight_sync_no_group(roles, top):
+    cfg = _cfg(roles, **top)
+    assert sync_group(cfg, make_plan(cfg)) is None
+
+
+def test_the_cause_is_reported_not_the_timeouts_it_caused():
+    group = SyncGroup((Member("trainer rank 0", 0, (0,)),
+                       Member("rollout server 0", 1, (1,), {"GLOO_SOCKET_IFNAME": "bad0"})), 2, False)
+    names = {0: "node 0 10.0.0.1", 1: "node 1 10.0.0.2"}
+    lines, note = verdict(group, [{"ok": False, "timeout": True, "error": "wait timeout"},
+                                  {"ok": False, "timeout": False, "backend": "gloo", "error": "Unable to find bad0"}],
+                          names, "10.0.0.1", 4242)
+    assert note is None and lines == ["weight sync (gloo, trainer rank 0 at 10.0.0.1:4242): node 1 10.0.0.2: "
+                                      "rollout server 0 (rank 1) with GLOO_SOCKET_IFNAME=bad0: Unable to find bad0"]
+    lines, note = verdict(group, [{"ok": True, "backend": "gloo", "seconds": 0.25}, None], names, "10.0.0.1", 4242)
+    assert note is None and lines == ["weight sync (gloo, trainer rank 0 at 10.0.0.1:4242): node 1 10.0.0.2: "
+                                      "rollout server 0 (rank 1) with GLOO_SOCKET_IFNAME=bad0: stopped"]
+    lines, note = verdict(group, [{"ok": True, "backend": "gloo", "seconds": 0.25}, {"ok": True}], names,
+                          "10.0.0.1", 4242)
+    assert lines == [] and note == ("weight sync: gloo group of 2 at 10.0.0.1:4242 (trainer rank 0 on node 0 "
+                                    "10.0.0.1; rollout server 0 (rank 1) on node 1 10.0.0.2) moved a tensor in 0.25 s")
+
+
+def test_a_replica_that_timed_out_dialling_0000_is_told_to_set_vllm_host_ip():
+    group = SyncGroup((Member("trainer rank 0", 0, (0,)), Member("rollout server 0", 1, (1,))), 2, False)
+    lines, _ = verdict(group, [{"ok": False, "timeout": True, "error": "wait timeout"},
+                               {"ok": False, "timeout": True, "error": "timed out connecting"}],
+                       {0: "node 0 10.0.0.1", 1: "node 1 10.0.0.2"}, "0.0.0.0", 4242)
+    assert len(lines) == 2 and lines[1] == (
+        "weight sync (gloo, trainer rank 0 at 0.0.0.0:4242): node 1 10.0.0.2: rollout server 0 (rank 1): timed out "
+        "connecting; trainer rank 0 advertises 0.0.0.0 (vLLM's get_ip() found no route out there): set VLLM_HOST_IP "
+        "in roles.train.env to the address the engines reach it at")
+    assert "VLLM_HOST_IP" not in lines[0]      # rank 0's own node reaches 0.0.0.0
+
+
+def test_the_master_address_is_the_one_vllm_would_advertise():
+    assert advertised_address({"VLLM_HOST_IP": "10.1.2.3", "HOST_IP": "10.9.9.9"}) == "10.1.2.3"
+    assert advertised_address({"HOST_IP": "10.9.9.9"}) == "10.9.9.9"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_local_handshake_moves_a_tensor_then_names_a_taken_port():
+    """The torchrun path (every member on this machine): real gloo groups in real processes, a replica holding
+    two ranks; then the port held on rank 0's node, which the trainer could not listen on."""
+    group = SyncGroup((Member("trainer rank 0", 0, (0,)), Member("rollout server 0", 0, (1, 2))), 3, False)
+    names = {0: "node 0 (this machine)"}
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        lines, note = run_local(group, "127.0.0.1", port, names, timeout_s=10)
+        assert note is None and len(lines) == 1, lines
+        assert lines[0].startswith(f"weight sync (gloo, trainer rank 0 at 127.0.0.1:{port}): node 0 (this machine):"
+                                   " trainer rank 0: ") and "address already in use" in lines[0], lines
+    lines, note = run_local(group, "127.0.0.1", port, names, timeout_s=10)
+    assert lines == [] and note.startswith(f"weight sync: gloo group of 3 at 127.0.0.1:{port} (trainer rank 0 on "
+                                           "node 0 (this machine); rollout server 0 (ranks 1-2) on node 0 (this "
+                                           "machine)) moved a tensor in "), note
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_torchrun_check_runs_the_handshake_on_this_machine(tmp_path):
+    """Through the CLI on torchrun: the replica's interface variable from its role env reaches its member. (No
+    GPU here, so the plan's GPUs are a problem of their own: the check reports both and still forms the group.)"""
+    (tmp_path / "job.yaml").write_text("method: grpo\nroles:\n  train: {gpus: 1}\n  rollout: {gpus: 1, model: m, "
+                                       "env: {GLOO_SOCKET_IFNAME: nosuch0}}\n")
+    proc = dualrun("check", "--config_file", "job.yaml", cwd=tmp_path)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 2, proc.stdout + proc.stderr
+    assert lines[0] == "dualrun check: node 0 (this machine): the plan puts 2 GPU(s) there, it has 0", lines
+    assert re.fullmatch(r"dualrun check: weight sync \(gloo, trainer rank 0 at [\d.]+:\d+\): node 0 \(this machine\): "
+                        r"rollout server 0 \(rank 1\) with GLOO_SOCKET_IFNAME=nosuch0: Unable to find address for: "
+                        r"nosuch0 \(after [\d.]+ s\)", lines[1]), lines
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    cluster = FakeGpuCluster(nodes=2, gpus=1, cpus=1)
+    yield cluster
+    cluster.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_check_forms_the_weight_sync_group_across_two_nodes(tmp_path, two_nodes):
+    """Trainer rank 0 on node 0, the rollout replica on node 1 (one fake GPU each; no CUDA, so gloo): the
+    handshake reports its time; the replica's role env naming an interface its node lacks is one line with exit
+    code 1, naming the node, the interface and trainer rank 0's address and port."""
+    job = "backend: ray\nmethod: grpo\nray: {{address: '{}'}}\nroles:\n  train: {{gpus: 1}}\n" \
+          "  rollout: {{gpus: 1, model: m{}}}\n"
+    (tmp_path / "ok.yaml").write_text(job.format(two_nodes.address, ""))
+    ok = dualrun("check", "--config_file", "ok.yaml", cwd=tmp_path, env=ray_env(), timeout=200)
+    lines = ok.stdout.strip().splitlines()
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    sync = [ln for ln in lines if "weight sync" in ln]
+    assert len(sync) == 1 and sync[0].startswith("dualrun check: weight sync: gloo group of 2 at ") and (
+        "(trainer rank 0 on node 0 127.0.0.1; rollout server 0 (rank 1) on node 1 127.0.0.1) moved a tensor in "
+        in sync[0]), lines
+    (tmp_path / "bad.yaml").write_text(job.format(two_nodes.address, ", env: {GLOO_SOCKET_IFNAME: nosuch0}"))
+    bad = dualrun("check", "--config_file", "bad.yaml", cwd=tmp_path, env=ray_env(), timeout=200)
+    lines = bad.stdout.strip().splitlines()
+    assert bad.returncode == 1 and len(lines) == 1, bad.stdout + bad.stderr
+    assert lines[0].startswith("dualrun check: weight sync (gloo, trainer rank 0 at ") and \
+        ": node 1 127.0.0.1: rollout server 0 (rank 1) with GLOO_SOCKET_IFNAME=nosuch0: Unable to find address for: " \
+        "nosuch0" in lines[0], lines
+    two_nodes.assert_nothing_left()
