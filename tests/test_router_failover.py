@@ -2,6 +2,7 @@
 which records each request on arrival and answers each prompt with itself) behind a real router. A replica
 SIGKILLed with a request on it: that request and every other one is answered once, correctly, by the replica left;
 one SIGSTOPped: found by request_timeout_s (probes off), or by the health probes, the request retried elsewhere;
+a 5xx takes a replica out, but a request that fails on every replica gets the engine's answer, as with one engine;
 the launcher's control endpoints swap in a new engine held out of rotation until restored; the last replica dead:
 the request fails naming it, as with one engine. (The rules themselves: test_rotation.py.)"""
 from __future__ import annotations
@@ -131,6 +132,23 @@ def test_a_stopped_replica_is_found_by_request_timeout_s_and_the_request_retried
         assert stats[0]["kind"] == "timeout" and not stats[0]["in_rotation"]
         assert "gave no answer within 3 s (request_timeout_s)" in stats[0]["reason"]
         assert "replica 0 (" in Path(router.log_path).read_text()
+    finally:
+        _stop(router, *replicas)
+
+
+def test_a_5xx_takes_a_replica_out_but_a_request_that_fails_everywhere_is_answered_as_one_engine_would(tmp_path):
+    replicas = _stubs(tmp_path, 2)
+    router = _router(tmp_path, replicas, "--probe-interval-s", "0")   # no probes: what the 5xx did stays
+    base = f"http://{router.address}"
+    try:
+        r = _post(base, "/v1/completions", {"model": "m", "prompt": "bad", "fail_on": "all"})  # on r0, then r1
+        assert r.status_code == 500 and r.json()["error"]["message"] == "r1 failed on purpose"  # r1's own answer
+        stats = _stats(base)
+        assert stats["in_rotation"] == [1]      # the first 5xx took r0 out; the second was the request's fault
+        assert stats["replicas"][0]["kind"] == "status" and "answered 500" in stats["replicas"][0]["reason"]
+        r = _post(base, "/v1/completions", {"model": "m", "prompt": "bad", "fail_on": "r1"})
+        assert r.status_code == 500 and _stats(base)["in_rotation"] == [1]   # the last one in rotation stays
+        assert _complete(base, "fine")["replica"] == "r1"
     finally:
         _stop(router, *replicas)
 

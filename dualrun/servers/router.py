@@ -140,15 +140,17 @@ class Router:
         index = self.table.pick(prefer=prefer)
         while index is not None:
             tried.add(index)
+            incarnation = self.replicas[index].incarnation   # a failure of this engine spares its replacement
             try:
                 status, data, content_type = await self.attempt(index, method, path_qs, body, headers)
             except ReplicaError as e:
                 failures.append(e)
+                self._failed(index, e, incarnation)
             else:
                 if status < 500 or any(f.kind == rotation.STATUS for f in failures):
                     return status, data, content_type
                 error = ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
-                if not self._failed(index, error):   # the last replica in rotation: one engine's answer
+                if not self._failed(index, error, incarnation):   # kept, the last in rotation: as one engine
                     return status, data, content_type
                 failures.append(error)
             index = self.table.pick(exclude=tried)
@@ -159,9 +161,8 @@ class Router:
     async def attempt(self, index: int, method: str, path_qs: str, body: bytes | None,
                       headers: dict | None) -> tuple[int, bytes, str]:
         """`call`, ended early (ReplicaError, kind None) when the replica leaves the rotation meanwhile for a reason
-        that means no answer will come; its own failure takes it out of rotation."""
+        that means no answer will come."""
         replica, abort = self.replicas[index], self._abort[index]
-        incarnation = replica.incarnation
         request = asyncio.ensure_future(self.call(index, method, path_qs, body, headers))
         aborted = asyncio.ensure_future(abort.wait())
         try:
@@ -173,13 +174,9 @@ class Router:
         if not request.done() or request.cancelled():
             raise ReplicaError(index, replica, 502, "", None,
                                f"left the rotation while this request was on it ({replica.reason})")
-        try:
-            return request.result()
-        except ReplicaError as e:
-            self._failed(index, e, incarnation)
-            raise
+        return request.result()
 
-    def _failed(self, index: int, error: ReplicaError, incarnation: int | None = None) -> bool:
+    def _failed(self, index: int, error: ReplicaError, incarnation: int) -> bool:
         """Tell the table; True when the replica is out of rotation now (it may have been already)."""
         if error.kind is not None:
             self._apply(self.table.fail(index, error.kind, error.detail, time.monotonic(), incarnation))
