@@ -8,7 +8,7 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
 - It leaves at once when a request to it fails — the connection is refused or reset (`UNREACHABLE`), it answers a
   5xx (`STATUS`), it gives no answer within the role's `request_timeout_s` (`TIMEOUT`: a hung engine accepts and
   never answers) — or when its health probe fails (`PROBE`). The request goes to another replica.
-- The router probes every replica's `/health` all the time. An out replica whose failure said it was down or sick
+- The router probes every replica's `/health` about once a second, in rotation or not. An out replica whose failure said it was down or sick
   (`UNREACHABLE`, `STATUS`, `PROBE`) is back after `RECOVER_PROBES` passing probes in a row. One out for `TIMEOUT`
   stays out until the launcher restores or replaces it: a hung engine may still answer `/health` (vLLM's API process
   answers it while its engine core hangs), so a passing probe proves nothing. So does one the launcher took out.
@@ -16,7 +16,8 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
   (optionally *held*: kept out of rotation, even when healthy, until restored — a rollout replica that does not yet
   hold the trainer's weights), `restore` one (it is back once healthy) or `remove` one (out until restored).
 - A 5xx from the only replica in rotation leaves it in: it is alive, and the answer reaches the client as one
-  engine's would. Nothing else is spared: the last replica unreachable or hung is an error, as with one engine.
+  engine's would (so does a request's second 5xx: the request is at fault, not the replicas; `router.forward`).
+  Nothing else is spared: the last replica unreachable or hung is an error, as with one engine.
 - Leaving rotation for `TIMEOUT`, `PROBE`, `LAUNCHER` or a replacement aborts the requests in flight on it (they
   would never be answered, or are answered by an engine about to go); they are retried elsewhere. For
   `UNREACHABLE` they fail on their own, and for `STATUS` the engine is alive and may still answer them.
