@@ -87,7 +87,9 @@ def test_router_command_and_the_trainers_address():
     assert replica_addresses(plan, started, 2) == ["127.0.0.1:9001", "127.0.0.1:9002"]
     argv = server_command(cfg, None, router, "127.0.0.1", 9000, replica_addresses(plan, started, 2))
     assert argv[1:] == ["-m", "dualrun.servers.router", "--host", "127.0.0.1", "--port", "9000",
-                        "--replica", "127.0.0.1:9001", "--replica", "127.0.0.1:9002"]
+                        "--replica", "127.0.0.1:9001", "--replica", "127.0.0.1:9002", "--request-timeout-s", "1800"]
+    argv = server_command(_cfg({"gpus": 2, "request_timeout_s": 90.5}), None, router, "127.0.0.1", 9000, ["a:1"])
+    assert argv[-2:] == ["--request-timeout-s", "90.5"]              # the role's request_timeout_s
     assert addresses(plan, {**started, 2: "127.0.0.1:9000"}) == {"teacher": "127.0.0.1:9000"}
     assert [log_name(p) for p in plan.servers] == ["teacher-server-0.log", "teacher-server-1.log", "teacher-router.log"]
 
@@ -111,7 +113,7 @@ def test_a_four_engine_rollout_is_four_cpu_engines_behind_one_router(backend):
         argv = server_command(cfg, plugin, p, "127.0.0.1", 9001 + i)
         assert argv[1:5] == ["-m", "dualrun.engines.transformers_server", "--model", "/m"]
     router = server_command(cfg, plugin, plan.servers[4], "127.0.0.1", 9000, replica_addresses(plan, started, 4))
-    assert router[router.index("--replica"):] == [w for a in started.values() for w in ("--replica", a)]
+    assert router[router.index("--replica"):-2] == [w for a in started.values() for w in ("--replica", a)]
     assert addresses(plan, {**started, 4: "127.0.0.1:9000"}) == {"rollout": "127.0.0.1:9000"}
     assert plugin.wiring_env(cfg, {"rollout": "127.0.0.1:9000"})["DUALRUN_ROLLOUT_ADDRESS"] == "127.0.0.1:9000"
 

@@ -2,7 +2,8 @@
 serve real TRL GKD's teacher, and a 4-engine GRPO rollout serves TRL's own client built from the unchanged
 GRPOConfig; every replica gets requests (counted in each replica's own log or stats). A replica killed mid-training
 ends the job within 10 s naming it (torchrun; on Ray once the rollout has served); with max_failures: 1 the job
-restarts with fresh replicas and a fresh router and finishes."""
+restarts with fresh replicas and a fresh router and finishes. One SIGSTOPped (hung, alive) is routed around by the
+router and GKD finishes."""
 from __future__ import annotations
 
 import json
@@ -39,9 +40,9 @@ def cluster(ray_cluster):
     return ray_cluster
 
 
-def _yaml(tiny: Path, replicas: int, max_failures: int = 0) -> str:
+def _yaml(tiny: Path, replicas: int, max_failures: int = 0, teacher: str = "") -> str:
     return (f"use_cpu: true\nmethod: gkd\nmax_failures: {max_failures}\nlog_dir: logs\nroles:\n  train: {{gpus: 2}}\n"
-            f"  teacher: {{gpus: {replicas}, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
+            f"  teacher: {{gpus: {replicas}, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, {teacher}"
             "server_args: [--verbose]}\n")
 
 
@@ -138,6 +139,44 @@ def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, tiny):
     driver = _start(tmp_path, tiny, "torchrun", 1, None)
     _kill_replica_mid_training(tmp_path, driver, 0)
     assert_restarted_once(driver, tmp_path / "out", "teacher server 0")   # the trainers' address: a fresh router
+    assert eventually(lambda: not _engines(tiny))
+
+
+def test_a_hung_replica_is_routed_around_and_gkd_finishes(tmp_path, tiny):
+    """A teacher replica SIGSTOPped once it has served (hung: alive, never answers; the launcher sees a live process):
+    the router's health probes take it out of rotation, a request on it goes to the other replica, and GKD finishes
+    with both ranks' losses; the router's log names the replica. (Restarting it is the launcher's, not yet done.)"""
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, teacher="request_timeout_s: 120, "))
+    (tmp_path / "out").mkdir()
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1")
+    with open(tmp_path / "stderr.txt", "w") as errors:   # a file: a full pipe never blocks the job
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
+                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
+                                   "--teacher_model_name_or_path", str(tiny / "teacher"), "--data",
+                                   str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "6"],
+                                  cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    log = tmp_path / "logs" / "teacher-server-1.log"
+    stopped = None
+    try:
+        assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
+                                                                 log.read_text()), timeout=200, every=0.05)
+        assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        assert pids_matching("dualrun.servers.router", "--request-timeout-s 120")   # the role's key, passed on
+        stopped = _replica_pid(tmp_path, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        code = driver.wait(timeout=240)
+    finally:
+        if stopped is not None and cmdline(stopped):
+            os.kill(stopped, signal.SIGCONT)
+        if driver.poll() is None:
+            driver.kill()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert code == 0, err[-3000:]
+    losses = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text())["losses"] for i in range(2)]
+    assert len(losses[0]) == 6 and losses[0] == losses[1] and all(x == x and x >= 0 for x in losses[0])
+    router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
+    assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation: health probe not answered within 5 s; "
+                     r"1 of 2 in rotation", router_log), router_log[-2000:]
     assert eventually(lambda: not _engines(tiny))
 
 

@@ -25,6 +25,7 @@ class RoleSpec:
     top_k: int | None = None
     address: str | None = None
     health_timeout_s: float = 600.0
+    request_timeout_s: float = 1800.0
     server_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=frozen_map)
 

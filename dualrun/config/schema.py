@@ -119,6 +119,14 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("address", "str-or-null", None, "`host:port` of a server the user started; dualrun starts none."),
     Key("health_timeout_s", "float", 600.0, "Seconds a server may take to answer its health check.", minimum=0,
         maximum=MAX_SECONDS),
+    Key("request_timeout_s", "float", 1800.0, "A role with several engine replicas: seconds a replica may take to "
+        "answer one generation or scoring request before the router takes it for hung — out of rotation until the "
+        "launcher restores or replaces it, the request retried on another replica (none left: the request fails, "
+        "naming each). Long by default: one request may carry a whole step's generations (TRL's server-mode "
+        "client sends them in one call and waits without a limit). A dead or stopped engine is found sooner, by the "
+        "router's health probes (about once a second, 5 s to answer); lower this to find sooner an engine that "
+        "answers its health check but not its requests. Weight-transfer calls get the same limit.",
+        minimum=1, maximum=MAX_SECONDS),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server; not the flags dualrun "
         "sets itself (`--host`, `--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "
         "spelling the server's parser takes, abbreviations included): exit 2."),

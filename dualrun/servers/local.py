@@ -37,7 +37,8 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     if proc.kind == ROUTER:
         from dualrun.servers.router import router_argv
 
-        return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size)
+        return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,
+                           server_role(cfg, proc).request_timeout_s)
     for name in proc.roles:
         role = cfg.role(name)
         argv = plugin.server_command(cfg, role, host, port) if plugin is not None and role is not None else None

@@ -9,6 +9,12 @@ connection pool to the replicas). Both launchers start it (a ServerProcess like 
 logged, watched, stopped with the servers) in front of a separate role's replicas once they are healthy; its
 `host:port` is the one the trainers get.
 
+A replica that fails — connection refused or reset, a 5xx, no answer within `--request-timeout-s` (the role's
+`request_timeout_s`), a failed health probe (every replica is probed about once a second) — leaves the rotation at
+once and the request in flight goes to another replica (generation and scoring are safe to repeat: the same body);
+`rotation.py` holds the rules, and the launcher's say over them (`routing.CONTROL_PATH`). The weight-transfer
+fan-out is not retried: a replica failing there is the call's error.
+
 Known differences from one engine: a split request with sampling and a `seed` gives each part the same seed, so
 sampled completions differ from one engine's (greedy ones are identical); `/server_info` and `/v1/models` are
 the first replica's; a `stream: true` completion goes to one replica whole.
@@ -19,48 +25,52 @@ import argparse
 import asyncio
 import json
 import sys
-from dataclasses import dataclass
+import time
 from typing import Any, Sequence
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
+from dualrun.config.checks import host_port
 from dualrun.interpreter import PYTHON
-from dualrun.servers import routing
+from dualrun.servers import rotation, routing
+from dualrun.servers.rotation import Replica
 
-HEALTH_TIMEOUT_S = 2.0
-
-
-@dataclass
-class Replica:
-    address: str
-    requests: int = 0      # every forwarded call, health probes included
-    served: int = 0        # generation, scoring and weight-transfer calls (what the replica is there for)
-    in_flight: int = 0
-    errors: int = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.address}"
+PROBE_INTERVAL_S = 1.0   # between two health probes of one replica
+PROBE_TIMEOUT_S = 5.0    # a probe not answered by then fails (a busy engine still answers /health within it)
 
 
-class ReplicaError(Exception):
-    """A replica failed a request the router needed: the answer names it."""
+class RouterError(Exception):
+    """A request the router cannot answer: the HTTP status to answer with, and why."""
 
-    def __init__(self, index: int, replica: Replica, status: int, text: str) -> None:
-        self.status = status if status >= 400 else 502
-        super().__init__(f"replica {index} ({replica.address}) answered {status}: {text[:500]}")
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class ReplicaError(RouterError):
+    """A replica failed a request the router needed: the answer names it. `kind`: a failure kind of rotation.py,
+    or None when the replica had left the rotation while the request was on it; `detail`: what happened, for the
+    rotation's log line."""
+
+    def __init__(self, index: int, replica: Replica, status: int, text: str, kind: str | None = rotation.STATUS,
+                 detail: str | None = None) -> None:
+        self.index, self.kind = index, kind
+        self.detail = detail or f"answered {status}: {text[:500]}"
+        super().__init__(status if status >= 400 else 502, f"replica {index} ({replica.address}) {self.detail}")
 
 
 class Router:
     """The aiohttp app: one handler that looks the request up in `routing.ROUTES` and treats it accordingly."""
 
-    def __init__(self, replicas: Sequence[str], timeout_s: float | None = None) -> None:
-        if not replicas:
-            raise ValueError("the router needs at least one replica address")
-        self.replicas = [Replica(a) for a in replicas]
-        self.timeout = ClientTimeout(total=timeout_s)
+    def __init__(self, replicas: Sequence[str], request_timeout_s: float | None = None,
+                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+        self.table = rotation.Rotation(replicas)
+        self.replicas = self.table.replicas   # the slots (a replacement changes a slot in place)
+        self.timeout = ClientTimeout(total=request_timeout_s)
+        self.probe_interval_s = probe_interval_s
         self.session: ClientSession | None = None
-        self._next = 0
+        self._abort = [asyncio.Event() for _ in self.replicas]   # set: the requests in flight on it are retried
+        self._probes: list[asyncio.Task] = []
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -72,8 +82,13 @@ class Router:
 
     async def _open(self, _: web.Application) -> None:
         self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout)
+        if self.probe_interval_s > 0:
+            self._probes = [asyncio.ensure_future(self._probe_loop(i)) for i in range(len(self.replicas))]
 
     async def _close(self, _: web.Application) -> None:
+        for task in self._probes:
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
         # the last line of its log: how the work was spread (the launcher stops the router with the servers)
@@ -95,9 +110,15 @@ class Router:
                 if resp.status >= 400:
                     replica.errors += 1
                 return resp.status, data, resp.content_type
-        except (ClientError, OSError, asyncio.TimeoutError) as e:  # the replica is unreachable: a 502
+        except asyncio.TimeoutError:  # (before OSError: TimeoutError is one) accepted, no answer: hung
             replica.errors += 1
-            raise ReplicaError(index, replica, 502, f"{type(e).__name__}: {e}") from None
+            limit = (timeout or self.timeout).total
+            raise ReplicaError(index, replica, 504, "", rotation.TIMEOUT,
+                               f"gave no answer within {limit:g} s (request_timeout_s)") from None
+        except (ClientError, OSError) as e:  # the replica is unreachable: a 502
+            replica.errors += 1
+            raise ReplicaError(index, replica, 502, "", rotation.UNREACHABLE,
+                               f"is unreachable: {type(e).__name__}: {e}") from None
         finally:
             replica.in_flight -= 1
 
@@ -108,11 +129,109 @@ class Router:
             raise ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
         return json.loads(data or b"null")
 
-    def pick(self) -> int:
-        """The least busy replica; ties go round-robin, so sequential requests still visit every replica."""
-        n = len(self.replicas)
-        start, self._next = self._next, (self._next + 1) % n
-        return min(range(n), key=lambda i: (self.replicas[i].in_flight, (i - start) % n))
+    # -- the rotation: requests that go to one replica, retried on another when it fails ---------------------------
+    async def forward(self, method: str, path_qs: str, body: bytes | None, headers: dict | None = None,
+                      prefer: int | None = None) -> tuple[int, bytes, str]:
+        """One replica's answer: `prefer`'s (when in rotation) or the least busy one's; a replica that fails leaves
+        the rotation and the request goes to the next, until none is left (the error names every failure). A 4xx
+        is the request's fault and goes back as it is; so does a 5xx repeated by a second replica."""
+        failures: list[ReplicaError] = []
+        tried: set[int] = set()
+        index = self.table.pick(prefer=prefer)
+        while index is not None:
+            tried.add(index)
+            incarnation = self.replicas[index].incarnation   # a failure of this engine spares its replacement
+            try:
+                status, data, content_type = await self.attempt(index, method, path_qs, body, headers)
+            except ReplicaError as e:
+                failures.append(e)
+                self._failed(index, e, incarnation)
+            else:
+                if status < 500 or any(f.kind == rotation.STATUS for f in failures):
+                    return status, data, content_type
+                error = ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
+                if not self._failed(index, error, incarnation):   # kept, the last in rotation: as one engine
+                    return status, data, content_type
+                failures.append(error)
+            index = self.table.pick(exclude=tried)
+        untried = self.table.unavailable(exclude=tried)
+        raise RouterError(502 if failures else 503, "no replica could answer: "
+                          + "; ".join([str(f) for f in failures] + ([untried] if untried else [])))
+
+    async def attempt(self, index: int, method: str, path_qs: str, body: bytes | None,
+                      headers: dict | None) -> tuple[int, bytes, str]:
+        """`call`, ended early (ReplicaError, kind None) when the replica leaves the rotation meanwhile for a reason
+        that means no answer will come."""
+        replica, abort = self.replicas[index], self._abort[index]
+        request = asyncio.ensure_future(self.call(index, method, path_qs, body, headers))
+        aborted = asyncio.ensure_future(abort.wait())
+        try:
+            await asyncio.wait({request, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not request.done():
+                request.cancel()   # (it ends on the loop's next turns, its in_flight count with it)
+        if not request.done() or request.cancelled():
+            raise ReplicaError(index, replica, 502, "", None,
+                               f"left the rotation while this request was on it ({replica.reason})")
+        return request.result()
+
+    def _failed(self, index: int, error: ReplicaError, incarnation: int) -> bool:
+        """Tell the table; True when the replica is out of rotation now (it may have been already)."""
+        if error.kind is not None:
+            self._apply(self.table.fail(index, error.kind, error.detail, time.monotonic(), incarnation))
+        return not self.replicas[index].in_rotation
+
+    def _apply(self, event: rotation.Event | None) -> None:
+        """Log a change of rotation; abort the requests in flight on the replica when it says so."""
+        if event is None:
+            return
+        print(f"dualrun router: {event.line}", file=sys.stderr, flush=True)
+        if event.abort:
+            abort, self._abort[event.index] = self._abort[event.index], asyncio.Event()
+            abort.set()
+
+    async def _probe_loop(self, index: int) -> None:
+        timeout = ClientTimeout(total=PROBE_TIMEOUT_S)
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            replica = self.replicas[index]
+            incarnation, ok, detail = replica.incarnation, False, ""
+            try:
+                assert self.session is not None
+                async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
+                    await resp.read()
+                    ok, detail = resp.status == 200, f"health probe answered {resp.status}"
+            except asyncio.TimeoutError:
+                detail = f"health probe not answered within {PROBE_TIMEOUT_S:g} s"
+            except Exception as e:  # noqa: BLE001 - whatever keeps a probe from passing fails it
+                detail = f"health probe: {type(e).__name__}: {e}"
+            self._apply(self.table.probed(index, ok, detail, time.monotonic(), incarnation))
+
+    def control(self, index: int, action: str, payload: dict) -> web.Response:
+        """The launcher's say: replace a replica by a new engine (held out of rotation until restored, when asked),
+        restore one, remove one."""
+        if index >= len(self.replicas):
+            raise ValueError(f"no replica {index}: this router has {len(self.replicas)}")
+        now = time.monotonic()
+        if action == "replace":
+            address = payload.get("address")
+            if not isinstance(address, str) or not host_port(address):
+                raise ValueError(f"replace needs {{'address': 'host:port'}}, got {payload.get('address')!r}")
+            event = self.table.replace(index, address, now, hold=bool(payload.get("hold")))
+        elif action == "remove":
+            event = self.table.remove(index, str(payload.get("reason") or "removed by the launcher"), now)
+        else:
+            event = self.table.restore(index, now)
+        self._apply(event)
+        return web.json_response({"replica": self.table.rows()[index], "membership": self.table.membership})
+
+    async def forward_json(self, path_qs: str, payload: Any, prefer: int) -> Any:
+        status, data, _ = await self.forward("POST", path_qs, json.dumps(payload).encode(),
+                                             {"Content-Type": "application/json"}, prefer)
+        if status != 200:
+            raise RouterError(status, f"a replica answered {status}: {data.decode(errors='replace')[:500]}")
+        return json.loads(data or b"null")
 
     async def world_sizes(self) -> list[int]:
         answers = await asyncio.gather(*(self.call_json(i, "GET", "/get_world_size")
@@ -123,56 +242,59 @@ class Router:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if request.method == "GET" and path.rstrip("/") == routing.STATS_PATH:
-            return web.json_response({"replicas": [vars(r) for r in self.replicas]})
+            return web.json_response({"replicas": self.table.rows(), "in_rotation": self.table.in_rotation(),
+                                      "membership": self.table.membership})
+        try:
+            control = routing.control(request.method, path)
+            if control is not None:
+                return self.control(*control, _json(await request.read()))
+        except ValueError as e:
+            return _error(400, str(e))
         treatment = routing.route(request.method, path)
         if treatment is None:
             return _error(404, routing.unknown_endpoint(request.method, path))
         body = await request.read()
         try:
             if treatment == routing.HEALTH:
-                return await self.health()
+                return self.health()
             if treatment == routing.WORLD_SIZE:
                 return web.json_response({"world_size": sum(await self.world_sizes())})
             if treatment == routing.FIRST:
-                return _passthrough(*await self.call(0, request.method, request.path_qs, body or None))
+                first = next(iter(self.table.in_rotation()), None)
+                return _passthrough(*await self.forward(request.method, request.path_qs, body or None, prefer=first))
             if treatment == routing.SPLIT:
                 return await self.completions(request, body)
             if treatment == routing.ONE:
-                return _passthrough(*await self.call(self.pick(), request.method, request.path_qs, body,
-                                                     _content_type(request)))
+                return _passthrough(*await self.forward(request.method, request.path_qs, body,
+                                                        _content_type(request)))
             if treatment == routing.INIT_WEIGHTS:
                 bodies = routing.init_bodies(_json(body), await self.world_sizes())
                 return await self.to_all(request.path_qs, [json.dumps(b).encode() for b in bodies])
             return await self.to_all(request.path_qs, [body] * len(self.replicas))
-        except ReplicaError as e:
+        except RouterError as e:
             return _error(e.status, str(e))
         except ValueError as e:
             return _error(400, str(e))
 
-    async def health(self) -> web.Response:
-        timeout = ClientTimeout(total=HEALTH_TIMEOUT_S)
-
-        async def probe(i: int) -> str | None:
-            try:
-                status, _, _ = await self.call(i, "GET", "/health", timeout=timeout)
-            except ReplicaError as e:
-                return str(e)
-            return None if status == 200 else f"replica {i} ({self.replicas[i].address}) answered {status}"
-
-        problems = [p for p in await asyncio.gather(*(probe(i) for i in range(len(self.replicas)))) if p]
-        if problems:
+    def health(self) -> web.Response:
+        """Healthy while a replica is in rotation (the probes keep the table current); the others are listed."""
+        problems = [f"replica {i} ({r.address}) out of rotation: {r.reason}" for i, r in enumerate(self.replicas)
+                    if not r.in_rotation]
+        if not self.table.in_rotation():
             return web.json_response({"status": "unhealthy", "problems": problems}, status=503)
-        return web.json_response({"status": "ok", "replicas": len(self.replicas)})
+        return web.json_response({"status": "ok", "replicas": len(self.replicas),
+                                  "in_rotation": len(self.table.in_rotation()), "problems": problems})
 
     async def completions(self, request: web.Request, body: bytes) -> web.Response:
         payload = _json(body)
         prompts = routing.prompts_of(payload)
-        if prompts is None or len(prompts) == 1 or len(self.replicas) == 1 or payload.get("stream"):
-            return _passthrough(*await self.call(self.pick(), "POST", request.path_qs, body, _content_type(request)))
-        parts = routing.split_completion(payload, prompts, len(self.replicas))
-        first = self.pick()
-        targets = [(first + i) % len(self.replicas) for i in range(len(parts))]
-        answers = await asyncio.gather(*(self.call_json(t, "POST", request.path_qs, part)
+        usable = self.table.in_rotation()
+        if prompts is None or len(prompts) == 1 or len(usable) <= 1 or payload.get("stream"):
+            return _passthrough(*await self.forward("POST", request.path_qs, body, _content_type(request)))
+        parts = routing.split_completion(payload, prompts, len(usable))
+        first = usable.index(self.table.pick())
+        targets = [usable[(first + i) % len(usable)] for i in range(len(parts))]
+        answers = await asyncio.gather(*(self.forward_json(request.path_qs, part, t)
                                          for t, (_, part) in zip(targets, parts)))
         merged = routing.merge_completions([(start, a) for (start, _), a in zip(parts, answers)],
                                            int(payload.get("n") or 1))
@@ -220,12 +342,12 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def router_argv(host: str, port: int, replicas: Sequence[str], timeout_s: float | None = None) -> list[str]:
+def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s: float | None = None) -> list[str]:
     """The router's command line (for a ServerProcess; health at `/health`)."""
     argv = [PYTHON, "-m", "dualrun.servers.router", "--host", host, "--port", str(port)]
     for address in replicas:
         argv += ["--replica", address]
-    return argv + ([] if timeout_s is None else ["--timeout-s", str(timeout_s)])
+    return argv + ([] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,11 +355,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--replica", action="append", default=[], help="host:port of a replica (repeat)")
-    parser.add_argument("--timeout-s", type=float, default=None, help="per forwarded request (default: none)")
+    parser.add_argument("--request-timeout-s", type=float, default=None,
+                        help="a replica that has not answered a request by then is hung: out of rotation, the "
+                             "request retried on another (default: none)")
+    parser.add_argument("--probe-interval-s", type=float, default=PROBE_INTERVAL_S,
+                        help="seconds between health probes of each replica (0: none)")
     args = parser.parse_args(argv)
     if not args.replica:
         parser.error("at least one --replica host:port")
-    router = Router(args.replica, args.timeout_s)
+    router = Router(args.replica, args.request_timeout_s, args.probe_interval_s)
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
     web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,

@@ -43,12 +43,28 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/load_lora_adapter"): ALL,
     ("POST", "/v1/unload_lora_adapter"): ALL,
 }
-STATS_PATH = "/router/stats"  # the router's own: requests per replica
+STATS_PATH = "/router/stats"  # the router's own: each replica's counters and whether it is in rotation
+# The launcher's say over the rotation (see rotation.py): POST /router/replicas/<index>/<action>, with a JSON body
+# {"address": "host:port", "hold": bool} for `replace`, {"reason": str} for `remove`, nothing for `restore`.
+CONTROL_PATH = "/router/replicas"
+CONTROL_ACTIONS = ("replace", "restore", "remove")
 
 
 def route(method: str, path: str) -> str | None:
     """The treatment of `method path` (query string and trailing slash ignored), None when it is not served."""
     return ROUTES.get((method.upper(), path.split("?")[0].rstrip("/") or "/"))
+
+
+def control(method: str, path: str) -> tuple[int, str] | None:
+    """(replica index, action) of a control request (`POST /router/replicas/1/restore`), None when it is not one.
+    ValueError for a control path with an unknown action or a bad index."""
+    prefix = CONTROL_PATH + "/"
+    if method.upper() != "POST" or not path.startswith(prefix):
+        return None
+    index, _, action = path[len(prefix):].rstrip("/").partition("/")
+    if not index.isdigit() or action not in CONTROL_ACTIONS:
+        raise ValueError(f"expected POST {CONTROL_PATH}/<index>/<{'|'.join(CONTROL_ACTIONS)}>, got POST {path}")
+    return int(index), action
 
 
 def unknown_endpoint(method: str, path: str) -> str:

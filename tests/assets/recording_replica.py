@@ -7,6 +7,9 @@ Every request is appended to RECORD_DIR/NAME.jsonl as {"method", "path", "body"}
 (a marker file per replica in RECORD_DIR; $REPLICAS of them): a router that forwarded them one after the other
 would leave the first one waiting, and it answers 504.
 /health answers 503 while RECORD_DIR/NAME.sick exists.
+POST /v1/completions answers each prompt with itself as the text, after sleeping the body's `delay_s` when the
+body's `slow_on` is unset or NAME (a slow generation on one replica; recorded on arrival, so a test sees a request is
+on this replica before killing or stopping it); it answers 500 instead when the body's `fail_on` is NAME or "all".
 """
 import json
 import os
@@ -75,6 +78,14 @@ class H(BaseHTTPRequestHandler):
         elif self.path == "/update_weights":
             ok = rendezvous(self.path, int(os.environ["REPLICAS"]))
             self.send(200 if ok else 504, {"joined": ok})
+        elif self.path == "/v1/completions":
+            if body.get("fail_on") in (name, "all"):
+                self.send(500, {"error": {"message": f"{name} failed on purpose"}})
+                return
+            if body.get("slow_on") in (None, name):
+                time.sleep(float(body.get("delay_s") or 0))
+            prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+            self.send(200, {"replica": name, "choices": [{"index": i, "text": p} for i, p in enumerate(prompts)]})
         elif self.path.split("?")[0] in ("/start_weight_update", "/finish_weight_update", "/reset_prefix_cache",
                                          "/pause", "/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
             self.send(200, {"name": name})

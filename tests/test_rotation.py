@@ -1,0 +1,122 @@
+"""The router's rotation table (dualrun/servers/rotation.py): which replicas take requests after which failures,
+what brings them back, the launcher's replace / restore / remove. Pure: the clock is passed in."""
+from __future__ import annotations
+
+import pytest
+
+from dualrun.servers import rotation as rot
+from dualrun.servers import routing
+from dualrun.servers.rotation import Rotation
+
+A, B, C = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
+
+
+def _passes(table: Rotation, index: int, count: int, now: float = 10.0) -> list:
+    return [table.probed(index, True, "ok", now) for _ in range(count)]
+
+
+def test_pick_spreads_round_robin_then_by_load_and_skips_what_is_out_or_excluded():
+    table = Rotation([A, B, C])
+    assert [table.pick() for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    table[0].in_flight = 2
+    assert {table.pick() for _ in range(4)} == {1, 2}               # the least busy first
+    assert table.pick(exclude={1, 2}) == 0
+    assert table.pick(prefer=0) == 0 and table.pick(prefer=0, exclude={0}) in (1, 2)
+    table.fail(1, rot.UNREACHABLE, "refused", 1.0)
+    assert table.in_rotation() == [0, 2] and table.pick(prefer=1) != 1
+    assert table.pick(exclude={0, 2}) is None
+    assert table.members() == [0, 1, 2]                             # weight transfer: every replica, out or not
+
+
+@pytest.mark.parametrize("kind, aborts", [(rot.UNREACHABLE, False), (rot.STATUS, False), (rot.TIMEOUT, True)])
+def test_a_failed_request_takes_the_replica_out_at_once_with_one_line(kind, aborts):
+    table = Rotation([A, B])
+    event = table.fail(1, kind, "what happened", now=5.0)
+    assert event is not None and event.index == 1 and event.abort is aborts
+    assert event.line == f"replica 1 ({B}) out of rotation: what happened; 1 of 2 in rotation"
+    assert table.in_rotation() == [0] and table[1].kind == kind and table[1].out_since == 5.0
+    assert table.fail(1, kind, "again", now=6.0) is None            # out already: no second line
+    assert table.unavailable() == f"replica 1 ({B}) out of rotation: what happened"
+    assert table.unavailable(exclude={1}) == ""
+
+
+def test_the_last_replica_in_rotation_stays_for_a_5xx_but_not_when_unreachable_or_hung():
+    table = Rotation([A, B])
+    table.fail(0, rot.UNREACHABLE, "refused", 1.0)
+    assert table.fail(1, rot.STATUS, "answered 500", 2.0) is None and table.in_rotation() == [1]
+    assert table.fail(1, rot.TIMEOUT, "no answer", 3.0) is not None and table.in_rotation() == []
+    assert table.pick() is None
+
+
+def test_a_down_or_sick_replica_is_back_after_two_passing_probes():
+    table = Rotation([A, B])
+    table.fail(1, rot.UNREACHABLE, "refused", now=1.0)
+    assert table.probed(1, False, "refused", 2.0) is None and table[1].passes == 0
+    assert table.probed(1, True, "ok", 3.0) is None                 # one pass is not enough
+    assert table.probed(1, False, "refused", 4.0) is None           # ... and a miss starts the count again
+    assert table.probed(1, True, "ok", 5.0) is None
+    event = table.probed(1, True, "ok", 6.5)
+    assert event is not None and not event.abort
+    assert event.line == f"replica 1 ({B}) back in rotation after 5.5 s; 2 of 2 in rotation"
+    assert table.in_rotation() == [0, 1] and table[1].reason is None
+
+
+def test_a_failed_probe_takes_a_replica_out_and_aborts_its_requests():
+    table = Rotation([A, B])
+    assert table.probed(0, True, "ok", 1.0) is None                 # in rotation and healthy: nothing happens
+    event = table.probed(0, False, "health probe not answered within 5 s", 2.0)
+    assert event is not None and event.abort and table[0].kind == rot.PROBE
+    assert all(e is None for e in _passes(table, 0, 1)) and _passes(table, 0, 1)[0] is not None
+
+
+def test_a_hung_replica_stays_out_until_restored_even_when_its_probes_pass():
+    table = Rotation([A, B])
+    table.fail(0, rot.TIMEOUT, "gave no answer within 30 s", 1.0)
+    assert _passes(table, 0, 5) == [None] * 5 and table.in_rotation() == [1]
+    event = table.restore(0, now=9.0)                               # its last probes passed: back at once
+    assert event is not None and table.in_rotation() == [0, 1]
+    # out for a probe, then found hung by a request's timeout: hung wins
+    table.probed(1, False, "refused", 10.0)
+    assert table.fail(1, rot.TIMEOUT, "gave no answer", 11.0) is None and table[1].kind == rot.TIMEOUT
+    assert _passes(table, 1, 3) == [None] * 3
+
+
+def test_remove_keeps_a_replica_out_until_restored_then_it_needs_its_probes():
+    table = Rotation([A, B])
+    event = table.remove(1, "hung: the launcher stops it", 1.0)
+    assert event is not None and event.abort and table[1].kind == rot.LAUNCHER
+    assert table.remove(1, "again", 2.0) is None
+    assert _passes(table, 1, 1) == [None]
+    table[1].passes = 0
+    assert table.restore(1, 3.0) is None                            # no passing probe since: wait for two
+    assert _passes(table, 1, 2)[1] is not None and table.in_rotation() == [0, 1]
+
+
+def test_replace_swaps_in_a_new_address_held_until_restored_and_ignores_the_old_engines_failures():
+    table = Rotation([A, B])
+    table.fail(1, rot.UNREACHABLE, "refused", 1.0)
+    old = table[1].incarnation
+    event = table.replace(1, C, now=2.0, hold=True)
+    assert event.abort and event.line.startswith(f"replica 1 replaced: {B} -> {C} (replaced, waiting for its health "
+                                                 "and to be restored)")
+    assert table[1].address == C and table.membership == 1 and table.in_rotation() == [0]
+    assert table.fail(1, rot.UNREACHABLE, "the old engine's request failed", 3.0, incarnation=old) is None
+    assert table.probed(1, False, "the old engine's probe", 3.0, incarnation=old) is None and table[1].passes == 0
+    assert _passes(table, 1, 3) == [None] * 3                       # healthy, but held (no weights yet)
+    event = table.restore(1, now=4.0)
+    assert event is not None and table.in_rotation() == [0, 1] and table[1].hold is False
+    # without hold: in once healthy; the counters go on across the replacement
+    table[1].served = 7
+    table.replace(1, B, now=5.0)
+    assert table.membership == 2 and table[1].served == 7
+    assert _passes(table, 1, 2)[1] is not None and table.in_rotation() == [0, 1]
+
+
+def test_control_paths():
+    assert routing.control("POST", "/router/replicas/2/replace") == (2, "replace")
+    assert routing.control("POST", "/router/replicas/0/restore/") == (0, "restore")
+    assert routing.control("GET", "/router/replicas/0/restore") is None
+    assert routing.control("POST", "/v1/completions") is None
+    for bad in ("/router/replicas/x/restore", "/router/replicas/1/reboot", "/router/replicas/1"):
+        with pytest.raises(ValueError, match="expected POST /router/replicas/<index>/<replace|restore|remove>"):
+            routing.control("POST", bad)
