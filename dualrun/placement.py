@@ -9,7 +9,7 @@ Pure: the launching shell's environment (CUDA_VISIBLE_DEVICES, RAY_ADDRESS) come
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import ConfigError
@@ -56,9 +56,17 @@ class RankView:
 class Placement(Protocol):
     """What the plan asks of a backend."""
 
-    master_addr: str               # MASTER_ADDR of the trainers as planned (AUTO: the launcher fills it in)
-    machine_rank: int | None       # the machine this launch is for (None: one launch places every node)
-    processes_take_slots: bool     # on CPU a machine's slots (torchrun.gpus_per_machine) are processes
+    @property
+    def master_addr(self) -> str:
+        """MASTER_ADDR of the trainers as planned (AUTO: the launcher fills it in)."""
+
+    @property
+    def machine_rank(self) -> int | None:
+        """The machine this launch is for (None: one launch places every node)."""
+
+    @property
+    def processes_take_slots(self) -> bool:
+        """Whether on CPU a machine's slots (`torchrun.gpus_per_machine`) are processes, one per rank or engine."""
 
     def assumed_cluster(self, environ: Mapping[str, str]) -> Cluster:
         """The cluster the config implies when none is described, given the launching shell's environment."""
@@ -82,7 +90,10 @@ def placement_for(cfg: JobConfig) -> Placement:
 
 
 def visible_devices(cfg: JobConfig, environ: Mapping[str, str]) -> tuple[int, ...] | None:
-    """The shell's CUDA_VISIBLE_DEVICES (in `environ`) as ids, for a job with GPUs; None where it is unset."""
+    """The shell's CUDA_VISIBLE_DEVICES (in `environ`) as ids, for a job with GPUs; None where it is unset.
+
+    Why they count: torchrun and accelerate run a node's ranks on the GPUs the shell makes visible, and a local
+    Ray cluster started for the job holds only those too (a joined cluster has its own: the Ray policy asks)."""
     if not any(r.gpus for r in cfg.roles):
         return None
     raw = environ.get("CUDA_VISIBLE_DEVICES")
@@ -270,5 +281,4 @@ class RayPlacement:
         return replicas[0]
 
 
-_POLICIES: dict[str, type[TorchrunPlacement] | type[RayPlacement]] = {"torchrun": TorchrunPlacement,
-                                                                      "ray": RayPlacement}
+_POLICIES: dict[str, Callable[[JobConfig], Placement]] = {"torchrun": TorchrunPlacement, "ray": RayPlacement}

@@ -117,7 +117,7 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
     """Place every process of `cfg` on `cluster` (default: the cluster the config implies, on the GPUs the
     launching shell's `environ` makes visible; pass os.environ where the shell counts, None: it sets nothing)."""
     policy = placement_for(cfg)
-    cluster = cluster or policy.assumed_cluster(environ or {})
+    cluster = cluster or policy.assumed_cluster({} if environ is None else environ)
     common = _common_env(cfg, extra_env)
     free = policy.free_devices(cluster)
     procs: list[Process] = []
@@ -159,7 +159,7 @@ def _take(free: Free, node: int, count: int, fixed: tuple[int, ...] | None) -> t
         for gid in fixed:
             if gid in free[node]:
                 free[node].remove(gid)
-        return tuple(fixed)  # torchrun's policy held them back already
+        return tuple(fixed)  # torchrun: held back from `free` by its policy already
     got, free[node][:] = free[node][:count], free[node][count:]
     return tuple(got)
 
