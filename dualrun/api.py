@@ -35,7 +35,7 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
     # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address
-    early = make_plan(cfg) if dry_run or cfg.backend == "torchrun" else None
+    early = make_plan(cfg, environ=os.environ) if dry_run or cfg.backend == "torchrun" else None
     if cfg.backend == "ray" and not dry_run:
         from dualrun.raycluster import check_reachable
 
@@ -56,7 +56,7 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
             except BaseException:
                 launcher.close()
                 raise
-    plan = early if cluster is None and early is not None else make_plan(cfg, cluster)
+    plan = early if cluster is None and early is not None else make_plan(cfg, cluster, environ=os.environ)
     prepared = launcher.prepare(plan)   # what the dry run prints is what the launch runs
     if dry_run:
         print(plan.table(), file=sys.stdout)

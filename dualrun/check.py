@@ -96,7 +96,7 @@ def _planned_gpus(plan: Plan | None, node: int) -> int:
 
 def _plan(cfg: JobConfig, cluster: Cluster | None, problems: list[str]) -> Plan | None:
     try:
-        return make_plan(cfg, cluster)
+        return make_plan(cfg, cluster, environ=os.environ)
     except DualrunError as e:
         problems.append(f"plan: {e}")
         return None

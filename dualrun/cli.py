@@ -107,7 +107,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         if cluster is None and cfg.ray.address not in (None, "auto", "local"):
             raise ConfigError(cfg.source, "ray.address", "a Ray cluster reachable from here (checked for 2 s)",
                               cfg.ray.address)
-    plan = make_plan(cfg, cluster)
+    plan = make_plan(cfg, cluster, environ=os.environ)
     print(plan.to_json() if ns.json else plan.table())
     return 0
 

@@ -1,44 +1,26 @@
 """Plan: a pure function from (config, cluster) to every process, where it runs and with which env.
 
-No Ray, no torch: `dualrun plan` prints it and both launchers consume it. Values only known at launch
-time (the master port, a server's address, the run id) appear as `<auto>` until the launcher fills them in.
+No Ray, no torch, no environment of its own: `dualrun plan` prints it and both launchers consume it; where the
+launching shell's variables count (CUDA_VISIBLE_DEVICES, RAY_ADDRESS), the caller passes them in. What differs
+between the backends is the placement policy's (dualrun/placement.py). Values only known at launch time (the
+master port, a server's address, the run id) appear as `<auto>` until the launcher fills them in.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from dualrun import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
+from dualrun.engine_shape import engine_size, replica_count, server_env
 from dualrun.envspec import rank_env, redact
 from dualrun.errors import ConfigError, escaped
+from dualrun.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
 
-AUTO = "<auto>"
+__all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
+
 ROUTER = "router"   # the kind of the process that puts a separate role's engine replicas behind one address
-
-
-@dataclass(frozen=True)
-class Node:
-    index: int
-    address: str
-    gpus: int
-    cpus: float = 0.0
-    node_id: str = ""
-    device_ids: tuple[int, ...] = ()   # the node's GPU ids when not 0..gpus-1 (the shell's CUDA_VISIBLE_DEVICES)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """What the plan places onto. `source`: 'planned' (assumed from the config) or 'ray' (read live)."""
-
-    nodes: tuple[Node, ...]
-    source: str = "planned"
-
-    @staticmethod
-    def uniform(num_nodes: int, gpus_per_node: int, cpus_per_node: float = 0.0) -> "Cluster":
-        addr = lambda i: "127.0.0.1" if num_nodes == 1 else f"node{i}"  # noqa: E731
-        return Cluster(tuple(Node(i, addr(i), gpus_per_node, cpus_per_node) for i in range(num_nodes)))
 
 
 @dataclass(frozen=True)
@@ -130,95 +112,21 @@ class Plan:
         return "\n".join(lines)
 
 
-def units(cfg: JobConfig) -> list[tuple[tuple[str, ...], RoleSpec]]:
-    """Placement units, primary first: each colocate group once, every other role alone."""
-    out: list[tuple[tuple[str, ...], RoleSpec]] = []
-    seen: set[str] = set()
-    for role in cfg.roles:
-        if role.name in seen:
-            continue
-        group = cfg.group_of(role.name)
-        seen.update(group)
-        out.append((group, role))
-    return out
-
-
-def visible_devices(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
-    """The launching shell's CUDA_VISIBLE_DEVICES as ids, where it decides the job's GPUs (None: it does not).
-
-    torchrun and accelerate run a node's ranks on the GPUs the shell makes visible, and a local Ray cluster
-    started for the job holds only those too; a Ray cluster that is joined has its own GPUs on its own nodes."""
-    import os
-
-    if not any(r.gpus for r in cfg.roles):
-        return None
-    environ = os.environ if environ is None else environ
-    raw = environ.get("CUDA_VISIBLE_DEVICES")
-    if raw is None:
-        return None
-    if cfg.backend == "ray" and (cfg.ray.address not in (None, "local") or environ.get("RAY_ADDRESS")
-                                 or cfg.num_machines > 1):
-        return None
-    parts = [p.strip() for p in raw.split(",") if p.strip()]
-    if parts and parts[0] == "-1":
-        parts = []
-    if not all(p.isdigit() and len(p) < 5 for p in parts) or len(set(parts)) != len(parts):
-        raise ConfigError("<environment>", "CUDA_VISIBLE_DEVICES", "distinct GPU ids like 3,4 (dualrun plans "
-                          "on ids; unset it to plan on all GPUs)", raw)
-    return tuple(int(p) for p in parts)
-
-
-def assumed_cluster(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> Cluster:
-    """The cluster a config implies when none is described: num_machines equal nodes, on the GPUs the launching
-    shell makes visible (CUDA_VISIBLE_DEVICES) when it sets them."""
-    n = cfg.num_machines
-    primary = cfg.primary
-    per_node_primary = primary.gpus // n if primary.gpus else 0
-    servers = sum(r.gpus for g, r in units(cfg)[1:] if not r.address)
-    visible = visible_devices(cfg, environ)
-    per_machine = cfg.torchrun.gpus_per_machine if cfg.backend == "torchrun" else None
-    if per_machine is not None and visible is not None and per_machine != len(visible):
-        raise ConfigError(cfg.source, "torchrun.gpus_per_machine", "the launching shell's CUDA_VISIBLE_DEVICES "
-                          f"count, {len(visible)} (or unset it)", per_machine)
-    if visible is not None:
-        for role in cfg.roles:
-            outside = sorted(set(role.gpu_ids or ()) - set(visible))
-            if outside:
-                raise ConfigError(cfg.source, f"roles.{role.name}.gpu_ids", "ids among the launching shell's "
-                                  f"CUDA_VISIBLE_DEVICES={','.join(map(str, visible))}", outside[0])
-        hosts = ["127.0.0.1"] if n == 1 else [(cfg.main_process_ip or "HEAD")] + [f"node{i}" for i in range(1, n)]
-        return Cluster(tuple(Node(i, hosts[i], len(visible), device_ids=visible) for i in range(n)))
-    if per_machine is not None:   # every machine alike: the servers fill what the trainers leave, in order
-        hosts = ["127.0.0.1"] if n == 1 else [(cfg.main_process_ip or "HEAD")] + [f"node{i}" for i in range(1, n)]
-        return Cluster(tuple(Node(i, hosts[i], per_machine) for i in range(n)))
-    if cfg.backend == "torchrun":
-        nodes = [Node(i, "127.0.0.1" if n == 1 else (cfg.main_process_ip or "HEAD") if i == 0 else f"node{i}",
-                      per_node_primary + (servers if i == 0 else 0)) for i in range(n)]
-        ids = [i for r in cfg.roles for i in (r.gpu_ids or ())]
-        if ids and n == 1:
-            nodes[0] = replace(nodes[0], gpus=max(nodes[0].gpus, max(ids) + 1))
-        return Cluster(tuple(nodes))
-    total = primary.gpus + servers
-    per = -(-total // n) if total else 0
-    return Cluster.uniform(n, per)
-
-
-def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping[str, str] | None = None) -> Plan:
-    """Place every process of `cfg` on `cluster` (default: the cluster the config implies)."""
-    cluster = cluster or assumed_cluster(cfg)
+def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping[str, str] | None = None,
+              environ: Mapping[str, str] | None = None) -> Plan:
+    """Place every process of `cfg` on `cluster` (default: the cluster the config implies, on the GPUs the
+    launching shell's `environ` makes visible; pass os.environ where the shell counts, None: it sets nothing)."""
+    policy = placement_for(cfg)
+    cluster = cluster or policy.assumed_cluster({} if environ is None else environ)
     common = _common_env(cfg, extra_env)
-    free = {n.index: list(n.device_ids or range(n.gpus)) for n in cluster.nodes}
-    if cfg.backend == "torchrun" and cluster.nodes:
-        # fixed ids (`gpu_ids`) are reserved up front, so no role takes them by count: separate roles never share
-        fixed = {gid for r in cfg.roles for gid in (r.gpu_ids or ())}
-        free[cluster.nodes[0].index] = [g for g in free[cluster.nodes[0].index] if g not in fixed]
+    free = policy.free_devices(cluster)
     procs: list[Process] = []
     external: dict[str, str] = {}
     for i, (group, role) in enumerate(units(cfg)):
         unit = "+".join(group)
         if i == 0:
-            procs += _place_workers(cfg, cluster, free, group, role, unit, common)
-            if cfg.backend == "torchrun" and cfg.torchrun.gpus_per_machine:
+            procs += _place_workers(cfg, policy, cluster, free, group, role, unit, common)
+            if policy.processes_take_slots:
                 for p in procs:   # on CPU a machine's slots are processes: each trainer rank takes one
                     if not p.devices and free[p.node]:
                         free[p.node].pop(0)
@@ -227,10 +135,9 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
             for name in group:
                 external[name] = role.address
             continue
-        procs += _place_server(cfg, cluster, free, group, role, unit, common)
-    machine_rank = cfg.machine_rank if cfg.backend == "torchrun" else None
+        procs += _place_server(cfg, policy, cluster, free, group, role, unit, common)
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(procs), frozen_map(common),
-                frozen_map(external), machine_rank)
+                frozen_map(external), policy.machine_rank)
 
 
 def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:
@@ -247,59 +154,30 @@ def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, st
     return env
 
 
-def _take(free: dict[int, list[int]], node: int, count: int, fixed: tuple[int, ...] | None) -> tuple[int, ...]:
+def _take(free: Free, node: int, count: int, fixed: tuple[int, ...] | None) -> tuple[int, ...]:
     if fixed is not None:
         for gid in fixed:
             if gid in free[node]:
                 free[node].remove(gid)
-        return tuple(fixed)  # already reserved by make_plan (torchrun)
+        return tuple(fixed)  # torchrun: held back from `free` by its policy already
     got, free[node][:] = free[node][:count], free[node][count:]
     return tuple(got)
 
 
-def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], group: tuple[str, ...],
+def _place_workers(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Free, group: tuple[str, ...],
                    role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
     world = role.processes
-    nodes = cluster.nodes
-    per_process_gpu = 1 if role.gpus else 0
-    if cfg.backend == "torchrun":
-        n = cfg.num_machines
-        if len(nodes) < n:
-            raise ConfigError(cfg.source, "num_machines", f"at most {len(nodes)} machines in this cluster", n)
-        per = world // n
-        slots = [(nodes[i].index, per) for i in range(n)]
-    else:
-        slots = []
-        left = world
-        for node in nodes:
-            if left == 0:
-                break
-            if per_process_gpu:
-                cap = len(free[node.index])
-            elif node.cpus and cfg.ray.num_cpus_per_worker:   # a live cluster: Ray packs CPU ranks per node too
-                cap = int(node.cpus // cfg.ray.num_cpus_per_worker) or 0
-                cap = cap if node.index != nodes[-1].index else left
-            else:
-                cap = left
-            take = min(cap, left)
-            if take:
-                slots.append((node.index, take))
-                left -= take
-        if left:
-            have = sum(len(v) for v in free.values())
-            raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
-                              f"at most {have} GPUs (the cluster has {sum(x.gpus for x in nodes)} in "
-                              f"{len(nodes)} node(s))", world)
+    slots = policy.worker_slots(cluster, free, role)
     procs: list[Process] = []
     rank = 0
     node_ranks = {idx: r for r, (idx, _) in enumerate(slots)}
     for node_index, count in slots:
-        if per_process_gpu:
+        if role.gpus:   # one GPU per rank
             if role.gpu_ids is not None and len(slots) == 1:
                 devices = _take(free, node_index, count, role.gpu_ids)
             else:
                 if len(free[node_index]) < count:
-                    node = nodes[node_index]
+                    node = cluster.nodes[node_index]
                     raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
                                       f"at most {len(free[node_index])} free GPUs on node {node.index}"
                                       + _visible_note(node), count)
@@ -307,38 +185,30 @@ def _place_workers(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]],
         else:
             devices = ()
         for local in range(count):
-            if cfg.backend == "ray":
-                mine = (devices[local],) if devices else ()
-                local_rank, local_world, visible = 0, 1, mine
-            else:
-                mine, local_rank, local_world, visible = (devices[local],) if devices else (), local, count, devices
-            env = rank_env(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
-                           node_rank=node_ranks[node_index], num_nodes=len(slots),
-                           master_addr=AUTO if cfg.backend == "ray" else (cfg.main_process_ip or "127.0.0.1"),
-                           master_port=cfg.main_process_port or AUTO, max_restarts=cfg.max_failures,
-                           run_id=AUTO)
+            view = policy.rank_view(local, count, devices)
+            env = rank_env(rank=rank, world_size=world, local_rank=view.local_rank,
+                           local_world_size=view.local_world_size, node_rank=node_ranks[node_index],
+                           num_nodes=len(slots), master_addr=policy.master_addr,
+                           master_port=cfg.main_process_port or AUTO, max_restarts=cfg.max_failures, run_id=AUTO)
             env.update(common)
             env.update(role.env)
             env.update({"NODE_RANK": str(node_ranks[node_index]),
-                        "CUDA_VISIBLE_DEVICES": ",".join(map(str, visible)),
+                        "CUDA_VISIBLE_DEVICES": ",".join(map(str, view.visible)),
                         protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
-            procs.append(Process(unit, group, "worker", rank, world, node_index, local_rank, local_world, mine,
-                                 frozen_map(env)))
+            procs.append(Process(unit, group, "worker", rank, world, node_index, view.local_rank,
+                                 view.local_world_size, view.devices, frozen_map(env)))
             rank += 1
     return procs
 
 
-def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], group: tuple[str, ...],
+def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Free, group: tuple[str, ...],
                   role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
-    """A separate role's engines: one replica of `engine_size` GPUs each (torchrun: on the first machine, from 0
-    up, with that many free GPUs left by the trainers, started by that machine's launcher; Ray: each on any node,
-    in its own placement group), and with several a router (CPU only; torchrun: on machine 0, beside trainer
-    rank 0; Ray: on the first replica's node) whose address the trainers get."""
-    from dualrun.servers.commands import engine_size, replica_count, server_env
-
+    """A separate role's engines: one replica of `engine_size` GPUs each, each on the first node with that many
+    free GPUs left by the trainers (fixed `gpu_ids`: those), and with several a router (CPU only) on the node
+    the placement policy says, whose address the trainers get."""
     count = replica_count(cfg, role)
     size = engine_size(cfg, role) if role.gpus else 0
-    slots = size or (1 if cfg.backend == "torchrun" and cfg.torchrun.gpus_per_machine else 0)   # CPU: a process
+    slots = size or (1 if policy.processes_take_slots else 0)   # CPU: a process
     fixed = role.gpu_ids
     candidates: Iterable[Node] = cluster.nodes
     env = dict(common)
@@ -362,7 +232,7 @@ def _place_server(cfg: JobConfig, cluster: Cluster, free: dict[int, list[int]], 
         procs.append(Process(unit, group, "server", replica, count, node.index, 0, 1, devices,
                              frozen_map({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))})))
     if count > 1:
-        home = cluster.nodes[0].index if cfg.backend == "torchrun" else procs[0].node
+        home = policy.router_node(cluster, [p.node for p in procs])
         procs.append(Process(unit, group, ROUTER, 0, count, home, 0, 1, (),
                              frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""})))
     return procs

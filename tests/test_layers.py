@@ -1,7 +1,8 @@
-"""The module graph of `dualrun/`: no import cycle (function-level imports included).
+"""The module graph of `dualrun/`: no import cycle, no import upward, a pure plan (function-level imports included).
 
 Why: a cycle hides which module is the lower layer, and it only works while every import in it stays inside a
-function; the next top-level import in one of its modules breaks the package at import time.
+function; the next top-level import in one of its modules breaks the package at import time. An upward import
+(the config or the plan reaching what starts processes) is how a pure layer stops being one.
 """
 from __future__ import annotations
 
@@ -103,4 +104,85 @@ def test_no_module_imports_upward():
                     if any(dep == b or dep.startswith(b + ".") for b in banned))
     assert graph["dualrun.servers.ray_server"], "the import scan found nothing: it is broken"
     assert graph["dualrun.rank.bootstrap"], "the import scan missed the worker package"
+    assert upward == []
+
+
+# The plan is pure: placement and env from the config and a cluster, below everything that starts a process.
+PLAN_LAYER = {"dualrun.plan", "dualrun.placement", "dualrun.engine_shape"}
+# ... and it reads values only: the config's model, the protocol's names, the env builders, the errors.
+PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.protocol", "dualrun.envspec", "dualrun.errors"}
+# The config sits below the plan: it reads the file and checks values, and imports nothing that uses it.
+CONFIG_READS = ("dualrun.config", "dualrun.errors", "dualrun.envspec", "dualrun.envinfo", "dualrun.protocol")
+_ENV_CALLS = {"environ", "getenv", "putenv", "unsetenv", "environb"}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def _reached(graph: dict[str, set[str]], roots: set[str]) -> set[str]:
+    """Every module `roots` import, directly or through others."""
+    seen, todo = set(), list(roots)
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def _env_reads(source: str, defaults_ok: bool) -> list[int]:
+    """Lines where `source` reads the process environment (os.environ, os.getenv, ...; `from os import
+    environ`). With `defaults_ok`, a read inside a function that takes `environ` (its default) is allowed."""
+    tree = ast.parse(source)
+    allowed: set[int] = set()
+    if defaults_ok:
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and "environ" in {
+                    a.arg for a in fn.args.args + fn.args.kwonlyargs}:
+                allowed.update(id(n) for n in ast.walk(fn))
+    lines = []
+    for node in ast.walk(tree):
+        hit = (isinstance(node, ast.Attribute) and node.attr in _ENV_CALLS and isinstance(node.value, ast.Name)
+               and node.value.id == "os") or (isinstance(node, ast.ImportFrom) and node.module == "os"
+                                             and any(a.name in _ENV_CALLS for a in node.names))
+        if hit and id(node) not in allowed:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_checkers_see_an_environment_read_and_an_import_outside():
+    assert _env_reads("import os\nx = os.environ.get('A')\n", defaults_ok=False) == [2]
+    assert _env_reads("from os import getenv\n", defaults_ok=False) == [1]
+    reads_default = "import os\ndef f(environ=None):\n    return os.environ if environ is None else environ\n"
+    assert _env_reads(reads_default, defaults_ok=True) == []
+    assert _env_reads(reads_default, defaults_ok=False) == [3]
+    assert _env_reads("import os\ndef f(env=None):\n    return os.getenv('A')\n", defaults_ok=True) == [3]
+    assert _reached({"p": {"v"}, "v": {"s"}, "s": set()}, {"p"}) == {"v", "s"}
+
+
+def test_the_plan_reads_no_environment_and_imports_only_values():
+    """plan.py, the placement policies and the engines' shape: no environment of their own (the caller passes
+    the launching shell's), and nothing of servers/, launchers/, Ray or anything else that starts or reads a
+    process, even through another module; the values they read take the environment only as a default."""
+    graph = _graph()
+    mods = _modules()
+    assert PLAN_LAYER <= set(graph) and graph["dualrun.plan"], "the import scan found nothing: it is broken"
+    outside = sorted(_reached(graph, PLAN_LAYER) - PLAN_READS)
+    assert outside == [], f"the plan reaches {outside}: pass the value in, or move the pure part down"
+    own = {name: _env_reads(mods[name].read_text(), defaults_ok=False) for name in sorted(PLAN_LAYER)}
+    assert {name: lines for name, lines in own.items() if lines} == {}
+    values = {name: _env_reads(mods[name].read_text(), defaults_ok=True) for name in sorted(PLAN_READS)}
+    assert {name: lines for name, lines in values.items() if lines} == {}
+
+
+def test_config_imports_nothing_above_it():
+    """dualrun.config reads the file and checks values: it reaches only itself, the errors, the env names, the
+    machine's facts (envinfo) and the protocol; never the plan, the placement, a launcher, a server or a plugin."""
+    graph = _graph()
+    config = {name for name in graph if name == "dualrun.config" or name.startswith("dualrun.config.")}
+    assert "dualrun.config.load" in config and graph["dualrun.config.load"], "the scan is broken"
+    upward = sorted(f"{name} -> {dep}" for name in config for dep in _reached(graph, {name})
+                    if not any(dep == low or dep.startswith(low + ".") for low in CONFIG_READS))
     assert upward == []

@@ -59,12 +59,12 @@ def test_without_a_machine_size_every_server_stays_on_machine_0():
     assert _replicas(plan) == [(0, (2, 3)), (0, (4, 5))]
 
 
-def test_the_launching_shells_visible_gpus_are_each_machines(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    plan = make_plan(_cfg({"gpus": 4, "tensor_parallel_size": 2}))
+def test_the_launching_shells_visible_gpus_are_each_machines():
+    shell = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    plan = make_plan(_cfg({"gpus": 4, "tensor_parallel_size": 2}), environ=shell)
     assert _replicas(plan) == [(0, (6, 7)), (1, (6, 7))]
     with pytest.raises(ConfigError) as e:
-        make_plan(_cfg({"gpus": 2}, gpus_per_machine=8))
+        make_plan(_cfg({"gpus": 2}, gpus_per_machine=8), environ=shell)
     assert e.value.key == "torchrun.gpus_per_machine" and "CUDA_VISIBLE_DEVICES count, 4" in str(e.value)
 
 

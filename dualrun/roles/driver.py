@@ -77,7 +77,7 @@ def driver_env(cfg: Any, run_id: str) -> dict[str, str]:
     from dualrun.plan import AUTO, make_plan
 
     env = dict(os.environ)
-    env.update({k: (run_id if v == AUTO else v) for k, v in make_plan(cfg).env.items()})
+    env.update({k: (run_id if v == AUTO else v) for k, v in make_plan(cfg, environ=os.environ).env.items()})
     env[ROLES_MODE] = roles_mode(cfg)
     env[ROLES_SPEC] = spec_from_config(cfg).to_json()
     return env

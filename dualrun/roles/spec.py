@@ -72,7 +72,7 @@ def planned_devices(cfg: Any) -> dict[str, tuple[int, ...]]:
     from dualrun.plan import make_plan
 
     try:
-        plan = make_plan(cfg)
+        plan = make_plan(cfg, environ=os.environ)
     except DualrunError:
         return {}   # `dualrun launch` reports the plan's problem itself
     out: dict[str, list[int]] = {}

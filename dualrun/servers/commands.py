@@ -13,6 +13,8 @@ import warnings
 from typing import Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
+# the engines' shape (engine, size, replicas, env) lives below the plan that places them (dualrun/engine_shape.py)
+from dualrun.engine_shape import ROLLOUT_SERVER_ENV, engine_of  # noqa: F401 - ROLLOUT_SERVER_ENV: servers/local.py
 from dualrun.envinfo import vllm_cpu_only
 from dualrun.interpreter import PYTHON
 
@@ -20,18 +22,9 @@ HEALTH_PATH = "/health"  # vLLM's OpenAI server and dualrun's CPU engine
 # vLLM's CLI (`vllm serve`), run as a module so the node's interpreter runs it (TRL's build_command does the same).
 VLLM_CLI = ("-m", "vllm.entrypoints.cli.main", "serve")
 VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"  # the same server and flags, without the CLI's version check
-# The endpoints TRL's VLLMClient uses (weight transfer, /server_info, prefix-cache reset) live behind dev mode.
-ROLLOUT_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 # What TRL 1.16's build_command adds after the model flags, for when TRL is too old to have build_command.
 TRL_ROLLOUT_FLAGS = ("--weight-transfer-config", json.dumps({"backend": "nccl"}),
                      "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
-
-
-def engine_of(cfg: JobConfig, role: RoleSpec) -> str:
-    """`engine:` as set; else vLLM on GPUs and the transformers CPU engine where there are none."""
-    if role.engine:
-        return role.engine
-    return "transformers" if (cfg.use_cpu or role.gpus == 0) else "vllm"
 
 
 def parallel_flags(role: RoleSpec) -> list[str]:
@@ -85,27 +78,6 @@ def server_argv(cfg: JobConfig, role: RoleSpec, model: str, host: str, port: int
         return cpu_engine(role, model, host, port)
     build = rollout_vllm if rollout else vllm_serve
     return for_installed_vllm(build(role, model, host, port))
-
-
-def server_env(cfg: JobConfig, role: RoleSpec) -> dict[str, str]:
-    """Env a role's server needs beyond the job's: dev mode for a vLLM rollout server (as `trl vllm-serve` sets)."""
-    if role.name == "rollout" and not role.address and engine_of(cfg, role) == "vllm":
-        return dict(ROLLOUT_SERVER_ENV)
-    return {}
-
-
-def engine_size(cfg: JobConfig, role: RoleSpec) -> int:
-    """Devices (GPUs, or CPU processes where the role has no GPUs) one engine of the role takes: vLLM's
-    tensor x data parallel size; dualrun's CPU engine is one process."""
-    if engine_of(cfg, role) == "transformers":
-        return 1
-    return role.tensor_parallel_size * role.data_parallel_size
-
-
-def replica_count(cfg: JobConfig, role: RoleSpec) -> int:
-    """Engines a separate role runs: its GPUs (or CPU processes) over one engine's size. More than one stand
-    behind one address, the router's (`dualrun.servers.router`): TRL's trainers take a single server address."""
-    return max(1, (role.gpus or role.processes) // engine_size(cfg, role))
 
 
 # The flags dualrun itself puts on a server's command line (the builders above), and the key that sets each.
