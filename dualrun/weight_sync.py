@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from dualrun.config.model import JobConfig
 from dualrun.plan import Plan
-from dualrun.servers.commands import engine_of, engine_size
+from dualrun.engine_shape import engine_of, engine_size
 from dualrun.servers.routing import rank_offsets
 
 TIMEOUT_S = 30.0          # forming the group and the broadcast, per member
