@@ -1,4 +1,5 @@
-"""Plan: a pure function from (config, cluster) to every process, where it runs and with which env.
+"""Plan: a function from (config, cluster, the shell's CUDA_VISIBLE_DEVICES) to every process, where it runs and with
+which env.
 
 No Ray, no torch: `dualrun plan` prints it and both launchers consume it. Values only known at launch
 time (the master port, a server's address, the run id) appear as `<auto>` until the launcher fills them in.

@@ -63,8 +63,8 @@ def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_
     """The queue of tests/conftest.py reaches pytest-xdist: every slow end-to-end test that starts a Ray cluster of
     its own on one worker, one at a time; those that only join the worker's running cluster (`ray_cluster`, or
     `ray_cluster_if_ray` in a test parametrized by backend) and the torchrun-only ones on whichever worker is free
-    (pytest 9.2 broke xdist 3.8's groups: its node-id suffix no longer took, so the queue ran spread over both
-    workers; constraints.txt pins pytest 9.1)."""
+    (constraints.txt pins pytest 9.1: under pytest 9.2 the node-id suffix of xdist 3.8's groups does not take, so
+    the queue runs spread over both workers)."""
     import re
     import sys
 
