@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from dualrun.progress import looks_like_bar
 from ray_helpers import ray_env
 

@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from conftest import REPO, dualrun, link_tiny
+from helpers import REPO, dualrun, link_tiny, pids_matching
 from dualrun.progress import looks_like_bar
-from helpers import pids_matching
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]
@@ -16,6 +15,7 @@ SFT = REPO / "examples" / "sft.py"
 TINY = REPO / "examples" / "make_tiny_model.py"
 
 
+@pytest.mark.ray
 @pytest.mark.skipif(not (SFT.exists() and TINY.exists()), reason="examples/sft.py not there yet")
 def test_sft_losses_equal_on_torchrun_and_ray(tmp_path, tiny):
     link_tiny(tiny, tmp_path)   # under tmp_path: the leftover check below finds the workers by that path

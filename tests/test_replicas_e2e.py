@@ -16,21 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun, link_tiny
-from helpers import cmdline, engine_pid, eventually, pids_matching
+from helpers import ASSETS, cmdline, dualrun, engine_pid, eventually, link_tiny, pids_matching
 from ray_helpers import ray_env
 from test_server_watch import STEPS, assert_restarted_once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
-
-ASSETS = Path(__file__).resolve().parent / "assets"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny, tmp_path_factory) -> Path:
-    """The shared assets under this module's own path: the teacher's path on the replicas' command lines marks this
-    module's servers (see conftest.link_tiny)."""
-    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture
@@ -64,11 +54,11 @@ def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", e
 
 
 @pytest.mark.parametrize("backend, replicas", [("torchrun", 3), ("ray", 2)])
-def test_replicas_serve_the_teacher(tmp_path, tiny, ray_cluster_if_ray, backend, replicas):
+def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, backend, replicas):
     """(That a router's greedy answers are one engine's, for 2 and 3 replicas, is test_router.py's.)"""
     cluster = ray_cluster_if_ray
     env = ray_env(RAY_ADDRESS=cluster.address) if cluster else None
-    got = _gkd(tmp_path, tiny, replicas, backend, env)
+    got = _gkd(tmp_path, module_tiny, replicas, backend, env)
     assert all(n >= 1 for n in got["served"]), got["served"]           # every replica got scoring requests
     router_log = (got["logs"] / "teacher-router.log").read_text()
     assert f"serving http://{got['address']} for {replicas} replicas" in router_log  # the trainers' one address
@@ -76,7 +66,7 @@ def test_replicas_serve_the_teacher(tmp_path, tiny, ray_cluster_if_ray, backend,
     assert spread and [int(n) >= 1 for n in spread.group(1).split(",")] == [True] * replicas, router_log[-500:]
     assert f"teacher: server healthy at {got['address']}" in got["stderr"]
     assert len(got["losses"]) == 2 and all(x == x and x >= 0 for x in got["losses"])
-    assert eventually(lambda: not _engines(tiny))                               # the replicas are stopped
+    assert eventually(lambda: not _engines(module_tiny))                               # the replicas are stopped
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
@@ -115,9 +105,9 @@ def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
 
 # torchrun here: on Ray a replica is killed in the 4-engine rollout's job below (each Ray job costs ~1 min)
 @pytest.mark.parametrize("backend", ["torchrun"])
-def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, ray_cluster_if_ray, backend):
+def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, module_tiny, ray_cluster_if_ray, backend):
     cluster = ray_cluster_if_ray
-    driver = _start(tmp_path, tiny, backend, 0, cluster)
+    driver = _start(tmp_path, module_tiny, backend, 0, cluster)
     killed = _kill_replica_mid_training(tmp_path, driver, 1)
     assert _router_pids(tmp_path), "the trainers' address is the router's"
     code = driver.wait(timeout=60)
@@ -129,16 +119,16 @@ def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, ray_c
     assert "--- last lines of its log ---" in err
     assert eventually(lambda: not pids_matching(str(tmp_path / "out")))   # trainers, router, replicas are gone
     assert eventually(lambda: not _router_pids(tmp_path))
-    assert eventually(lambda: not _engines(tiny))
+    assert eventually(lambda: not _engines(module_tiny))
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
 
-def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, tiny):
-    driver = _start(tmp_path, tiny, "torchrun", 1, None)
+def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, module_tiny):
+    driver = _start(tmp_path, module_tiny, "torchrun", 1, None)
     _kill_replica_mid_training(tmp_path, driver, 0)
     assert_restarted_once(driver, tmp_path / "out", "teacher server 0")   # the trainers' address: a fresh router
-    assert eventually(lambda: not _engines(tiny))
+    assert eventually(lambda: not _engines(module_tiny))
 
 
 # -- a 4-engine GRPO rollout behind one address ------------------------------------------------------------------
@@ -148,7 +138,7 @@ ROLLOUT_ENGINES = 4
 @pytest.fixture(scope="module")
 def rollout_tiny(tiny, tmp_path_factory) -> Path:
     """The shared assets under this module's own path: the model path on the engines' command lines is this
-    module's marker (see conftest.link_tiny)."""
+    module's marker (see helpers.link_tiny)."""
     return link_tiny(tiny, tmp_path_factory.mktemp("rollout"))
 
 

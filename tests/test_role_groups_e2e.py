@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from conftest import REPO, dualrun
+from helpers import REPO, dualrun
 
 CONFIG = """\
 method: sampling
