@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 import helpers
+
+# DeepSpeed JIT-builds its CPU op into TORCH_EXTENSIONS_DIR: the one scripts/setup.sh built into this venv, so no
+# test pays the build (a build dir shared between venvs would be rebuilt by each, their include paths differ).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
 
 # Fixtures that are a Ray cluster: a test that takes one (directly or through another fixture) uses Ray.
 RAY_FIXTURES = ("ray_cluster", "local_ray")
