@@ -26,5 +26,6 @@ if [ ! -f "$STAMP" ]; then
   fi
   touch "$STAMP"
 fi
-# Where torch JIT-builds extensions (DeepSpeed's ops): this venv's own, built above (tests/conftest.py sets the same).
+# Where torch JIT-builds extensions (DeepSpeed's ops): this venv's own, built above with the venv's ninja, which the
+# activated venv keeps first on PATH (another ninja version would rebuild it; tests/conftest.py checks the same).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$VENV/torch-extensions}"

@@ -4,6 +4,7 @@ skipped with that reason."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -13,9 +14,13 @@ import pytest
 
 import helpers
 
-# DeepSpeed JIT-builds its CPU op into TORCH_EXTENSIONS_DIR: the one scripts/setup.sh built into this venv, so no
-# test pays the build (a build dir shared between venvs would be rebuilt by each, their include paths differ).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+# DeepSpeed JIT-builds its CPU op into TORCH_EXTENSIONS_DIR with the `ninja` on PATH. scripts/setup.sh built it into
+# this venv with the venv's ninja, so a run that finds that ninja first (scripts/test.sh, an activated venv) reuses
+# it and no test pays the build. Under another ninja (each version reads the other's build log as stale) it would be
+# rebuilt there, so such a run keeps torch's default directory, as before.
+_venv_ninja = Path(sys.executable).parent / "ninja"
+if _venv_ninja.exists() and shutil.which("ninja") and os.path.samefile(shutil.which("ninja"), _venv_ninja):
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
 
 # Fixtures that are a Ray cluster: a test that takes one (directly or through another fixture) uses Ray.
 RAY_FIXTURES = ("ray_cluster", "local_ray")

@@ -66,7 +66,7 @@ def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, b
     assert spread and [int(n) >= 1 for n in spread.group(1).split(",")] == [True] * replicas, router_log[-500:]
     assert f"teacher: server healthy at {got['address']}" in got["stderr"]
     assert len(got["losses"]) == 2 and all(x == x and x >= 0 for x in got["losses"])
-    assert eventually(lambda: not _engines(module_tiny))                               # the replicas are stopped
+    assert eventually(lambda: not _engines(module_tiny))                        # the replicas are stopped
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
