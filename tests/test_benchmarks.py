@@ -41,6 +41,14 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
     assert (tmp_path / "launch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost"])
+def test_the_scripts_built_on_benchlib_start(script):
+    """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
+
+
 def test_schedule_is_round_robin_and_rotates():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
