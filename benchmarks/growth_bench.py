@@ -6,7 +6,7 @@ One machine, an empty script (benchmarks/empty_rank.py: says when it ran, import
 `dualrun launch --backend ray` against a running local Ray cluster (head node of `ray.cluster_utils.Cluster`
 with fake resources: --cluster-cpus CPUs, `ray.num_cpus_per_worker` 0.001 per rank actor, so 64 ranks fit on
 2 real cores) and `dualrun launch --backend torchrun` (N local processes), interleaved per repetition. Per run,
-measured from outside (launch_bench.measure: the launcher's own pid sampled every 50 ms):
+measured from outside (benchlib.measure: the launcher's own pid sampled every 50 ms):
 
   start-up   spawn of `dualrun launch` until the last rank's script ran (its own time.time())
   wall       spawn until the launcher exited
@@ -28,9 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchlib import REPO, RESULTS, noise
+from benchlib.cluster import RunningCluster
+from benchlib.measure import Run, measure
+from benchlib.planner import bench_planner
+from benchlib.report import fmt
+from benchlib.sandbox import ensure_loopback_only
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import launch_bench as lb  # noqa: E402
 
 EMPTY = HERE / "empty_rank.py"
 BACKENDS = ("ray", "torchrun")
@@ -50,10 +55,10 @@ def one(backend: str, n: int, rep: int, env: dict[str, str], work: Path, timeout
     folder.mkdir(parents=True)
     cmd = [sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file", str(config(work, n)),
            "--num_processes", str(n), str(EMPTY)]
-    run = lb.Run(f"{backend}-{n}", rep)
+    run = Run(f"{backend}-{n}", rep)
     env = dict(env, DUALRUN_BENCH_PHASES=str(folder))
     spawned = time.time()
-    lb.measure(run, cmd, env, lb.REPO, work / f"{backend}-{n}-{rep}.log", timeout)
+    measure(run, cmd, env, REPO, work / f"{backend}-{n}-{rep}.log", timeout)
     ranks = lb_ranks(folder)
     row = {"backend": backend, "n": n, "rep": rep, "ok": run.exit_code == 0 and len(ranks) == n,
            "wall_s": run.wall_s, "cpu_s": run.driver_cpu_s, "rss_mib": run.driver_rss_mib, "load": run.load_1m,
@@ -122,8 +127,8 @@ def report(rows: list[dict], info: dict, planner: str) -> str:
            "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         md.append(f"| {r['backend']} | {r['n']} | {r['rep'] + 1} | {'yes' if r['ok'] else 'no: ' + r['error'][:300]} | "
-                  f"{lb._f(r['startup_s'])} | {lb._f(r['wall_s'])} | {lb._f(r['cpu_s'])} | {lb._f(r['rss_mib'], 0)} | "
-                  f"{lb._f(r['load'])} |")
+                  f"{fmt(r['startup_s'])} | {fmt(r['wall_s'])} | {fmt(r['cpu_s'])} | {fmt(r['rss_mib'], 0)} | "
+                  f"{fmt(r['load'])} |")
     md += ["", "## Planner: 128 nodes x 8 GPUs", "", planner, "",
            f"Machine: {info.get('cpus')} CPUs ({info.get('cpu', '?')}), {info.get('mem_total_gib')} GiB; load average "
            f"before {info['load_before']}, after {info['load_after']}; ray {info.get('ray')}, torch "
@@ -170,18 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="ranks 2,8, one repetition")
     p.add_argument("--cluster-cpus", type=int, default=4)
     p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--out-dir", default=str(lb.RESULTS))
+    p.add_argument("--out-dir", default=str(RESULTS))
     ns = p.parse_args(argv)
     if ns.quick:
         ns.ranks, ns.reps = "2,8", 1
     ranks = [int(x) for x in ns.ranks.split(",")]
     t_ranks = [int(x) for x in (ns.torchrun_ranks or ns.ranks).split(",")]
     backends = [b for b in ns.backends.split(",") if b]
-    lb.ensure_loopback_only(sys.argv[1:] if argv is None else argv)
-    info = lb.machine()
+    ensure_loopback_only(sys.argv[1:] if argv is None else argv)
+    info = noise.machine()
     info.update(load_before=" / ".join(f"{x:.2f}" for x in os.getloadavg()), cluster_cpus=ns.cluster_cpus)
     work = Path(tempfile.mkdtemp(prefix="grw", dir="/tmp"))
-    cluster = lb.RunningCluster(ns.cluster_cpus)
+    cluster = RunningCluster(ns.cluster_cpus)
     rows = []
     try:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DUALRUN_BENCH_UNSHARED")}
@@ -203,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                     e = dict(env, RAY_ADDRESS=cluster.address) if backend == "ray" else env
                     r = one(backend, n, rep, e, work, ns.timeout)
                     rows.append(r)
-                    print(f"rep {rep + 1} {backend:8s} {n:4d} ranks: start-up {lb._f(r['startup_s'])} s wall "
-                          f"{lb._f(r['wall_s'])} s driver CPU {lb._f(r['cpu_s'])} s RSS {lb._f(r['rss_mib'], 0)} MiB "
+                    print(f"rep {rep + 1} {backend:8s} {n:4d} ranks: start-up {fmt(r['startup_s'])} s wall "
+                          f"{fmt(r['wall_s'])} s driver CPU {fmt(r['cpu_s'])} s RSS {fmt(r['rss_mib'], 0)} MiB "
                           f"load {r['load']:.2f} {'ok' if r['ok'] else r['error'][:300]}", flush=True)
     finally:
         cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
     info["load_after"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    planner = lb.bench_planner(5)
+    planner = bench_planner(5)
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     has_chart = chart(rows, out / "growth.png")

@@ -5,7 +5,7 @@
 For each backend it runs the launch twice: once under `python -X importtime` (driver imports; workers are not
 affected) and once under `python -m cProfile` (main thread of the driver). It prints the slowest imports, the top
 functions by cumulative time, and the timestamps of dualrun's own phases seen on its output. The Ray "running
-cluster" is started and stopped by this script (as in launch_bench.py). Loopback only, like launch_bench.py.
+cluster" is started and stopped by this script (benchlib.cluster, as in launch_bench.py). Loopback only, like launch_bench.py.
 """
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import launch_bench as lb  # noqa: E402
+from benchlib import REPO
+from benchlib.cluster import RunningCluster
+from benchlib.job import command, script_args
+from benchlib.sandbox import ensure_loopback_only
 
 
 def top_imports(stderr: str, n: int) -> list[tuple[int, int, str]]:
@@ -43,16 +45,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     ns = p.parse_args()
-    lb.ensure_loopback_only(sys.argv[1:])
+    ensure_loopback_only(sys.argv[1:])
     out = Path(ns.out or tempfile.mkdtemp(prefix="lbprof"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="lbp", dir="/tmp"))
     tiny = work / "tiny"
-    subprocess.run([sys.executable, str(lb.REPO / "examples" / "make_tiny_model.py"), "--out", str(tiny)], check=True,
+    subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(tiny)], check=True,
                    capture_output=True)
     env0 = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DUALRUN_BENCH_UNSHARED")}
     env0.update(ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1")
-    cluster = lb.RunningCluster()
+    cluster = RunningCluster()
     try:
         for backend in ns.backends.split(","):
             env = dict(env0)
@@ -65,12 +67,12 @@ def main() -> int:
                 if backend == "ray-embedded":
                     env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="lbe", dir="/tmp")
             variant = {"torchrun": "dualrun-torchrun", "ray": "dualrun-ray", "ray-embedded": "dualrun-ray-embedded"}
-            cmd = lb.command(variant[backend], lb.script_args(tiny, work / f"o-{backend}", ns.steps), 2)
+            cmd = command(variant[backend], script_args(tiny, work / f"o-{backend}", ns.steps), 2)
             py, rest = cmd[0], cmd[1:]
-            it = subprocess.run([py, "-X", "importtime", *rest], env=env, cwd=lb.REPO, capture_output=True, text=True)
+            it = subprocess.run([py, "-X", "importtime", *rest], env=env, cwd=REPO, capture_output=True, text=True)
             (out / f"importtime-{backend}.txt").write_text(it.stderr)
             prof = out / f"cprofile-{backend}.prof"
-            cp = subprocess.run([py, "-m", "cProfile", "-o", str(prof), *rest], env=env, cwd=lb.REPO,
+            cp = subprocess.run([py, "-m", "cProfile", "-o", str(prof), *rest], env=env, cwd=REPO,
                                 capture_output=True, text=True)
             print(f"\n=== dualrun --backend {backend}: exit codes importtime {it.returncode}, cProfile {cp.returncode}")
             total = sum(int(line.split("|")[1]) for line in it.stderr.splitlines()

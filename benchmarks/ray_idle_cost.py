@@ -4,7 +4,7 @@
 
 What `launch_bench.py`'s "launcher CPU while training" for the Ray variants is compared against: the part of
 it that Ray costs before dualrun does anything (the rank actors' core workers, GCS, raylet, dashboard/API server,
-log monitor). CPU seconds of this script's descendants, split by kind (launch_bench._kind), over `--seconds`.
+log monitor). CPU seconds of this script's descendants, split by kind (benchlib.measure.process_kind), over `--seconds`.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import launch_bench as lb  # noqa: E402
+from benchlib.cluster import RunningCluster
+from benchlib.measure import descendants_cpu
+from benchlib.sandbox import ensure_loopback_only
 
 
 def main() -> int:
@@ -23,10 +23,10 @@ def main() -> int:
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--seconds", type=float, default=10.0)
     ns = p.parse_args()
-    lb.ensure_loopback_only(sys.argv[1:])
+    ensure_loopback_only(sys.argv[1:])
     import ray
 
-    cluster = lb.RunningCluster(4)
+    cluster = RunningCluster(4)
     cluster.start()
     try:
         ray.init(address=cluster.address)
@@ -40,10 +40,10 @@ def main() -> int:
         ray.get([a.pid.remote() for a in actors])
         time.sleep(3)   # let their start-up settle
         before: dict = {}
-        lb.descendants_cpu(by_kind=before)
+        descendants_cpu(by_kind=before)
         time.sleep(ns.seconds)
         after: dict = {}
-        lb.descendants_cpu(by_kind=after)
+        descendants_cpu(by_kind=after)
         cores = {k: round((after.get(k, 0.0) - before.get(k, 0.0)) / ns.seconds, 3) for k in after}
         print(f"{ns.actors} idle actors, {ns.seconds:g} s, load average {os.getloadavg()[0]:.2f}: cores {cores}")
         ray.shutdown()

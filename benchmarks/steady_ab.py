@@ -30,10 +30,13 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import launch_bench as lb  # noqa: E402
-import phases as ph  # noqa: E402
+from benchlib import REPO, RESULTS, noise
+from benchlib import phases as ph
+from benchlib.cluster import RunningCluster
+from benchlib.job import SCRIPT, script_args
+from benchlib.job import command as launcher_command
+from benchlib.report import fmt
+from benchlib.sandbox import ensure_loopback_only
 
 VARIANTS = ("bare", "bare+env", "bare+bootstrap", "dualrun", "dualrun-ray")
 # differ per rank/run by construction, not by launcher choice
@@ -44,12 +47,12 @@ _PER_RUN = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "MASTER_PORT", "TOR
 
 def command(variant: str, args: list[str], nproc: int) -> list[str]:
     if variant in ("bare", "bare+env"):
-        return lb.command("torchrun", args, nproc)
+        return launcher_command("torchrun", args, nproc)
     if variant == "bare+bootstrap":
-        cmd = lb.command("torchrun", args, nproc)
-        i = cmd.index(str(lb.SCRIPT))
+        cmd = launcher_command("torchrun", args, nproc)
+        i = cmd.index(str(SCRIPT))
         return cmd[:i] + ["-m", "dualrun.rank.bootstrap"] + cmd[i:]
-    return lb.command("dualrun-torchrun" if variant == "dualrun" else "dualrun-ray", args, nproc)
+    return launcher_command("dualrun-torchrun" if variant == "dualrun" else "dualrun-ray", args, nproc)
 
 
 def env_diff(a: dict[str, str], b: dict[str, str]) -> dict[str, str | None]:
@@ -69,7 +72,7 @@ def one(variant: str, rep: int, env: dict[str, str], args: list[str], nproc: int
     folder.mkdir(parents=True)
     load = os.getloadavg()[0]
     spawned = time.time()
-    proc = subprocess.run(command(variant, args, nproc), env=ph.probe_env(env, folder), cwd=lb.REPO,
+    proc = subprocess.run(command(variant, args, nproc), env=ph.probe_env(env, folder), cwd=REPO,
                           capture_output=True, text=True, timeout=timeout)
     exited = time.time()
     records = ph.load(folder)
@@ -115,7 +118,7 @@ def report(rows: list[dict], variants: list[str], diff: dict, info: dict) -> str
     for r in rows:
         s = r["steady"] or {}
         out.append(f"| {r['rep'] + 1} | {r['variant']} | {'yes' if r['ok'] else 'no: ' + r.get('error', '')[:200]} "
-                   f"| {lb._f(s.get('steps_per_s'))} | {lb._f(s.get('step_ms'))} | {lb._f(s.get('cpu_ms'))} | "
+                   f"| {fmt(s.get('steps_per_s'))} | {fmt(s.get('step_ms'))} | {fmt(s.get('cpu_ms'))} | "
                    f"{r['wall']:.1f} | {r['load']:.2f} |")
     out += ["", f"Machine: {info.get('cpus')} CPUs, load average before {info['load_before']}, after "
                 f"{info['load_after']}; {info['steps']} steps per run, {info['reps']} repetitions; torch "
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--variants", default="bare,bare+env,bare+bootstrap,dualrun")
     p.add_argument("--quick", action="store_true", help="3 repetitions of 60 steps")
-    p.add_argument("--out", default=str(lb.RESULTS / "steady_ab.md"))
+    p.add_argument("--out", default=str(RESULTS / "steady_ab.md"))
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--keep", default=None, metavar="FILE", help="also write every run's probe records (JSON)")
     ns = p.parse_args(argv)
@@ -140,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         p.error(f"unknown variant(s) {bad}: choose from {', '.join(VARIANTS)}")
-    lb.ensure_loopback_only(sys.argv[1:] if argv is None else argv)
-    info = lb.machine()
+    ensure_loopback_only(sys.argv[1:] if argv is None else argv)
+    info = noise.machine()
     info.update(load_before=" / ".join(f"{x:.2f}" for x in os.getloadavg()), steps=ns.steps, reps=ns.reps)
     work = Path(tempfile.mkdtemp(prefix="sab", dir="/tmp"))
-    cluster = lb.RunningCluster(4)
+    cluster = RunningCluster(4)
     try:
         tiny = work / "tiny"
-        subprocess.run([sys.executable, str(lb.REPO / "examples" / "make_tiny_model.py"), "--out", str(tiny)],
+        subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(tiny)],
                        check=True, capture_output=True)
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DUALRUN_BENCH_UNSHARED")}
         env.update(ACCELERATE_USE_CPU="true", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -155,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             cluster.start()
             env["RAY_ADDRESS"] = cluster.address
         # untimed: warms the page cache and gives both workers' env for the diff
-        warm = {v: one(v, -1, env, lb.script_args(tiny, work / f"w-{v}", 4), ns.nproc, work, ns.timeout)
+        warm = {v: one(v, -1, env, script_args(tiny, work / f"w-{v}", 4), ns.nproc, work, ns.timeout)
                 for v in ("bare", "dualrun")}
         for v, r in warm.items():
             if not r["ok"]:
@@ -171,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(ns.reps):
             order = variants[rep % len(variants):] + variants[:rep % len(variants)]
             for v in order:
-                args = lb.script_args(tiny, work / "out" / f"{v}-{rep}", ns.steps)
+                args = script_args(tiny, work / "out" / f"{v}-{rep}", ns.steps)
                 r = one(v, rep, env_plus if v == "bare+env" else env, args, ns.nproc, work, ns.timeout)
                 rows.append(r)
                 s = r["steady"] or {}
-                print(f"rep {rep + 1} {v:15s} steps/s {lb._f(s.get('steps_per_s'))} step ms "
-                      f"{lb._f(s.get('step_ms'))} cpu ms {lb._f(s.get('cpu_ms'))} wall {r['wall']:.1f} "
+                print(f"rep {rep + 1} {v:15s} steps/s {fmt(s.get('steps_per_s'))} step ms "
+                      f"{fmt(s.get('step_ms'))} cpu ms {fmt(s.get('cpu_ms'))} wall {r['wall']:.1f} "
                       f"load {r['load']:.2f} {'ok' if r['ok'] else r.get('error')}", flush=True)
                 shutil.rmtree(work / "out" / f"{v}-{rep}", ignore_errors=True)
     finally:

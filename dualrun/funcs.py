@@ -13,7 +13,8 @@ import pickle
 from typing import Any, Callable
 
 
-def _pickler():
+def pickler():
+    """cloudpickle where it is installed (it comes with Ray): it ships functions from `__main__` by value."""
     try:
         from ray import cloudpickle
         return cloudpickle
@@ -27,7 +28,7 @@ def _pickler():
 
 def save_call(path: str, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> None:
     with open(path, "wb") as f:
-        _pickler().dump((fn, tuple(args), dict(kwargs or {})), f)
+        pickler().dump((fn, tuple(args), dict(kwargs or {})), f)
 
 
 def load_call(path: str) -> tuple[Callable[..., Any], tuple, dict]:
@@ -42,7 +43,7 @@ def result_path(path: str, rank: str | int) -> str:
 def save_result(path: str, rank: str, value: Any) -> None:
     tmp = f"{result_path(path, rank)}.tmp"
     with open(tmp, "wb") as f:
-        _pickler().dump(value, f)
+        pickler().dump(value, f)
     os.replace(tmp, result_path(path, rank))
 
 

@@ -1,4 +1,5 @@
-"""Plan: a pure function from (config, cluster) to every process, where it runs and with which env.
+"""Plan: a function from (config, cluster, the shell's CUDA_VISIBLE_DEVICES) to every process, where it runs and with
+which env.
 
 No Ray, no torch, no environment of its own: `dualrun plan` prints it and both launchers consume it; where the
 launching shell's variables count (CUDA_VISIBLE_DEVICES, RAY_ADDRESS), the caller passes them in. What differs

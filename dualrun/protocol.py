@@ -1,7 +1,7 @@
 """The driver-worker protocol: every environment variable dualrun passes between the driver and its workers.
 
-Why one module: these names were bare strings in about ten places (built in one module, read as literals in
-another), so renaming or adding one meant hunting for every copy. The driver writes them, the workers (torchrun
+Why one module: each name is written in one module and read in others, so it is defined once: renaming or adding
+one is one edit, and a writer and its readers cannot drift apart. The driver writes them, the workers (torchrun
 ranks, Ray actors, role programs, plugins) read them; both import the names from here.
 
 Standard library only: Ray worker processes import it before (and without) torch.

@@ -1,42 +1,44 @@
-"""Shared test helpers. Tests that start torchrun or Ray need a loopback-only network namespace
-(`unshare -n` + `ip link set lo up`, as .ci/run does); elsewhere they are skipped with that reason."""
+"""The suite's fixtures and collection rules (what tests import lives in helpers.py). Tests that start torchrun or Ray
+need a loopback-only network namespace (`unshare -n` + `ip link set lo up`, as .ci/run does); elsewhere they are
+skipped with that reason."""
 from __future__ import annotations
 
-import inspect
 import os
+import shutil
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+import helpers
+
+# DeepSpeed JIT-builds its CPU op into TORCH_EXTENSIONS_DIR with the `ninja` on PATH. scripts/setup.sh built it into
+# this venv with the venv's ninja, so a run that finds that ninja first (scripts/test.sh, an activated venv) reuses
+# it and no test pays the build. Under another ninja (each version reads the other's build log as stale) it would be
+# rebuilt there, so such a run keeps torch's default directory, as before.
+_venv_ninja = Path(sys.executable).parent / "ninja"
+if _venv_ninja.exists() and shutil.which("ninja") and os.path.samefile(shutil.which("ninja"), _venv_ninja):
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
+
+# Fixtures that are a Ray cluster: a test that takes one (directly or through another fixture) uses Ray.
+RAY_FIXTURES = ("ray_cluster", "local_ray")
 
 
-def loopback_only() -> bool:
-    try:  # /proc/net/dev lists the interfaces of this process's network namespace
-        with open("/proc/net/dev") as f:
-            names = {line.split(":")[0].strip() for line in f.readlines()[2:]}
-        return names <= {"lo"}
-    except OSError:
-        return False
+def mark_ray(item) -> None:
+    """Mark `ray` the tests whose declarations say they use Ray, so no test needs to repeat it: those that take a
+    Ray cluster fixture, and the "ray" case of an end-to-end test parametrized by `backend` (its "torchrun" case
+    starts no cluster). Any other test that starts or joins one carries `@pytest.mark.ray` itself."""
+    callspec = getattr(item, "callspec", None)
+    ray_case = callspec is not None and callspec.params.get("backend") == "ray" and "e2e" in item.keywords
+    if ray_case or set(RAY_FIXTURES) & set(item.fixturenames):
+        item.add_marker(pytest.mark.ray)
 
 
 def uses_ray(item) -> bool:
-    """A test that starts or joins a Ray cluster: its id, its fixtures or its code say so (the torchrun case of a
-    test parametrized by backend does not, unless it takes a cluster fixture)."""
-    clusters = {"ray_cluster", "cluster", "local_ray"} & set(item.fixturenames)
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "torchrun" and not clusters:
-        return False
-    if "ray" in item.nodeid.lower() or clusters:
-        return True
-    try:
-        return "ray" in inspect.getsource(item.function).lower()
-    except (OSError, TypeError):
-        return False
+    """A test that starts or joins a Ray cluster: one marked `ray` (by itself, its module or `mark_ray`)."""
+    return item.get_closest_marker("ray") is not None
 
 
 def starts_own_ray(item) -> bool:
@@ -70,9 +72,10 @@ def pytest_collection_modifyitems(config, items):
     # included, goes to whichever worker is free. xdist hands out the largest group first, so the queue starts at
     # once and the other worker takes the rest meanwhile.
     for item in items:
+        mark_ray(item)
         if "e2e" in item.keywords and "slow" in item.keywords and starts_own_ray(item):
             item.add_marker(pytest.mark.xdist_group("slow-ray"))
-    if loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
+    if helpers.loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see README)")
     for item in items:
@@ -80,23 +83,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def dualrun(*args: str, cwd: str | Path | None = None, timeout: float = 240, env: dict | None = None,
-            input: str | None = None) -> subprocess.CompletedProcess:
-    """Run the real CLI in a fresh interpreter, as a user would."""
-    full_env = dict(os.environ)
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "dualrun", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=full_env, input=input)
-
-
 @pytest.fixture(scope="session")
 def tiny() -> Path:
     """The tiny model, teacher, tokenizer and datasets (examples/make_tiny_model.py), built once for the whole run
     (cached by the builder's content: see helpers.tiny_assets). Read-only: a test that needs the files under its own
-    path (a leftover marker, a relative `tiny/...`) links them with `link_tiny`."""
-    from helpers import tiny_assets
+    path (a leftover marker, a relative `tiny/...`) links them with `helpers.link_tiny`, or takes `module_tiny`."""
+    return helpers.tiny_assets()
 
-    return tiny_assets()
+
+@pytest.fixture(scope="module")
+def module_tiny(tiny, tmp_path_factory) -> Path:
+    """The shared assets under a path of this module's own: that path on the servers' command lines marks this
+    module's processes, so its leftover checks never see another module's."""
+    return helpers.link_tiny(tiny, tmp_path_factory.mktemp("assets"))
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny() -> Path:
+    """A student and a teacher vLLM can serve (head size 32), built once (helpers.tiny_assets)."""
+    return helpers.tiny_assets(vllm=True)
 
 
 @pytest.fixture(scope="session")
@@ -120,15 +125,6 @@ def ray_cluster_if_ray(request, backend):
     its "torchrun" case, which then starts no cluster at all. Asked for by name, so the queue rule above
     (`starts_own_ray`) sees that the Ray case only joins the running cluster."""
     return request.getfixturevalue("ray_cluster") if backend == "ray" else None
-
-
-def link_tiny(tiny: Path, where: Path) -> Path:
-    """`where/tiny` -> the shared assets: paths under the test's own directory (unique markers on the workers'
-    command lines, relative `tiny/model` arguments) without building or copying anything."""
-    link = where / "tiny"
-    if not link.exists():
-        link.symlink_to(tiny, target_is_directory=True)
-    return link
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""What many test modules share: the tiny assets (built once, cached by the builder's content), the leftover-process
-check, a free port and a wait for asynchronous cleanup. One copy of each, so a fix reaches every test."""
+"""What many test modules share: the repository's path, the CLI run as a user runs it, the tiny assets (built once,
+cached by the builder's content), the leftover-process check, a free port, a wait for asynchronous cleanup and the
+loopback check. One copy of each, so a fix reaches every test; tests/conftest.py holds only fixtures and hooks."""
 from __future__ import annotations
 
 import hashlib
@@ -17,9 +18,30 @@ from typing import Any, Callable
 from dualrun.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
+ASSETS = REPO / "tests" / "assets"   # the small scripts and programs tests run
 BUILDER = REPO / "examples" / "make_tiny_model.py"
 
-__all__ = ["cmdline", "eventually", "free_port", "gone", "pids_matching", "tiny_assets"]
+__all__ = ["ASSETS", "REPO", "cmdline", "dualrun", "engine_pid", "eventually", "free_port", "gone", "link_tiny",
+           "loopback_only", "pids_matching", "tiny_assets"]
+
+
+def dualrun(*args: str, cwd: str | Path | None = None, timeout: float = 240, env: dict | None = None,
+            input: str | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a fresh interpreter, as a user would."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "dualrun", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=full_env, input=input)
+
+
+def loopback_only() -> bool:
+    """This process's network namespace has no interface but `lo`: the only place tests may start torchrun or Ray."""
+    try:  # /proc/net/dev lists the interfaces of this process's network namespace
+        with open("/proc/net/dev") as f:
+            names = {line.split(":")[0].strip() for line in f.readlines()[2:]}
+        return names <= {"lo"}
+    except OSError:
+        return False
 
 
 def _cache_key(vllm: bool) -> str:
@@ -54,6 +76,15 @@ def tiny_assets(vllm: bool = False) -> Path:
             raise
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def link_tiny(tiny: Path, where: Path) -> Path:
+    """`where/tiny` -> the shared assets: paths under the test's own directory (unique markers on the workers'
+    command lines, relative `tiny/model` arguments) without building or copying anything."""
+    link = where / "tiny"
+    if not link.exists():
+        link.symlink_to(tiny, target_is_directory=True)
+    return link
 
 
 def cmdline(pid: int) -> str:

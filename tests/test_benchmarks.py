@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO
+
 BENCH = REPO / "benchmarks" / "launch_bench.py"
 
 
@@ -39,6 +39,14 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
     except ImportError:
         pytest.skip("matplotlib is not installed: no chart")
     assert (tmp_path / "launch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost"])
+def test_the_scripts_built_on_benchlib_start(script):
+    """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
 
 
 def test_schedule_is_round_robin_and_rotates():
@@ -116,7 +124,7 @@ def _bench_module(name: str):
 
 
 def test_steady_state_skips_the_warm_up_and_takes_the_slowest_rank():
-    ph = _bench_module("phases")
+    ph = _bench_module("benchlib.phases")
     # rank 0: a slow first step, then 10 ms steps using 5 ms CPU each; rank 1: 20 ms steps
     fast = {"rank": "0", "train_begin": 99.0, "steps": [(100.0, 1.0)] + [(100.0 + 0.01 * i, 1.0 + 0.005 * i)
                                                                      for i in range(1, 40)]}
@@ -152,7 +160,7 @@ def test_growth_fit_and_report():
 
 
 def test_machinery_cores_is_the_cpu_of_everything_but_the_ranks():
-    ph = _bench_module("phases")
+    ph = _bench_module("benchlib.phases")
     # two ranks, each burning one core from t=0 to t=10; everything together burned 2.5 cores: 0.5 is machinery
     ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]} for _ in range(2)]
     tree = [(0.0, 0.0), (5.0, 12.5), (10.0, 25.0)]
@@ -161,7 +169,7 @@ def test_machinery_cores_is_the_cpu_of_everything_but_the_ranks():
 
 
 def test_split_cores_per_kind_of_process():
-    ph = _bench_module("phases")
+    ph = _bench_module("benchlib.phases")
     ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]}]
     split = [(0.0, {"ray daemons": 0.0, "ranks": 0.0}), (10.0, {"ray daemons": 0.5, "ranks": 10.0})]
     assert ph.split_cores(ranks, split) == pytest.approx({"ray daemons": 0.05, "ranks": 1.0})

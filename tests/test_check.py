@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from dualrun.check import NodeReport, compare, rank0_ports
 from dualrun.node_facts import facts
 from ray_helpers import ray_env
@@ -108,6 +108,7 @@ def cluster():
     shutil.rmtree(fake, ignore_errors=True)
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(240)

@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from dualrun.config.load import build_config
 from dualrun.plan import Cluster, make_plan
 from dualrun.weight_sync import (Member, SyncGroup, advertised_address, port_host, run_local, sync_group,
@@ -134,6 +134,7 @@ def two_nodes():
 
 @pytest.mark.e2e
 @pytest.mark.slow
+@pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_ray_check_forms_the_weight_sync_group_across_two_nodes(tmp_path, two_nodes):
     """Trainer rank 0 on node 0, the rollout replica on node 1 (one fake GPU each; no CUDA, so gloo): the

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 
 MARKER_SCRIPT = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_text('ran')\n"
 

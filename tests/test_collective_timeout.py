@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, dualrun
+from helpers import REPO, dualrun
 from ray_helpers import ray_env
 
 HANG = """

@@ -10,7 +10,7 @@ import pytest
 from helpers import eventually
 from ray_helpers import ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400), pytest.mark.slow, pytest.mark.ray]
 
 QUICK = """
 import os, sys, pathlib, torch, torch.distributed as dist

@@ -9,6 +9,7 @@ import yaml
 from dualrun.config import build_config, load_config
 from dualrun.config import schema
 from dualrun.errors import ConfigError
+from helpers import REPO
 
 TRL_CONFIGS = sorted((Path(__import__("trl").__file__).parent / "accelerate_configs").glob("*.yaml"))
 
@@ -94,7 +95,7 @@ def test_load_config_reads_yaml(write):
 def test_config_reference_is_generated_and_current():
     from dualrun.config.reference import render
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "config-reference.md").read_text()
+    doc = (REPO / "docs" / "config-reference.md").read_text()
     assert doc == render(), "run: python -m dualrun.config.reference > docs/config-reference.md"
     for section, keys in schema.SECTIONS.items():
         for key in keys:

@@ -1,15 +1,14 @@
 """Every shipped config validates and plans (the GPU ones on the GPUs they ask for)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dualrun.config import load_config
 from dualrun.plan import make_plan
 from dualrun.plugin import get_plugin
+from helpers import REPO
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

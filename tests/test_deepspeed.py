@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import REPO, dualrun, link_tiny
+from helpers import REPO, dualrun, link_tiny
 from ray_helpers import ray_env
 
 pytest.importorskip("deepspeed")

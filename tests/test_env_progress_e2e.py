@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from dualrun.progress import looks_like_bar
 from ray_helpers import ray_env
 
@@ -38,6 +38,6 @@ def test_command_line_env_and_readable_progress(tmp_path, backend):
         return
     bars = [ln for ln in proc.stderr.splitlines() if looks_like_bar(ln)]
     assert bars and all(ln.startswith("[train rank 0] ") for ln in bars), bars
-    assert len(bars) <= 3 and "8/8" in bars[-1], bars           # was one line per redraw (9+ per rank)
+    assert len(bars) <= 3 and "8/8" in bars[-1], bars           # not one line per redraw (9+ per rank)
     logged = (tmp_path / "logs" / "train_1.log").read_text().splitlines()
     assert sum(looks_like_bar(ln) for ln in logged) >= 9          # log_dir keeps every redraw of every rank

@@ -59,7 +59,7 @@ time.sleep(120)
 def test_an_error_file_cut_off_mid_write_ends_the_job_with_one_line(tmp_path):
     """A file dualrun did not write (a script's own `@record`) can still be cut off: torchrun's agent then gives up
     parsing it. The job ends with exit 1 and one line saying so, not "unexpected JSONDecodeError while starting"."""
-    from conftest import dualrun
+    from helpers import dualrun
 
     (tmp_path / "t.py").write_text(CUT_OFF)
     (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")

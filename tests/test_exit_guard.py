@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, dualrun
+from helpers import REPO, dualrun
 from ray_helpers import ray_env
 
 pytestmark = pytest.mark.timeout(240)

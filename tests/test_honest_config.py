@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from dualrun.accelerate_env import accelerate_env
 from dualrun.config import build_config
 from dualrun.config.schema import REFUSED

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from dualrun.config.program import module_exists
 from dualrun.config.yamlfile import parse, read_text
 from dualrun.envspec import REDACTED, is_secret, redact, redact_argv, redact_text

@@ -7,8 +7,7 @@ import re
 
 import pytest
 
-from conftest import REPO, dualrun, link_tiny
-from helpers import engine_pid, eventually, gone, pids_matching
+from helpers import REPO, dualrun, engine_pid, eventually, gone, link_tiny, pids_matching
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -5,14 +5,12 @@ import ast
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from dualrun import protocol
 from dualrun.config import build_config
 from dualrun.plan import make_plan
 from dualrun.plugin import worker_settings
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def test_settings_written_by_the_plan_read_back_by_a_worker():

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun
-from helpers import cmdline, eventually, pids_matching
+from helpers import cmdline, dualrun, eventually, pids_matching
 from ray_helpers import (CRASH, DUMP_ENV, FAIL_FIRST_ATTEMPT, GLOO, KILL_ACTOR, SLEEP, FakeGpuCluster, ray_env)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -50,6 +49,7 @@ def _assert_clean(cluster: FakeGpuCluster, marker: str) -> None:
     assert eventually(lambda: not pids_matching(marker)), pids_matching(marker)
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_env_names_equal_torchrun(job, cluster):
     """Same config file, only --backend differs: same variable names, same values except backend-defined ones."""
@@ -71,6 +71,7 @@ def test_env_names_equal_torchrun(job, cluster):
     assert not any(k.startswith("RAY_") for k in ry[0])
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_two_nodes_one_gpu_each(job, cluster):
     """4 GPU ranks on 2 nodes x 2 fake GPUs: both nodes used, distinct GPU per node, LOCAL_RANK=0, one master
@@ -94,6 +95,7 @@ def test_two_nodes_one_gpu_each(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_crash_on_rank_1_stops_everything(job, cluster):
     proc = dualrun("launch", "--backend", "ray", "--config_file", "cpu2.yaml", "crash.py", str(job), cwd=job,
@@ -105,6 +107,7 @@ def test_crash_on_rank_1_stops_everything(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_dead_actor_is_a_failure(job, cluster):
     proc = dualrun("launch", "--backend", "ray", "--config_file", "cpu2.yaml", "kill_actor.py", str(job), cwd=job,
@@ -114,6 +117,7 @@ def test_dead_actor_is_a_failure(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_max_failures_restarts_the_whole_job(job, cluster):
     (job / "retry.yaml").write_text(CPU2 + "max_failures: 1\n")
@@ -126,6 +130,7 @@ def test_max_failures_restarts_the_whole_job(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_more_gpus_than_the_cluster_has(job, cluster):
     (job / "gpu6.yaml").write_text("roles: {train: {gpus: 6}}\nray: {placement_timeout_s: 60}\n")
@@ -140,6 +145,7 @@ def test_more_gpus_than_the_cluster_has(job, cluster):
     assert not cluster.live_placement_groups()
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_unplaceable_group_times_out(job, cluster):
     """STRICT_SPREAD of 3 bundles over 2 nodes can never be placed: a clear error after the timeout."""
@@ -156,6 +162,7 @@ def test_unplaceable_group_times_out(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_on_the_driver_stops_the_job(job, cluster, sig, code):
@@ -180,6 +187,7 @@ def test_signal_on_the_driver_stops_the_job(job, cluster, sig, code):
     _assert_clean(cluster, str(job))
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_plan_shows_the_live_cluster(job, cluster):
     (job / "gpu4.yaml").write_text(f"roles: {{train: {{gpus: 4}}}}\nray: {{address: '{cluster.address}'}}\n")
@@ -198,6 +206,7 @@ def test_plan_without_a_cluster_starts_none(job):
     assert not pids_matching(env["RAY_TMPDIR"]) and not list(Path(env["RAY_TMPDIR"]).iterdir())
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_embedded_cluster_gloo_run(job):
     """No cluster running, no address: an embedded Ray runs a real gloo job and leaves no Ray process behind."""
@@ -228,6 +237,7 @@ def test_dry_run_starts_nothing(job):
 
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_embedded_cluster_is_loopback_only_without_dashboard(job):
     """Security: the embedded Ray binds to 127.0.0.1 and starts no dashboard unless `ray.include_dashboard`."""

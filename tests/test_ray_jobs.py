@@ -16,7 +16,7 @@ import pytest
 from helpers import eventually
 from ray_helpers import FakeGpuCluster, ray_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.ray]
 
 CALL = """
 import json, os, sys

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from helpers import free_port, pids_matching
+from helpers import REPO, free_port, pids_matching
 
 RECIPES = REPO / "examples" / "multi-node"
 BIN = str(Path(sys.executable).parent)
@@ -119,6 +118,7 @@ def _trained(out: Path, steps: int) -> None:
 
 # -- the recipes -----------------------------------------------------------------------------------------------------
 
+@pytest.mark.ray
 @pytest.mark.timeout(240)
 def test_ray_by_hand_two_local_nodes(tiny, ray_temp, tmp_path):
     """examples/multi-node/ray-by-hand: `ray start --head`, `ray start --address`, one `dualrun launch --backend
@@ -164,6 +164,7 @@ def test_torchrun_by_hand_two_local_nodes(tiny, tmp_path):
     _trained(out, 2)
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(240)
 def test_ray_jobs_against_local_cluster(tiny, ray_temp, tmp_path):
     """examples/multi-node/ray-jobs: a head with its dashboard on 127.0.0.1, then `ray job submit --working-dir .
@@ -281,6 +282,7 @@ def doc_commands(doc: Path, prefix: str = "dualrun launch") -> list[str]:
     return out
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(240)
 def test_migration_commands(tiny, tmp_path):
     """Each `dualrun launch` line of docs/migration.md, with --dry_run: config valid, script found, plan made.

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import dualrun
+from helpers import REPO, dualrun
 from dualrun.config import build_config
 from dualrun.errors import ConfigError
 from dualrun.plan import ROUTER, Cluster, make_plan
@@ -151,10 +151,9 @@ def test_replica_throughput_benchmark_runs(tmp_path, tiny):
     """The benchmark must not rot: one short round of each layout; completions equal, both replicas used."""
     import subprocess
     import sys
-    from pathlib import Path
 
     out = tmp_path / "replicas.md"
-    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "replica_throughput.py"
+    bench = REPO / "benchmarks" / "replica_throughput.py"
     r = subprocess.run([sys.executable, str(bench), "--model", str(tiny / "model"), "--requests", "4",
                         "--max-tokens", "4", "--concurrency", "2", "--rounds", "1", "--out", str(out)],
                        capture_output=True, text=True, timeout=240)

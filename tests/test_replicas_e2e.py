@@ -17,21 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun, link_tiny
-from helpers import cmdline, engine_pid, eventually, pids_matching
+from helpers import ASSETS, cmdline, dualrun, engine_pid, eventually, link_tiny, pids_matching
 from ray_helpers import ray_env
 from test_server_watch import STEPS, assert_restarted_once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
-
-ASSETS = Path(__file__).resolve().parent / "assets"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny, tmp_path_factory) -> Path:
-    """The shared assets under this module's own path: the teacher's path on the replicas' command lines marks this
-    module's servers (see conftest.link_tiny)."""
-    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture
@@ -65,11 +55,11 @@ def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", e
 
 
 @pytest.mark.parametrize("backend, replicas", [("torchrun", 3), ("ray", 2)])
-def test_replicas_serve_the_teacher(tmp_path, tiny, ray_cluster_if_ray, backend, replicas):
+def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, backend, replicas):
     """(That a router's greedy answers are one engine's, for 2 and 3 replicas, is test_router.py's.)"""
     cluster = ray_cluster_if_ray
     env = ray_env(RAY_ADDRESS=cluster.address) if cluster else None
-    got = _gkd(tmp_path, tiny, replicas, backend, env)
+    got = _gkd(tmp_path, module_tiny, replicas, backend, env)
     assert all(n >= 1 for n in got["served"]), got["served"]           # every replica got scoring requests
     router_log = (got["logs"] / "teacher-router.log").read_text()
     assert f"serving http://{got['address']} for {replicas} replicas" in router_log  # the trainers' one address
@@ -77,7 +67,7 @@ def test_replicas_serve_the_teacher(tmp_path, tiny, ray_cluster_if_ray, backend,
     assert spread and [int(n) >= 1 for n in spread.group(1).split(",")] == [True] * replicas, router_log[-500:]
     assert f"teacher: server healthy at {got['address']}" in got["stderr"]
     assert len(got["losses"]) == 2 and all(x == x and x >= 0 for x in got["losses"])
-    assert eventually(lambda: not _engines(tiny))                               # the replicas are stopped
+    assert eventually(lambda: not _engines(module_tiny))                        # the replicas are stopped
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
@@ -116,9 +106,9 @@ def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
 
 # torchrun here: on Ray a replica is killed in the 4-engine rollout's job below (each Ray job costs ~1 min)
 @pytest.mark.parametrize("backend", ["torchrun"])
-def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, ray_cluster_if_ray, backend):
+def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, module_tiny, ray_cluster_if_ray, backend):
     cluster = ray_cluster_if_ray
-    driver = _start(tmp_path, tiny, backend, 0, cluster)
+    driver = _start(tmp_path, module_tiny, backend, 0, cluster)
     killed = _kill_replica_mid_training(tmp_path, driver, 1)
     assert _router_pids(tmp_path), "the trainers' address is the router's"
     code = driver.wait(timeout=60)
@@ -130,30 +120,30 @@ def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, tiny, ray_c
     assert "--- last lines of its log ---" in err
     assert eventually(lambda: not pids_matching(str(tmp_path / "out")))   # trainers, router, replicas are gone
     assert eventually(lambda: not _router_pids(tmp_path))
-    assert eventually(lambda: not _engines(tiny))
+    assert eventually(lambda: not _engines(module_tiny))
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
 
-def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, tiny):
-    driver = _start(tmp_path, tiny, "torchrun", 1, None)
+def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, module_tiny):
+    driver = _start(tmp_path, module_tiny, "torchrun", 1, None)
     _kill_replica_mid_training(tmp_path, driver, 0)
     assert_restarted_once(driver, tmp_path / "out", "teacher server 0")   # the trainers' address: a fresh router
-    assert eventually(lambda: not _engines(tiny))
+    assert eventually(lambda: not _engines(module_tiny))
 
 
-def test_a_hung_replica_is_routed_around_and_gkd_finishes(tmp_path, tiny):
+def test_a_hung_replica_is_routed_around_and_gkd_finishes(tmp_path, module_tiny):
     """A teacher replica SIGSTOPped once it has served (hung: alive, never answers; the launcher sees a live process):
     the router's health probes take it out of rotation, a request on it goes to the other replica, and GKD finishes
     with both ranks' losses; the router's log names the replica. (Restarting it is the launcher's, not yet done.)"""
-    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, teacher="request_timeout_s: 120, "))
+    (tmp_path / "job.yaml").write_text(_yaml(module_tiny, 2, teacher="request_timeout_s: 120, "))
     (tmp_path / "out").mkdir()
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1")
     with open(tmp_path / "stderr.txt", "w") as errors:   # a file: a full pipe never blocks the job
         driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
-                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
-                                   "--teacher_model_name_or_path", str(tiny / "teacher"), "--data",
-                                   str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "6"],
+                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(module_tiny / "model"),
+                                   "--teacher_model_name_or_path", str(module_tiny / "teacher"), "--data",
+                                   str(module_tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "6"],
                                   cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
     log = tmp_path / "logs" / "teacher-server-1.log"
     stopped = None
@@ -177,7 +167,7 @@ def test_a_hung_replica_is_routed_around_and_gkd_finishes(tmp_path, tiny):
     router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
     assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation: health probe not answered within 5 s; "
                      r"1 of 2 in rotation", router_log), router_log[-2000:]
-    assert eventually(lambda: not _engines(tiny))
+    assert eventually(lambda: not _engines(module_tiny))
 
 
 # -- a 4-engine GRPO rollout behind one address ------------------------------------------------------------------
@@ -187,7 +177,7 @@ ROLLOUT_ENGINES = 4
 @pytest.fixture(scope="module")
 def rollout_tiny(tiny, tmp_path_factory) -> Path:
     """The shared assets under this module's own path: the model path on the engines' command lines is this
-    module's marker (see conftest.link_tiny)."""
+    module's marker (see helpers.link_tiny)."""
     return link_tiny(tiny, tmp_path_factory.mktemp("rollout"))
 
 

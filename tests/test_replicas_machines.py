@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun, link_tiny
+from helpers import ASSETS, dualrun, eventually, link_tiny, pids_matching
 from dualrun.config import build_config
 from dualrun.errors import ConfigError
 from dualrun.plan import ROUTER, make_plan
-from helpers import eventually, pids_matching
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def _cfg(teacher: dict, train: int = 4, machines: int = 2, rank: int = 0, **torchrun) -> object:

@@ -12,8 +12,7 @@ import uuid
 
 import pytest
 
-from conftest import REPO
-from helpers import pids_matching
+from helpers import REPO, pids_matching
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]

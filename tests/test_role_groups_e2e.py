@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from conftest import REPO, dualrun
+from helpers import REPO, dualrun
 
 CONFIG = """\
 method: sampling
@@ -39,8 +39,8 @@ def test_a_two_worker_group_all_reduces_when_launched(backend, tmp_path):
     res = dualrun("launch", "--backend", backend, "--config_file", str(cfg),
                   str(REPO / "tests" / "assets" / "group_allreduce.py"), str(out), cwd=tmp_path, env=env, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
-    # the driver's exit stops the group's workers itself (multiprocessing's exit handler used to run first and
-    # wait on them until the exit guard gave up, 60 s later)
+    # the driver's exit stops the group's workers itself, before multiprocessing's exit handler (which would wait on
+    # them until the exit guard gave up, 60 s later)
     assert "did not finish within" not in res.stderr, res.stderr[-3000:]
     got = json.loads(out.read_text())
     workers = got["results"]

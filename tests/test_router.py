@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 from dualrun.servers import routing
-from helpers import eventually, free_port
+from helpers import ASSETS, eventually, free_port
 
 pytestmark = pytest.mark.timeout(240)
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 PROMPTS = ["what is 1 plus 2 ?", [1, 5, 9], "the big cat sees a small dog .", [3, 4], "what is 7 minus 3 ?",
            [8, 8, 2, 6], "tell me about the river ."]
 

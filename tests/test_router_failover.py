@@ -19,7 +19,8 @@ import pytest
 
 from dualrun.servers import router_client
 from helpers import eventually, free_port
-from test_router import ASSETS, _recorded, _server, _start_all
+from helpers import ASSETS
+from test_router import _recorded, _server, _start_all
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from conftest import REPO, dualrun
+from helpers import REPO, dualrun
 
 ARGS = ["--num_completions", "2", "--limit", "4", "--max_new_tokens", "8", "--seed", "7", "--orm", "contains_answer"]
 
@@ -53,6 +53,7 @@ def test_a_role_program_under_torchrun_runs_once_not_once_per_rank(tmp_path):
     assert bad.returncode == 2 and "num_machines: expected 1 for a role program under torchrun" in bad.stderr
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.timeout(420)   # both backends: one driver, its 2 sampler workers and the prm/orm workers

@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import link_tiny
-from helpers import gone
+from helpers import REPO, gone
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny, tmp_path_factory) -> Path:
-    """The shared assets under this module's own path: the teacher's path on a command line marks this module's
-    servers (see conftest.link_tiny)."""
-    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +23,7 @@ def local_ray():
     if ray.is_initialized():   # connected to the run's shared cluster (conftest.ray_cluster): this module starts its own
         ray.shutdown()
     ray.init(address="local", num_cpus=4, num_gpus=3, include_dashboard=False, log_to_driver=True,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield ray
     ray.shutdown()
 
@@ -59,13 +51,13 @@ def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     return plan, servers
 
 
-def test_teacher_server_in_its_own_placement_group(local_ray, tiny, capfd):
+def test_teacher_server_in_its_own_placement_group(local_ray, module_tiny, capfd):
     from ray.util import placement_group_table
 
     from dualrun.servers.process import http_ok
     from dualrun.rank.teacher import teacher_client
 
-    plan, servers = _servers(tiny)
+    plan, servers = _servers(module_tiny)
     trainer_gpus = {d for p in plan.workers for d in p.devices}
     assert [p.devices for p in plan.servers] != [] and not trainer_gpus & set(plan.servers[0].devices)
     try:
@@ -82,7 +74,7 @@ def test_teacher_server_in_its_own_placement_group(local_ray, tiny, capfd):
     finally:
         servers.stop()
     err = capfd.readouterr().err   # the server's output on this driver, as under torchrun: loading to stopping
-    loading = re.search(rf"\[teacher server 0\] dualrun engine: loading {re.escape(str(tiny / 'teacher'))} "
+    loading = re.search(rf"\[teacher server 0\] dualrun engine: loading {re.escape(str(module_tiny / 'teacher'))} "
                         r"\(pid (\d+)\)", err)
     assert loading and "[teacher server 0] dualrun engine: serving" in err, err
     assert gone(int(loading.group(1)))   # the server itself, not only its actor
@@ -93,10 +85,10 @@ def test_teacher_server_in_its_own_placement_group(local_ray, tiny, capfd):
     assert all(t["state"] == "REMOVED" for t in placement_group_table().values())
 
 
-def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(local_ray, tiny):
+def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(local_ray, module_tiny):
     from dualrun.errors import LaunchError
 
-    _, servers = _servers(tiny, health_timeout_s=2, server_args=["--startup-delay", "60"])
+    _, servers = _servers(module_tiny, health_timeout_s=2, server_args=["--startup-delay", "60"])
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as e:
         servers.start()
@@ -111,7 +103,7 @@ def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(local_ray, tiny)
     assert os.environ.get("DUALRUN_TEACHER_ADDRESS") is None
 
 
-def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(local_ray, tiny):
+def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(local_ray, module_tiny):
     """The cluster could hold the teacher, but not now: after ray.placement_timeout_s the same line (and exit
     code 2) as for trainer ranks and role groups, and no placement group or actor is left."""
     from ray.util import placement_group_table
@@ -119,7 +111,7 @@ def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(local_ray, tin
 
     from dualrun.errors import LaunchError
 
-    _, servers = _servers(tiny, ray_opts={"placement_timeout_s": 1})
+    _, servers = _servers(module_tiny, ray_opts={"placement_timeout_s": 1})
     blocker = placement_group([{"GPU": 3}])   # every GPU taken for now
     local_ray.get(blocker.ready(), timeout=30)
     try:

@@ -8,19 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun, link_tiny
-from helpers import engine_pid, gone
+from helpers import ASSETS, dualrun, engine_pid, gone
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-
-ASSETS = Path(__file__).resolve().parent / "assets"
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny, tmp_path_factory) -> Path:
-    """The shared assets under this module's own path: the teacher's path on a command line marks this module's
-    servers (see conftest.link_tiny)."""
-    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 def _gkd(tmp_path: Path, tiny: Path, config: str, *extra: str):
@@ -39,17 +29,18 @@ def _teacher_yaml(tiny: Path, **extra: str) -> str:
 
 
 @pytest.mark.slow
-def test_a_trainer_crash_stops_the_server(tmp_path, tiny):
-    proc = _gkd(tmp_path, tiny, _teacher_yaml(tiny), "--max_steps", "3", "--crash_at_step", "1")
+def test_a_trainer_crash_stops_the_server(tmp_path, module_tiny):
+    proc = _gkd(tmp_path, module_tiny, _teacher_yaml(module_tiny), "--max_steps", "3", "--crash_at_step", "1")
     assert proc.returncode != 0
     assert "crashed on purpose" in proc.stderr
     assert gone(engine_pid(proc.stderr, "teacher server 0"))
 
 
 @pytest.mark.slow
-def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, tiny):
-    cfg = _teacher_yaml(tiny).replace("health_timeout_s: 90", "health_timeout_s: 3, server_args: [--startup-delay, 60]")
-    proc = _gkd(tmp_path, tiny, cfg)
+def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, module_tiny):
+    cfg = _teacher_yaml(module_tiny).replace("health_timeout_s: 90",
+                                             "health_timeout_s: 3, server_args: [--startup-delay, 60]")
+    proc = _gkd(tmp_path, module_tiny, cfg)
     assert proc.returncode == 1
     assert "teacher server 0 did not become healthy within 3 s" in proc.stderr
     assert "--- last lines of its log ---" in proc.stderr and "dualrun engine: loading" in proc.stderr
@@ -57,7 +48,7 @@ def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, t
     assert gone(engine_pid(proc.stderr, "teacher server 0"))
 
 
-def test_dry_run_shows_the_server_command(tmp_path, tiny):
+def test_dry_run_shows_the_server_command(tmp_path, module_tiny):
     (tmp_path / "job.yaml").write_text(
         "method: gkd\nroles:\n  train: {gpus: 2}\n  teacher: {gpus: 1, model: /m/teacher, top_k: 20}\n")
     (tmp_path / "t.py").write_text("")

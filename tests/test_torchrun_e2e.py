@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-from conftest import dualrun
-from helpers import free_port, pids_matching
+from helpers import dualrun, free_port, pids_matching
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 

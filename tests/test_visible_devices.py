@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from ray_helpers import DUMP_ENV, ray_env
 
 GPU2 = "roles: {train: {gpus: 2}}\n"
@@ -73,6 +73,7 @@ def test_torchrun_ranks_run_on_the_visible_gpus(job):
                                                                                    ("1", "1", "3,4")]
 
 
+@pytest.mark.ray
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(180)

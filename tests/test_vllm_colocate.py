@@ -7,21 +7,20 @@ import json
 
 import pytest
 
-from conftest import dualrun
-from vllm_helpers import ASSETS, SERVER_ENV, TIER, tiny_vllm
+from helpers import dualrun
+from vllm_helpers import ASSETS, SERVER_ENV, TIER
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
 
-def test_grpo_builds_the_colocated_vllm_engine_from_the_filled_fields(tmp_path_factory):
-    tiny = tiny_vllm(tmp_path_factory)
+def test_grpo_builds_the_colocated_vllm_engine_from_the_filled_fields(tmp_path_factory, vllm_tiny):
     tmp = tmp_path_factory.mktemp("colocate")
     (tmp / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"
                                   "  rollout: {gpus: 1, engine: vllm}\ncolocate_groups: [[train, rollout]]\n"
                                   f"env: {SERVER_ENV}\n")
     (tmp / "out").mkdir()
-    proc = dualrun("launch", "--config_file", "job.yaml", str(ASSETS / "grpo_colocate_probe.py"), str(tiny / "model"),
-                   str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp, timeout=580)
+    proc = dualrun("launch", "--config_file", "job.yaml", str(ASSETS / "grpo_colocate_probe.py"),
+                   str(vllm_tiny / "model"), str(vllm_tiny / "data" / "prompts.jsonl"), "out", cwd=tmp, timeout=580)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rec = json.loads((tmp / "out" / "rank0.json").read_text())
     assert rec == {"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 1,

@@ -7,20 +7,15 @@ import re
 
 import pytest
 
-from vllm_helpers import TIER, assert_nothing_left, run_gkd_probe, server_role, tiny_vllm
+from vllm_helpers import TIER, assert_nothing_left, run_gkd_probe, server_role
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_vllm(tmp_path_factory)
-
-
-def test_gkd_distils_from_two_vllm_replicas_behind_the_router(tmp_path, tiny):
+def test_gkd_distils_from_two_vllm_replicas_behind_the_router(tmp_path, vllm_tiny):
     job = ("use_cpu: true\nmethod: gkd\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
-           + server_role("teacher", tiny / "teacher", gpus=2, health_timeout_s=400, top_k=5))
-    proc, rank = run_gkd_probe(tmp_path, tiny, job, timeout=580)
+           + server_role("teacher", vllm_tiny / "teacher", gpus=2, health_timeout_s=400, top_k=5))
+    proc, rank = run_gkd_probe(tmp_path, vllm_tiny, job, timeout=580)
     assert all(x == x and x >= 0 for x in rank["losses"])
     router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
     assert f"serving http://{rank['teacher_address']} for 2 replicas" in router_log
@@ -28,4 +23,4 @@ def test_gkd_distils_from_two_vllm_replicas_behind_the_router(tmp_path, tiny):
     assert spread and all(int(n) >= 1 for n in spread.groups()), router_log[-500:]
     for i in (0, 1):   # each replica is a real vLLM server
         assert "vllm" in (tmp_path / "logs" / f"teacher-server-{i}.log").read_text().lower()
-    assert_nothing_left(proc.stderr, str(tiny / "teacher"))
+    assert_nothing_left(proc.stderr, str(vllm_tiny / "teacher"))

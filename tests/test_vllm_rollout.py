@@ -10,28 +10,23 @@ import re
 
 import pytest
 
-from conftest import dualrun
+from helpers import dualrun
 from ray_helpers import ray_env
-from vllm_helpers import ASSETS, TIER, assert_nothing_left, server_role, tiny_vllm
+from vllm_helpers import ASSETS, TIER, assert_nothing_left, server_role
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
 NCCL_NEEDS_CUDA = "Weight synchronization runs on vLLM's NCCL weight-transfer engine, which needs a CUDA device"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_vllm(tmp_path_factory)
-
-
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, tiny, backend, ray_cluster_if_ray):
+def test_grpo_trainers_reach_the_real_rollout_server(tmp_path, vllm_tiny, backend, ray_cluster_if_ray):
     cluster = ray_cluster_if_ray   # Ray: a running cluster
     (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"
-                                       + server_role("rollout", tiny / "model"))
+                                       + server_role("rollout", vllm_tiny / "model"))
     (tmp_path / "out").mkdir()
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
-                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
+                   str(vllm_tiny / "model"), str(vllm_tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
                    env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
                    timeout=580)
     assert proc.returncode == 1, proc.stderr[-4000:]

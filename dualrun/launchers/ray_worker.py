@@ -6,7 +6,8 @@ of Ray's own variables and threads. The actor only holds the rank's resources, p
 it is rank 0, and hands lines of output to the driver through a long-poll (`lines`), so the driver prints them
 itself with a `[train rank N]` prefix (no Ray log prefixes, no interleaving inside a line).
 
-This module is imported by Ray worker processes: keep it free of torch and of the rest of dualrun.
+This module is imported by Ray worker processes: keep it free of torch; of dualrun it imports only small modules that
+need nothing beyond the standard library (errors, line_queue, parent_death, progress, protocol, ports, interpreter).
 """
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ LAUNCHER_NAMES = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "R
 
 
 def _dumps(value: Any) -> bytes:
-    from dualrun.funcs import _pickler
+    from dualrun.funcs import pickler
 
-    return _pickler().dumps(value)
+    return pickler().dumps(value)
 
 
 def _enter(env: dict[str, str], group: str, rank: int, size: int) -> None:

@@ -73,12 +73,12 @@ class ProcessWorkers:
                  kwargs: dict) -> None:
         import multiprocessing
 
-        from dualrun.funcs import _pickler
+        from dualrun.funcs import pickler
         from dualrun.ports import free_port
         from dualrun.roles.process_worker import serve
 
         self.spec, self.factory, self.track_bytes = spec, factory, runtime.track_bytes
-        self._dumps = _pickler().dumps
+        self._dumps = pickler().dumps
         self.master = ("127.0.0.1", free_port("127.0.0.1"))
         blob = self._dumps((factory, args, kwargs))
         mp = multiprocessing.get_context("spawn")

@@ -1,7 +1,7 @@
 """The workers of a group: what both backends share (the call list, `bind`, `GroupFuture`) and `LocalWorkers`.
 
 Why a module of its own: `WorkerGroup` (group.py) reaches the backends through the runtime, and the Ray backend
-(ray_backend.py) builds on these pieces; with them in group.py the three modules imported each other in a cycle.
+(ray_backend.py) builds on these pieces; here, below both, neither group.py nor ray_backend.py imports the other.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The servers a torchrun plan places on this machine: started before the trainers, stopped after them.
+"""The servers a torchrun plan places on this machine (started before the trainers, stopped after them), and the
+per-server helpers (command, health path, addresses, wiring env) the Ray servers use too.
 
 Each server binds a port the OS picks. One machine: 127.0.0.1. Several machines (torchrun by hand, like
 accelerate): a separate role's servers run on whichever machines the plan gives them (machine 0 first), bind

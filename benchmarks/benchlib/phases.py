@@ -1,6 +1,6 @@
 """Worker-side phases and steady-state step times, from the probe's per-rank files (benchmarks/probe/).
 
-Pure functions over the JSON the probe writes, shared by launch_bench.py (phase table) and steady_ab.py (A/B of
+Pure functions over the JSON the probe writes, shared by the launch report (phase table) and steady_ab.py (A/B of
 the steady-state gap). No torch, no Ray.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 import statistics
 from pathlib import Path
 
-PROBE_DIR = Path(__file__).resolve().parent / "probe"
+PROBE_DIR = Path(__file__).resolve().parent.parent / "probe"
 DIR_ENV = "DUALRUN_BENCH_PHASES"
 # phase name -> what the time means (seconds after the launcher was spawned; the latest rank counts)
 PHASES = (

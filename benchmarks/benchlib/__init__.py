@@ -1,0 +1,18 @@
+"""What the benchmark scripts share, one job per module, so each script is only its own experiment:
+
+  sandbox   refuse to run (or re-execute under `unshare -n`) unless only the loopback interface is visible
+  noise     the machine a result was taken on, and how busy other jobs keep it
+  job       the tiny SFT job and the command line of each launcher that runs it
+  measure   one launcher run measured from outside (wall, first step, driver RSS and CPU, CPU by kind of process)
+  phases    the worker-side probe's records (benchmarks/probe/): phases and steady-state steps
+  cluster   a running local Ray cluster the benchmark starts and stops itself
+  report    the launch tables, chart and the README blocks they refresh
+  planner   the planner timed at 1,024 GPUs
+
+Imported as `benchlib` with benchmarks/ on sys.path (as it is for `python benchmarks/<script>.py`).
+"""
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent   # benchmarks/
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
