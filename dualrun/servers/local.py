@@ -23,7 +23,7 @@ from dualrun.plan import ROUTER, Plan, Process
 from dualrun.servers.planned import (addresses, log_name, phases, replica_addresses, server_command,
                                      server_health_path, server_role, wiring_env)
 from dualrun.servers.process import ServerError, ServerProcess
-from dualrun.servers.serverset import ServerDeath, ServerSet
+from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
 
 WATCH_EVERY_S = 0.25   # how often the watcher looks at this machine's server processes
 
@@ -116,12 +116,12 @@ class LocalServers(ServerSet):
 
     def _wait(self, index: int, server: ServerProcess) -> ServerProcess:
         deadline = time.monotonic() + server.timeout_s
-        for attempt in range(3):
+        for attempt in range(START_TRIES):
             try:
                 server.wait_healthy(deadline)
                 return server
             except ServerError as e:
-                if not e.lost_port or attempt == 2:
+                if not e.lost_port or attempt == START_TRIES - 1:
                     raise
                 server.stop()  # the free port was taken between picking and binding it: pick another
                 server = self._spawn(index)

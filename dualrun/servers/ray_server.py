@@ -27,7 +27,7 @@ from typing import Any, Callable, Collection, Mapping
 from dualrun.line_queue import STDERR, LineQueue
 from dualrun.protocol import ActorPlace, ServerStart
 from dualrun.servers.process import ServerError, ServerProcess
-from dualrun.servers.serverset import ServerDeath, ServerSet
+from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
 
 
 class ServerActor:
@@ -211,7 +211,7 @@ class RayServers(ServerSet):
                                              server_role)
 
         done: dict[int, str] = {}
-        for attempt in range(3):
+        for attempt in range(START_TRIES):
             ports = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
             infos = wait_refs([self.actors[i].where.remote(ports) for i in todo], "start their server actors",
                               max(60.0, self.cfg.ray.placement_timeout_s), self.check)
@@ -234,7 +234,7 @@ class RayServers(ServerSet):
             for i, result in zip(refs, results):
                 if result.ok:
                     done[i] = result.address
-                elif result.port_in_use and attempt < 2:
+                elif result.port_in_use and attempt < START_TRIES - 1:
                     retry.append(i)
                 else:
                     raise LaunchError(result.error)

@@ -18,6 +18,9 @@ from typing import Any
 
 from dualrun.servers.process import ServerError
 
+START_TRIES = 3   # a server whose free port was taken between picking and binding it is started again, this often
+
+
 
 @dataclass(frozen=True)
 class ServerDeath:
