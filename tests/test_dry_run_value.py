@@ -79,7 +79,7 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
     from dualrun.launchers.base import join_cmd
     from dualrun.plan import AUTO, make_plan
     from dualrun.plugin import get_plugin
-    from dualrun.servers.local import server_command
+    from dualrun.servers.planned import server_command
 
     cfg = build_config({"backend": backend, "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": {
         "gpus": 2, "model": "/m/teacher", "top_k": 20}}}, str(tmp_path / "c.yaml"))

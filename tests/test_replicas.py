@@ -14,7 +14,7 @@ from helpers import REPO, dualrun
 from dualrun.config import build_config
 from dualrun.errors import ConfigError
 from dualrun.plan import ROUTER, Cluster, make_plan
-from dualrun.servers.local import addresses, log_name, phases, replica_addresses, server_command
+from dualrun.servers.planned import addresses, log_name, phases, replica_addresses, server_command
 
 
 def _cfg(teacher: dict, backend: str = "torchrun", **top) -> object:
@@ -170,7 +170,6 @@ def test_local_servers_start_replicas_then_router_and_watch_the_router(tmp_path,
     router's, its health is green through both replicas; a router that dies is the job's failure, named."""
     import os
     import signal
-    import time
 
     from dualrun.plugin import get_plugin
     from dualrun.servers.local import LocalServers
@@ -186,11 +185,9 @@ def test_local_servers_start_replicas_then_router_and_watch_the_router(tmp_path,
         assert router.address == address and [s.label for s in servers.running.values()] == [
             "teacher server 0", "teacher server 1", "teacher router"]
         assert http_ok(f"http://{address}/health")
-        deaths = []
-        servers.watch(deaths.append, every_s=0.1)
+        servers.watch()
         os.kill(router.proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not deaths and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert deaths and deaths[0].one_line().startswith("teacher router exited with code -9 (killed by SIGKILL)")
+        death = servers.next_death(timeout=10)   # the event: which server, how it ended
+        assert death is not None and death.index == 2 and servers.failure is death
+        assert death.one_line().startswith("teacher router exited with code -9 (killed by SIGKILL)")
     assert not router.alive() and not servers.running

@@ -255,17 +255,18 @@ def _answering():
     return server
 
 
-def _after_silence(servers, server, finished: bool) -> str | None:
-    """Stop `server` (another machine's, health-checked by `servers`) and keep calling `servers.check()`: once that
-    machine said it finished, no failure within 3.5 s (two probes ~1 s apart fit); else the failure's line, within
-    10 s."""
+def _after_silence(machines, server, finished: bool) -> str | None:
+    """Stop `server` (another machine's, health-checked by `machines`) and keep calling `machines.check()`: once
+    that machine said it finished, no failure within 3.5 s (two probes ~1 s apart fit); else the failure's line,
+    within 10 s."""
     import time
 
-    assert servers.check() is None                            # answering: fine
+    servers = machines.servers
+    assert machines.check() is None                            # answering: fine
     server.shutdown()
     server.server_close()
     deadline = time.monotonic() + (3.5 if finished else 10)
-    while servers.check() is None and time.monotonic() < deadline:
+    while machines.check() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     if finished:
         assert servers.failure is None
@@ -281,16 +282,18 @@ def test_machine_0_names_another_machines_replica_that_stops_answering():
     said its ranks finished (the store's key), the same silence is no failure."""
     from dualrun.plugin import get_plugin
     from dualrun.servers.local import LocalServers
+    from dualrun.servers.machines import Machines
 
     cfg = _cpu_cfg(2)
     plan = make_plan(cfg)
     for finished in (False, True):
         server = _answering()
         servers = LocalServers(cfg, get_plugin("gkd"), plan, dict, stream=None)
-        servers.started[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
-        servers.finished_elsewhere = lambda machine: finished and machine == 1
+        machines = Machines(servers, "127.0.0.1", 1)
+        machines.watched[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
+        machines.finished_elsewhere = lambda machine: finished and machine == 1
         try:
-            line = _after_silence(servers, server, finished)
+            line = _after_silence(machines, server, finished)
             assert finished or line.startswith(
                 f"teacher server 1 on machine 1 stopped answering its health check (http://127.0.0.1:"
                 f"{server.server_address[1]}/health) while the job was running"), line
@@ -303,27 +306,24 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
     """The exchange through a real TCPStore (standing in for torchrun's agent store): machine 1's launcher, whose
     replica failed its start, leaves the reason under the replica's key; machine 0's, waiting for that address,
     ends its job with it instead of waiting for an address that never comes."""
-    import threading
-
     from torch.distributed import TCPStore
 
     from dualrun.plugin import get_plugin
     from dualrun.ports import free_port
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.machines import not_started, share
+    from dualrun.servers.machines import Machines
 
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)   # noqa: F841 - serves the test
     machine = [LocalServers(_cpu_cfg(2, r), get_plugin("gkd"), make_plan(_cpu_cfg(2, r)), dict, stream=None)
                for r in (0, 1)]
-    ended: list[Exception] = []
-    done = threading.Event()
-    share(machine[0], "127.0.0.1", port, lambda e: (ended.append(e), done.set()))
-    not_started(machine[1], "127.0.0.1", port, "teacher server 1 exited with code 1 before it became healthy\n"
-                                                 "--- last lines of its log ---\nOSError: no model")
-    assert done.wait(10), "machine 0 still waits"
-    assert ended[0].one_line() == ("teacher server 1 did not start on machine 1: teacher server 1 exited with code "
-                                   "1 before it became healthy"), ended[0].one_line()
+    Machines(machine[0], "127.0.0.1", port).share()
+    Machines(machine[1], "127.0.0.1", port).not_started(
+        "teacher server 1 exited with code 1 before it became healthy\n--- last lines of its log ---\nOSError: no model")
+    ended = machine[0].next_death(timeout=10)   # the death event machine 0's launcher ends its job with
+    assert ended is not None, "machine 0 still waits"
+    assert ended.one_line() == ("teacher server 1 did not start on machine 1: teacher server 1 exited with code "
+                                "1 before it became healthy"), ended.one_line()
     machine[0].stop()
 
 
@@ -340,7 +340,7 @@ def test_machine_1_names_machine_0s_router_that_stops_answering():
     from dualrun.plugin import get_plugin
     from dualrun.ports import free_port
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.machines import share
+    from dualrun.servers.machines import Machines
 
     for finished in (True, False):
         port = free_port()
@@ -351,20 +351,20 @@ def test_machine_1_names_machine_0s_router_that_stops_answering():
         address = f"127.0.0.1:{server.server_address[1]}"
         store.set(job_store.server_key(router), address)          # what machine 0 published
         machine1 = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), dict, stream=None)
-        ended: list[Exception] = []
-        share(machine1, "127.0.0.1", port, ended.append)
+        machines = Machines(machine1, "127.0.0.1", port)
+        machines.share()
         try:
-            assert eventually(lambda: machine1.started.get(router) == address, 10), machine1.started
+            assert eventually(lambda: machines.watched.get(router) == address, 10), machines.watched
             if finished:
                 store.set(job_store.finished_key(0), "1")
             else:
                 del store                                          # machine 0's agent is gone with its store
                 gc.collect()
-            line = _after_silence(machine1, server, finished)
+            line = _after_silence(machines, server, finished)
             assert finished or line.startswith(
                 f"teacher router on machine 0 stopped answering its health check (http://{address}/health) "
                 "while the job was running"), line
-            assert not ended   # the exchange itself went fine
+            assert machine1.failure is None or machine1.failure.index == router   # the exchange itself went fine
         finally:
             machine1.stop()
 

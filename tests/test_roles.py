@@ -217,6 +217,7 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(local_ray):
     import ray
 
     from dualrun.errors import LaunchError
+    from dualrun.raycluster import Gang
     from dualrun.roles.ray_backend import make_placement
     from dualrun.roles.spec import GroupSpec
 
@@ -224,7 +225,7 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(local_ray):
 
     spec = RolesSpec((GroupSpec("big", 2, 16, ("big",)),), source="x.yaml", ray=RayOptions(placement_timeout_s=2))
     with pytest.raises(LaunchError, match=r"x\.yaml: role\(s\) big: 2 worker\(s\) .* within ray\.placement_timeout_s=2 s") as failed:
-        make_placement(spec, spec.groups[0])
+        make_placement(spec, spec.groups[0], Gang(spec.ray, spec.source))
     assert failed.value.exit_code == 2
     assert not [p for p in ray.util.placement_group_table().values()
                 if p.get("name", "").startswith("dualrun-big-") and p.get("state") != "REMOVED"]

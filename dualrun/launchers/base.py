@@ -13,8 +13,9 @@ from typing import Any, Mapping, Sequence
 from dualrun import protocol
 from dualrun.config.model import JobConfig
 from dualrun.envspec import forwarded_env, redact_argv
-from dualrun.errors import killed_by
+from dualrun.errors import LaunchError, killed_by
 from dualrun.plan import AUTO, Cluster, Plan
+from dualrun.servers.serverset import ServerDeath, ServerSet
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,17 @@ class JobResult:
         return self.exit_code == 0
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What one attempt came to: its result; why the job restarts ("X; restarting the job"; None: it does not,
+    each backend says which failures it restarts itself: torchrun restarts its workers on its own); and the
+    servers whose death ended it (the next attempt then gets a fresh server set)."""
+
+    result: JobResult
+    restart: str | None = None
+    dead: tuple[ServerDeath, ...] = ()
+
+
 class Launcher(ABC):
     """`launch(plan) -> JobResult`. Cluster facts stay in the Plan; the launcher only runs it."""
 
@@ -96,38 +108,78 @@ class Launcher(ABC):
     def launch(self, prepared: Prepared) -> JobResult:
         """Run the prepared launch to completion (or failure); never leaves a process behind.
 
-        One sequence for every backend: each attempt starts the job's servers and runs the workers
-        (`run_attempt`); the whole job restarts up to max_failures times while `restart_cause` names a cause
-        (each backend says which failures it restarts itself: torchrun restarts its workers on its own)."""
+        One sequence and one restart policy for every backend: the job's servers (`server_set`) start first; each
+        attempt runs the workers to their end (`run_attempt`); while an attempt's outcome names a restart cause the
+        whole job restarts, up to max_failures times. A server set lives until one of its servers dies: then the
+        next attempt gets a fresh set that never reuses an endpoint of an earlier one. Servers that never started
+        end the job (nothing to restart)."""
         start = time.monotonic()
         attempt = 0
+        avoid: set[str] = set()   # endpoints of the sets replaced so far
+        servers: ServerSet | None = None
         with self.session():
-            while True:
-                result = self.run_attempt(prepared, attempt)
-                cause = self.restart_cause(result)
-                if cause is None or attempt >= self.cfg.max_failures:
-                    break
-                attempt += 1
-                print(f"dualrun: {cause} ({attempt}/{self.cfg.max_failures})", file=sys.stderr, flush=True)
-                prepared = self.before_restart(prepared)
+            try:
+                while True:
+                    if servers is None:
+                        servers = self.server_set(prepared.plan, attempt, frozenset(avoid))
+                        failed = self.start_servers(servers, prepared.plan)
+                        if failed is not None:
+                            result = failed
+                            break
+                    outcome = self.run_attempt(prepared, attempt, servers)
+                    result = outcome.result
+                    if outcome.restart is None or attempt >= self.cfg.max_failures:
+                        break
+                    attempt += 1
+                    print(f"dualrun: {outcome.restart} ({attempt}/{self.cfg.max_failures})", file=sys.stderr,
+                          flush=True)
+                    if outcome.dead and servers is not None:   # fresh servers; never the dead one's address
+                        avoid |= servers.used()
+                        servers.stop(self.server_grace_s(restarting=True))
+                        servers = None
+                    prepared = self.before_restart(prepared, attempt)
+            finally:
+                if servers is not None:   # servers go with the job
+                    servers.stop(self.server_grace_s(restarting=False))
         result.restarts = attempt
         result.wall_time_s = time.monotonic() - start
         return result
 
     def session(self) -> "contextlib.AbstractContextManager[Any]":
-        """What spans every attempt (a Ray connection, signal handlers, servers kept across restarts)."""
+        """What spans every attempt (a Ray connection, signal handlers)."""
         return contextlib.nullcontext()
 
-    @abstractmethod
-    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
-        """One attempt: the servers it needs, then the workers, to their end; stops what it alone owns."""
+    def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> ServerSet | None:
+        """The plan's servers for `attempt` (not started), never on an endpoint in `avoid`; None: the launcher
+        starts no servers."""
+        return None
+
+    def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
+        """Start `servers` before any worker; None once they answer, else the job's result (a LaunchError naming
+        the server)."""
+        if servers is None or plan is None:
+            return None
+        try:
+            servers.start()
+        except LaunchError as e:
+            self.servers_not_started(servers, e)
+            return JobResult(e.exit_code, message=str(e))
+        report_servers(servers.addresses, plan.external)
+        return None
+
+    def servers_not_started(self, servers: ServerSet, error: LaunchError) -> None:
+        """What else a launch does when its servers did not start (nothing by default)."""
+
+    def server_grace_s(self, restarting: bool) -> float:
+        """SIGTERM -> SIGKILL grace for a server set: the job ends (or restarts with fresh servers)."""
+        return 10.0
 
     @abstractmethod
-    def restart_cause(self, result: JobResult) -> str | None:
-        """The restart line for an attempt that ended with `result` ("X; restarting the job"), or None."""
+    def run_attempt(self, prepared: Prepared, attempt: int, servers: ServerSet | None) -> Outcome:
+        """One attempt: the workers, to their end, beside the running `servers`; stops what it alone owns."""
 
-    def before_restart(self, prepared: Prepared) -> Prepared:
-        """What the next attempt runs (a fresh rendezvous port, say); the same launch by default."""
+    def before_restart(self, prepared: Prepared, attempt: int) -> Prepared:
+        """What restart `attempt` runs (a fresh rendezvous port, say); the same launch by default."""
         return prepared
 
     @abstractmethod

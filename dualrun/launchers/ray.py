@@ -16,37 +16,28 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
 from dualrun.interpreter import PYTHON
-from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_cmd, join_cmd,
-                                    report_servers, server_preview_line, stopped_by)
-from dualrun.launchers.ray_results import failure, first_line, rank_results, value
+from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
+                                    server_preview_line, stopped_by)
+from dualrun.launchers.ray_results import first_line
+from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
 from dualrun.plan import AUTO, Cluster, Plan, Process, units
-from dualrun.protocol import ActorPlace, RankExit
+from dualrun.protocol import ActorPlace
 from dualrun.rank.wiring import group_port_env
-from dualrun.servers.local import server_previews
+from dualrun.servers.planned import server_previews
+from dualrun.servers.serverset import ServerDeath, ServerSet
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
-_SHUTDOWN_S = 8.0       # stop + drain budget (a driver signal must end the job within 10 s)
 
 
 class _Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-@dataclass
-class _Rank:
-    proc: Process
-    actor: Any
-    info: ActorPlace | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    result: RankExit | None = None
 
 
 class RayLauncher(Launcher):
@@ -56,12 +47,7 @@ class RayLauncher(Launcher):
         super().__init__(*args, **kwargs)
         self._conn = None
         self._signal: int | None = None
-        self._stop_time: float | None = None
-        self._servers: Any = None
-        self._wiring: dict[str, str] = {}
-        self._server_failure: str | None = None   # why the last attempt ended, when a server died
-        self._used: set[str] = set()               # `ip:port` of dead servers: a restart never reuses one
-        self._final = False                        # the last attempt's servers never started: no restart
+        self._stop_time: float | None = None   # when this attempt's ranks were told to stop
 
     # -- cluster -------------------------------------------------------------------------------------------------
     def cluster(self) -> Cluster | None:
@@ -147,9 +133,9 @@ class RayLauncher(Launcher):
                          f"{prepared.cwd}: " + server_preview_line(shown, argv))
         return "\n".join(lines)
 
-    # -- launch --------------------------------------------------------------------------------------------------
     # -- launch: on failure the whole job restarts up to max_failures times (torchrun's semantics). Servers stay up
-    # across restarts of the trainers; a server that died is replaced by a fresh one on a fresh port ------------
+    # across restarts of the trainers; a server that died is replaced by a fresh one on a fresh port (the policy:
+    # Launcher.launch) ----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         if self._conn is None:
@@ -158,52 +144,35 @@ class RayLauncher(Launcher):
         try:
             yield
         finally:
-            if self._servers is not None:   # servers go with the job
-                self._servers.stop(grace_s=_STOP_GRACE_S if self._signal is not None else 10.0)
-                self._servers = None
             restore()
 
-    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
-        self._final = False
-        if self._servers is None:
-            self._final = True   # the servers did not start: nothing to restart
-            try:
-                self.start_servers(prepared.plan, attempt, self._used)
-            except LaunchError as e:
-                return JobResult(e.exit_code, message=str(e))
-            except _Interrupted as e:
-                return stopped_by(e.signum, "every server was stopped")
-            self._final = False
-        return self._attempt(prepared, attempt)
-
-    def restart_cause(self, result: JobResult) -> str | None:
-        if result.ok or result.exit_code in (130, 143) or self._final:
-            return None
-        return f"{(result.message or 'the job failed').splitlines()[0]}; restarting the job"
-
-    def before_restart(self, prepared: Prepared) -> Prepared:
-        if self._server_failure is not None:   # fresh servers; never the dead one's address
-            self._used |= self._servers.used()
-            self._servers.stop(grace_s=_STOP_GRACE_S)
-            self._servers = None
-        return prepared
-
-    def start_servers(self, plan: Plan, attempt: int = 0, avoid: "set[str] | frozenset[str]" = frozenset()) -> None:
-        """Separate roles: each server in its own placement group and actor, healthy before any trainer starts;
-        the trainers get the plugin's wiring of their addresses (also for user-run servers, `address:`).
-        Signals are seen while Ray places and starts them."""
+    def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> ServerSet:
+        """Separate roles: each server in its own placement group and actor (servers/ray_server.py)."""
         from dualrun.servers.ray_server import RayServers
 
-        self._servers = RayServers(self.cfg, self.plugin, plan, self.run_id,
-                                   env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle,
-                                   check=self._check_signal, attempt=attempt, avoid=avoid)
+        return RayServers(self.cfg, self.plugin, plan, self.run_id,
+                          env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle,
+                          check=self._check_signal, attempt=attempt, avoid=avoid)
+
+    def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
+        """Healthy before any trainer starts; the trainers get the plugin's wiring of their addresses (also for
+        user-run servers, `address:`). Signals are seen while Ray places and starts them."""
         try:
-            self._servers.start()
-        except BaseException:
-            self._servers = None   # start() stopped what it had started
-            raise
-        report_servers(self._servers.addresses, plan.external)
-        self._wiring = self._servers.wiring_env()
+            failed = super().start_servers(servers, plan)
+        except _Interrupted as e:
+            return stopped_by(e.signum, "every server was stopped")
+        if failed is None and servers is not None:
+            servers.watch()   # for the whole job: each attempt's supervision takes the death events
+        return failed
+
+    def server_grace_s(self, restarting: bool) -> float:
+        return _STOP_GRACE_S if restarting or self._signal is not None else 10.0
+
+    def run_attempt(self, prepared: Prepared, attempt: int, servers: ServerSet | None) -> Outcome:
+        result, dead = self._attempt(prepared, attempt, servers)
+        if result.ok or result.exit_code in (130, 143):
+            return Outcome(result, None, dead)
+        return Outcome(result, f"{(result.message or 'the job failed').splitlines()[0]}; restarting the job", dead)
 
     def _trap_signals(self):
         """SIGTERM/SIGINT only set a flag, checked between Ray calls (at most 1 s apart): raising inside a Ray
@@ -222,43 +191,53 @@ class RayLauncher(Launcher):
         if self._signal is not None:
             raise _Interrupted(self._signal)
 
-    def _attempt(self, prepared: Prepared, attempt: int) -> JobResult:
+    def _attempt(self, prepared: Prepared, attempt: int,
+                 servers: ServerSet | None) -> tuple[JobResult, tuple[ServerDeath, ...]]:
+        """Place and start every rank, supervise them to their end; the result and the server whose death ended
+        it (if one did)."""
         from ray.exceptions import RayError
 
-        from dualrun.launchers.ray_worker import RankWorker
         from dualrun.raycluster import Gang
 
         self._stop_time = None
-        self._server_failure = None
         gang = Gang(self.cfg.ray, self.cfg.source, self._check_signal)
-        ranks: list[_Rank] = []
+        ranks: list[Rank] = []
         try:
             try:
-                by_unit: dict[str, list[Process]] = {}
-                for p in prepared.plan.workers:
-                    by_unit.setdefault(p.unit, []).append(p)
-                for unit, procs in by_unit.items():
-                    pg = gang.place(f"{self.run_id}-{unit}-{attempt}", procs[0].roles[0],
-                                    [self.bundle(p) for p in procs])
-                    for i, p in enumerate(procs):   # rank order: rank 0's actor is created first
-                        b = self.bundle(p)
-                        ranks.append(_Rank(p, gang.spawn(
-                            RankWorker, pg, i, self.run_id, p.label, num_cpus=b.get("CPU", 0),
-                            num_gpus=b.get("GPU", 0), max_concurrency=4, max_restarts=0,
-                            name=f"{self.run_id}-{p.unit}-{p.rank}-{attempt}")))
-                self._start(prepared, ranks, attempt)
-                return self._supervise(ranks)
+                ranks = self._place(prepared.plan, attempt, gang)
+                self._start(prepared, ranks, attempt, servers.wiring_env() if servers is not None else {})
+                watch = Supervision(ranks, servers, lambda: self._stop_all(ranks, wait=False),
+                                    self._check_signal).run()
+                dead = (watch.server_failure,) if watch.server_failure is not None else ()
+                return watch.result(self._stop_time), dead
             except RayError as e:
                 raise LaunchError(f"the Ray workers could not start: {first_line(e)}", 1) from None
             except _Interrupted as e:
                 self._stop_all(ranks)
-                return stopped_by(e.signum)
+                return stopped_by(e.signum), ()
         finally:   # every program stopped, every actor killed, every placement group removed
             self._stop_all(ranks)
             gang.call_all("cleanup", timeout=2.0)
             gang.stop()
 
-    def _start(self, prepared: Prepared, ranks: list[_Rank], attempt: int) -> None:
+    def _place(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
+        """One placement group per unit, one actor per rank in it (rank order: rank 0's actor first)."""
+        from dualrun.launchers.ray_worker import RankWorker
+
+        ranks: list[Rank] = []
+        by_unit: dict[str, list[Process]] = {}
+        for p in plan.workers:
+            by_unit.setdefault(p.unit, []).append(p)
+        for unit, procs in by_unit.items():
+            pg = gang.place(f"{self.run_id}-{unit}-{attempt}", procs[0].roles[0], [self.bundle(p) for p in procs])
+            for i, p in enumerate(procs):
+                b = self.bundle(p)
+                ranks.append(Rank(p, gang.spawn(
+                    RankWorker, pg, i, self.run_id, p.label, num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
+                    max_concurrency=4, max_restarts=0, name=f"{self.run_id}-{p.unit}-{p.rank}-{attempt}")))
+        return ranks
+
+    def _start(self, prepared: Prepared, ranks: list[Rank], attempt: int, wiring: Mapping[str, str]) -> None:
         """Phase 1: where did each actor land (rank 0 picks the port); phase 2: start every program."""
         infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.cfg.main_process_port) for r in ranks],
                           "start their actors")
@@ -286,8 +265,8 @@ class RayLauncher(Launcher):
             r.env = self._placed_env(prepared.rank_envs[r.proc.label], master=master, gpus=",".join(r.info.gpus),
                                      node_rank=order.index(r.info.node_id), num_nodes=len(order), error_file=err,
                                      restart=attempt)
-            r.env.update(self._wiring)
-            r.env.update(group_port_env(self._wiring, master.group_port))
+            r.env.update(wiring)
+            r.env.update(group_port_env(wiring, master.group_port))
             log = os.path.abspath(os.path.join(log_dir, f"{r.proc.unit}_{r.proc.rank}.log")) if log_dir else None
             refs.append(r.actor.start.remote(argv, r.env, prepared.cwd, log, call))
         self._get(refs, "start the program")
@@ -297,80 +276,13 @@ class RayLauncher(Launcher):
 
         return wait_refs(refs, what, max(60.0, self.cfg.ray.placement_timeout_s), self._check_signal)
 
-    def _supervise(self, ranks: list[_Rank]) -> JobResult:
-        """Wait on exits and output; the first failure (or a dead actor) stops every rank."""
-        import ray
-        from ray.exceptions import RayActorError
-
-        pending: dict[Any, tuple[str, int]] = {}
-        for i, r in enumerate(ranks):
-            pending[r.actor.wait.remote()] = ("exit", i)
-            pending[r.actor.lines.remote()] = ("out", i)
-        watch = dict(self._servers.watch) if self._servers is not None else {}   # a server that ends
-        failed: list[int] = []
-        deadline = None
-        while pending:
-            timeout = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
-            ready, _ = ray.wait(list(pending) + list(watch), num_returns=1, timeout=timeout)
-            if deadline is None:
-                self._check_signal()
-            if deadline is not None and time.monotonic() >= deadline and not ready:
-                break
-            for ref in ready:
-                if ref in watch:
-                    watch.pop(ref)
-                    self._server_failure = self._server_failure or self._servers.why_ended(ref)
-                    if deadline is None:
-                        self._stop_all(ranks, wait=False)
-                        deadline = time.monotonic() + _SHUTDOWN_S
-                    continue
-                kind, i = pending.pop(ref)
-                r = ranks[i]
-                if kind == "out":
-                    try:
-                        batch = ray.get(ref)
-                    except RayActorError:
-                        continue
-                    if batch is not None:
-                        self._print(r, batch)
-                        pending[r.actor.lines.remote()] = ("out", i)
-                    continue
-                try:
-                    r.result = ray.get(ref)
-                except RayActorError as e:
-                    r.result = RankExit(1, time.time(), f"its Ray actor died ({first_line(e)})")
-                if r.result.exit_code != 0 and not failed:
-                    failed.append(i)
-                    self._stop_all(ranks, wait=False)
-                    deadline = time.monotonic() + _SHUTDOWN_S
-        if failed and watch and self._server_failure is None:   # did the ranks fail because a server died?
-            done, _ = ray.wait(list(watch), num_returns=1, timeout=0.5)
-            for ref in done:
-                self._server_failure = self._servers.why_ended(ref)
-        if self._server_failure is not None:
-            return JobResult(1, rank_results(ranks), message=self._server_failure)
-        if not failed:
-            return JobResult(0, [RankResult(r.proc.label, r.proc.rank, 0, result=value(r.result)) for r in ranks])
-        return failure(ranks, failed[0], self._stop_time)
-
-    def _print(self, r: _Rank, batch: list[tuple[int, str]]) -> None:
-        prefix = f"[{r.proc.label}] "
-        out = [prefix + t for s, t in batch if s == 1]
-        err = [prefix + t for s, t in batch if s != 1]
-        if out:
-            sys.stdout.write("\n".join(out) + "\n")
-            sys.stdout.flush()
-        if err:
-            sys.stderr.write("\n".join(err) + "\n")
-            sys.stderr.flush()
-
-    def _stop_all(self, ranks: list[_Rank], wait: bool = True) -> None:
-        """SIGTERM (SIGKILL after a grace) every rank's program; `wait` for them at most _SHUTDOWN_S."""
+    def _stop_all(self, ranks: list[Rank], wait: bool = True) -> None:
+        """SIGTERM (SIGKILL after a grace) every rank's program; `wait` for them at most SHUTDOWN_S."""
         from dualrun.raycluster import call_each
 
         if self._stop_time is None:
             self._stop_time = time.time()
-        call_each([r.actor for r in ranks], "stop", _STOP_GRACE_S, timeout=_SHUTDOWN_S if wait else None)
+        call_each([r.actor for r in ranks], "stop", _STOP_GRACE_S, timeout=SHUTDOWN_S if wait else None)
 
 
 def embedded_cpus(cfg: Any) -> int:

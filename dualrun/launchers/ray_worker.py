@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 
+from dualrun.child_process import ChildProcess
 from dualrun.errors import killed_by
 from dualrun.line_queue import STDERR, STDOUT, LineQueue
 from dualrun.parent_death import die_with_parent
@@ -43,7 +44,7 @@ class RankWorker:
         self.run_dir = os.path.join(tempfile.gettempdir(), run_id)   # shared by the job's actors on this node
         os.makedirs(self.run_dir, exist_ok=True)
         self.tmp = tempfile.mkdtemp(dir=self.run_dir)
-        self.proc: subprocess.Popen | None = None
+        self.child = ChildProcess()   # the program, in its own process group
         self.queue = LineQueue()   # the driver's long-poll (`lines`)
         self.tail: collections.deque = collections.deque(maxlen=_TAIL)
         self.readers: list[threading.Thread] = []
@@ -106,10 +107,8 @@ class RankWorker:
     def _spawn(self, argv: list[str], env: dict[str, str], cwd: str, started: threading.Event,
                failure: list[BaseException]) -> None:
         try:
-            self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, start_new_session=True,
-                                         preexec_fn=die_with_parent)
-            for stream, pipe in ((STDOUT, self.proc.stdout), (STDERR, self.proc.stderr)):
+            proc = self.child.start(argv, env, cwd, die_with_parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for stream, pipe in ((STDOUT, proc.stdout), (STDERR, proc.stderr)):
                 t = threading.Thread(target=self._read, args=(stream, pipe), daemon=True)
                 t.start()
                 self.readers.append(t)
@@ -118,7 +117,7 @@ class RankWorker:
             return
         finally:
             started.set()
-        self.proc.wait()
+        proc.wait()
         self.end = time.time()
 
     def _read(self, stream: int, pipe) -> None:
@@ -152,7 +151,7 @@ class RankWorker:
         assert self.proc is not None and self.spawner is not None, "start() was not called"
         self.spawner.join()
         code, end = self.proc.returncode, self.end
-        self._kill_group(signal.SIGKILL)     # stragglers it left in its session (dataloader workers, ...)
+        self.child.signal_group(signal.SIGKILL)     # stragglers it left in its session (dataloader workers, ...)
         for t in self.readers:
             t.join(timeout=5)
         if self.log is not None:
@@ -197,30 +196,13 @@ class RankWorker:
         """Long-poll: the queued lines (waits up to `timeout` for the first); None once output has ended."""
         return self.queue.take(timeout)
 
-    def _kill_group(self, sig: int) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.child.proc
 
     def stop(self, grace: float = 3.0) -> int | None:
         """SIGTERM the program's process group, SIGKILL after `grace` s. Idempotent."""
-        if self.proc is not None and self.proc.poll() is None:
-            self._kill_group(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-            self._kill_group(signal.SIGKILL)
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        elif self.proc is not None:
-            self._kill_group(signal.SIGKILL)
-        return None if self.proc is None else self.proc.returncode
+        return self.child.stop(grace)
 
     def cleanup(self) -> None:
         """Remove the job's temp dir on this node (also what an actor that died left there)."""

@@ -11,9 +11,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from typing import Any
 
 from dualrun.envspec import redact_value
-from dualrun.launchers.base import JobResult, Launcher, Prepared, RankResult, bootstrap_cmd, join_cmd
+from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
 from dualrun.plan import Plan
 from dualrun.protocol import ROLES_MODE, ROLES_SPEC
 from dualrun.roles.driver import driver_env
@@ -40,8 +41,9 @@ class RoleDriverLauncher(Launcher):
                 f"{ROLES_MODE}={prepared.env[ROLES_MODE]} "
                 f"{ROLES_SPEC}='{redact_value(ROLES_SPEC, prepared.env[ROLES_SPEC])}' {join_cmd(prepared.argv)}")
 
-    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
-        """Run the driver to its end; the job's exit code is the driver's."""
+    def run_attempt(self, prepared: Prepared, attempt: int, servers: Any = None) -> Outcome:
+        """Run the driver to its end; the job's exit code is the driver's. No restart: the role program owns its
+        groups' failures (WorkerError on the driver)."""
         print(f"dualrun: {self.table()}", file=sys.stderr, flush=True)
         start = time.monotonic()
         proc = subprocess.run(list(prepared.argv), env=dict(prepared.env), cwd=prepared.cwd)
@@ -50,7 +52,4 @@ class RoleDriverLauncher(Launcher):
         msg = None if code == 0 else f"the role program's driver exited with code {proc.returncode}"
         print(f"dualrun: job {'succeeded' if code == 0 else f'failed (exit code {code})'} in {wall:.1f} s",
               file=sys.stderr, flush=True)
-        return JobResult(code, [RankResult("driver", 0, code, msg)], wall, message=msg)
-
-    def restart_cause(self, result: JobResult) -> str | None:
-        return None   # the role program owns its groups' failures (WorkerError on the driver)
+        return Outcome(JobResult(code, [RankResult("driver", 0, code, msg)], wall, message=msg))

@@ -17,12 +17,14 @@ from typing import Any
 from dualrun import protocol
 from dualrun.envspec import TORCHRUN_NAMES, redact
 from dualrun.errors import LaunchError
-from dualrun.launchers.base import (JobResult, Launcher, Prepared, RankResult, bootstrap_module_argv, join_cmd,
-                                    failed_job, report_servers, server_preview_line, stopped_by)
+from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
+                                    failed_job, join_cmd, server_preview_line, stopped_by)
 from dualrun.plan import AUTO, Plan
 from dualrun.ports import free_port
-from dualrun.servers.local import LocalServers, server_previews
-from dualrun.servers.machines import await_attempt, finish, not_started, share
+from dualrun.servers.local import LocalServers
+from dualrun.servers.machines import Machines, await_attempt
+from dualrun.servers.planned import server_previews
+from dualrun.servers.serverset import ServerDeath
 
 
 class TorchrunLauncher(Launcher):
@@ -30,17 +32,15 @@ class TorchrunLauncher(Launcher):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._used_ports: set[int] = set()   # every server port of this launch: a restart never reuses one
-        self._server_failure: Any = None     # the server whose death ended the last attempt
-        self._attempt_no = 0
+        self._rdzv_port: int | None = None   # picked at first use; a single machine's restart picks a fresh one
 
     def _port(self) -> int:
-        if not hasattr(self, "_chosen_port"):
+        if self._rdzv_port is None:
             port = self.cfg.main_process_port
             if port is None:
                 port = free_port() if self.cfg.num_machines == 1 else 29500
-            self._chosen_port = port
-        return self._chosen_port
+            self._rdzv_port = port
+        return self._rdzv_port
 
     def _addr(self) -> str:
         return self.cfg.main_process_ip or "127.0.0.1"
@@ -103,94 +103,127 @@ class TorchrunLauncher(Launcher):
         return "\n".join(lines)
 
     # -- launch: a server that dies ends the job (or, with max_failures, restarts it with fresh servers on fresh
-    # ports); torchrun restarts the workers itself ------------------------------------------------------------
-    def run_attempt(self, prepared: Prepared, attempt: int) -> JobResult:
-        self._attempt_no = attempt
-        result, servers = self._attempt(prepared, attempt, self._used_ports)
-        self._used_ports |= servers.ports_used
-        self._server_failure = servers.failure
-        return result
+    # ports: Launcher.launch); torchrun restarts the workers itself ----------------------------------------------
+    def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> LocalServers:
+        """Separate roles: their servers start first (on their own devices), the trainers get their addresses."""
+        assert plan is not None
+        return LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid=avoid)
 
-    def restart_cause(self, result: JobResult) -> str | None:
+    def _machines(self, servers: LocalServers, attempt: int = 0) -> Machines | None:
+        """Several machines with servers: this machine's side of their exchange through torchrun's store."""
+        if self.cfg.num_machines > 1 and servers.plan.servers:
+            return Machines(servers, self._addr(), self._port(), attempt)
+        return None
+
+    def servers_not_started(self, servers: Any, error: LaunchError) -> None:
+        machines = self._machines(servers)
+        if machines is not None:
+            machines.not_started(str(error))   # machine K >= 1: machine 0 ends too
+
+    def run_attempt(self, prepared: Prepared, attempt: int, servers: Any) -> Outcome:
+        result = self._run_agent(prepared, attempt, servers)
         # several machines: a dead server ends the attempt on every machine (each watches the others' servers it
         # depends on), and each restarts; machine K waits for machine 0's new store (`before_restart`)
-        if self._server_failure is None:
-            return None
-        return f"{self._server_failure.one_line()}; restarting the job with fresh servers"
+        if servers.failure is None:
+            return Outcome(result)
+        return Outcome(result, f"{servers.failure.one_line()}; restarting the job with fresh servers",
+                       (servers.failure,))
 
-    def before_restart(self, prepared: Prepared) -> Prepared:
+    def before_restart(self, prepared: Prepared, attempt: int) -> Prepared:
         if self.cfg.num_machines > 1 and self.cfg.machine_rank != 0 and prepared.plan and prepared.plan.servers:
-            await_attempt(self._addr(), self._port(), self._attempt_no + 1)
+            await_attempt(self._addr(), self._port(), attempt)
         if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
-            self.__dict__.pop("_chosen_port", None)   # a fresh rendezvous port too
+            self._rdzv_port = None   # a fresh rendezvous port too
             return self.prepare(prepared.plan)
         return prepared
 
-    def _attempt(self, prepared: Prepared, attempt: int, used_ports: set[int]) -> "tuple[JobResult, LocalServers]":
-        from accelerate.utils import clear_environment
-        from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import parse_args, run
+    def _agent_args(self, prepared: Prepared, attempt: int) -> Any:
+        """torchrun's parsed arguments; the script's own arguments bypass torchrun's parser (`--n` must not match
+        torchrun's `--nnodes`)."""
+        from torch.distributed.run import parse_args
 
-        start = time.monotonic()
-        plan = prepared.plan
-        assert plan is not None
-        # separate roles: their servers start first (on their own devices), the trainers get their addresses
-        servers = LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid_ports=used_ports)
-        try:
-            servers.start()
-            report_servers(servers.addresses, plan.external)
-        except LaunchError as e:
-            not_started(servers, self._addr(), self._port(), str(e))   # machine K >= 1: machine 0 ends too
-            return JobResult(e.exit_code, wall_time_s=time.monotonic() - start, message=str(e)), servers
-        # the script's own arguments bypass torchrun's parser: `--n` must not match torchrun's `--nnodes`
         argv = list(prepared.argv[3:])   # after `python -m torch.distributed.run`
         script_args = self.program.bootstrap_argv()
         args = parse_args(argv[: len(argv) - len(script_args)])
         args.training_script_args = script_args
         args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
+        return args
+
+    def _job_env(self, prepared: Prepared, attempt: int, servers: LocalServers) -> dict[str, str]:
         extra = servers.wiring_env(f"{self._addr()}:{self._port()}")
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
-        env = {**prepared.env, **extra}
+        return {**prepared.env, **extra}
+
+    def _run_agent(self, prepared: Prepared, attempt: int, servers: LocalServers) -> JobResult:
+        """torchrun's agent for this machine, beside the running servers, to its end."""
+        from accelerate.utils import clear_environment
+        from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import run
+
+        start = time.monotonic()
+        args = self._agent_args(prepared, attempt)
+        env = self._job_env(prepared, attempt, servers)
+        machines = self._machines(servers, attempt)
         with clear_environment():   # the agent and its workers see exactly the job's env; ours comes back after
             os.environ.update(env)
-            main = threading.current_thread() is threading.main_thread()
-            end_job = (lambda e: _end_job(servers, e, _terminate_process_handler)) if main else (lambda _: None)
-            if main:
+            if threading.current_thread() is threading.main_thread():
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
-                servers.watch(end_job)
-            if self.cfg.num_machines > 1 and plan.servers:   # the machines' servers meet in torchrun's store
-                share(servers, self._addr(), self._port(), end_job, attempt)
+                servers.watch()
+                _end_job_on_death(servers, _terminate_process_handler)
+            if machines is not None:   # the machines' servers meet in torchrun's store
+                machines.share()
             try:
                 run(args)
-                servers.unwatch()   # every machine's ranks passed torchrun's exit barrier: servers may end now
-                finish(servers, self._addr(), self._port())   # several machines: before this one's servers stop
-            except ChildFailedError as e:
+            except (ChildFailedError, SignalException, json.JSONDecodeError) as e:
                 servers.unwatch()
-                if servers.settle() is not None:   # a server died first and the workers failed for it: the cause
-                    return _server_died(servers, start), servers
-                return _failed(e, time.monotonic() - start, self.node_workers(plan)[0].unit), servers
-            except SignalException as e:
-                servers.unwatch()
-                if servers.failure is not None:
-                    return _server_died(servers, start), servers
-                return stopped_by(int(e.sigval), wall_time_s=time.monotonic() - start), servers
-            except json.JSONDecodeError as e:
-                # torchrun's agent reads a failed rank's error file and gives up on one cut off mid-write (torch's
-                # own `@record` writes it in place, and the rank may be stopped meanwhile); its workers are stopped
-                servers.unwatch()
-                return JobResult(1, wall_time_s=time.monotonic() - start, message=(
-                    f"a {self.node_workers(plan)[0].unit} rank failed and torchrun could not read the error file "
-                    f"it left ({e}); its output above says why")), servers
-            finally:
-                servers.stop()
-        n = len(self.node_workers(plan))
-        ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(plan)][:n]
-        return JobResult(0, ranks, time.monotonic() - start), servers
+                return self._ended(e, servers, machines, prepared.plan, start)
+            servers.unwatch()   # every machine's ranks passed torchrun's exit barrier: servers may end now
+            if machines is not None:
+                machines.finish()   # several machines: before this one's servers stop
+        ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(prepared.plan)]
+        return JobResult(0, ranks, time.monotonic() - start)
+
+    def _ended(self, e: Exception, servers: LocalServers, machines: Machines | None, plan: Plan,
+               start: float) -> JobResult:
+        """The result of an agent that raised `e`: the server whose death it was, else the ranks' failure."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        unit = self.node_workers(plan)[0].unit
+        if isinstance(e, ChildFailedError):
+            # a server died first and the workers failed for it: the cause
+            if (machines.settle() if machines is not None else servers.check()) is not None:
+                return _server_died(servers, start)
+            return _failed(e, time.monotonic() - start, unit)
+        if isinstance(e, SignalException):
+            if servers.failure is not None:
+                return _server_died(servers, start)
+            return stopped_by(int(e.sigval), wall_time_s=time.monotonic() - start)
+        # torchrun's agent reads a failed rank's error file and gives up on one cut off mid-write (torch's own
+        # `@record` writes it in place, and the rank may be stopped meanwhile); its workers are stopped
+        return JobResult(1, wall_time_s=time.monotonic() - start, message=(
+            f"a {unit} rank failed and torchrun could not read the error file it left ({e}); its output above says "
+            "why"))
 
 
-def _end_job(servers: LocalServers, failure: Exception, agent_handler: Any) -> None:
+def _end_job_on_death(servers: LocalServers, agent_handler: Any) -> threading.Thread:
+    """A thread that ends this attempt at the first server death reported while the servers are watched."""
+
+    def run() -> None:
+        while not servers.stopping:
+            death = servers.next_death(timeout=0.25)
+            if death is not None and servers.watching:
+                _end_job(servers, death, agent_handler)
+                return
+
+    thread = threading.Thread(target=run, name="dualrun-server-deaths", daemon=True)
+    thread.start()
+    return thread
+
+
+def _end_job(servers: LocalServers, failure: ServerDeath, agent_handler: Any) -> None:
     """From a watcher thread: end this attempt because of `failure`. Once the workers run, torchrun's agent turns
     SIGTERM into SignalException and stops them (the launch then names `servers.failure`). Before, its rendezvous
     may wait in C++ for another machine (no Python signal handler runs there): the error is printed, the servers

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from dualrun.roles.dispatch import CollectFn, DispatchFn, plan_calls, resolve_collect
 from dualrun.roles.runtime import get_runtime
 from dualrun.roles.spec import GroupSpec
-from dualrun.roles.workers import GroupFuture
+from dualrun.roles.workers import GroupFuture, Workers
 
 
 class WorkerGroup:
@@ -27,7 +27,7 @@ class WorkerGroup:
         self.runtime = runtime or get_runtime()
         self.spec: GroupSpec = self.runtime.group_spec(group)
         self.factory = factory
-        self.workers = self.runtime.start_workers(self.spec, factory, tuple(args), dict(kwargs or {}))
+        self.workers: Workers = self.runtime.start_workers(self.spec, factory, tuple(args), dict(kwargs or {}))
         self.runtime.track(self)
         if _wait:
             self.wait_ready()
@@ -45,9 +45,7 @@ class WorkerGroup:
         return self.workers.backend
 
     def wait_ready(self) -> "WorkerGroup":
-        ready = getattr(self.workers, "wait_ready", None)
-        if ready is not None:
-            ready()
+        self.workers.wait_ready()
         return self
 
     def _method(self, method: Any) -> Any:

@@ -30,7 +30,7 @@ from dualrun.roles.context import RemoteFailure, WorkerError, method_name
 from dualrun.roles.dispatch import CollectFn
 from dualrun.roles.rendezvous import member_env
 from dualrun.roles.spec import GroupSpec
-from dualrun.roles.workers import Calls, GroupFuture
+from dualrun.roles.workers import Calls, GroupFuture, Workers
 
 GRACE_S = 2.0     # how long a SIGTERMed worker gets before SIGKILL
 STOP_S = 10.0     # at shutdown: how long workers get to return from their serve loop
@@ -64,7 +64,7 @@ def _stopping_on_error(workers: "ProcessWorkers") -> Iterator[None]:
         raise
 
 
-class ProcessWorkers:
+class ProcessWorkers(Workers):
     """The child processes of one local group; calls are sent to every worker at once and run concurrently."""
 
     backend = "local"

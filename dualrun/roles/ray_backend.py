@@ -14,7 +14,7 @@ from dualrun.protocol import ActorPlace, WorkerStats
 from dualrun.roles.context import (RemoteFailure, WorkerContext, WorkerError, call_safely, method_name,
                                    set_actor_context)
 from dualrun.roles.dispatch import CollectFn
-from dualrun.roles.workers import Calls, GroupFuture, bind
+from dualrun.roles.workers import Calls, GroupFuture, Workers, bind
 from dualrun.roles.rendezvous import member_env, pick_address
 from dualrun.roles.spec import GroupSpec, RolesSpec
 
@@ -96,20 +96,19 @@ def ensure_ray(spec: RolesSpec) -> Any:
     return connect(spec.ray, spec.source, num_cpus=max(1, math.ceil(workers * _bundle_cpus(spec))))
 
 
-def make_placement(spec: RolesSpec, group: GroupSpec) -> Any:
-    """The placement group of `group`'s unit: one bundle per worker, waited for with the configured timeout
-    (the Ray layer's placement: the same message and exit code as the launcher's)."""
-    from dualrun.raycluster import place
-
+def make_placement(spec: RolesSpec, group: GroupSpec, gang: Any) -> Any:
+    """The placement group of `group`'s unit, placed by `gang` (a raycluster.Gang, which removes it again): one
+    bundle per worker, waited for with the configured timeout (the Ray layer's placement: the same message and
+    exit code as the launcher's)."""
     per_worker = group.gpus / group.size if group.gpus else 0
     bundle: dict[str, float] = {"CPU": _bundle_cpus(spec)}
     if per_worker:
         bundle["GPU"] = per_worker
-    return place(spec.ray, spec.source, f"dualrun-{group.unit_name}-{os.getpid()}", group.unit_name,
-                 [dict(bundle) for _ in range(group.size)], precheck=False)
+    return gang.place(f"dualrun-{group.unit_name}-{os.getpid()}", group.unit_name,
+                      [dict(bundle) for _ in range(group.size)], precheck=False)
 
 
-class RayWorkers:
+class RayWorkers(Workers):
     """The actors of one group, placed in its unit's placement group (one bundle per rank)."""
 
     backend = "ray"

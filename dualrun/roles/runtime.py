@@ -1,4 +1,5 @@
-"""The role runtime of this process: which backend groups use, the config's groups, Ray placement groups.
+"""The role runtime of this process: which backend groups use, the config's groups, the units' Ray placement groups
+(held by a raycluster.Gang: the Ray resource layer places and removes them).
 
 `dualrun.init()` sets it explicitly; otherwise it is made on first use from the environment a launch left:
 `DUALRUN_ROLES_MODE=ray` (set by `dualrun launch --backend ray` for a role program) means Ray, anything else
@@ -23,13 +24,16 @@ BACKENDS = {"ray": "ray", "local": "local", "torchrun": "local", "python": "loca
 class Runtime:
     def __init__(self, spec: RolesSpec, backend: str, track_bytes: bool = False) -> None:
         self.spec, self.backend, self.track_bytes = spec, backend, track_bytes
-        self._pgs: dict[str, Any] = {}
+        self._pgs: dict[str, Any] = {}      # unit -> its placement group (made by `_placements`)
         self._groups: list[Any] = []
         self._conn: Any = None
+        self._placements: Any = None        # Ray: the raycluster.Gang that places and removes `_pgs`
         if backend == "ray":
+            from dualrun.raycluster import Gang
             from dualrun.roles.ray_backend import ensure_ray
 
             self._conn = ensure_ray(spec)
+            self._placements = Gang(spec.ray, spec.source)
 
     def group_spec(self, name: str) -> GroupSpec:
         """The config's group `name`; any name (one worker) when no config is known."""
@@ -61,7 +65,7 @@ class Runtime:
             if spec.unit_name not in self._pgs:
                 from dualrun.roles.ray_backend import make_placement
 
-                self._pgs[spec.unit_name] = make_placement(self.spec, spec)
+                self._pgs[spec.unit_name] = make_placement(self.spec, spec, self._placements)
             return self._pgs[spec.unit_name]
 
     def track(self, group: Any) -> None:
@@ -75,15 +79,9 @@ class Runtime:
         """Stop every group's workers and free the placement groups (and Ray, when this runtime started it)."""
         for group in list(self._groups):
             group.shutdown()
-        if self._pgs:
-            from ray.util.placement_group import remove_placement_group
-
-            for pg in self._pgs.values():
-                try:
-                    remove_placement_group(pg)
-                except Exception:  # noqa: BLE001 - the cluster may be gone already
-                    pass
-            self._pgs.clear()
+        if self._placements is not None:
+            self._placements.stop()   # removes every unit's placement group (best effort: the cluster may be gone)
+        self._pgs.clear()
         if self._conn is not None:
             self._conn.close()
             self._conn = None

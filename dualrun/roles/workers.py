@@ -1,4 +1,5 @@
-"""The workers of a group: what both backends share (the call list, `bind`, `GroupFuture`) and `LocalWorkers`.
+"""The workers of a group: the interface every backend's workers implement (`Workers`), what the backends share
+(the call list, `bind`, `GroupFuture`) and `LocalWorkers`.
 
 Why a module of its own: `WorkerGroup` (group.py) reaches the backends through the runtime, and the Ray backend
 (ray_backend.py) builds on these pieces; here, below both, neither group.py nor ray_backend.py imports the other.
@@ -6,6 +7,7 @@ Why a module of its own: `WorkerGroup` (group.py) reaches the backends through t
 from __future__ import annotations
 
 import functools
+from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
 from dualrun.roles.context import RemoteFailure, WorkerContext, WorkerError, as_worker, call_safely, method_name
@@ -44,7 +46,36 @@ class GroupFuture:
         return self._value
 
 
-class LocalWorkers:
+class Workers(ABC):
+    """The workers of one group, whatever runs them: `WorkerGroup` (group.py) talks to this and nothing else.
+
+    Implemented by `LocalWorkers` (one worker, in this process), `ProcessWorkers` (roles/processes.py: a child
+    process per worker) and `RayWorkers` (roles/ray_backend.py: an actor per worker)."""
+
+    backend: str   # "local" or "ray": what `WorkerGroup.backend` reports
+
+    def wait_ready(self) -> None:
+        """Block until every worker's instance is built; WorkerError naming the first that failed (the group is
+        stopped then). Workers built in this process are ready once constructed."""
+
+    @abstractmethod
+    def submit(self, method: Any, calls: Calls, collect: CollectFn) -> GroupFuture:
+        """Send each call of `calls` to its worker; a future of the collected result."""
+
+    @abstractmethod
+    def info(self) -> list[dict[str, Any]]:
+        """Per worker: rank, pid, CUDA_VISIBLE_DEVICES (and Ray's GPU ids on Ray)."""
+
+    @abstractmethod
+    def stats(self) -> list[dict[str, Any]]:
+        """Per worker: calls served and payload bytes received (None where not tracked)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent)."""
+
+
+class LocalWorkers(Workers):
     """A one-worker group as an instance in this process (groups of more: roles/processes.py)."""
 
     backend = "local"

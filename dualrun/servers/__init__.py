@@ -1,8 +1,10 @@
 """Server lifecycle for separate roles (rollout / teacher servers), shared by both backends.
 
 `ServerProcess` runs one server command on this node: start, wait for health (with a timeout and the
-log's tail in the error), stop (the whole process group). `LocalServers` starts the servers a torchrun plan
-puts on this node; `dualrun.servers.ray_server` does the same from an actor in the role's placement group.
+log's tail in the error), stop (the whole process group). A job's servers are a server set (`serverset.py`:
+start, addresses, death events, stop): `LocalServers` (local.py) for the servers a torchrun plan puts on this
+machine, with `machines.py` coordinating several machines; `RayServers` (ray_server.py) from an actor per server
+in its own placement group. `planned.py`: what the plan's servers are, on either backend.
 """
 from dualrun.servers.process import ServerError, ServerProcess
 

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
 # the engines' shape (engine, size, replicas, env) lives below the plan that places them (dualrun/engine_shape.py)
-from dualrun.engine_shape import ROLLOUT_SERVER_ENV, engine_of  # noqa: F401 - ROLLOUT_SERVER_ENV: servers/local.py
+from dualrun.engine_shape import engine_of
 from dualrun.envinfo import vllm_cpu_only
 from dualrun.interpreter import PYTHON
 

@@ -2,110 +2,194 @@
 
 Why: machines started by hand do not talk before the job, and a role's replicas may run on any of them (the plan
 fills machine 0's free GPUs first, then machine 1's, ...). Each machine's launcher starts and watches its own
-servers before its torchrun agent; then, beside the agent, `share` runs in a thread:
+servers before its torchrun agent; then, beside the agent, `Machines.share` runs in a thread:
 - machine K >= 1 publishes the address of each server it runs (`job_store.SERVER_KEY`);
 - machine 0 reads the others' addresses, starts the routers in front of every replica (watched and stopped
   with its other servers), and publishes the trainers' wiring env (`job_store.WIRING_KEY`), the same for
   every machine. Every rank reads it before the user's program starts (dualrun/rank/store_wiring.py), so no
   rank uses the router's address before it answers for every replica.
-Machine 0 also health-checks the other machines' servers while the job runs (LocalServers.check), so a replica
+Machine 0 also health-checks the other machines' servers while the job runs (`Machines.check`), so a replica
 that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds;
 machine K health-checks machine 0's routers the same way (machine 0 publishes their addresses too), so machine 0
 or its router dying ends machine K's job instead of leaving its ranks waiting in a collective. Each machine says
-when its ranks finished (`finish`) so that its servers' normal end is no failure. The store is the
+when its ranks finished (`Machines.finish`) so that its servers' normal end is no failure. The store is the
 one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the rendezvous store).
-Every machine hosts trainer ranks (torchrun needs `num_processes` to be a multiple of `num_machines`), so a
-machine that only serves does not arise.
+`Machines` owns this state (the addresses it watches, the misses, who finished); a death it finds is reported
+to the machine's server set like any other (`ServerSet.report`). Every machine hosts trainer ranks (torchrun
+needs `num_processes` to be a multiple of `num_machines`), so a machine that only serves does not arise.
 """
 from __future__ import annotations
 
 import json
 import sys
 import threading
-from typing import Callable
+import time
 
 from dualrun import job_store
+from dualrun.plan import ROUTER, Plan
 from dualrun.servers.local import LocalServers
+from dualrun.servers.planned import server_health_path, server_role
 from dualrun.servers.process import ServerError
+from dualrun.servers.serverset import ServerDeath
+
+PROBE_EVERY_S = 1.0   # how often another machine's server is health-checked
+MISSES = 2            # failed health checks in a row that are a death
 
 
-def share(servers: LocalServers, host: str, port: int, on_failure: Callable[[ServerError], None],
-          attempt: int = 0) -> threading.Thread:
-    """Run the exchange above in a daemon thread (the store exists once torchrun's agent rendezvous begins).
-    A router that fails, or an address that never comes, is recorded as `servers.failure` and `on_failure` is
-    called (the launcher ends the job with it); nothing is reported once the servers are being stopped."""
+def others(plan: Plan, machine: int) -> list[int]:
+    """plan.servers indices of the servers other machines run."""
+    return [i for i, p in enumerate(plan.servers) if p.node != machine]
 
-    def run() -> None:
-        here = servers.cfg.machine_rank
-        servers.finished_elsewhere = lambda machine: _finished(host, port, machine, gone_is_finished=here == 0)
+
+def facing(plan: Plan) -> list[int]:
+    """plan.servers indices of the servers the trainers talk to: each router, and the replica of a unit without one
+    (machine K >= 1 watches those that run elsewhere: they are machine 0's router)."""
+    routed = {p.unit for p in plan.servers if p.kind == ROUTER}
+    return [i for i, p in enumerate(plan.servers) if p.kind == ROUTER or p.unit not in routed]
+
+
+class Machines:
+    """This machine's side of a multi-machine job's servers, beside its server set (`servers`), through the store
+    at `host:port`: the exchange (`share`), the health checks of the other machines' servers (`check`, `settle`),
+    and the marks of a machine that finished (`finish`) or whose servers never started (`not_started`)."""
+
+    def __init__(self, servers: LocalServers, host: str, port: int, attempt: int = 0) -> None:
+        self.servers, self.host, self.port, self.attempt = servers, host, port, attempt
+        self.machine = servers.cfg.machine_rank
+        self.watched: dict[int, str] = {}    # another machine's server health-checked from here -> its address
+        self.misses: dict[int, int] = {}     # such a server -> failed health checks in a row
+        gone_is_finished = self.machine == 0
+        self.finished_elsewhere = lambda machine: _finished(host, port, machine, gone_is_finished)   # it said so
+        self._next_probe = 0.0
+        self._probe_lock = threading.Lock()
+
+    def share(self) -> threading.Thread:
+        """Run the exchange above in a daemon thread (the store exists once torchrun's agent rendezvous begins),
+        and health-check the other machines' servers while the set is watched. A router that fails, or an
+        address that never comes, is reported to the set as a death."""
+        thread = threading.Thread(target=self._exchange, name="dualrun-server-wiring", daemon=True)
+        thread.start()
+        threading.Thread(target=self._probe_loop, name="dualrun-server-probe", daemon=True).start()
+        return thread
+
+    def _exchange(self) -> None:
+        servers, plan = self.servers, self.servers.plan
         try:
-            store = job_store.connect(host, port, _wait_s(servers))
-            if here == 0:
-                store.set(job_store.ATTEMPT_KEY, str(attempt))   # this store serves that attempt (`await_attempt`)
+            store = job_store.connect(self.host, self.port, _wait_s(servers))
+            if self.machine == 0:
+                store.set(job_store.ATTEMPT_KEY, str(self.attempt))   # this store serves that attempt (`await_attempt`)
             for index, address in servers.own().items():
                 store.set(job_store.server_key(index), address)
-                if here != 0:
-                    print(f"dualrun: {servers.plan.servers[index].label}: server healthy at {address} (machine "
-                          f"{here}), handed to machine 0", file=sys.stderr, flush=True)
-            if here != 0:   # watch the servers the ranks talk to that run elsewhere (LocalServers.check)
-                servers.started.update({i: _address(servers, i, store.get(job_store.server_key(i)).decode())
-                                        for i in servers.facing() if servers.plan.servers[i].node != here})
+                if self.machine != 0:
+                    print(f"dualrun: {plan.servers[index].label}: server healthy at {address} (machine "
+                          f"{self.machine}), handed to machine 0", file=sys.stderr, flush=True)
+            if self.machine != 0:   # watch the servers the ranks talk to that run elsewhere (`check`)
+                self.watched.update({i: self._address(i, store.get(job_store.server_key(i)).decode())
+                                     for i in facing(plan) if plan.servers[i].node != self.machine})
                 return
-            remote = {i: _address(servers, i, store.get(job_store.server_key(i)).decode()) for i in servers.others()}
-            addresses = servers.complete(remote)
-            if not addresses and servers.plan.servers:
+            remote = {i: self._address(i, store.get(job_store.server_key(i)).decode())
+                      for i in others(plan, self.machine)}
+            self.watched.update(remote)
+            done = servers.start_waiting(remote)
+            if done is None:
                 return   # stopped meanwhile
-            for index in servers.pending_done:
-                proc = servers.plan.servers[index]
-                store.set(job_store.server_key(index), servers.started[index])   # the other machines watch it
-                print(f"dualrun: {proc.unit}: server healthy at {servers.started[index]}", file=sys.stderr,
-                      flush=True)
+            for index, address in done.items():
+                store.set(job_store.server_key(index), address)   # the other machines watch it
+                print(f"dualrun: {plan.servers[index].unit}: server healthy at {address}", file=sys.stderr, flush=True)
             store.set(job_store.WIRING_KEY, json.dumps(servers.shared_wiring()))
             # the thread that started the routers stays until they stop: a server dies with the thread that
             # spawned it (PR_SET_PDEATHSIG, dualrun.parent_death)
-            servers.stopped.wait()
+            servers.wait_stopped()
         except ServerError as e:
-            _fail(servers, e, on_failure)
+            servers.report(ServerDeath.of(None, e))
         except Exception as e:  # noqa: BLE001 - the store went away or a key never came: name it, end the job
-            _fail(servers, ServerError("the servers' wiring", f"could not be shared through torchrun's store at "
-                                       f"{host}:{port}: {type(e).__name__}: {e}"), on_failure)
+            servers.report(ServerDeath.of(None, ServerError(
+                "the servers' wiring", f"could not be shared through torchrun's store at {self.host}:{self.port}: "
+                f"{type(e).__name__}: {e}")))
 
-    thread = threading.Thread(target=run, name="dualrun-server-wiring", daemon=True)
-    thread.start()
-    return thread
+    def _address(self, index: int, value: str) -> str:
+        if value.startswith(job_store.FAILED):
+            proc = self.servers.plan.servers[index]
+            raise ServerError(proc.label, f"did not start on machine {proc.node}: {value[len(job_store.FAILED):]}")
+        return value
 
+    # -- health checks of the other machines' servers ---------------------------------------------------------
+    def check(self) -> ServerDeath | None:
+        """One look at this machine's servers and, about once a second, a health check of every other machine's
+        server watched from here: two misses in a row are a death (their own machine's launcher names the exit
+        code). The set's `failure`."""
+        if self.servers.check() is None and time.monotonic() >= self._next_probe:
+            self._next_probe = time.monotonic() + PROBE_EVERY_S
+            error = self._probe()
+            if error is not None:
+                self.servers.report(error)
+        return self.servers.failure
 
-def _address(servers: LocalServers, index: int, value: str) -> str:
-    if value.startswith(job_store.FAILED):
-        proc = servers.plan.servers[index]
-        raise ServerError(proc.label, f"did not start on machine {proc.node}: {value[len(job_store.FAILED):]}")
-    return value
+    def _probe(self) -> ServerDeath | None:
+        from dualrun.servers.process import http_ok
 
+        with self._probe_lock:
+            for index, address in list(self.watched.items()):
+                proc = self.servers.plan.servers[index]
+                role = server_role(self.servers.cfg, proc)
+                url = f"http://{address}{server_health_path(self.servers.plugin, role, proc)}"
+                self.misses[index] = 0 if http_ok(url, timeout=1.0) else self.misses.get(index, 0) + 1
+                if self.misses[index] >= MISSES and not self.finished_elsewhere(proc.node):
+                    return ServerDeath.of(index, ServerError(
+                        proc.label, f"on machine {proc.node} stopped answering its health check ({url}) while the "
+                        "job was running (that machine's launcher names its exit)"))
+        return None
 
-def not_started(servers: LocalServers, host: str, port: int, error: str) -> None:
-    """Machine K >= 1 whose servers did not start: put the reason where machine 0 waits for their addresses, so
-    it ends the job too (naming them) instead of waiting for addresses that never come. Best effort: machine 0's
-    store may not be up yet (waited for a minute)."""
-    if servers.cfg.num_machines == 1 or servers.cfg.machine_rank == 0:
-        return
-    mine = [i for i, p in enumerate(servers.plan.servers) if p.node == servers.cfg.machine_rank]
-    if not mine:
-        return
-    line = next((ln for ln in error.splitlines() if ln.strip()), "no message")
-    try:
-        store = job_store.connect(host, port, 60.0)
-        for index in mine:
-            store.set(job_store.server_key(index), job_store.FAILED + line)
-    except Exception:  # noqa: BLE001 - no store: machine 0 is not running; this machine's error is named anyway
-        pass
+    def _probe_loop(self) -> None:
+        while not self.servers.stopping and self.servers.failure is None:
+            if self.servers.watching:
+                self.check()
+            time.sleep(0.25)
+
+    def settle(self) -> ServerDeath | None:
+        """`check` once the ranks failed: another machine's server that just missed a health check gets its second
+        look now (about a second), so a dead router is named as the cause, not the ranks that failed for it."""
+        self._next_probe = 0.0
+        while self.check() is None and any(0 < n < MISSES for n in self.misses.values()):
+            time.sleep(PROBE_EVERY_S)
+            self._next_probe = 0.0
+        return self.servers.failure
+
+    # -- marks in the store -------------------------------------------------------------------------------------
+    def not_started(self, error: str) -> None:
+        """Machine K >= 1 whose servers did not start: put the reason where machine 0 waits for their addresses,
+        so it ends the job too (naming them) instead of waiting for addresses that never come. Best effort:
+        machine 0's store may not be up yet (waited for a minute)."""
+        if self.servers.cfg.num_machines == 1 or self.machine == 0:
+            return
+        mine = [i for i, p in enumerate(self.servers.plan.servers) if p.node == self.machine]
+        if not mine:
+            return
+        line = next((ln for ln in error.splitlines() if ln.strip()), "no message")
+        try:
+            store = job_store.connect(self.host, self.port, 60.0)
+            for index in mine:
+                store.set(job_store.server_key(index), job_store.FAILED + line)
+        except Exception:  # noqa: BLE001 - no store: machine 0 is not running; this machine's error is named anyway
+            pass
+
+    def finish(self) -> None:
+        """A machine whose ranks are done: say so before its servers stop, so that the machines watching them do
+        not take their end for a death. The store may be gone already (it ends with machine 0's torchrun agent):
+        then every machine's ranks passed torchrun's exit barrier, and each machine's watch ends as its own agent
+        returns."""
+        if self.servers.cfg.num_machines == 1 or not self.servers.own() or not _listening(self.host, self.port):
+            return
+        try:
+            job_store.connect(self.host, self.port, 5.0).set(job_store.finished_key(self.machine), "1")
+        except Exception:  # noqa: BLE001 - no store left: nobody watches this machine's servers any more
+            pass
 
 
 def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_store.WAIT_S) -> None:
     """Machine K >= 1, before its restart `attempt`: wait while the store at `host:port` is still the ending
     attempt's (machine 0 restarts too, on the same port, once its agent has stopped), so that neither this machine's
     addresses nor its torchrun agent go to a store about to vanish. Returns once it is gone or marked `attempt`."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and _listening(host, port):
         try:
@@ -115,20 +199,6 @@ def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_sto
         except Exception:  # noqa: BLE001 - the store went away meanwhile: the next look sees it gone
             pass
         time.sleep(0.5)
-
-
-def finish(servers: LocalServers, host: str, port: int) -> None:
-    """A machine whose ranks are done: say so before its servers stop, so that the machines watching them do not
-    take their end for a death. The store may be gone already (it ends with machine 0's torchrun agent): then every
-    machine's ranks passed torchrun's exit barrier, and each machine's watch ends as its own agent returns."""
-    if servers.cfg.num_machines == 1 or not servers.own():
-        return
-    if not _listening(host, port):
-        return
-    try:
-        job_store.connect(host, port, 5.0).set(job_store.finished_key(servers.cfg.machine_rank), "1")
-    except Exception:  # noqa: BLE001 - no store left: nobody watches this machine's servers any more
-        pass
 
 
 def _listening(host: str, port: int) -> bool:
@@ -157,11 +227,3 @@ def _wait_s(servers: LocalServers) -> float:
     """How long a key may take: another machine starts by hand, then waits for its own servers' health."""
     timeouts = [servers.cfg.role(p.roles[0]).health_timeout_s for p in servers.plan.servers]  # type: ignore[union-attr]
     return job_store.WAIT_S + max(timeouts, default=0.0)
-
-
-def _fail(servers: LocalServers, error: ServerError, on_failure: Callable[[ServerError], None]) -> None:
-    if servers.stopping:
-        return
-    if servers.failure is None:
-        servers.failure = error
-    on_failure(servers.failure)

@@ -7,7 +7,6 @@ error can quote the log's last lines without reading the file back.
 from __future__ import annotations
 
 import collections
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import urllib.error
 import urllib.request
 from typing import Mapping, Sequence, TextIO
 
+from dualrun.child_process import ChildProcess
 from dualrun.interpreter import resolve
 from dualrun.parent_death import terminate_with_parent
 
@@ -85,9 +85,13 @@ class ServerProcess:
         self.cwd = cwd   # where relative paths in the command (a role's `model: tiny/teacher`) resolve
         # a server bound to 0.0.0.0 is checked on loopback: the check runs on the server's own node
         self.check_host = check_host or ("127.0.0.1" if host in ("0.0.0.0", "") else host)
-        self.proc: subprocess.Popen | None = None
+        self.child = ChildProcess()   # its own process group: stopped as one
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._reader: threading.Thread | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.child.proc
 
     @property
     def address(self) -> str:
@@ -107,15 +111,15 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         log = open(self.log_path, "a", buffering=1) if self.log_path else None  # noqa: SIM115 - closed by reader
         try:
-            self.proc = subprocess.Popen(
-                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, start_new_session=True, text=True, errors="replace", bufsize=1,
-                preexec_fn=terminate_with_parent if self.die_with_parent else None)
+            proc = self.child.start(self.argv, self.env, self.cwd,
+                                    terminate_with_parent if self.die_with_parent else None,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                    bufsize=1)
         except OSError as e:
             if log:
                 log.close()
             raise ServerError(self.label, f"could not start `{self.argv[0]}`: {e}") from None
-        self._reader = threading.Thread(target=self._pump, args=(self.proc.stdout, log),
+        self._reader = threading.Thread(target=self._pump, args=(proc.stdout, log),
                                         name=f"dualrun-{self.label}", daemon=True)
         self._reader.start()
         return self
@@ -170,26 +174,6 @@ class ServerProcess:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the whole process group, SIGKILL after `grace_s`. Idempotent; returns the exit code."""
-        if self.proc is None:
-            return None
-        pgid = self.proc.pid  # start_new_session: the server leads its own group
-        if self.proc.poll() is None:
-            _signal_group(pgid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(pgid, signal.SIGKILL)  # helpers the server left behind, or the server itself
-        try:
-            self.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            pass
+        code = self.child.stop(grace_s)
         self._drain()
-        return self.proc.returncode
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        return code

@@ -10,12 +10,9 @@ driver) and the actor starts it and waits for health there. The trainers then ge
 reaches the driver's stderr as under torchrun, `[teacher server 0] ...`, by the long-poll the rank actors use
 (line_queue.py), from its first line (while it loads) to its last; `log_dir` still gets all of it.
 
-The Ray launcher uses it as:
-
-    servers = RayServers(cfg, plugin, plan, run_id, env_for=..., bundle=launcher.bundle)
-    servers.start()                      # LaunchError (with the server's log tail) when one never gets healthy
-    base.update(servers.wiring_env())    # every rank's env
-    ...                                  # finally: servers.stop()
+`RayServers` is the Ray implementation of the server-set interface (servers/serverset.py): the launcher starts
+it, gives every rank its `wiring_env()`, watches it (one waiting call per server, resolved when the server ends,
+becomes a `ServerDeath` event) and stops it with the job.
 
 The actor module is imported by Ray worker processes: it needs only the standard library (and ray).
 """
@@ -30,6 +27,7 @@ from typing import Any, Callable, Collection, Mapping
 from dualrun.line_queue import STDERR, LineQueue
 from dualrun.protocol import ActorPlace, ServerStart
 from dualrun.servers.process import ServerError, ServerProcess
+from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
 
 
 class ServerActor:
@@ -103,24 +101,25 @@ class _Lines:
         pass
 
 
-class RayServers:
+class RayServers(ServerSet):
     """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown."""
 
     def __init__(self, cfg: Any, plugin: Any, plan: Any, run_id: str,
                  env_for: Callable[[Any], dict[str, str]], bundle: Callable[[Any], dict[str, float]],
                  check: Callable[[], None] = lambda: None, attempt: int = 0,
                  avoid: Collection[str] = ()) -> None:
-        self.cfg, self.plugin, self.plan, self.run_id = cfg, plugin, plan, run_id
+        super().__init__(plan)
+        self.cfg, self.plugin, self.run_id = cfg, plugin, run_id
         self.env_for, self.bundle, self.check, self.attempt = env_for, bundle, check, attempt
-        self.avoid = set(avoid)   # `ip:port` of an earlier attempt's servers: a restart never reuses them
+        self.avoid = set(avoid)   # `ip:port` of an earlier set's servers: a restart never reuses them
         from dualrun.raycluster import Gang
 
         self.gang = Gang(cfg.ray, cfg.source, check)   # the servers' placement groups and actors
         self.infos: list[ActorPlace | None] = []
-        self.addresses: dict[str, str] = dict(plan.external)
-        self.watch: dict[Any, str] = {}   # ref that resolves when a server ends -> its label
+        self._exits: dict[Any, int] = {}   # ref that resolves when a server ends -> its plan.servers index
         self._printer: threading.Thread | None = None
-        self._stopping = threading.Event()
+        self._printed = threading.Event()   # the printer's end: set once the servers' last lines are out
+        self._watcher: threading.Thread | None = None
 
     def start(self) -> dict[str, str]:
         """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
@@ -140,11 +139,11 @@ class RayServers:
         except BaseException:   # a signal (the check) or anything else: nothing is left behind, quickly
             self.stop(grace_s=3.0)
             raise
-        from dualrun.servers.local import addresses
+        from dualrun.servers.planned import addresses
 
         self.addresses = addresses(self.plan, started)
-        # one waiting call per server for the whole job: the launcher waits on them beside the ranks' exits
-        self.watch = {a.wait_exit.remote(): p.label for a, p in zip(self.actors, self.plan.servers)}
+        # one waiting call per server for the whole job: the watcher turns each that resolves into an event
+        self._exits = {a.wait_exit.remote(): i for i, a in enumerate(self.actors)}
         return self.addresses
 
     @property
@@ -173,7 +172,7 @@ class RayServers:
         import ray
         from ray.exceptions import RayError
 
-        actors, stopping, stream = list(self.actors), self._stopping, sys.stderr
+        actors, stopping, stream = list(self.actors), self._printed, sys.stderr
 
         def run() -> None:
             pending = {a.lines.remote(): a for a in actors}
@@ -197,7 +196,7 @@ class RayServers:
 
     def _start_all(self) -> dict[int, str]:
         """Every engine replica at once, then the routers in front of them (they need the replicas' addresses)."""
-        from dualrun.servers.local import phases
+        from dualrun.servers.planned import phases
 
         started: dict[int, str] = {}
         self.infos = [None for _ in self.plan.servers]
@@ -208,10 +207,11 @@ class RayServers:
     def _start_phase(self, todo: list[int], started: Mapping[int, str]) -> dict[int, str]:
         from dualrun.errors import LaunchError
         from dualrun.raycluster import wait_refs
-        from dualrun.servers.local import log_name, replica_addresses, server_command, server_health_path, server_role
+        from dualrun.servers.planned import (log_name, replica_addresses, server_command, server_health_path,
+                                             server_role)
 
         done: dict[int, str] = {}
-        for attempt in range(3):
+        for attempt in range(START_TRIES):
             ports = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
             infos = wait_refs([self.actors[i].where.remote(ports) for i in todo], "start their server actors",
                               max(60.0, self.cfg.ray.placement_timeout_s), self.check)
@@ -234,7 +234,7 @@ class RayServers:
             for i, result in zip(refs, results):
                 if result.ok:
                     done[i] = result.address
-                elif result.port_in_use and attempt < 2:
+                elif result.port_in_use and attempt < START_TRIES - 1:
                     retry.append(i)
                 else:
                     raise LaunchError(result.error)
@@ -243,23 +243,42 @@ class RayServers:
             todo = retry
         return done
 
-    def why_ended(self, ref: Any) -> str:
-        """For a `watch` ref that resolved: the server's label, exit code and log's last lines."""
+    def why_ended(self, ref: Any) -> ServerDeath:
+        """For a server-exit ref that resolved: the event naming the server, its exit code and log's last lines."""
         import ray
         from ray.exceptions import RayError
 
+        index = self._exits.get(ref)
+        label = self.plan.servers[index].label if index is not None else "a server"
         try:
-            return ray.get(ref)
+            text = ray.get(ref)
         except RayError as e:
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
-            return f"{self.watch.get(ref, 'a server')}: its Ray actor died ({lines[0][:200]})"
+            text = f"{label}: its Ray actor died ({lines[0][:200]})"
+        return ServerDeath(index, label, text, text.splitlines()[0])
 
-    def used(self) -> set[str]:
-        """`ip:port` of every server this attempt started (a restart avoids them)."""
-        return {info.address for info in self.infos if info}
+    def _watch(self) -> None:
+        """A thread that waits on every server's exit ref and reports each that resolves."""
+        import ray
+
+        def run() -> None:
+            pending = list(self._exits)
+            while pending and self.watching:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=0.25)
+                for ref in ready:
+                    if self.watching:
+                        self.report(self.why_ended(ref))
+
+        if self._exits:
+            self._watcher = threading.Thread(target=run, name="dualrun-server-watch", daemon=True)
+            self._watcher.start()
+
+    def used(self) -> frozenset[str]:
+        """`ip:port` of every server this set started (a restart avoids them)."""
+        return frozenset(info.address for info in self.infos if info)
 
     def wiring_env(self) -> dict[str, str]:
-        from dualrun.servers.local import wiring_env
+        from dualrun.servers.planned import wiring_env
 
         return wiring_env(self.cfg, self.plugin, self.addresses)
 
@@ -267,13 +286,16 @@ class RayServers:
         """label -> the GPU ids Ray gave each server (what tests compare with the trainers')."""
         return {p.label: list(info.gpus) for p, info in zip(self.plan.servers, self.infos) if info}
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stop every server, kill its actor, remove its placement group (idempotent)."""
+    def _stop(self, grace_s: float) -> None:
+        """Stop every server, kill its actor, remove its placement group."""
         self.gang.call_all("stop", grace_s, timeout=grace_s + 5)
         if self._printer is not None:   # the servers' last lines (they have ended), then no more calls to them
             self._printer.join(timeout=2.0)
-            self._stopping.set()
+            self._printed.set()
             self._printer.join(timeout=2.0)
             self._printer = None
+        if self._watcher is not None:
+            self._watcher.join(timeout=2.0)
+            self._watcher = None
         self.gang.stop()
-        self.watch = {}
+        self._exits = {}

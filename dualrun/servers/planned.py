@@ -1,0 +1,104 @@
+"""The plan's servers, whichever backend starts them: their commands, start order, log names and addresses.
+
+Why a module of its own: the one-machine set (local.py), the multi-machine coordinator (machines.py) and the Ray
+set (ray_server.py) start the same servers from the same plan; only where and how they run differs.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.errors import LaunchError
+from dualrun.plan import AUTO, ROUTER, Plan, Process
+
+
+def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
+    """The role whose settings a server process uses: the first of its unit."""
+    role = cfg.role(proc.roles[0])
+    assert role is not None
+    return role
+
+
+def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: int,
+                   replicas: Sequence[str] = ()) -> list[str]:
+    """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
+    router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
+    if proc.kind == ROUTER:
+        from dualrun.servers.router import router_argv
+
+        return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,
+                           server_role(cfg, proc).request_timeout_s)
+    for name in proc.roles:
+        role = cfg.role(name)
+        argv = plugin.server_command(cfg, role, host, port) if plugin is not None and role is not None else None
+        if argv:
+            return [str(a) for a in argv]
+    raise LaunchError(f"method '{cfg.method}' has no server for the separate role(s) {', '.join(proc.roles)}", 2)
+
+
+def server_previews(cfg: JobConfig, plugin: Any, plan: Plan, host: str, node: int | None = None,
+                    devices: str | None = None) -> tuple[tuple[str, tuple[str, ...], dict[str, str]], ...]:
+    """What a dry run shows of each server that `node` starts (every node's: None): its label, its command from
+    `server_command` and the env it adds. Its port (picked free at launch) is `<auto>`, like `host` and `devices`
+    where only the launch knows them (Ray: the actor's node IP and GPUs, for a server that has any); else the
+    plan's devices."""
+    from dualrun.engine_shape import ROLLOUT_SERVER_ENV
+
+    out = []
+    for p in plan.servers:
+        if node is None or p.node == node:
+            argv = server_command(cfg, plugin, p, host, AUTO)  # type: ignore[arg-type]
+            planned = p.env.get("CUDA_VISIBLE_DEVICES", "")
+            shown = {"CUDA_VISIBLE_DEVICES": devices if devices is not None and p.devices else planned}
+            shown.update({k: p.env[k] for k in ROLLOUT_SERVER_ENV if k in p.env})
+            out.append((p.label, tuple(argv), shown))
+    return tuple(out)
+
+
+def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
+    from dualrun.servers.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
+
+    return HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
+
+
+def log_name(proc: Process) -> str:
+    """A server's log file name: one per replica, and the router's."""
+    return f"{proc.unit}-router.log" if proc.kind == ROUTER else f"{proc.unit}-server-{proc.rank}.log"
+
+
+def phases(plan: Plan) -> list[list[int]]:
+    """Indices of `plan.servers` in start order: every engine replica at once, then the routers (which need
+    their replicas' addresses)."""
+    first = [i for i, p in enumerate(plan.servers) if p.kind != ROUTER]
+    routers = [i for i, p in enumerate(plan.servers) if p.kind == ROUTER]
+    return [first, routers] if routers else [first]
+
+
+def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> list[str]:
+    """For the router at `plan.servers[index]`: the `host:port` of the replicas it stands in front of, in replica
+    order (for an engine replica: none)."""
+    unit = plan.servers[index].unit
+    if plan.servers[index].kind != ROUTER:
+        return []
+    return [started[i] for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
+
+
+def addresses(plan: Plan, started: Mapping[int, str]) -> dict[str, str]:
+    """role -> host:port for every server role: the plan's servers (by index; a role with several replicas is its
+    router's) and the user's own (`address:`)."""
+    out = dict(plan.external)
+    routed = {p.unit for p in plan.servers if p.kind == ROUTER}
+    for index, addr in started.items():
+        proc = plan.servers[index]
+        if proc.unit in routed and proc.kind != ROUTER:
+            continue
+        for name in proc.roles:
+            out[name] = addr
+    return out
+
+
+def wiring_env(cfg: JobConfig, plugin: Any, addresses: Mapping[str, str]) -> dict[str, str]:
+    """Env for the trainer ranks: the plugin's wiring of the servers' addresses (either backend)."""
+    if not addresses or plugin is None:
+        return {}
+    return dict(plugin.wiring_env(cfg, addresses))
