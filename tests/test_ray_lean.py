@@ -88,3 +88,26 @@ def test_lean_node_params_apply_only_inside_the_init_and_the_env_comes_back(monk
             raise RuntimeError("ray.init failed")
     assert parameter.RayParams is original
     assert "REPORTER_UPDATE_INTERVAL_MS" not in os.environ and os.environ["RAY_USAGE_STATS_ENABLED"] == "1"
+
+
+def test_idle_cost_names_processes_and_tables_cores_per_kind():
+    """benchmarks/ray_idle_cost.py's pure parts: the process names the e2e test above relies on, and the table
+    (cores = CPU seconds / window; a kind a variant does not run is '–', not 0)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import ray_idle_cost as ric
+
+    assert ric.kind_of("/x/python -u /x/ray/_private/log_monitor.py --session-dir=/t", False) == "log monitor"
+    assert ric.kind_of("ray::DashboardAgent", False) == "dashboard agent"
+    assert ric.kind_of("/x/ray/core/src/ray/raylet/raylet --raylet_socket_name=/t", False) == "raylet"
+    assert ric.kind_of("anything", True) == "driver"
+
+    def run(variant, **cpu):
+        return {"variant": variant, "window_s": 10.0, "start_s": 1.0, "load": [1.0, 1.0, 1.0],
+                "procs": [{"kind": k.replace("_", " "), "cpu_s": s} for k, s in cpu.items()]}
+
+    runs = [run("embedded-before", raylet=0.1, log_monitor=0.05, idle_actors=0.2),
+            run("embedded-dualrun", raylet=0.1, idle_actors=0.2)]
+    rows = {line.split(" | ")[0].strip("| "): line for line in ric.table(runs).splitlines()}
+    assert rows["log monitor"].endswith("| 0.005 (0.005–0.005) | – |")
+    assert "| **0.035 (0.035–0.035)** | **0.030 (0.030–0.030)** |" in rows["**all**"]
+    assert rows["Ray's daemons (all but actors and driver)"].endswith("| 0.015 (0.015–0.015) | 0.010 (0.010–0.010) |")
