@@ -12,15 +12,22 @@ Ray 2.60 turns token auth on when ~/.ray/auth_token exists; explicit addresses t
 which we set only when the cluster asks for a token (a driver in token mode breaks a cluster without auth).
 A reachability probe (TCP, 2 s) runs before
 `ray.init` so a stale or unreachable address fails in seconds with one actionable line, never a long hang.
+
+An embedded cluster without the dashboard is started lean (`LEAN_*` below, docs/concepts.md "Ray's idle cost"):
+no log monitor (dualrun streams the workers' output itself, `log_to_driver=False`), no autoscaler monitor (one
+fixed node), no metrics export or task events (nothing reads them without a dashboard), the dashboard agent's
+node-stats loop once a minute, no usage stats. Every process a job uses stays: GCS, raylet, runtime-env agent
+(`runtime_env`), the dashboard agent (the raylet cannot run without it), the API server.
 """
 from __future__ import annotations
 
 import logging
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from dualrun.config.model import RayOptions
 from dualrun.errors import ConfigError, LaunchError
@@ -28,6 +35,17 @@ from dualrun.plan import Cluster, Node
 
 _PROBE_S = 2.0
 _QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+
+# What a lean embedded cluster changes (each an ordinary Ray setting; `ray start` takes the same, see docs):
+LEAN_SYSTEM_CONFIG: dict[str, Any] = {
+    "enable_metrics_collection": False,   # no metrics export from core workers, raylet, GCS, dashboard agent
+    "task_events_report_interval_ms": 0,  # no task-event buffer flushed every second by each worker (state API)
+}
+LEAN_ENV: dict[str, str] = {              # defaults only: a value the user set wins
+    "RAY_USAGE_STATS_ENABLED": "0",       # no usage-stats reporting (Ray would contact its servers)
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",   # the dashboard agent's psutil scan of every worker: 5 s -> 60 s
+}
+LEAN_NODE_PARAMS: dict[str, Any] = {"include_log_monitor": False, "no_monitor": True}
 
 
 def _reachable(address: str, timeout: float = _PROBE_S) -> bool:
@@ -168,6 +186,34 @@ def _refresh_config() -> None:
         pass
 
 
+@contextmanager
+def _lean_node() -> Iterator[dict[str, Any]]:
+    """For the `ray.init` that starts an embedded cluster: `LEAN_ENV` as defaults while Ray spawns its processes
+    (which keep them; this process gets its own back after), `LEAN_NODE_PARAMS` on the node. Yields init kwargs.
+
+    Why patch: `ray.init` builds its `RayParams` itself and has no argument for the log monitor or the autoscaler
+    monitor (`ray start --include-log-monitor=False --no-monitor` has); a subclass set for the call adds them."""
+    from ray._private import parameter
+
+    saved = {key: os.environ.get(key) for key in LEAN_ENV}
+    for key, value in LEAN_ENV.items():
+        os.environ.setdefault(key, value)
+    original = parameter.RayParams
+
+    class LeanParams(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for name, value in LEAN_NODE_PARAMS.items():
+                setattr(self, name, value)
+
+    parameter.RayParams = LeanParams
+    try:
+        yield {"_system_config": dict(LEAN_SYSTEM_CONFIG)}
+    finally:
+        parameter.RayParams = original
+        _restore(saved)
+
+
 def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start: bool = True) -> Connection | None:
     """Join the cluster `options.address` names, or start an embedded one of `num_cpus` logical CPUs (when
     allowed; else None). One-line errors (naming `source`) on failure."""
@@ -191,12 +237,15 @@ def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start:
     if options.runtime_env:
         kwargs["runtime_env"] = dict(options.runtime_env)
     try:
-        if address is None:
-            # an embedded cluster is this job's alone: no usage-stats reporting (Ray would otherwise run a
-            # reporting dashboard module and contact its servers); the user can still opt in with the variable
+        if address is None and options.include_dashboard:
+            # the dashboard asked for: a default node (its views need the metrics, task events and log monitor)
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=options.include_dashboard,
-                     _node_ip_address="127.0.0.1", **kwargs)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, _node_ip_address="127.0.0.1",
+                     **kwargs)
+        elif address is None:
+            with _lean_node() as lean:   # this job's alone: only what the job uses runs
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                         **kwargs, **lean)
         else:
             ray.init(address=address, **kwargs)
     except Exception as e:  # noqa: BLE001 - any failure becomes one actionable line
