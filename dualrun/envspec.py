@@ -33,6 +33,19 @@ def reserved(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in RESERVED_ENV)
 
 
+def abbreviates(arg: str, flags: Sequence[str]) -> str | None:
+    """Pure: the one long flag of `flags` that the option `arg` names for argparse (allow_abbrev, the default of
+    vLLM's, TRL's and dualrun's parsers): itself, with `_` for `-`, or a unique prefix (`--api-k` is `--api-key`).
+    None when it names none or several."""
+    if not arg.startswith("--") or len(arg) <= 3:
+        return None
+    flag = "--" + arg[2:].replace("_", "-")
+    if flag in flags:
+        return flag
+    longer = [f for f in flags if f.startswith(flag)]
+    return longer[0] if len(longer) == 1 else None
+
+
 # Variables of the launching environment that reach workers. Everything else stays on the driver.
 # Extend with DUALRUN_FORWARD_ENV="MY_VAR,OTHER_*" or put values under `env:` in the config.
 FORWARD_ALLOWLIST = (
@@ -62,6 +75,16 @@ REDACTED = "***"
 _CREDENTIAL_NAMES = ("AWS_*", "GOOGLE_APPLICATION_CREDENTIALS")
 
 
+# Server flags whose value is a secret under any spelling argparse takes, abbreviations included (`--api-k X`):
+# vLLM's and TRL's servers' own. A flag name with a secret word (`--hf-token`) is one whatever the server.
+SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile")
+
+
+def secret_flag(flag: str) -> bool:
+    """Does the option `flag` (`--api-key`, `--api-k`, `--api_key`) take a secret value?"""
+    return is_secret(flag) or abbreviates(flag, SECRET_FLAGS) is not None
+
+
 @functools.lru_cache(maxsize=4096)
 def is_secret(name: str) -> bool:
     """Does a variable, config key or flag name (`HF_TOKEN`, `env.DB_PASSWD`, `--api-key`) hold a secret?"""
@@ -80,7 +103,7 @@ def redact_text(text: str) -> str:
     """`text` with the password of any `scheme://user:password@host` and the value after a secret flag
     (`--api-key X`) hidden."""
     text = _URL_CREDENTIALS.sub(lambda m: f"{m.group(1)}{m.group(2)}:{REDACTED}@", text)
-    return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if is_secret(m.group(1)) else m.group(0),
+    return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if secret_flag(m.group(1)) else m.group(0),
                            text)
 
 
@@ -125,7 +148,7 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
             continue
         hide_next = False
         flag, eq, value = arg.partition("=")
-        if arg.startswith("-") and is_secret(flag):
+        if arg.startswith("-") and secret_flag(flag):
             if eq:
                 out.append(f"{flag}={REDACTED}")
             else:
@@ -153,14 +176,29 @@ def redact_data(value: Any, depth: int = 3) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=16)
+def _matcher(patterns: tuple[str, ...]) -> tuple[frozenset[str], "re.Pattern[str] | None"]:
+    """Exact names in a set, the patterns with wildcards in one compiled expression: matching a name costs one
+    set lookup and one match, however many names DUALRUN_FORWARD_ENV lists (10,000 of them stay fast)."""
+    exact = frozenset(p for p in patterns if not any(c in p for c in "*?["))
+    globs = sorted({p for p in patterns if p not in exact})
+    return exact, (re.compile("|".join(fnmatch.translate(p) for p in globs)) if globs else None)
+
+
 def allowed(name: str, extra: tuple[str, ...] = ()) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in FORWARD_ALLOWLIST + extra)
+    exact, globs = _matcher(FORWARD_ALLOWLIST + tuple(extra))
+    return name in exact or bool(globs and globs.match(name))
+
+
+def forward_patterns(value: str) -> tuple[str, ...]:
+    """DUALRUN_FORWARD_ENV's names and patterns (comma-separated)."""
+    return tuple(p.strip() for p in value.split(",") if p.strip())
 
 
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The part of the launching environment that workers inherit (allow-list + DUALRUN_FORWARD_ENV)."""
     environ = os.environ if environ is None else environ
-    extra = tuple(p.strip() for p in environ.get(protocol.FORWARD_ENV, "").split(",") if p.strip())
+    extra = forward_patterns(environ.get(protocol.FORWARD_ENV, ""))
     return {k: v for k, v in environ.items() if allowed(k, extra)}
 
 

@@ -22,6 +22,8 @@ class MethodPlugin:
     name = "base"
     roles: tuple[str, ...] = ("train",)          # roles the method knows
     required_roles: tuple[str, ...] = ("train",)  # roles that must be present
+    # roles whose vLLM engine, colocated with the trainers, takes `tensor_parallel_size` and `offload_model`
+    colocated_engine_roles: tuple[str, ...] = ()
 
     # -- driver side (pure) ------------------------------------------------------------------------
     def validate(self, cfg: JobConfig) -> None:
@@ -33,6 +35,9 @@ class MethodPlugin:
         for name in self.required_roles:
             if cfg.role(name) is None:
                 raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")
+        from dualrun.config.honest import inert_keys
+
+        inert_keys(cfg, self.colocated_engine_roles, bool(getattr(self, "single_controller", False)))
 
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         """argv of the server a separate role runs (None: the method has no server for this role)."""

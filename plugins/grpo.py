@@ -28,6 +28,7 @@ class GRPOPlugin(MethodPlugin):
     name = "grpo"
     roles = ("train", "rollout")
     required_roles = ("train",)
+    colocated_engine_roles = ("rollout",)   # colocate_fields: TRL's colocate mode and its sleep mode
 
     def validate(self, cfg: JobConfig) -> None:
         super().validate(cfg)
