@@ -69,7 +69,6 @@ _SECRET_WORDS = frozenset({"TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS"
                            "PASSPHRASE", "CREDENTIAL", "CREDENTIALS", "CREDS", "APIKEY", "ACCESSKEY", "SECRETKEY",
                            "PRIVATEKEY", "KEY", "AUTHORIZATION", "COOKIE", "SIGNATURE"})
 _NOT_SECRET = frozenset({"PWD", "OLDPWD"})        # the shell's working directories
-_URL_CREDENTIALS = re.compile(r"(?i)((?:\b[a-z][a-z0-9+.-]*://)?)([^/\s:@'\"]*):([^/\s@'\"]+)@")
 REDACTED = "***"
 # Cloud credentials for checkpoint storage: forwarded, never printed, whatever their words (AWS_REGION too).
 _CREDENTIAL_NAMES = ("AWS_*", "GOOGLE_APPLICATION_CREDENTIALS")
@@ -96,13 +95,38 @@ def is_secret(name: str) -> bool:
     return any(word in _SECRET_WORDS for word in re.split(r"[^A-Z0-9]+", last))
 
 
-_FLAG_VALUE = re.compile(r"(--?[A-Za-z][A-Za-z0-9_.-]*)([ =]+)([^\s]+)")
+# a flag starts a word: without the look-behind every `-` inside `a-b-c-...` started a scan to the end (quadratic)
+_FLAG_VALUE = re.compile(r"(?<![A-Za-z0-9_.-])(--?[A-Za-z][A-Za-z0-9_.-]*)([ =]+)([^\s]+)")
+
+
+def _hide_url_passwords(text: str) -> str:
+    """`user:password@` -> `user:***@`, in one pass (a regex scanning back from every position was quadratic: a
+    100 KiB value took minutes). The credentials are the run of characters before an `@` up to `/`, a quote,
+    whitespace or another `@`; its first `:` ends the user."""
+    if "@" not in text or ":" not in text:
+        return text
+    out: list[str] = []
+    done = 0
+    at = text.find("@")
+    while at >= 0:
+        start = at
+        while start > done and not (text[start - 1] in "/@'\"" or text[start - 1].isspace()):
+            start -= 1
+        colon = text.find(":", start, at)
+        if 0 <= colon < at - 1:
+            out += [text[done:colon + 1], REDACTED]
+            done = at
+        out.append(text[done:at + 1])
+        done = at + 1
+        at = text.find("@", done)
+    out.append(text[done:])
+    return "".join(out)
 
 
 def redact_text(text: str) -> str:
     """`text` with the password of any `scheme://user:password@host` and the value after a secret flag
-    (`--api-key X`) hidden."""
-    text = _URL_CREDENTIALS.sub(lambda m: f"{m.group(1)}{m.group(2)}:{REDACTED}@", text)
+    (`--api-key X`) hidden. Linear in the length of `text`."""
+    text = _hide_url_passwords(text)
     return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if secret_flag(m.group(1)) else m.group(0),
                            text)
 
@@ -198,8 +222,8 @@ def forward_patterns(value: str) -> tuple[str, ...]:
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The part of the launching environment that workers inherit (allow-list + DUALRUN_FORWARD_ENV)."""
     environ = os.environ if environ is None else environ
-    extra = forward_patterns(environ.get(protocol.FORWARD_ENV, ""))
-    return {k: v for k, v in environ.items() if allowed(k, extra)}
+    exact, globs = _matcher(FORWARD_ALLOWLIST + forward_patterns(environ.get(protocol.FORWARD_ENV, "")))
+    return {k: v for k, v in environ.items() if k in exact or (globs is not None and globs.match(k))}
 
 
 def rank_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int, node_rank: int,

@@ -172,12 +172,15 @@ def inert_keys(cfg: Any, engine_roles: Sequence[str] = (), single_controller: bo
             value = getattr(role, name)
             if value == default or (name == "tensor_parallel_size" and colocated_engine):
                 continue
-            extra = " (TRL's colocate mode takes tensor_parallel_size only)" if colocated_engine else (
-                " (a colocated vLLM rollout takes it with `engine: vllm`)" if name == "tensor_parallel_size"
-                and role.name in engine_roles and not single_controller and role.name != primary else "")
-            raise ConfigError(cfg.source, f"roles.{role.name}.{name}", f"no {name} on {where}: only a separate "
-                              f"role's server takes it{extra}; {instead}", list(value) if isinstance(value, tuple)
-                              else value)
+            if name == "tensor_parallel_size" and role.name in engine_roles and role.name != primary \
+                    and not single_controller:
+                why = "a colocated rollout takes it with `engine: vllm` only"
+            elif name == "data_parallel_size" and colocated_engine:
+                why = "TRL's colocate mode takes tensor_parallel_size only"
+            else:
+                why = f"only a separate role's server takes it; {instead}"
+            raise ConfigError(cfg.source, f"roles.{role.name}.{name}", f"no {name} on {where} ({why})",
+                              list(value) if isinstance(value, tuple) else value)
     if cfg.offload_model:
         users = [r for r in engine_roles if cfg.role(r) is not None and r in with_primary and r != primary
                  and cfg.role(r).engine == "vllm" and not single_controller]

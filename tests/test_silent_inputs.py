@@ -1,0 +1,109 @@
+"""Issue 27, the cases the YAML corpus cannot hold: secret flags found by argparse's prefix rule, linear time on big
+environment values and long DUALRUN_FORWARD_ENV lists, the Python API's unknown overrides, owned flags in every
+spelling, and a clean-up or notice that must not depend on who started dualrun."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dualrun.config import build_config
+from dualrun.envcheck import check_environment
+from dualrun.envspec import REDACTED, forwarded_env, redact_argv, redact_text, redact_value
+from dualrun.errors import ConfigError
+from dualrun.servers.commands import own_flag
+
+
+@pytest.mark.parametrize("argv", [["--api-k", "sk-1"], ["--api_key", "sk-1"], ["--api-ke=sk-1"], ["--hf-tok", "sk-1"],
+                                  ["--api-k sk-1"]])
+def test_secret_flags_are_redacted_under_argparse_abbreviations(argv):
+    shown = " ".join(redact_argv(argv))
+    assert "sk-1" not in shown and REDACTED in shown
+    assert "sk-1" not in redact_text(" ".join(argv))
+
+
+def test_other_flags_keep_their_values():
+    assert redact_argv(["--max-model-len", "64", "--enable-x", "y"]) == ["--max-model-len", "64", "--enable-x", "y"]
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--port 9000"], "--port"), (["-tp2"], "--tensor-parallel-size"), (["-dp", "2"], "--data-parallel-size"),
+    (["--enforce-eager", "--po=1"], "--port"), (["--tensor_parallel", "2"], "--tensor-parallel-size"),
+    (["--max-model-len", "64", "--host\t0.0.0.0"], "--host"),
+])
+def test_owned_flags_however_spelled_or_packed(args, flag):
+    assert own_flag(args)[1] == flag
+
+
+def test_flags_that_only_look_alike_pass():
+    assert own_flag(["--portable", "--hostname", "x", "-tpx", "--model-impl", "vllm"]) is None
+
+
+@pytest.mark.parametrize("text", ["a-" * 70_000, "a:" * 70_000 + "@", "a:b@" * 35_000, "a," * 70_000,
+                                  "--a-" * 35_000, "x" * 140_000])
+def test_redaction_is_linear_in_a_big_value(text):
+    start = time.monotonic()
+    redact_value("BIG", text)
+    assert time.monotonic() - start < 0.5
+
+
+def test_ten_thousand_forwarded_names_answer_in_well_under_a_second():
+    names = ",".join(f"MY_VAR_{i}" for i in range(10_000))
+    env = {"DUALRUN_FORWARD_ENV": names, "PATH": "/bin", "OTHER": "x",
+           **{f"MY_VAR_{i}": str(i) for i in range(0, 10_000, 3)}}
+    start = time.monotonic()
+    check_environment(env)
+    got = forwarded_env(env)
+    assert time.monotonic() - start < 0.5
+    assert "MY_VAR_9999" in got and "OTHER" not in got and "PATH" in got
+
+
+def test_forward_patterns_still_match():
+    got = forwarded_env({"DUALRUN_FORWARD_ENV": "MY_*,EXACT", "MY_A": "1", "EXACT": "2", "EXACTLY": "3"})
+    assert {"MY_A", "EXACT"} <= set(got) and "EXACTLY" not in got
+
+
+@pytest.mark.parametrize("env,key", [
+    ({"DUALRUN_PROGRESS": "bogus"}, "DUALRUN_PROGRESS"), ({"DUALRUN_EXIT_TIMEOUT_S": "0"}, "DUALRUN_EXIT_TIMEOUT_S"),
+    ({"DUALRUN_EXIT_TIMEOUT_S": "inf"}, "DUALRUN_EXIT_TIMEOUT_S"), ({"DUALRUN_FORWARD_ENV": "A,?*"}, "DUALRUN_FORWARD_ENV"),
+    ({"DUALRUN_FORWARD_ENV": "A B"}, "DUALRUN_FORWARD_ENV"),
+])
+def test_documented_variables_are_checked(env, key):
+    with pytest.raises(ConfigError) as e:
+        check_environment(env)
+    assert e.value.key == key and e.value.source == "<environment>"
+
+
+def test_good_variables_pass():
+    check_environment({"DUALRUN_PROGRESS": "all", "DUALRUN_EXIT_TIMEOUT_S": "2.5", "DUALRUN_FORWARD_ENV": "A,B_*,",
+                       "DUALRUN_CACHE": "0", "DUALRUN_DEBUG": "1", "RAY_ADDRESS": "http://h:8265"})  # torchrun
+    for address in ("auto", "10.0.0.1:6379", "ray://head:10001", "[::1]:6379", ""):
+        check_environment({"RAY_ADDRESS": address}, backend="ray")
+
+
+def test_the_python_api_refuses_an_unknown_override_with_the_nearest_name(tmp_path):
+    import dualrun
+
+    (tmp_path / "t.py").write_text("raise SystemExit(3)\n")
+    with pytest.raises(ConfigError) as e:
+        dualrun.launch(str(tmp_path / "t.py"), config={"use_cpu": True}, num_proceses=4, dry_run=True)
+    assert e.value.key == "num_proceses" and "did you mean 'num_processes'" in str(e.value)
+    with pytest.raises(ConfigError):
+        build_config({}, "<python>", {"gpus": 2})
+
+
+def test_honest_layouts_still_pass():
+    """What the refusals must leave alone: a colocated vLLM rollout's tensor parallel size and sleep mode, a
+    separate server's sizes, an external server with only its address (and top_k)."""
+    from dualrun.plugin import get_plugin
+
+    for method, raw in [
+        ("grpo", {"offload_model": True, "roles": {"train": {"gpus": 2}, "rollout": {
+            "gpus": 2, "engine": "vllm", "tensor_parallel_size": 2}}, "colocate_groups": [["train", "rollout"]]}),
+        ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {"gpus": 2, "tensor_parallel_size": 2, "model": "o/m",
+                                                               "server_args": ["--max-model-len", 64]}}}),
+        ("gkd", {"roles": {"train": {"gpus": 1}, "teacher": {"address": "h:1", "top_k": 4, "model": "o/t"}}}),
+        ("sft", {"roles": {"train": {"gpus": 2, "tensor_parallel_size": 1}}}),
+    ]:
+        cfg = build_config({"method": method, **raw}, "ok.yaml")
+        get_plugin(method).validate(cfg)
