@@ -41,6 +41,19 @@ def check_environment(environ: Mapping[str, str] | None = None, backend: str | N
         _forward(forward)
     if backend == "ray":
         ray_address(environ.get("RAY_ADDRESS"))
+        if not ray_installed():
+            raise ConfigError(SOURCE, "ray", 'the ray package for the Ray backend: pip install "ray[default]" '
+                              "(or --backend torchrun)", "not installed")
+
+
+def ray_installed() -> bool:
+    """Whether `import ray` can work, without importing it (a second or more)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _seconds(name: str, text: str) -> float:

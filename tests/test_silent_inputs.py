@@ -40,7 +40,8 @@ def test_flags_that_only_look_alike_pass():
 
 
 @pytest.mark.parametrize("text", ["a-" * 70_000, "a:" * 70_000 + "@", "a:b@" * 35_000, "a," * 70_000,
-                                  "--a-" * 35_000, "x" * 140_000])
+                                  "--a-" * 35_000, "x" * 140_000], ids=["dashes", "colons", "credentials", "commas",
+                                                                        "flags", "plain"])
 def test_redaction_is_linear_in_a_big_value(text):
     start = time.monotonic()
     redact_value("BIG", text)
@@ -107,3 +108,50 @@ def test_honest_layouts_still_pass():
     ]:
         cfg = build_config({"method": method, **raw}, "ok.yaml")
         get_plugin(method).validate(cfg)
+
+
+def test_a_dropped_variable_is_named_under_a_wrapper_process(tmp_path):
+    """`MY_FLAG=1 timeout 60 dualrun launch ...`: the parent is `timeout`, which inherited MY_FLAG; the notice
+    compares with the launching shell's environment instead, so the variable is still named."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("timeout") is None:
+        pytest.skip("no coreutils timeout")
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nnum_processes: 1\n")
+    (tmp_path / "t.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "MY_FLAG_27"}
+    proc = subprocess.run(["bash", "-c", f"MY_FLAG_27=1 timeout 120 {sys.executable} -m dualrun launch --dry_run "
+                           "--config_file c.yaml t.py; true"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert "not forwarded to the workers: " in proc.stderr and "MY_FLAG_27" in proc.stderr, proc.stderr[-2000:]
+
+
+_NO_RAY = """
+import sys
+class NoRay:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoRay())
+from dualrun.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["launch", "plan"])
+def test_the_ray_backend_without_ray_says_how_to_install_it(tmp_path, command):
+    """Ray's absence simulated by an import blocker in a fresh interpreter (uninstalling it is not ours to do)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nnum_processes: 1\n")
+    (tmp_path / "t.py").write_text("")
+    args = [command, "--backend", "ray", "--config_file", "c.yaml"] + (["t.py"] if command == "launch" else [])
+    proc = subprocess.run([sys.executable, "-c", _NO_RAY, *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'pip install "ray[default]"' in lines[0] and ": ray: expected" in lines[0], lines
