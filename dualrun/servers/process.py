@@ -184,6 +184,7 @@ class ServerProcess:
             self.proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             pass
+        wait_group_gone(pgid, 5.0)   # vLLM's engine processes outlived the launch by up to a second
         self._drain()
         return self.proc.returncode
 
@@ -193,3 +194,35 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of the process group `pgid`, from /proc; [] when there are none."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return []
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()   # state, ppid, pgrp, ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until every process of the group has exited (SIGKILL is delivered at once, but a big process takes a
+    while to release its memory): a stop returns only when nothing it started is left. False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
