@@ -226,6 +226,19 @@ def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k in exact or (globs is not None and globs.match(k))}
 
 
+def on_this_node(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """`env` as a process on this node may take it: the driver's TMPDIR is forwarded only where it exists here
+    (another node may have no such directory, and every temp file of the program would fail); else it is dropped,
+    so the node's default temp dir is used, and the returned note says so."""
+    out = dict(env)
+    tmp = out.get("TMPDIR")
+    if tmp and not os.path.isdir(tmp):
+        del out["TMPDIR"]
+        return out, (f"dualrun: TMPDIR={tmp} (the launching machine's) does not exist on this node: not forwarded, "
+                     "the node's default temp dir is used")
+    return out, None
+
+
 def rank_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int, node_rank: int,
              num_nodes: int, master_addr: str, master_port: int | str, role_name: str = "default",
              restart_count: int = 0, max_restarts: int = 0, run_id: str = "none", error_file: str = "",

@@ -155,3 +155,27 @@ def test_the_ray_backend_without_ray_says_how_to_install_it(tmp_path, command):
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and 'pip install "ray[default]"' in lines[0] and ": ray: expected" in lines[0], lines
+
+
+def test_tmpdir_is_forwarded_only_to_a_node_where_it_exists(tmp_path):
+    """A Ray rank's actor (here without Ray: the class itself) drops the launching machine's TMPDIR where the
+    directory does not exist on its node, and says so in the rank's output; an existing one is kept."""
+    import os
+    import sys
+
+    from dualrun.launchers.ray_worker import RankWorker
+
+    def run(tmpdir: str) -> tuple[str, list[str]]:
+        worker = RankWorker("dualrun-test-tmpdir", "rank 0")
+        env = {"PATH": os.environ["PATH"], "TMPDIR": tmpdir}
+        worker.start([sys.executable, "-c", "import os; print('TMPDIR=' + os.environ.get('TMPDIR', '-'))"], env,
+                     str(tmp_path))
+        assert worker.wait().exit_code == 0
+        lines = [text for batch in iter(lambda: worker.queue.take(1.0), None) for _, text in batch]
+        return next(t for t in lines if t.startswith("TMPDIR=")), lines
+
+    seen, lines = run("/no/such/dualrun-tmp")
+    assert seen == "TMPDIR=-" and any("TMPDIR=/no/such/dualrun-tmp" in t and "does not exist on this node" in t
+                                      for t in lines)
+    seen, lines = run(str(tmp_path))
+    assert seen == f"TMPDIR={tmp_path}" and not any("does not exist" in t for t in lines)
