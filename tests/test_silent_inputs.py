@@ -179,3 +179,31 @@ def test_tmpdir_is_forwarded_only_to_a_node_where_it_exists(tmp_path):
                                       for t in lines)
     seen, lines = run(str(tmp_path))
     assert seen == f"TMPDIR={tmp_path}" and not any("does not exist" in t for t in lines)
+
+
+def test_a_rollout_server_the_script_turns_off_is_named_unused(capfd):
+    """The script sets `use_vllm=False` itself: dualrun leaves it alone, and says in one line that the rollout
+    server is unused; a config left at its defaults is pointed at the server without that line."""
+    import dataclasses
+    import types
+
+    from plugins.grpo import wire_rollout
+
+    @dataclasses.dataclass
+    class GRPOConfig:   # the fields TRL's GRPOConfig has for this, with its defaults
+        use_vllm: bool = False
+        vllm_mode: str = "colocate"
+        vllm_server_host: str = "0.0.0.0"
+        vllm_server_port: int = 8000
+
+        def __post_init__(self) -> None:
+            pass
+
+    wire_rollout(types.SimpleNamespace(GRPOConfig=GRPOConfig), "GRPOConfig", "127.0.0.1:8123")
+    off = GRPOConfig(use_vllm=False)
+    err = capfd.readouterr().err
+    assert off.use_vllm is False and err.count("\n") == 1
+    assert "rollout server at 127.0.0.1:8123 (roles.rollout) is unused: GRPOConfig.use_vllm=False" in err
+    on = GRPOConfig()
+    err = capfd.readouterr().err
+    assert on.use_vllm is True and on.vllm_server_port == 8123 and "unused" not in err
