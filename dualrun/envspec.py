@@ -215,7 +215,7 @@ def allowed(name: str, extra: tuple[str, ...] = ()) -> bool:
 
 
 def forward_patterns(value: str) -> tuple[str, ...]:
-    """DUALRUN_FORWARD_ENV's names and patterns (comma-separated)."""
+    """The names and patterns of DUALRUN_FORWARD_ENV (comma-separated)."""
     return tuple(p.strip() for p in value.split(",") if p.strip())
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dualrun import protocol
+
 
 @dataclass(frozen=True)
 class Key:
@@ -58,13 +60,13 @@ LIMITS: tuple[tuple[str, Any, str], ...] = (
 # The variables a user sets for dualrun itself (names in dualrun/protocol.py, plus Ray's RAY_ADDRESS): checked like
 # config keys before anything starts (dualrun/envcheck.py), listed in the reference.
 ENV_VARS: tuple[tuple[str, str, str], ...] = (
-    ("DUALRUN_PROGRESS", "rank0, all or none", "whose progress bars the console shows (Ray backend); default rank0"),
-    ("DUALRUN_EXIT_TIMEOUT_S", f"a number of seconds in (0, {MAX_SECONDS:g}]",
+    (protocol.PROGRESS, "rank0, all or none", "whose progress bars the console shows (Ray backend); default rank0"),
+    (protocol.EXIT_TIMEOUT_S, f"a number of seconds in (0, {MAX_SECONDS:g}]",
      "how long a finished rank may take to exit before its stacks are printed; default 60"),
-    ("DUALRUN_FORWARD_ENV", "comma-separated variable names or patterns (`MY_VAR,MY_PREFIX_*`)",
+    (protocol.FORWARD_ENV, "comma-separated variable names or patterns (`MY_VAR,MY_PREFIX_*`)",
      "more launching-environment variables for the workers; not `*` alone, no `NAME=value`"),
-    ("DUALRUN_CACHE", "0 or 1", "0: no on-disk cache of accelerate's environment"),
-    ("DUALRUN_DEBUG", "0 or 1", "1: print the traceback of an unexpected error"),
+    (protocol.CACHE, "0 or 1", "0: no on-disk cache of accelerate's environment"),
+    (protocol.DEBUG, "0 or 1", "1: print the traceback of an unexpected error"),
     ("RAY_ADDRESS", "HOST:PORT, ray://HOST:PORT, auto or local",
      "the Ray cluster to join (`--backend ray`); the GCS address, not the dashboard's http:// URL"),
 )
