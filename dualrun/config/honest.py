@@ -93,14 +93,15 @@ def log_dir(source: str, key: str, path: str | None) -> None:
                           "an existing file" if probe == full else f"a path below the file {probe}")
 
 
-def local_model(source: str, key: str, model: str | None) -> None:
+def local_model(source: str, key: str, model: str | None, here: bool = True) -> None:
     """A model written as a local path (absolute, `./`, `../`, `~`) must be a directory here (a `.gguf` file for
-    vLLM); a URL is no model name. A hub id (`org/name`) is left to the hub."""
+    vLLM) when it is loaded on a machine like this one (`here`); a URL is no model name anywhere. A hub id
+    (`org/name`) is left to the hub."""
     if model is None:
         return
     if _URL.match(model):
         raise ConfigError(source, key, "a model directory or a hub id like org/name (not a URL)", model)
-    if not model.startswith(("/", "./", "../", "~")):
+    if not here or not model.startswith(("/", "./", "../", "~")):
         return
     path = os.path.expanduser(model)
     if os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf")):
@@ -113,22 +114,20 @@ def external_roles(source: str, raw_roles: Mapping[str, Mapping[str, Any]], role
                    groups: Sequence[Sequence[str]]) -> None:
     """A role with `address` is a server the user runs: dualrun starts nothing for it, so the keys that size or
     start a server do nothing there, and it cannot share the trainers' GPUs."""
-    inert = ("gpus", "processes", "gpu_ids", "tensor_parallel_size", "data_parallel_size", "server_args",
-             "health_timeout_s", "env", "engine")
+    # each key with the values that are the same as not writing it
+    harmless = {"gpus": (None, 0), "processes": (None, 1), "gpu_ids": (None,), "tensor_parallel_size": (None, 1),
+                "data_parallel_size": (None, 1), "server_args": (None, []), "health_timeout_s": (None,),
+                "env": (None, {}), "engine": (None,)}
     for role in roles:
         if not role.address:
             continue
         written = raw_roles.get(role.name)
         written = written if isinstance(written, Mapping) else {}
-        for name in inert:
-            value = written.get(name)
-            if name in written and value not in (None, 0, [], {}) and not (name in ("processes",
-                                                                                    "tensor_parallel_size",
-                                                                                    "data_parallel_size")
-                                                                             and value == 1):
+        for name, same in harmless.items():
+            if name in written and not any(written[name] == v and type(written[name]) is type(v) for v in same):
                 raise ConfigError(source, f"roles.{role.name}.{name}", "nothing beside `address` (dualrun starts "
                                   "no server for it: set it on the server you run, or drop `address` and let "
-                                  "dualrun start one)", value)
+                                  "dualrun start one)", written[name])
         for i, group in enumerate(groups):
             if role.name in group:
                 raise ConfigError(source, f"colocate_groups[{i}]", "roles dualrun runs (roles."

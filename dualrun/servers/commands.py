@@ -178,7 +178,7 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
         raise ConfigError(cfg.source, f"{key}.tensor_parallel_size", f"1 with engine `{engine}` (one process per "
                           "engine; more GPUs or processes run more engines behind one address)",
                           f"tensor_parallel_size={tp}, data_parallel_size={dp}")
-    if cfg.backend == "torchrun" or cfg.ray.address == "local":   # the server starts on a machine like this one
-        from dualrun.config.honest import local_model
+    from dualrun.config.honest import local_model
 
-        local_model(cfg.source, f"{key}.model", role.model)
+    # a local path is checked where the server starts on a machine like this one; a URL is refused everywhere
+    local_model(cfg.source, f"{key}.model", role.model, here=cfg.backend == "torchrun" or cfg.ray.address == "local")
