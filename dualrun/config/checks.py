@@ -25,6 +25,9 @@ def check_ray_address(source: str, address: str | None) -> None:
     """`ray.address`: auto, local, HOST:PORT or ray://HOST:PORT (what resolve_address knows how to join)."""
     if address is None or address in ("auto", "local"):
         return
+    if address.lower().startswith(("http://", "https://")):
+        raise ConfigError(source, "ray.address", "the cluster's GCS address HOST:6379 (what `ray start --head` "
+                          "prints) or ray://HOST:10001, not the dashboard / Jobs URL", address)
     target = address[len("ray://"):] if address.startswith("ray://") else address
     if not host_port(target):
         raise ConfigError(source, "ray.address", "auto, local, HOST:PORT or ray://HOST:PORT (port in 1-65535)",
