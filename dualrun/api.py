@@ -142,6 +142,7 @@ def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, conf
     import tempfile
 
     from dualrun.config import build_config, load_config
+    from dualrun.envcheck import check_environment
     from dualrun.funcs import load_results, save_call
     from dualrun.plugin import get_plugin
 
@@ -153,6 +154,7 @@ def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, conf
         cfg = build_config(config, "<python>", overrides, backend)
     else:
         cfg = load_config(config, overrides, backend)
+    check_environment(backend=cfg.backend)
     plugin = get_plugin(cfg.method, cfg.source)
     plugin.validate(cfg)
     if callable(target):

@@ -248,9 +248,18 @@ def _local_gpus() -> int:
     return detected_devices()[0]
 
 
+def range_notes(nodes: list[NodeReport]) -> list[str]:
+    """Pure: each node's versions outside the ranges TRL and vLLM declare for each other (and transformers), one
+    line each. Notes, not problems: TRL only warns about an untested vLLM, and the job may well run."""
+    return [f"{n.name}: {phrase}" for n in nodes for phrase in n.facts.get("ranges", [])]
+
+
 def run_check(cfg: JobConfig) -> int:
-    """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0)."""
+    """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0); version ranges that
+    TRL or vLLM declare and this install is outside of are named as notes either way."""
     problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg)
+    for note in range_notes(nodes):
+        print(f"dualrun check: note: {note}")
     if problems:
         for p in problems:
             print(f"dualrun check: {p}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 KILL_WAIT_S = 5.0   # after SIGKILL: how long to wait for the kernel to reap it
@@ -61,4 +62,37 @@ class ChildProcess:
             self.proc.wait(timeout=KILL_WAIT_S)
         except subprocess.TimeoutExpired:
             pass
+        wait_group_gone(self.proc.pid, KILL_WAIT_S)   # vLLM's engine processes outlived the leader by up to a second
         return self.proc.returncode
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of the process group `pgid`, from /proc; [] when there are none."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return []
+    members = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2:].split()   # state, ppid, pgrp, ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
+
+
+def wait_group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until every process of the group has exited (SIGKILL is delivered at once, but a big process takes a
+    while to release its memory): a stop returns only when nothing it started is left. False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -87,7 +87,10 @@ def _load(ns: argparse.Namespace):
     from dualrun.config import load_config
     from dualrun.plugin import get_plugin
 
+    from dualrun.envcheck import check_environment
+
     cfg = load_config(ns.config_file, _overrides(ns), ns.backend)
+    check_environment(backend=cfg.backend)
     plugin = get_plugin(cfg.method, cfg.source)
     plugin.validate(cfg)
     return cfg, plugin

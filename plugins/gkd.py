@@ -17,6 +17,7 @@ import inspect
 import os
 from typing import Any, Mapping
 
+from dualrun.config.honest import local_model
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import ConfigError
 from dualrun.rank.hooks import when_imported
@@ -44,6 +45,9 @@ class GKDPlugin(MethodPlugin):
                                   "full-vocabulary distillation" if teacher.top_k is None else teacher.top_k,
                                   FULL_VOCAB_HINT)
             validate_server_role(cfg, teacher, "the teacher model")
+        elif teacher is not None and teacher.model:   # GKDConfig loads it in every trainer process
+            local_model(cfg.source, "roles.teacher.model", teacher.model,
+                        here=cfg.backend == "torchrun" or cfg.ray.address == "local")
         rollout = cfg.role("rollout")
         if rollout is not None and cfg.is_separate("rollout"):
             validate_server_role(cfg, rollout, ROLLOUT_SERVES)

@@ -13,21 +13,37 @@ from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
 from dualrun.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
-from dualrun.rank.wiring import fill_defaults, rollout_fields, say
+from dualrun.rank.wiring import fill_defaults, left_at_default, rollout_fields, say
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 
 
 def wire_rollout(module: Any, config_class: str, address: str) -> None:
-    """Point `module.<config_class>` at the rollout server (fields left at defaults only)."""
-    fill_defaults(getattr(module, config_class), rollout_fields(address, os.environ.get(VLLM_GROUP_PORT)),
+    """Point `module.<config_class>` at the rollout server (fields left at defaults only). A script that turns
+    vLLM off itself keeps its choice, and hears in one line that the server it has is unused."""
+    fields = rollout_fields(address, os.environ.get(VLLM_GROUP_PORT))
+
+    def values(cfg: Any) -> dict[str, Any]:
+        return {} if say_if_unused(cfg, address) else fields
+
+    fill_defaults(getattr(module, config_class), values,
                   lambda cfg, filled: say(f"{type(cfg).__name__}: {filled} (rollout server)"))
+
+
+def say_if_unused(cfg: Any, address: str) -> bool:
+    """`use_vllm=False` set by the script: the rollout server dualrun started at `address` is never asked."""
+    if getattr(cfg, "use_vllm", None) is not False or left_at_default(cfg, "use_vllm"):
+        return False
+    say(f"the rollout server at {address} (roles.rollout) is unused: {type(cfg).__name__}.use_vllm=False is set "
+        "by the script, so the trainer generates with its own model; remove roles.rollout to not start it")
+    return True
 
 
 class GRPOPlugin(MethodPlugin):
     name = "grpo"
     roles = ("train", "rollout")
     required_roles = ("train",)
+    colocated_engine_roles = ("rollout",)   # colocate_fields: TRL's colocate mode and its sleep mode
 
     def validate(self, cfg: JobConfig) -> None:
         super().validate(cfg)

@@ -93,6 +93,13 @@ def _long_key(d: Path) -> str:
     return "bad.yaml"
 
 
+def _huge_env_value(d: Path) -> str:
+    """One `env:` value past the kernel's 128 KiB limit for a variable: refused in one line, not an `execve` that
+    fails (or a dry run that redacts it for minutes)."""
+    (d / "bad.yaml").write_text("use_cpu: true\nnum_processes: 1\nenv: {BIG: '" + "a-b:c@" * 24_000 + "'}\n")
+    return "bad.yaml"
+
+
 def _binary(d: Path) -> str:
     (d / "bad.yaml").write_bytes(b"\xff\xfe\x00\x01garbage\x9c")
     return "bad.yaml"
@@ -113,8 +120,8 @@ def _symlink_to_devzero(d: Path) -> str:
 
 
 MAKERS = {f.__name__[1:]: f for f in (_fifo, _big_json, _just_too_big, _alias_bomb, _deep_lists, _deep_maps,
-                                       _alias_chain, _long_value, _long_secret, _long_key, _binary, _directory,
-                                       _devzero, _symlink_to_devzero)}
+                                       _alias_chain, _long_value, _long_secret, _long_key, _huge_env_value, _binary,
+                                       _directory, _devzero, _symlink_to_devzero)}
 
 
 def _expand(corpus: list[dict]) -> list[tuple[str, dict, bool]]:

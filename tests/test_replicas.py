@@ -18,7 +18,7 @@ from dualrun.servers.planned import addresses, log_name, phases, replica_address
 
 
 def _cfg(teacher: dict, backend: str = "torchrun", **top) -> object:
-    spec = {"model": "/m", "top_k": 5, **teacher}
+    spec = {"model": "m/m", "top_k": 5, **teacher}
     return build_config({"backend": backend, "method": "gkd", **top,
                          "roles": {"train": {"gpus": 2}, "teacher": spec}}, "job.yaml")
 
@@ -102,7 +102,7 @@ def test_a_four_engine_rollout_is_four_cpu_engines_behind_one_router(backend):
 
     cfg = build_config({"backend": backend, "method": "grpo", "use_cpu": True, "roles": {
         "train": {"gpus": 1},
-        "rollout": {"gpus": 4, "tensor_parallel_size": 1, "model": "/m", "engine": "transformers"}}}, "job.yaml")
+        "rollout": {"gpus": 4, "tensor_parallel_size": 1, "model": "m/m", "engine": "transformers"}}}, "job.yaml")
     plugin = get_plugin("grpo")
     plugin.validate(cfg)
     plan = make_plan(cfg, Cluster.uniform(1, 0) if backend == "ray" else None)
@@ -111,7 +111,7 @@ def test_a_four_engine_rollout_is_four_cpu_engines_behind_one_router(backend):
     started = {i: f"127.0.0.1:{9001 + i}" for i in range(4)}
     for i, p in enumerate(plan.servers[:4]):
         argv = server_command(cfg, plugin, p, "127.0.0.1", 9001 + i)
-        assert argv[1:5] == ["-m", "dualrun.engines.transformers_server", "--model", "/m"]
+        assert argv[1:5] == ["-m", "dualrun.engines.transformers_server", "--model", "m/m"]
     router = server_command(cfg, plugin, plan.servers[4], "127.0.0.1", 9000, replica_addresses(plan, started, 4))
     assert router[router.index("--replica"):-2] == [w for a in started.values() for w in ("--replica", a)]
     assert addresses(plan, {**started, 4: "127.0.0.1:9000"}) == {"rollout": "127.0.0.1:9000"}

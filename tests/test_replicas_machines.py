@@ -26,7 +26,7 @@ from dualrun.plan import ROUTER, make_plan
 
 
 def _cfg(teacher: dict, train: int = 4, machines: int = 2, rank: int = 0, **torchrun) -> object:
-    spec = {"model": "/m", "top_k": 5, **teacher}
+    spec = {"model": "m/m", "top_k": 5, **teacher}
     return build_config({"method": "gkd", "num_machines": machines, "machine_rank": rank,
                          "main_process_ip": "10.0.0.1", "torchrun": torchrun,
                          "roles": {"train": {"gpus": train}, "teacher": spec}}, "job.yaml")
@@ -82,7 +82,7 @@ def _cpu_cfg(teacher_processes: int, rank: int = 0) -> object:
     return build_config({"method": "gkd", "use_cpu": True, "num_machines": 2, "main_process_ip": "10.0.0.1",
                          "machine_rank": rank,
                          "torchrun": {"gpus_per_machine": 2}, "roles": {
-                             "train": {"gpus": 2}, "teacher": {"gpus": teacher_processes, "model": "/m", "top_k": 5}}},
+                             "train": {"gpus": 2}, "teacher": {"gpus": teacher_processes, "model": "m/m", "top_k": 5}}},
                         "job.yaml")
 
 

@@ -50,10 +50,10 @@ def test_a_server_that_never_gets_healthy_fails_the_job_with_its_log(tmp_path, m
 
 def test_dry_run_shows_the_server_command(tmp_path, module_tiny):
     (tmp_path / "job.yaml").write_text(
-        "method: gkd\nroles:\n  train: {gpus: 2}\n  teacher: {gpus: 1, model: /m/teacher, top_k: 20}\n")
+        "method: gkd\nroles:\n  train: {gpus: 2}\n  teacher: {gpus: 1, model: m/teacher, top_k: 20}\n")
     (tmp_path / "t.py").write_text("")
     proc = dualrun("launch", "--config_file", "job.yaml", "--dry_run", "t.py", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("# teacher server 0"))
-    assert "CUDA_VISIBLE_DEVICES=2" in line and "vllm.entrypoints.cli.main serve /m/teacher" in line
+    assert "CUDA_VISIBLE_DEVICES=2" in line and "vllm.entrypoints.cli.main serve m/teacher" in line
     assert "--max-logprobs -1" in line

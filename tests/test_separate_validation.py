@@ -8,11 +8,11 @@ from dualrun.errors import ConfigError
 from dualrun.plan import make_plan
 from dualrun.plugin import get_plugin
 
-T = {"gpus": 1, "model": "/m/teacher", "top_k": 8}
-R = {"gpus": 1, "model": "/m/student"}
+T = {"gpus": 1, "model": "m/teacher", "top_k": 8}
+R = {"gpus": 1, "model": "m/student"}
 
 BAD = [
-    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {"gpus": 1, "model": "/m/t"}}}, "roles.teacher.top_k",
+    ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {"gpus": 1, "model": "m/t"}}}, "roles.teacher.top_k",
      "full-vocabulary distillation (a teacher server returns only the top-k"),
     ("gkd", {"roles": {"train": {"gpus": 2}, "teacher": {**T, "top_k": 0}}}, "roles.teacher.top_k",
      "colocate_groups: [[train, teacher]]"),
@@ -68,7 +68,13 @@ BAD = [
                                                                               "--model-impl", "vllm"]}}},
      None, None),  # other flags that only start like dualrun's pass through
     ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {"address": "h:1", "server_args": ["--port", "2"]}}},
-     None, None),  # a server the user runs: dualrun builds no command line for it
+     "roles.rollout.server_args", "nothing beside `address`"),  # a server the user runs: the flags would do nothing
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["-tp2"]}}},
+     "roles.rollout.server_args", "no --tensor-parallel-size"),  # argparse's packed short option
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--port 9000"]}}},
+     "roles.rollout.server_args", "no --port"),  # a flag and its value in one item
+    ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "model": "/no/such/model-dir"}}},
+     "roles.rollout.model", "an existing model directory"),
 ]
 
 
@@ -126,12 +132,12 @@ def test_server_commands_per_engine():
                        "x.yaml")
     teacher, rollout = cfg.role("teacher"), cfg.role("rollout")
     argv = plugin.server_command(cfg, teacher, "127.0.0.1", 8123)
-    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/teacher"]
+    assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "m/teacher"]
     assert "--tensor-parallel-size" in argv and argv[argv.index("--tensor-parallel-size") + 1] == "2"
     assert argv[-2:] == ["--max-model-len", "4096"] and "8123" in argv
     assert "--data-parallel-size" not in argv  # never turned on by dualrun: vLLM refuses it for dense models
     roll = plugin.server_command(cfg, rollout, "127.0.0.1", 8124)
-    assert roll[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/student"]
+    assert roll[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "m/student"]
     assert "--weight-transfer-config" in roll
     cpu = build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": R}}, "c.yaml")
     assert get_plugin("grpo").server_command(cpu, cpu.role("rollout"), "127.0.0.1", 1)[1:3] == [

@@ -134,12 +134,12 @@ def test_dry_run_shows_trls_vllm_serve_command_for_a_rollout(tmp_path):
     from helpers import dualrun
 
     (tmp_path / "job.yaml").write_text("method: grpo\nroles:\n  train: {gpus: 2}\n"
-                                       "  rollout: {gpus: 2, tensor_parallel_size: 2, model: /m/policy}\n")
+                                       "  rollout: {gpus: 2, tensor_parallel_size: 2, model: m/policy}\n")
     (tmp_path / "t.py").write_text("")
     proc = dualrun("launch", "--config_file", "job.yaml", "--dry_run", "t.py", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("# rollout server 0"))
     assert "CUDA_VISIBLE_DEVICES=2,3 VLLM_SERVER_DEV_MODE=1" in line
-    assert "-m vllm.entrypoints.cli.main serve /m/policy" in line
+    assert "-m vllm.entrypoints.cli.main serve m/policy" in line
     assert "--weight-transfer-config" in line and "--logprobs-mode processed_logprobs" in line
     assert "--data-parallel-size 1" in line and "FutureWarning" not in proc.stderr

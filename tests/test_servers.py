@@ -23,6 +23,13 @@ print("stand-in starting", flush=True)
 if os.environ.get("CHILD"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     print(f"child pid {child.pid}", flush=True)
+if os.environ.get("SLOW_CHILD"):   # like vLLM's engine processes: ignore SIGTERM, hold much memory
+    for _ in range(4):
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                  "signal.SIG_IGN); block = b'x' * (192 << 20); print('ready', flush=True); "
+                                  "time.sleep(600)"], stdout=subprocess.PIPE)
+        child.stdout.readline()
+        print(f"child pid {child.pid}", flush=True)
 if os.environ.get("CRASH"):
     raise SystemExit("stand-in: cannot load the model")
 time.sleep(delay)
@@ -54,6 +61,16 @@ def test_start_healthy_stop_kills_the_group(tmp_path):
     assert not http_ok(server.health_url)
     assert "stand-in starting" in (tmp_path / "s.log").read_text()
     server.stop()  # idempotent
+
+
+def test_stop_returns_only_when_the_whole_group_is_gone(tmp_path):
+    """Helpers that ignore SIGTERM and hold memory (as vLLM's engine processes do) are still tearing down when the
+    server itself has been reaped: `stop` waits for every process of the group, not only the leader."""
+    server = _standin(tmp_path, SLOW_CHILD="1").start()
+    server.wait_healthy()
+    children = [int(ln.split()[-1]) for ln in server.tail().splitlines() if ln.startswith("child pid")]
+    server.stop(grace_s=0.5)
+    assert len(children) == 4 and all(gone(c) for c in children), "a helper of the server outlived stop()"
 
 
 def test_never_healthy_fails_within_timeout_with_log_tail(tmp_path):

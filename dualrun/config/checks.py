@@ -25,6 +25,9 @@ def check_ray_address(source: str, address: str | None) -> None:
     """`ray.address`: auto, local, HOST:PORT or ray://HOST:PORT (what resolve_address knows how to join)."""
     if address is None or address in ("auto", "local"):
         return
+    if address.lower().startswith(("http://", "https://")):
+        raise ConfigError(source, "ray.address", "the cluster's GCS address HOST:6379 (what `ray start --head` "
+                          "prints) or ray://HOST:10001, not the dashboard / Jobs URL", address)
     target = address[len("ray://"):] if address.startswith("ray://") else address
     if not host_port(target):
         raise ConfigError(source, "ray.address", "auto, local, HOST:PORT or ray://HOST:PORT (port in 1-65535)",
@@ -73,10 +76,16 @@ def _check_machine_size(source: str, roles: Sequence[RoleSpec], groups: Sequence
         key = "--num_processes" if from_flags else f"roles.{primary.name}.gpus"
         raise ConfigError("<command line>" if from_flags else source, key, f"at most {limit} processes per "
                           "machine on torchrun (raise num_machines, or use the Ray backend)", primary.processes)
+    if per_machine is not None and -(-primary.processes // machines) > per_machine:
+        raise ConfigError(source, "torchrun.gpus_per_machine", f"at least the {-(-primary.processes // machines)} "
+                          f"trainer processes of each machine (roles.{primary.name} over num_machines={machines}; "
+                          "on CPU a slot is a process)", per_machine)
     with_primary = next((set(g) for g in groups if primary.name in g), {primary.name})
     servers = [r for r in roles if r.name not in with_primary and not r.address]
-    used = primary.gpus // machines + sum(r.gpus for r in servers)
+    used = primary.processes // machines + sum(r.gpus or r.processes for r in servers)
     if servers and used > limit and per_machine is None:
-        biggest = max(servers, key=lambda r: r.gpus)
-        raise ConfigError(source, f"roles.{biggest.name}.gpus", f"at most {limit} GPUs on machine 0 with the "
-                          "trainers' (torchrun starts separate roles' servers there)", biggest.gpus)
+        biggest = max(servers, key=lambda r: r.gpus or r.processes)
+        what = "gpus" if biggest.gpus else "processes"
+        raise ConfigError(source, f"roles.{biggest.name}.{what}", f"at most {limit} processes on machine 0 with "
+                          "the trainers' (torchrun starts separate roles' servers there)", biggest.gpus or
+                          biggest.processes)

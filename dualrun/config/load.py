@@ -5,7 +5,7 @@ import datetime
 import re
 from typing import Any, Mapping
 
-from dualrun.config import checks, schema
+from dualrun.config import checks, honest, schema
 from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.swift import convert_device_groups
@@ -32,6 +32,11 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
                  backend: str | None = None) -> JobConfig:
     raw = dict(raw)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    for key in overrides:
+        if key not in OVERRIDABLE:
+            raise ConfigError(source if source == CLI_SOURCE else "<python>", str(key), "an override with "
+                              f"accelerate's name ({', '.join(OVERRIDABLE)})", "an unknown keyword",
+                              did_you_mean(str(key), OVERRIDABLE))
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(source, str(key), "string keys", key)
@@ -76,19 +81,28 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
 
     raw_roles = raw.get("roles")
     raw_groups = raw.get("colocate_groups")
+    origin: dict[str, str] = {}
     if schema.SWIFT_KEY in raw:
         if raw_roles is not None:
             raise ConfigError(source, schema.SWIFT_KEY, "either `roles` or `device_groups`, not both")
-        raw_roles, swift_groups = convert_device_groups(source, raw[schema.SWIFT_KEY])
+        raw_roles, swift_groups, origin = convert_device_groups(source, raw[schema.SWIFT_KEY])
         raw_groups = (raw_groups or []) + swift_groups
-    roles = _roles(source, raw_roles, acc, overrides)
-    groups = _groups(source, raw_groups, roles)
-    _check_layout(source, roles, groups)
+    try:
+        roles = _roles(source, raw_roles, acc, overrides)
+        groups = _groups(source, raw_groups, roles)
+        _check_layout(source, roles, groups)
+        honest.external_roles(source, raw_roles or {}, roles, groups)
+        honest.server_sizes(source, roles, roles[0].name, groups)
+    except ConfigError as e:
+        raise as_written(e, origin) from None
 
     env = _env(source, "env", values.pop("env", {}))
     ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
     tr_opts = TorchrunOptions(**_section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS))
     checks.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
+    for key, path in (("log_dir", values.get("log_dir")), ("torchrun.log_dir", tr_opts.log_dir)):
+        honest.log_dir(source, key, path)
+    honest.runtime_env(source, ray_opts.runtime_env)
 
     if acc.get("num_processes") is None or "num_processes" in overrides:
         acc["num_processes"] = roles[0].processes
@@ -104,6 +118,17 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
                      colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
                      ray=ray_opts, torchrun=tr_opts, **values)
+
+
+def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:
+    """An error about a role made from ms-swift's `device_groups` names the group key the user wrote, not the
+    `roles.*` key dualrun made of it."""
+    parts = str(error.key).split(".")
+    group = origin.get(parts[1]) if len(parts) >= 2 and parts[0] == "roles" else None
+    if group is None:
+        return error
+    sub = "workers" if len(parts) == 2 else ("ranks" if parts[2] in ("gpus", "gpu_ids", "processes") else parts[2])
+    return ConfigError(error.source, f"{schema.SWIFT_KEY}.{group}.{sub}", error.expected, error.got, error.hint)
 
 
 def _accelerate_value(source: str, key: str, value: Any) -> Any:
@@ -128,6 +153,7 @@ def _env(source: str, key: str, raw: Mapping[Any, Any]) -> Mapping[str, str]:
         if not isinstance(value, (str, int, float, datetime.date)):   # (bool is an int) no list, set or binary
             raise ConfigError(source, f"{key}.{name}", "a string, number or boolean", value)
         out[name] = str(value).lower() if isinstance(value, bool) else str(value)
+        honest.env_entry(source, f"{key}.{name}", name, out[name])
     return frozen_map(out)
 
 
@@ -203,7 +229,7 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
         addr = vals.get("address")
         if addr is not None and not checks.host_port(addr):
             raise ConfigError(source, f"roles.{name}.address", "host:port with a port in [1, 65535]", addr)
-        server_args = tuple(str(a) for a in vals.pop("server_args", []))
+        server_args = honest.server_args(source, f"roles.{name}.server_args", vals.pop("server_args", []))
         env = _env(source, f"roles.{name}.env", vals.pop("env", {}))
         vals.pop("gpus", None)
         vals.pop("processes", None)

@@ -47,6 +47,10 @@ def render() -> str:
     out += ["## Limits", "", "Inputs past these end with one line and exit code 2 before anything starts.", "",
             "| what | at most | note |", "|---|---|---|"]
     out += [f"| {what} | {limit} | {note} |" for what, limit, note in schema.LIMITS]
+    out += ["", "## Environment variables", "", "Read by dualrun itself and checked like config keys before anything "
+            "starts (a bad value: one line naming the variable, exit code 2).", "",
+            "| variable | expected | meaning |", "|---|---|---|"]
+    out += [f"| `{name}` | {expected} | {meaning} |" for name, expected, meaning in schema.ENV_VARS]
     out.append("")
     return "\n".join(out)
 

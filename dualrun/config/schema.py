@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dualrun import protocol
+
 
 @dataclass(frozen=True)
 class Key:
@@ -32,16 +34,41 @@ MAX_SECONDS = 7 * 24 * 3600.0
 MAX_RESTARTS = 1_000
 MAX_CPUS = 4_096.0            # CPUs of one process
 MAX_TOP_K = 1_000_000         # a vocabulary's size
+MAX_ENV_ENTRY_BYTES = 128 * 1024   # one NAME=value for execve (the kernel's MAX_ARG_STRLEN)
+MIN_INTERVAL_S = 0.01         # torchrun's monitor interval: 0 would spin a core
 LIMITS: tuple[tuple[str, Any, str], ...] = (
     ("config file", f"{MAX_CONFIG_BYTES // 1024} KiB", "a regular file (not a FIFO or device), UTF-8 YAML"),
     ("YAML nesting", MAX_YAML_DEPTH, "levels, aliases expanded"),
     ("YAML values", MAX_YAML_NODES, "scalars, lists and mappings, aliases expanded"),
     ("processes of a role / num_processes", MAX_PROCESSES, "the world size of one job"),
     ("num_machines", MAX_MACHINES, "nodes of one job"),
-    ("processes per machine (torchrun)", MAX_PER_MACHINE, "num_processes / num_machines"),
+    ("processes per machine (torchrun)", MAX_PER_MACHINE, "num_processes / num_machines, plus machine 0's "
+     "servers; `torchrun.gpus_per_machine` must hold each machine's trainers"),
+    ("server processes of a separate CPU role", MAX_PER_MACHINE, "one engine each"),
     ("device ids", f"0-{MAX_DEVICE_ID}", "`gpu_ids`, `device_groups` ranks (ranges are bounded before expanding)"),
     ("ports", "1-65535", "`main_process_port`, `address` ports; unset for a free one"),
     ("timeouts and intervals", f"{MAX_SECONDS:g} s", "finite numbers (no .nan, no .inf)"),
+    ("an environment variable", f"{MAX_ENV_ENTRY_BYTES // 1024} KiB", "`NAME=value` of `env:`, `roles.*.env`, "
+     "`ray.runtime_env.env_vars` (the kernel's limit); names without `=` or NUL, values without NUL"),
+    ("paths", "checked here", "`log_dir`: a directory (or none yet) outside /proc and /sys, not below a file; a "
+     "server `model` written as a local path (`/`, `./`, `../`, `~`): an existing directory, never a URL; "
+     "`ray.runtime_env.working_dir`: an existing directory or a URI"),
+    ("`server_args` items", "one word each", "non-empty strings without NUL; dualrun's own flags refused in any "
+     "spelling, abbreviation or packing (`--po 9000`, `-tp2`, `\"--port 9000\"`)"),
+)
+
+# The variables a user sets for dualrun itself (names in dualrun/protocol.py, plus Ray's RAY_ADDRESS): checked like
+# config keys before anything starts (dualrun/envcheck.py), listed in the reference.
+ENV_VARS: tuple[tuple[str, str, str], ...] = (
+    (protocol.PROGRESS, "rank0, all or none", "whose progress bars the console shows (Ray backend); default rank0"),
+    (protocol.EXIT_TIMEOUT_S, f"a number of seconds in (0, {MAX_SECONDS:g}]",
+     "how long a finished rank may take to exit before its stacks are printed; default 60"),
+    (protocol.FORWARD_ENV, "comma-separated variable names or patterns (`MY_VAR,MY_PREFIX_*`)",
+     "more launching-environment variables for the workers; not `*` alone, no `NAME=value`"),
+    (protocol.CACHE, "0 or 1", "0: no on-disk cache of accelerate's environment"),
+    (protocol.DEBUG, "0 or 1", "1: print the traceback of an unexpected error"),
+    ("RAY_ADDRESS", "HOST:PORT, ray://HOST:PORT, auto or local",
+     "the Ray cluster to join (`--backend ray`); the GCS address, not the dashboard's http:// URL"),
 )
 
 
@@ -56,7 +83,8 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("colocate_groups", "groups", [], "Lists of roles that share the same GPUs (equal `gpus` required); "
         "a role not in a group with `train` runs separately on its own GPUs."),
     Key("offload_model", "bool", False, "Colocate: put the rollout engine to sleep between phases "
-        "(TRL `vllm_enable_sleep_mode`; TRL 1.16 always sleeps at level 2, discarding weights)."),
+        "(TRL `vllm_enable_sleep_mode`; TRL 1.16 always sleeps at level 2, discarding weights). Only with a vLLM "
+        "rollout colocated with the trainers (`engine: vllm`, method grpo); refused elsewhere."),
     Key("offload_optimizer", "bool", False, "Offload optimizer state to CPU: sets the accelerate DeepSpeed config's "
         "`offload_optimizer_device: cpu` (needs `distributed_type: DEEPSPEED`; refused otherwise)."),
     Key("max_failures", "int", 0, "Restarts of the whole job after a worker or node failure; the trainer "
@@ -92,7 +120,7 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
     Key("rdzv_backend", "str", "static", "torchrun rendezvous backend.", backends="torchrun",
         choices=("static", "c10d")),
     Key("monitor_interval", "float", 0.1, "Seconds between torchrun's checks of its workers.",
-        backends="torchrun", minimum=0, maximum=MAX_SECONDS),
+        backends="torchrun", minimum=MIN_INTERVAL_S, maximum=MAX_SECONDS),
     Key("log_dir", "str-or-null", None, "torchrun's own `--log-dir` (per-rank stdout/stderr files).",
         backends="torchrun"),
     Key("gpus_per_machine", "int", None, "GPUs of each machine (all alike; on CPU: process slots). Separate "
@@ -110,14 +138,20 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("gpu_ids", "str-or-null", None, "Fixed device ids on the node (torchrun), e.g. `0,1` or `[0, 1]`."),
     Key("engine", "str", None, "Inference engine of a server role.", choices=("vllm", "transformers")),
     Key("tensor_parallel_size", "int", 1, "GPUs of one engine of the role; must divide `gpus` (each further multiple is "
-        "another replica behind the role's router; the CPU engine is always 1).",
+        "another replica behind the role's router; the CPU engine is always 1). A separate role's server, or a "
+        "colocated vLLM rollout; refused on the trainer role.",
         minimum=1, maximum=MAX_PROCESSES),
-    Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine.", minimum=1, maximum=MAX_PROCESSES),
+    Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine (a separate role's server only).",
+        minimum=1, maximum=MAX_PROCESSES),
     Key("model", "str-or-null", None, "Model path or name the role serves (teacher, reward model)."),
     Key("top_k", "int", None, "Teacher: top-k log-probabilities distilled per token (unset or 0: full "
         "vocabulary, colocated teacher only; a separate teacher needs >= 1).", minimum=0, maximum=MAX_TOP_K),
-    Key("address", "str-or-null", None, "`host:port` of a server the user started; dualrun starts none."),
-    Key("health_timeout_s", "float", 600.0, "Seconds a server may take to answer its health check.", minimum=0,
+    Key("address", "str-or-null", None, "`host:port` of a server the user started; dualrun starts none (so "
+        "`gpus`, `processes`, `gpu_ids`, `engine`, the parallel sizes, `server_args`, `health_timeout_s`, "
+        "`request_timeout_s`, `env` and "
+        "`colocate_groups` are refused beside it)."),
+    Key("health_timeout_s", "float", 600.0, "Seconds a server dualrun starts may take to answer its health check.",
+        minimum=0,
         maximum=MAX_SECONDS),
     Key("request_timeout_s", "float", 1800.0, "A role with several engine replicas: seconds a replica may take to "
         "answer one generation or scoring request before the router takes it for hung — out of rotation until the "
@@ -127,8 +161,9 @@ ROLE_KEYS: tuple[Key, ...] = (
         "router's health probes (about once a second, 5 s to answer); lower this to find sooner an engine that "
         "answers its health check but not its requests. Weight-transfer calls get the same limit.",
         minimum=1, maximum=MAX_SECONDS),
-    Key("server_args", "list", [], "Extra command-line arguments for the role's server; not the flags dualrun "
-        "sets itself (`--host`, `--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "
+    Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item "
+        "(only on a separate role dualrun starts a server for); not the flags dualrun sets itself (`--host`, "
+        "`--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "
         "spelling the server's parser takes, abbreviations included): exit 2."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
 )

@@ -19,11 +19,14 @@ from dualrun.errors import ConfigError
 _GROUP_KEYS = ("device", "ranks", "workers")
 
 
-def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, Any]], list[list[str]]]:
+def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, Any]], list[list[str]],
+                                                          dict[str, str]]:
+    """(roles, colocate groups, the group each role came from: errors about a role name the group)."""
     if not isinstance(raw, dict):
         raise ConfigError(source, "device_groups", "a mapping of group names to {device, ranks, workers}", raw)
     roles: dict[str, dict[str, Any]] = {}
     groups: list[list[str]] = []
+    origin: dict[str, str] = {}
     nproc = raw.get("nproc_per_node")
     if nproc is not None:
         nproc = check(source, "device_groups.nproc_per_node", "int", nproc, minimum=1, maximum=MAX_DEVICE_ID + 1)
@@ -65,11 +68,12 @@ def convert_device_groups(source: str, raw: Any) -> tuple[dict[str, dict[str, An
             if ids is not None and device == "GPU":
                 spec["gpu_ids"] = list(ids)
             roles[name] = spec
+            origin[name] = str(gname)
         if len(workers) > 1:
             groups.append(["train" if w == "default" else w for w in workers])
     if not roles:
         raise ConfigError(source, "device_groups", "at least one group with workers")
-    return roles, groups
+    return roles, groups, origin
 
 
 def _node_local(source: str, key: str, raw: Any, ids: tuple[int, ...] | None, count: int, nproc: int,

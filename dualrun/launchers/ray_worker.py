@@ -23,6 +23,7 @@ import threading
 import time
 
 from dualrun.child_process import ChildProcess
+from dualrun.envspec import on_this_node
 from dualrun.errors import killed_by
 from dualrun.line_queue import STDERR, STDOUT, LineQueue
 from dualrun.parent_death import die_with_parent
@@ -83,6 +84,9 @@ class RankWorker:
             argv = [self.call_file if a == CALL else a for a in argv]
         if not os.path.isdir(cwd):
             raise RuntimeError(f"the launching directory {cwd} does not exist on this node")
+        env, note = on_this_node(env)
+        if note:
+            self._emit(STDERR, note)
         self.error_file = env.get("TORCHELASTIC_ERROR_FILE") or None
         self.show_bars = show_progress(env.get(PROGRESS, "rank0"), env.get("RANK"))
         self.rank = env.get("RANK", "0")

@@ -16,6 +16,7 @@ from dualrun.config.model import JobConfig, RoleSpec
 # the engines' shape (engine, size, replicas, env) lives below the plan that places them (dualrun/engine_shape.py)
 from dualrun.engine_shape import engine_of
 from dualrun.envinfo import vllm_cpu_only
+from dualrun.envspec import abbreviates
 from dualrun.interpreter import PYTHON
 
 HEALTH_PATH = "/health"  # vLLM's OpenAI server and dualrun's CPU engine
@@ -93,27 +94,27 @@ OWN_FLAGS: dict[str, str] = {
 _ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}
 
 
-def _own(name: str) -> str | None:
-    """Pure: the flag of `OWN_FLAGS` that the option `name` is for argparse - itself, an alias, `_` for `-`, or an
-    abbreviation (vLLM's, TRL's and dualrun's parsers all keep argparse's allow_abbrev: `--po 9000` is `--port`)."""
-    flag = _ALIASES.get(name) or ("--" + name[2:].replace("_", "-") if name.startswith("--") else name)
-    if flag in OWN_FLAGS:
-        return flag
-    if len(flag) > 3 and flag.startswith("--"):
-        longer = [own for own in OWN_FLAGS if own.startswith(flag)]
-        if len(longer) == 1:
-            return longer[0]
-    return None
+def _own(word: str) -> str | None:
+    """Pure: the flag of `OWN_FLAGS` that the word `word` is for argparse - itself, an alias (`-tp`, packed with its
+    value too: `-tp2`), `_` for `-`, or an abbreviation (vLLM's, TRL's and dualrun's parsers all keep argparse's
+    allow_abbrev: `--po 9000` is `--port`)."""
+    name = word.split("=", 1)[0]
+    alias = next((a for a in _ALIASES if name == a or (name.startswith(a) and name[len(a):].isdigit())), None)
+    if alias is not None:
+        return _ALIASES[alias]
+    return abbreviates(name, tuple(OWN_FLAGS))
 
 
 def own_flag(args: Sequence[str]) -> tuple[str, str] | None:
     """Pure: (the argument as written, the flag it is) for the first of `OWN_FLAGS` in `args`, in any form argparse
-    takes (`--port N`, `--port=N`, `--tensor_parallel_size`, `-tp 2`, `--po 9000`); None when there is none."""
+    takes (`--port N`, `--port=N`, `--tensor_parallel_size`, `-tp 2`, `-tp2`, `--po 9000`) and packed with its value
+    in one item (`"--port 9000"`); None when there is none."""
     for i, arg in enumerate(args):
-        flag = _own(arg.split("=", 1)[0])
-        if flag is not None:
-            value = args[i + 1] if "=" not in arg and i + 1 < len(args) else None
-            return (arg if value is None or value.startswith("-") else f"{arg} {value}"), flag
+        for word in arg.split() or [arg]:
+            flag = _own(word)
+            if flag is not None:
+                value = args[i + 1] if "=" not in arg and " " not in arg and i + 1 < len(args) else None
+                return (arg if value is None or value.startswith("-") else f"{arg} {value}"), flag
     return None
 
 
@@ -149,3 +150,7 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
         raise ConfigError(cfg.source, f"{key}.tensor_parallel_size", f"1 with engine `{engine}` (one process per "
                           "engine; more GPUs or processes run more engines behind one address)",
                           f"tensor_parallel_size={tp}, data_parallel_size={dp}")
+    from dualrun.config.honest import local_model
+
+    # a local path is checked where the server starts on a machine like this one; a URL is refused everywhere
+    local_model(cfg.source, f"{key}.model", role.model, here=cfg.backend == "torchrun" or cfg.ray.address == "local")
