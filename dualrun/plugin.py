@@ -34,6 +34,10 @@ class MethodPlugin:
             if cfg.role(name) is None:
                 raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")
 
+    def preflight(self, cfg: JobConfig) -> None:
+        """Raise ConfigError for what this environment lacks, at launch before anything starts (a dry run and
+        `dualrun plan` show the layout without it)."""
+
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         """argv of the server a separate role runs (None: the method has no server for this role)."""
         return None
