@@ -24,8 +24,11 @@ from vllm.distributed.utils import (stateless_destroy_torch_distributed_process_
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+from vllm.logger import init_logger
 
 from dualrun.engines.gloo_plugin import GROUP_TIMEOUT_S, PACKED_BUFFER_BYTES, chunk_bounds
+
+logger = init_logger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -61,6 +64,24 @@ def close_group(group: Any) -> None:
     stateless_destroy_torch_distributed_process_group(group)
 
 
+def refresh_tied_heads(model: torch.nn.Module) -> None:
+    """Re-pack an output head tied to the input embedding (`tie_word_embeddings`) from the reloaded weight.
+
+    Why: the trainer sends no `lm_head.weight` for a tied model, so vLLM 0.32's layerwise reload leaves the head's
+    layer unprocessed ("ParallelLMHead: Failed to load weights"): its storage, shared with the embedding, holds the new
+    values, but on CPU the logits run on the copy packed at load time (`cpu_linear`), which stays stale. Processing
+    the head again packs the new values (unquantized heads only: their processing only re-packs)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (ParallelLMHead, UnquantizedEmbeddingMethod,
+                                                                     VocabParallelEmbedding)
+
+    embeddings = {m.weight.data_ptr() for m in model.modules()
+                  if type(m) is VocabParallelEmbedding and hasattr(m, "weight")}
+    for head in model.modules():
+        if (isinstance(head, ParallelLMHead) and isinstance(head.quant_method, UnquantizedEmbeddingMethod)
+                and head.weight.data_ptr() in embeddings):
+            head.quant_method.process_weights_after_loading(head)
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -78,6 +99,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.packed, self.buffer_bytes = init_info.packed, init_info.packed_buffer_size_bytes
         self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+        logger.info("dualrun gloo weight transfer: rank %d of %d (trainer at %s:%d)", rank, init_info.world_size,
+                    init_info.master_address, init_info.master_port)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -88,6 +111,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
