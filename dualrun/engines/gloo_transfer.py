@@ -4,7 +4,7 @@ Loaded inside vLLM's worker processes (registered by `dualrun.engines.gloo_plugi
 `--weight-transfer-config '{"backend": "gloo"}'`). The same `init_info` fields as vLLM's NCCL engine
 (`master_address`, `master_port`, `rank_offset`, `world_size`, `packed`), so TRL's client and dualrun's router
 drive it unchanged: the trainer is rank 0 of a stateless torch.distributed group (vLLM's
-`stateless_init_torch_distributed_process_group`, backend gloo), each worker joins at `rank_offset` plus its rank,
+`init_gloo_process_group` over a TCPStore the trainer hosts), each worker joins at `rank_offset` plus its rank,
 and every update is a broadcast from rank 0, packed into byte chunks (`gloo_plugin.chunk_bounds`) or one tensor
 at a time. Received weights load through vLLM's layerwise reload, as NCCL's do, so layers whose kernels repack
 their weights (the CPU linear layers) are processed again.
@@ -14,21 +14,17 @@ Imports vLLM: only vLLM's processes import this module.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
-from vllm.distributed.utils import (stateless_destroy_torch_distributed_process_group,
-                                    stateless_init_torch_distributed_process_group)
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
-from vllm.logger import init_logger
 
 from dualrun.engines.gloo_plugin import GROUP_TIMEOUT_S, PACKED_BUFFER_BYTES, chunk_bounds
-
-logger = init_logger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -55,13 +51,21 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 
 def open_group(address: str, port: int, rank: int, world_size: int) -> Any:
-    """This process's member of the weight-sync group (rank 0, the trainer, hosts the rendezvous store)."""
-    return stateless_init_torch_distributed_process_group(address, port, rank, world_size, backend="gloo",
-                                                          timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    """This process's member of the weight-sync group; rank 0 (the trainer) hosts its TCPStore on `port`.
+
+    Why not `stateless_init_torch_distributed_process_group`: it meets through torch's `rendezvous`, which under
+    torchrun (TORCHELASTIC_USE_AGENT_STORE) joins the agent's store as a client instead of hosting one on `port`,
+    so the trainer's rank 0 would host nothing and every member would wait."""
+    from torch.distributed import PrefixStore, TCPStore
+    from vllm.distributed.utils import init_gloo_process_group
+
+    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
+    store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    return init_gloo_process_group(PrefixStore(f"dualrun-gloo:{address}:{port}", store), rank, world_size, timeout)
 
 
 def close_group(group: Any) -> None:
-    stateless_destroy_torch_distributed_process_group(group)
+    group.shutdown()
 
 
 def refresh_tied_heads(model: torch.nn.Module) -> None:
@@ -99,8 +103,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.packed, self.buffer_bytes = init_info.packed, init_info.packed_buffer_size_bytes
         self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
-        logger.info("dualrun gloo weight transfer: rank %d of %d (trainer at %s:%d)", rank, init_info.world_size,
-                    init_info.master_address, init_info.master_port)
+        # stderr, not vLLM's logger: the line must reach the server's log whatever vLLM's logging is set to
+        print(f"dualrun gloo weight transfer: rank {rank} of {init_info.world_size} (trainer at "
+              f"{init_info.master_address}:{init_info.master_port})", file=sys.stderr, flush=True)
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
