@@ -7,53 +7,18 @@ the trainer's weights give, and greedy generation changes during training. Both 
 AsyncGRPOTrainer reaches the server and then stops at construction on a CPU (TRL 1.16 reads the CUDA device)."""
 from __future__ import annotations
 
-import json
-import re
-
 import pytest
 
-from conftest import dualrun
-from ray_helpers import ray_env
-from vllm_helpers import ASSETS, TIER, assert_nothing_left, server_role, tiny_vllm
+from vllm_helpers import TIER, assert_every_sync_landed, assert_nothing_left, run_grpo_probe, tiny_vllm
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
-LOGPROB_TOLERANCE = 1e-3   # vLLM's CPU kernels against transformers', float32; a missed sync moves far more
 RESULTS: dict[str, dict] = {}   # per backend, for the equal-losses check
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return tiny_vllm(tmp_path_factory)
-
-
-def run_grpo_probe(tmp_path, tiny, backend: str, cluster, gpus: int = 1):
-    """The probe under a job with a vLLM rollout of `gpus` engines: the finished process, rank 0's record and the
-    rollout's address (the router's when there are several engines)."""
-    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
-                                       + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400))
-    (tmp_path / "out").mkdir()
-    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
-                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
-                   env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
-                   timeout=580)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rec = json.loads((tmp_path / "out" / "rank0.json").read_text())
-    address = re.search(r"rollout: server healthy at ([\d.]+:\d+)", proc.stderr).group(1)
-    return proc, rec, address
-
-
-def assert_every_sync_landed(rec: dict, replicas: int) -> None:
-    """After the syncs of steps 0..3 every replica serves the trainer's weights of that step (the checks run one
-    step behind: at the start of steps 1..3 and at the end), and each step moved the weights far beyond the
-    tolerance, so a missed sync could not pass."""
-    checks = rec["checks"]
-    assert [c["step"] for c in checks] == [1, 2, 3, 4], checks
-    for c in checks:
-        assert len(c["logprob_gap"]) == replicas and max(c["logprob_gap"]) < LOGPROB_TOLERANCE, c
-        assert c["greedy"] == [c["trainer_greedy"]] * replicas, c
-    assert all(c["moved"] > 100 * LOGPROB_TOLERANCE for c in checks[1:]), checks
-    assert any(g != c["greedy"][0] for c in checks for g in rec["initial_greedy"]), "greedy output never changed"
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
@@ -83,3 +48,26 @@ def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_s
         assert [c["trainer_greedy"] for c in torchrun["checks"]] == [c["trainer_greedy"] for c in ray["checks"]]
         assert [c["moved"] for c in torchrun["checks"][1:]] == pytest.approx([c["moved"] for c in ray["checks"][1:]],
                                                                              abs=1e-5)   # the same updates
+
+
+def test_vllm_loads_the_gloo_engine_and_cuts_packed_chunks_as_dualrun_does():
+    """The entry point registers `gloo` when vLLM loads its general plugins, and vLLM's `pack_tensors` (the
+    trainer's side) cuts the stream where `chunk_bounds` (the worker's side) expects it. No server."""
+    import torch
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+    from vllm.plugins import load_general_plugins
+
+    from dualrun.engines.gloo_plugin import chunk_bounds
+    from dualrun.engines.gloo_transfer import GlooWeightTransferEngine
+
+    load_general_plugins()
+    assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine
+    tensors = [torch.zeros(n, dtype=dt) for n, dt in ((3, torch.float32), (5, torch.bfloat16), (40, torch.float32),
+                                                      (1, torch.int64), (2, torch.float32))]
+    named = iter([(str(i), t) for i, t in enumerate(tensors)])
+    cut = []
+    while (chunk := pack_tensors(named, lambda item: item[1], 20)) is not None:
+        cut.append(len(chunk.names))
+    bounds = chunk_bounds([t.numel() * t.element_size() for t in tensors], 20)
+    assert [stop - start for start, stop in bounds] == cut and len(cut) > 1
