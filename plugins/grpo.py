@@ -1,8 +1,10 @@
 """grpo: roles `train` and `rollout`. Colocated rollout generates inside the trainer (TRL's own path, or vLLM
 colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs (the
-CPU engine where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
-`vllm_server_host/port` and a free `vllm_group_port`, each only where the user left it at its default; TRL's
-AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`."""
+CPU engine where there are none, or vLLM's CPU build with `engine: vllm`) and the unchanged GRPOConfig is pointed
+at it: `use_vllm`, `vllm_mode="server"`, `vllm_server_host/port` and a free `vllm_group_port`, each only where the
+user left it at its default; TRL's AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`.
+TRL's VLLMClient gets the gloo weight-sync path for a rollout on vLLM's CPU build (dualrun.rank.gloo_client), and a
+separate rollout without vLLM installed is refused at launch (`require_vllm`)."""
 from __future__ import annotations
 
 import importlib.util
