@@ -91,6 +91,9 @@ def assert_every_sync_landed(rec: dict, replicas: int) -> None:
         assert c["greedy"] == [c["trainer_greedy"]] * replicas, c
     assert all(c["moved"] > 100 * LOGPROB_TOLERANCE for c in checks[1:]), checks
     assert any(g != c["greedy"][0] for c in checks for g in rec["initial_greedy"]), "greedy output never changed"
+    one = rec["one_tensor"]   # TRL's update_named_param: one tensor in an update of its own
+    assert one["moved"] > 100 * LOGPROB_TOLERANCE and len(one["logprob_gap"]) == replicas, one
+    assert max(one["logprob_gap"]) < LOGPROB_TOLERANCE, one
 
 
 def vllm_processes() -> list[int]:

@@ -9,7 +9,8 @@ and every update is a broadcast from rank 0, packed into byte chunks (`gloo_plug
 at a time. Received weights load through vLLM's layerwise reload, as NCCL's do, so layers whose kernels repack
 their weights (the CPU linear layers) are processed again.
 
-Imports vLLM: only vLLM's processes import this module.
+Imports vLLM: vLLM's processes import it, and so does a trainer syncing to a gloo server (`open_group` and
+`close_group` serve both sides; TRL's client already needs vLLM there).
 """
 from __future__ import annotations
 

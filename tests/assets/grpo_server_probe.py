@@ -8,7 +8,8 @@
    with the trainer model's as it was when step g-1 began (the weights the sync of step g-1 pushed).
 
 Writes out/rank0.json: filled fields, losses, and per check the largest log-probability difference per replica,
-the greedy completions, and how far the trainer's weights moved since the previous check.
+the greedy completions, and how far the trainer's weights moved since the previous check; then the same after one
+tensor pushed alone through TRL's `update_named_param`.
 
     grpo_server_probe.py MODEL PROMPTS.jsonl OUT
 """
@@ -118,6 +119,16 @@ class SyncProof(TrainerCallback):
 trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                       callbacks=[SyncProof()])
 trainer.train()
+# TRL's per-tensor call (`update_named_param`, one tensor in its own update) on the same client: one weight changed
+client = trainer.vllm_generation.vllm_client
+before = trainer_side(trainer.model)
+with torch.no_grad():
+    trainer.model.model.norm.weight.mul_(3.0)
+client.update_named_param("model.norm.weight", trainer.model.model.norm.weight.data)
+client.reset_prefix_cache()
+after = trainer_side(trainer.model)
+rec["one_tensor"] = {"moved": gap(after["logprobs"], before["logprobs"]),
+                     "logprob_gap": [gap(served(url)["logprobs"], after["logprobs"]) for url in replicas()]}
 rec["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 rec["rewards"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 with open(path, "w") as f:
