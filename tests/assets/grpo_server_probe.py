@@ -121,6 +121,7 @@ trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dat
 trainer.train()
 # TRL's per-tensor call (`update_named_param`, one tensor in its own update) on the same client: one weight changed
 client = trainer.vllm_generation.vllm_client
+trainer.vllm_generation.sync_weights()   # first the last step's update, which no generation followed (TRL's sync)
 before = trainer_side(trainer.model)
 with torch.no_grad():
     trainer.model.model.norm.weight.mul_(3.0)
