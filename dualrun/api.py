@@ -36,6 +36,8 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
     # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address
     early = make_plan(cfg, environ=os.environ) if dry_run or cfg.backend == "torchrun" else None
+    if not dry_run:
+        plugin.preflight(cfg)   # what this environment lacks (e.g. vLLM for GRPO's rollout), before anything starts
     if cfg.backend == "ray" and not dry_run:
         from dualrun.raycluster import check_reachable
 

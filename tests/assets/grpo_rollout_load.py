@@ -7,7 +7,7 @@ one replica's own answers to the same requests.
 
 Records (out/rank0.json): the filled fields, the world size the client sees, both answers, and what each replica
 served (its `/engine/stats` before and after the router's traffic). GRPOTrainer itself is not built: without vLLM
-it refuses server mode, and with it, on a CPU, it stops at weight-sync init (NCCL needs CUDA; test_vllm_rollout.py).
+it refuses server mode (with vLLM's CPU build and `engine: vllm` it trains: test_vllm_rollout.py).
 
     grpo_rollout_load.py MODEL PROMPTS.jsonl OUT [--then-wait]   # --then-wait: write OUT/generated, then sleep
 """
