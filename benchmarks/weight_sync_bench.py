@@ -1,7 +1,7 @@
 """Seconds per full weight sync (GRPO's, over dualrun's gloo path) to 1 and 2 real vLLM CPU replicas behind the
 router, against a plain gloo broadcast of the same bytes measured in the same run (the limit).
 
-    bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py   # ~10-15 min, 2 shared cores
+    bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py   # ~10 min on 2 shared cores
     python benchmarks/weight_sync_bench.py --fake --out /tmp/ws.md                       # the report, synthetic numbers
 
 Per model (the tiny vLLM model of examples/make_tiny_model.py --vllm, and a ~100M-parameter Llama built here from a
@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,6 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 OUT = os.path.join(BENCH, "results", "weight_sync.md")
-TARGET = 0.5   # the sync's MB/s over the plain broadcast's, from issue 28
 # The vLLM tier's CPU settings (tests/vllm_helpers.py): eager float32, a 1 GiB KV cache; timing extension added.
 SERVER_ARGS = ("--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
                "--worker-extension-cls", "weight_sync_timing.TimingExtension")
@@ -43,8 +40,6 @@ SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"
 # ~100M parameters: 8 layers of hidden 1024 (16 heads of 64, a head size vLLM's CPU attention supports).
 BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
        "num_key_value_heads": 16, "head_dim": 64}
-CLIENT_PHASES = ("start_post", "pack", "broadcast", "update_tail", "finish_post", "reset_post")
-SERVER_PHASES = ("start", "recv", "load", "unpack", "finish")
 
 
 # -- models -----------------------------------------------------------------------------------------------------
@@ -287,76 +282,6 @@ def measure_model(name: str, path: str, reps: int, log_dir: str) -> list[dict]:
     return rows
 
 
-# -- the report -------------------------------------------------------------------------------------------------
-def _med(xs: list[float]) -> float:
-    return statistics.median(xs)
-
-
-def _spread(xs: list[float], fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(_med(xs))} ({fmt.format(min(xs))}–{fmt.format(max(xs))})"
-
-
-def report(rows: list[dict], meta: dict) -> str:
-    lines = ["# Weight sync to vLLM CPU replicas over gloo, against a plain gloo broadcast", "",
-             f"`{meta['command']}` ({meta['when']}). Each row: {meta['reps']} repetitions after one untimed sync; "
-             "each repetition is a plain torch.distributed gloo broadcast of the same packed chunks (this process to "
-             "one receiver process per replica) immediately followed by one full sync (TRL 1.16's `VLLMClient`, "
-             "dualrun's gloo path, through dualrun's router: `update_named_params` of every parameter, then "
-             "`reset_prefix_cache`, as GRPOTrainer's `sync_weights`). MB = 10^6 bytes, per replica; median (min–max).",
-             "", "| model | params | MB moved (chunks) | replicas | sync s | sync MB/s | plain broadcast s | "
-             "broadcast MB/s | sync / broadcast MB/s | target >= 0.5 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        mb = r["bytes"] / 1e6
-        sync = [x["total"] for x in r["runs"]]
-        base = [x["baseline"] for x in r["runs"]]
-        ratios = [x["baseline"] / x["total"] for x in r["runs"]]
-        ok = "PASS" if _med(ratios) >= TARGET else "FAIL"
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {mb:.1f} ({r['chunks']}) | {r['replicas']} | "
-                     f"{_spread(sync, '{:.3f}')} | {_spread([mb / s for s in sync], '{:.0f}')} | "
-                     f"{_spread(base, '{:.3f}')} | {_spread([mb / s for s in base], '{:.0f}')} | "
-                     f"{_spread(ratios)} | {ok} |")
-    lines += ["", "## Where the sync's time goes", "",
-              "Seconds, median over the repetitions. Trainer side (this process's clock): **start**, **finish**, "
-              "**reset**: the `/start_weight_update`, `/finish_weight_update`, `/reset_prefix_cache` round trips "
-              "through the router; **pack**: `pack_tensors` copying parameters into chunks; **broadcast**: the "
-              "trainer's broadcast waits (each also waits for the workers to be ready for that chunk, i.e. for "
-              "their `load_weights` of the previous one); **tail**: from the last broadcast until `/update_weights` "
-              "returns (the workers load the last chunk). Worker side (the slowest replica, "
-              "benchmarks/weight_sync_timing.py): **recv** (broadcast waits), **load** (vLLM's `load_weights`), "
-              "**unpack**, **start**/**finish** (vLLM's layerwise reload init / finalize, the CPU repack).", "",
-              "| model | replicas | sync | plain broadcast | trainer: start | pack | broadcast | tail | finish | reset "
-              "| worker: start | recv | load | unpack | finish |", "|---|---:|" + "---:|" * 13]
-    for r in rows:
-        c = {k: _med([x[k] for x in r["runs"]]) for k in ("total", "baseline", *CLIENT_PHASES)}
-        s = {k: _med([max(srv.get(k, 0.0) for srv in x["server"]) for x in r["runs"]]) for k in SERVER_PHASES}
-        lines.append(f"| {r['model']} | {r['replicas']} | {c['total']:.3f} | {c['baseline']:.3f} | "
-                     + " | ".join(f"{c[k]:.3f}" for k in CLIENT_PHASES) + " | "
-                     + " | ".join(f"{s[k]:.3f}" for k in SERVER_PHASES) + " |")
-    loads = [x["load"] for r in rows for x in r["runs"]]
-    lines += ["", "## Machine", "",
-              f"- {platform.platform()}, {os.cpu_count()} cores, shared with other engineers' jobs; load average "
-              f"(1 min) at each repetition: {min(loads):.1f}–{max(loads):.1f} (median {_med(loads):.1f}); at the end "
-              f"{meta['load_end']}. On a loaded machine every number here is inflated and noisy: read the ratio of "
-              "each repetition's sync to the broadcast measured just before it.",
-              f"- Python {platform.python_version()}, {meta['versions']}.", ""]
-    return "\n".join(lines)
-
-
-def fake_rows(reps: int) -> list[dict]:
-    """Synthetic numbers in the shape `measure_model` returns (for `--fake`: the report without any process)."""
-    rows = []
-    for name, params, chunks in (("tiny", 0.02e6, 1), ("100M", 101e6, 7)):
-        for replicas in (1, 2):
-            nbytes = int(params * 4)
-            runs = [{"total": 0.05 + nbytes / 4e8 * replicas, "baseline": 0.002 + nbytes / 1e9 * replicas,
-                     "load": 10.0 + i,
-                     **{k: 0.01 for k in CLIENT_PHASES},
-                     "server": [{k: 0.01 for k in SERVER_PHASES} for _ in range(replicas)]} for i in range(reps)]
-            rows.append({"model": name, "params": params, "bytes": nbytes, "chunks": chunks, "replicas": replicas,
-                         "runs": runs})
-    return rows
-
-
 def versions() -> str:
     from importlib import metadata
 
@@ -381,10 +306,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=OUT)
     p.add_argument("--json", default=None, help="also write every repetition's numbers here")
     p.add_argument("--keep-logs", default=None, help="a directory for the servers' logs (default: a temp dir)")
+    p.add_argument("--from-json", default=None, help="re-write the report from a --json file of an earlier run")
     p.add_argument("--fake", action="store_true", help="synthetic numbers, nothing started (the report's test)")
     args = p.parse_args(argv)
     which = args.models.split(",")
-    if args.fake:
+    saved: dict = {}
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        rows = saved["rows"]
+    elif args.fake:
+        from weight_sync_report import fake_rows
+
         rows = fake_rows(args.reps)
     else:
         work = tempfile.mkdtemp(prefix="dualrun-wsync-")
@@ -396,14 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py"
             + (f" --reps {args.reps}" if args.reps != 3 else "") + (" --fake" if args.fake else ""),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
-            "load_end": f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)", "versions": versions()}
+            "load_end": f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)", "versions": versions(),
+            **saved.get("meta", {})}
+    from weight_sync_report import report
+
     text = report(rows, meta)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(text)
     return 0
 
