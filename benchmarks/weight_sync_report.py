@@ -26,9 +26,11 @@ def report(rows: list[dict], meta: dict) -> str:
              "each repetition is a plain torch.distributed gloo broadcast of the same packed chunks (this process to "
              "one receiver process per replica) immediately followed by one full sync (TRL 1.16's `VLLMClient`, "
              "dualrun's gloo path, through dualrun's router: `update_named_params` of every parameter, then "
-             "`reset_prefix_cache`, as GRPOTrainer's `sync_weights`). MB = 10^6 bytes, per replica; median (min–max).",
-             "", "| model | params | MB moved (chunks) | replicas | sync s | sync MB/s | plain broadcast s | "
-             "broadcast MB/s | sync / broadcast MB/s | target >= 0.5 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "`reset_prefix_cache`, as GRPOTrainer's `sync_weights`). MB = 10^6 bytes, per replica; "
+             "median (min–max).", "",
+             "| model | params | MB moved (chunks) | replicas | sync s | sync MB/s | plain broadcast s | "
+             "broadcast MB/s | sync / broadcast MB/s | target >= 0.5 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         mb = r["bytes"] / 1e6
         sync = [x["total"] for x in r["runs"]]
