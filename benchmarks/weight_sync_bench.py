@@ -327,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [row for name in which for row in measure_model(name, models[name], args.reps, log_dir)]
     load = os.getloadavg()
     meta = {"command": "bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py"
+            + (f" --models {args.models}" if args.models != "tiny,100M" else "")
             + (f" --reps {args.reps}" if args.reps != 3 else "") + (" --fake" if args.fake else ""),
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
             "load_end": f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)", "versions": versions(),
