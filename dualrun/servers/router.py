@@ -301,7 +301,7 @@ class Router:
         return web.json_response(merged, dumps=_dumps)
 
     async def to_all(self, path_qs: str, bodies: list[bytes]) -> web.Response:
-        """Every replica at once (NCCL calls block until all members join); all must answer 200."""
+        """Every replica at once (a collective blocks until all members join); all must answer 200."""
         headers = {"Content-Type": "application/json"}
         results = await asyncio.gather(*(self.call(i, "POST", path_qs, b or None, headers)
                                          for i, b in enumerate(bodies)), return_exceptions=True)

@@ -4,8 +4,8 @@ Why a table: TRL 1.16's clients (GRPOTrainer's `VLLMClient`, AsyncGRPOTrainer's 
 speak a fixed set of endpoints, and each needs one of a few treatments when several engine replicas stand behind
 one address — health and world size are aggregated, generation is spread (a request carrying many prompts is split
 and its answers put back in order), and the weight-transfer calls are fanned out to every replica, each with its
-own rank offset in the trainer's one NCCL group (the layout verl and OpenRLHF use), as are the calls that must reach
-every engine (pause/resume around an update, a LoRA adapter to load). Anything not in the table is refused with a
+own rank offset in the trainer's one weight-sync group (NCCL on GPUs, gloo on CPU; the layout verl and OpenRLHF
+use), as are the calls that must reach every engine (pause/resume around an update, a LoRA adapter to load). Anything not in the table is refused with a
 line that says so.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ FIRST = "first"              # every replica serves the same model and config: t
 SPLIT = "split"              # many prompts: cut into one chunk per replica, answers reassembled in order
 ONE = "one"                  # one replica (the least busy) takes the whole request
 INIT_WEIGHTS = "init"        # to every replica at once, each with its own rank offset
-ALL = "all"                  # to every replica at once (they block together in NCCL); all must succeed
+ALL = "all"                  # to every replica at once (they block together in the weight-sync group); all must succeed
 
 ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/health"): HEALTH,
