@@ -5,8 +5,8 @@ speak a fixed set of endpoints, and each needs one of a few treatments when seve
 one address — health and world size are aggregated, generation is spread (a request carrying many prompts is split
 and its answers put back in order), and the weight-transfer calls are fanned out to every replica, each with its
 own rank offset in the trainer's one weight-sync group (NCCL on GPUs, gloo on CPU; the layout verl and OpenRLHF
-use), as are the calls that must reach every engine (pause/resume around an update, a LoRA adapter to load). Anything not in the table is refused with a
-line that says so.
+use), as are the calls that must reach every engine (pause/resume around an update, a LoRA adapter to load).
+Anything not in the table is refused with a line that says so.
 """
 from __future__ import annotations
 
