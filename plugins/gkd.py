@@ -24,7 +24,7 @@ from dualrun.rank.gloo_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
-from dualrun.plugins.grpo import ROLLOUT_SERVES, wire_rollout
+from dualrun.plugins.grpo import ROLLOUT_SERVES, require_vllm, wire_rollout
 from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
 from dualrun.rank.wiring import fill_defaults, say
 
@@ -52,6 +52,12 @@ class GKDPlugin(MethodPlugin):
         rollout = cfg.role("rollout")
         if rollout is not None and cfg.is_separate("rollout"):
             validate_server_role(cfg, rollout, ROLLOUT_SERVES)
+
+    def preflight(self, cfg: JobConfig) -> None:
+        """A separate rollout is reached through TRL's vLLM client (DistillationTrainer's server mode), as GRPO's."""
+        rollout = cfg.role("rollout")
+        if rollout is not None and cfg.is_separate("rollout"):
+            require_vllm(cfg, rollout)
 
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         if role.name not in ("teacher", "rollout") or not role.model:

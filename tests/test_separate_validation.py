@@ -159,7 +159,7 @@ def test_grpo_rollout_without_vllm_is_refused_before_anything_starts(tmp_path, b
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here (the vLLM tier's venv): nothing to refuse")
     (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n"
-                                       "  rollout: {gpus: 1, model: /m/student}\n")
+                                       "  rollout: {gpus: 1, model: m/student}\n")
     (tmp_path / "t.py").write_text("open('ran', 'w')\n")
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", "t.py", cwd=tmp_path,
                    env={"RAY_ADDRESS": ""}, timeout=60)
@@ -174,3 +174,7 @@ def test_grpo_rollout_without_vllm_is_refused_before_anything_starts(tmp_path, b
     cfg = build_config({"use_cpu": True, "method": "grpo",
                         "roles": {"train": {"gpus": 1}, "rollout": {**R, "engine": "transformers"}}}, "c.yaml")
     get_plugin("grpo").preflight(cfg)   # no error
+    gkd = build_config({"use_cpu": True, "method": "gkd", "roles": {"train": {"gpus": 1}, "rollout": R,
+                                                                     "teacher": {**T, "gpus": 1}}}, "g.yaml")
+    with pytest.raises(ConfigError, match="roles.rollout: expected vLLM"):   # DistillationTrainer: the same client
+        get_plugin("gkd").preflight(gkd)
