@@ -1,6 +1,7 @@
 """Three jobs with rollout servers started at once on one machine (two on torchrun, one on Ray) each get their own
 free weight-sync port (`vllm_group_port`) instead of TRL's shared default 51216, filled into the unchanged
-GRPOConfig like the server's address, only where the user left the defaults; the address answers."""
+GRPOConfig like the server's address, only where the user left the defaults (a config whose script turned vLLM off
+gets nothing, and one line saying the server is unused); the address answers."""
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ def _assert_wired(rec: dict) -> int:
     assert group != TRL_DEFAULT and group != port
     assert rec["default"] == {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": host,
                               "vllm_server_port": port, "vllm_group_port": group}
-    assert rec["explicit"] == {"use_vllm": False, "vllm_mode": "server", "vllm_server_host": host,
-                               "vllm_server_port": 9000, "vllm_group_port": group}
+    # the script turned vLLM off itself: it keeps TRL's defaults and its own values (it is told the server is unused)
+    assert rec["explicit"] == {"use_vllm": False, "vllm_mode": "colocate", "vllm_server_host": "0.0.0.0",
+                               "vllm_server_port": 9000, "vllm_group_port": TRL_DEFAULT}
     assert rec["parsed"] == {"use_vllm": True, "vllm_mode": "colocate", "vllm_server_host": host,
                              "vllm_server_port": port, "vllm_group_port": group}
     assert rec["health"] == 200
@@ -57,6 +59,7 @@ def test_concurrent_jobs_get_distinct_weight_sync_ports(tmp_path_factory, tiny, 
         log, _ = proc.communicate(timeout=280)
         assert proc.returncode == 0, log[-3000:]
         ports.append(_assert_wired(json.loads((out / "rank0.json").read_text())))
+        assert "(roles.rollout) is unused: GRPOConfig.use_vllm=False is set by the script" in log, log[-3000:]
         if backend == "torchrun":   # (on Ray a server's output goes to its log file only)
             assert "[rollout server 0] dualrun engine: serving" in log
     assert len(set(ports)) == 3, ports
