@@ -2,8 +2,9 @@
 serve real TRL GKD's teacher, and a 4-engine GRPO rollout serves TRL's own client built from the unchanged
 GRPOConfig; every replica gets requests (counted in each replica's own log or stats). A replica killed mid-training
 ends the job within 10 s naming it (torchrun; on Ray once the rollout has served); with max_failures: 1 the job
-restarts with fresh replicas and a fresh router and finishes. One SIGSTOPped (hung, alive) is routed around by the
-router and GKD finishes."""
+restarts with fresh replicas and a fresh router and finishes (both with `replica_restarts: 0`); by default a killed
+teacher replica is restarted while GKD goes on. One SIGSTOPped (hung, alive) is routed around by the router and GKD
+finishes."""
 from __future__ import annotations
 
 import json
@@ -72,9 +73,12 @@ def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, b
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
 
+RESTART_STEPS = 16   # long enough on 2 busy cores for a CPU engine to restart and serve again
+
+
 # -- a replica dies ----------------------------------------------------------------------------------------------
 def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster) -> subprocess.Popen:
-    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures))
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures, teacher="replica_restarts: 0, "))  # as before
     (tmp_path / "out").mkdir()
     env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
     return subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
@@ -129,6 +133,48 @@ def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, module_t
     driver = _start(tmp_path, module_tiny, "torchrun", 1, None)
     _kill_replica_mid_training(tmp_path, driver, 0)
     assert_restarted_once(driver, tmp_path / "out", "teacher server 0")   # the trainers' address: a fresh router
+    assert eventually(lambda: not _engines(module_tiny))
+
+
+def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_tiny):
+    """The default `replica_restarts`: a teacher replica SIGKILLed once it has served is restarted on a fresh port
+    while GKD goes on; its router takes it back (and it serves again); the job ends 0 with every step's loss, the
+    same on both ranks, no restart of the job; the launch's stderr names the death and the return."""
+    (tmp_path / "job.yaml").write_text(_yaml(module_tiny, 2))
+    (tmp_path / "out").mkdir()
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1")
+    log = tmp_path / "logs" / "teacher-server-1.log"
+    with open(tmp_path / "stderr.txt", "w") as errors:   # a file: a full pipe never blocks the job
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
+                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(module_tiny / "model"),
+                                   "--teacher_model_name_or_path", str(module_tiny / "teacher"), "--data",
+                                   str(module_tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps",
+                                   str(RESTART_STEPS)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=errors, text=True)
+    try:
+        assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
+                                                                 log.read_text()), timeout=200, every=0.05)
+        assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        killed = _replica_pid(tmp_path, 1)
+        os.kill(killed, signal.SIGKILL)
+        code = driver.wait(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert code == 0, err[-3000:]
+    assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\) while the job was "
+                     r"running.*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", err), \
+        err[-3000:]
+    assert re.search(r"dualrun: teacher server 1 is back in rotation at 127\.0\.0\.1:\d+, [\d.]+ s after it died",
+                     err), err[-3000:]
+    assert "restarting the job" not in err
+    losses = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text())["losses"] for i in range(2)]
+    assert len(losses[0]) == RESTART_STEPS and losses[0] == losses[1] and all(x == x and x >= 0 for x in losses[0])
+    text = log.read_text()   # the restarted engine appends to the same log, after the dead one's last request
+    assert engine_pid(text) != killed and '"POST /v1/completions' in text[text.rfind("dualrun engine: loading"):]
+    router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
+    assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation", router_log), router_log[-2000:]
     assert eventually(lambda: not _engines(module_tiny))
 
 
