@@ -9,7 +9,8 @@ from dualrun.config import build_config
 from dualrun.errors import ConfigError
 from dualrun.plan import make_plan
 from dualrun.plugin import get_plugin
-from dualrun.servers.replacing import back_line, restart_budget, restarting_line, router_of, survivable
+from dualrun.servers.replacing import (back_line, hung, hung_line, restart_budget, restarting_line, router_of,
+                                      survivable)
 
 
 def _cfg(role: str = "teacher", backend: str = "torchrun", **spec) -> object:
@@ -74,3 +75,15 @@ def test_replica_restarts_beside_an_address_is_refused():
         build_config({"method": "gkd", "roles": {"train": {"gpus": 1}, "teacher": {
             "address": "127.0.0.1:9", "top_k": 5, "replica_restarts": 2}}}, "job.yaml")
     assert e.value.key == "roles.teacher.replica_restarts"
+
+
+def test_a_replica_is_hung_when_a_request_timed_out_or_its_probes_failed_for_request_timeout_s():
+    timed_out = {"in_rotation": False, "kind": "timeout", "reason": "no answer within 10 s"}
+    probe = {"in_rotation": False, "kind": "probe", "reason": "health probe not answered within 5 s"}
+    assert hung(timed_out, 0.0, 10.0)
+    assert not hung(probe, 9.0, 10.0) and hung(probe, 10.0, 10.0)      # a busy engine may miss a probe or two
+    assert not hung({"in_rotation": False, "kind": "unreachable"}, 99.0, 10.0)   # dead: the process watcher's
+    assert not hung({"in_rotation": True, "kind": None}, 99.0, 10.0)
+    assert hung_line("teacher server 1", probe["reason"]) == ("dualrun: teacher server 1 is hung (health probe not "
+                                                              "answered within 5 s); stopping it (SIGTERM, then "
+                                                              "SIGKILL after 5 s)")

@@ -163,7 +163,8 @@ ROLE_KEYS: tuple[Key, ...] = (
         minimum=1, maximum=MAX_SECONDS),
     Key("replica_restarts", "int", 3, "A role with several engine replicas, torchrun backend on one machine: how "
         "often each replica that dies while the job runs is restarted on its own devices (a fresh port; the router "
-        "takes it back once it answers), the job going on. Spent, or no other replica left serving: the job ends "
+        "takes it back once it answers), the job going on; a hung one (no answer within `request_timeout_s`, or "
+        "failing its health probes that long) is stopped first (SIGTERM, then SIGKILL). Spent, or no other replica left serving: the job ends "
         "naming the replica (or restarts whole with `max_failures`), as does any dead replica with `0`, on Ray, on "
         "several machines and in a GRPO `rollout` (a restarted rollout engine would serve stale weights: not "
         "restarted yet).", minimum=0, maximum=MAX_RESTARTS),

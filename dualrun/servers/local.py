@@ -26,6 +26,7 @@ from dualrun.servers.process import ServerError, ServerProcess
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
 
 WATCH_EVERY_S = 0.25   # how often the watcher looks at this machine's server processes
+HUNG_EVERY_S = 1.0     # how often it asks the routers for hung replicas (they probe about once a second)
 
 
 def port_of(address: str) -> int:
@@ -53,6 +54,7 @@ class LocalServers(ServerSet):
 
             self.restarts_allowed = restart_budget(cfg, plan)
             self.restarts_left = dict(self.restarts_allowed)
+        self._probe_out: dict[int, float] = {}   # replica -> when the launcher first saw it out of rotation
 
     def _endpoint(self) -> tuple[str, str, int]:
         """(bind host, advertised host, port) of a server of this machine."""
@@ -237,11 +239,49 @@ class LocalServers(ServerSet):
         except (OSError, RuntimeError) as e:
             self.fatal(ServerDeath.of(index, ServerError(label, f"could not be taken back by its router after a "
                                                                 f"restart ({e})")))
+        self.wait_stopped()   # the engine's parent-death signal fires when the thread that spawned it ends
+
+    def find_hung(self, now: float) -> None:
+        """Ask each router with restartable replicas for its table: a replica it found hung (`replacing.hung`) is
+        stopped and its death reported as being hung, so it is restarted; without a restart left (or no other
+        replica serving) it stays out of rotation, routed around."""
+        from dualrun.servers import router_client
+        from dualrun.servers.replacing import HUNG_GRACE_S, hung, hung_line, router_of, survivable
+
+        for index in list(self.restarts_left):
+            router, slot = router_of(self.plan, index)
+            server = self.running.get(index)
+            if router not in self.started or server is None or not server.alive() or index in self._down:
+                self._probe_out.pop(index, None)
+                continue
+            try:
+                row = router_client.replicas(self.started[router], timeout_s=2.0)["replicas"][slot]
+            except (OSError, ValueError, KeyError, IndexError):
+                continue   # the router's own death is the watcher's event
+            out_for = now - self._probe_out.setdefault(index, now) if not row.get("in_rotation") else 0.0
+            if row.get("in_rotation"):
+                self._probe_out.pop(index, None)
+            if not hung(row, out_for, server_role(self.cfg, self.plan.servers[index]).request_timeout_s):
+                continue
+            with self._policy:
+                if not survivable(self.plan, index, self.restarts_left, self._down):
+                    continue
+            print(hung_line(server.label, row.get("reason") or "out of rotation"), file=sys.stderr, flush=True)
+            with self._lock:
+                self._reported.add(index)   # its end is reported here, as hung, not as an exit
+            server.stop(HUNG_GRACE_S)
+            self._probe_out.pop(index, None)
+            self.report(ServerDeath.of(index, ServerError(server.label, f"was hung ({row.get('reason')})",
+                                                          server.tail(), server.log_path)))
 
     def _watch(self) -> None:
         def loop() -> None:
+            last = 0.0
             while self.watching:
                 self.check()
+                if self.restarts_left and time.monotonic() - last >= HUNG_EVERY_S:
+                    last = time.monotonic()
+                    self.find_hung(last)
                 time.sleep(WATCH_EVERY_S)
 
         threading.Thread(target=loop, name="dualrun-server-watch", daemon=True).start()

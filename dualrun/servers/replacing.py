@@ -15,6 +15,7 @@ from typing import Any, Collection, Mapping
 
 from dualrun.plan import ROUTER, Plan
 
+HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
 NOT_RESTARTED_ROLES = frozenset({"rollout"})   # needs the trainer's weights before it serves (issue #25 point 3)
 
 
@@ -39,6 +40,22 @@ def survivable(plan: Plan, index: int | None, left: Mapping[int, int], down: Col
     unit = plan.servers[index].unit
     others = [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER and i != index]
     return any(i not in down for i in others)
+
+
+def hung(row: Mapping[str, Any], out_for_s: float, request_timeout_s: float) -> bool:
+    """Whether the router's row (`router_client.replicas`) shows a hung replica: out for `timeout` (a request got
+    no answer within `request_timeout_s`), or its health probes failing for that long (`out_for_s`, as the launcher
+    saw it) while the process lives (a stopped one answers nothing)."""
+    from dualrun.servers.rotation import PROBE, TIMEOUT
+
+    if row.get("in_rotation"):
+        return False
+    return row.get("kind") == TIMEOUT or (row.get("kind") == PROBE and out_for_s >= request_timeout_s)
+
+
+def hung_line(label: str, reason: str) -> str:
+    """The launch's line when a hung replica is stopped to be restarted."""
+    return f"dualrun: {label} is hung ({reason}); stopping it (SIGTERM, then SIGKILL after {HUNG_GRACE_S:g} s)"
 
 
 def router_of(plan: Plan, index: int) -> tuple[int, int]:
