@@ -204,42 +204,47 @@ class LocalServers(ServerSet):
     def _replace(self, death: ServerDeath) -> None:
         """The dead replica again on its devices, on a fresh port, healthy; its router replaces its address and
         takes it back once its probes pass. Any failure on the way ends the job (`fatal`), naming the replica."""
-        from dualrun.servers import router_client
-        from dualrun.servers.replacing import back_line, router_of
-
         index = death.index
         assert index is not None
         died = time.monotonic()
         label = self.plan.servers[index].label
         try:
-            with self._lock:
-                if self.stopping:
-                    return
-                self.running.pop(index, None)   # ended: its output was drained by `wait_exit`
-                self.avoid_ports.add(port_of(self._advertised[index]))   # a fresh port, never the dead one's
-                self.running[index] = self._spawn(index)
-            server = self._wait(index, self.running[index])
-            router, slot = router_of(self.plan, index)
-            address = self._advertised[index]
-            router_client.control(self.started[router], slot, "replace", address=address)
-            deadline = time.monotonic() + server.timeout_s
-            while self.watching and slot not in router_client.replicas(self.started[router])["in_rotation"]:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"its router's health probes did not pass within {server.timeout_s:g} s")
-                time.sleep(0.1)   # the router's probes pass about once a second
-            with self._lock:
-                if self.stopping or not self.watching:   # the job ended meanwhile: nothing is back
-                    return
-                self.started[index] = address
-                self._reported.discard(index)   # its next death is an event too
-            self.replaced(index)
-            print(back_line(label, address, time.monotonic() - died), file=sys.stderr, flush=True)
+            self._restart(index, label, died)
         except ServerError as e:
             self.fatal(ServerDeath.of(index, e))
         except (OSError, RuntimeError) as e:
             self.fatal(ServerDeath.of(index, ServerError(label, f"could not be taken back by its router after a "
                                                                 f"restart ({e})")))
         self.wait_stopped()   # the engine's parent-death signal fires when the thread that spawned it ends
+
+    def _restart(self, index: int, label: str, died: float) -> None:
+        """`_replace`'s steps: spawn on a fresh port, wait for health, `replace` at the router, wait for rotation."""
+        from dualrun.servers import router_client
+        from dualrun.servers.replacing import back_line, router_of
+
+        with self._lock:
+            if self.stopping:
+                return
+            self.running.pop(index, None)   # ended: its output was drained by `wait_exit`
+            self.avoid_ports.add(port_of(self._advertised[index]))   # a fresh port, never the dead one's
+            self.running[index] = self._spawn(index)
+        server = self._wait(index, self.running[index])
+        router, slot = router_of(self.plan, index)
+        address = self._advertised[index]
+        router_client.control(self.started[router], slot, "replace", address=address)
+        deadline = time.monotonic() + server.timeout_s
+        while self.watching and slot not in router_client.replicas(self.started[router])["in_rotation"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"its router's health probes did not pass within {server.timeout_s:g} s")
+            time.sleep(0.1)   # the router's probes pass about once a second
+        with self._lock:
+            if self.stopping:
+                return
+            self.started[index] = address
+            self._reported.discard(index)   # its next death is an event too
+        self.replaced(index)
+        if self.watching:   # else the job's ranks ended meanwhile: its router takes it back on its own
+            print(back_line(label, address, time.monotonic() - died), file=sys.stderr, flush=True)
 
     def find_hung(self, now: float) -> None:
         """Ask each router with restartable replicas for its table: a replica it found hung (`replacing.hung`) is
