@@ -164,7 +164,7 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("replica_restarts", "int", 3, "A role with several engine replicas, torchrun backend on one machine: how "
         "often each replica that dies while the job runs is restarted on its own devices (a fresh port; the router "
         "takes it back once it answers), the job going on; a hung one (no answer within `request_timeout_s`, or "
-        "failing its health probes that long) is stopped first (SIGTERM, then SIGKILL). Spent, or no other replica left serving: the job ends "
+        "failing its health probes that long) is stopped first (SIGTERM, then SIGKILL). Spent, or every other replica of the role dead or being restarted: the job ends "
         "naming the replica (or restarts whole with `max_failures`), as does any dead replica with `0`, on Ray, on "
         "several machines and in a GRPO `rollout` (a restarted rollout engine would serve stale weights: not "
         "restarted yet).", minimum=0, maximum=MAX_RESTARTS),
