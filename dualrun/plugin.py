@@ -71,6 +71,26 @@ def router_keys(cfg: JobConfig) -> None:
             raise ConfigError(cfg.source, f"roles.{role.name}.request_timeout_s", "a role with several engine "
                               "replicas (the router's limit per request; one engine has no router: give the role "
                               "more GPUs than one engine takes, or remove the key)", role.request_timeout_s)
+    for role in cfg.roles:
+        if role.replica_restarts in (0, 3) or role.address or not cfg.is_separate(role.name):
+            continue
+        why = restarts_do_nothing(cfg, role, replica_count(cfg, role))
+        if why:
+            raise ConfigError(cfg.source, f"roles.{role.name}.replica_restarts", f"0 or unset ({why}: a dead "
+                              "replica ends the job, or restarts it whole with max_failures)", role.replica_restarts)
+
+
+def restarts_do_nothing(cfg: JobConfig, role: RoleSpec, replicas: int) -> str | None:
+    """Why `replica_restarts` would restart nothing for `role` (None: it takes effect; servers/replacing.py)."""
+    from dualrun.servers.replacing import NOT_RESTARTED_ROLES
+
+    if replicas == 1:
+        return "one engine has no router to take a restarted one back"
+    if role.name in NOT_RESTARTED_ROLES:
+        return "a restarted rollout engine would serve stale weights: not restarted yet"
+    if cfg.backend != "torchrun" or cfg.num_machines > 1:
+        return "replicas are restarted on the torchrun backend on one machine only, so far"
+    return None
 
 
 def get_plugin(name: str, source: str = "<config>") -> MethodPlugin:

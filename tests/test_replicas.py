@@ -191,3 +191,45 @@ def test_local_servers_start_replicas_then_router_and_watch_the_router(tmp_path,
         assert death is not None and death.index == 2 and servers.failure is death
         assert death.one_line().startswith("teacher router exited with code -9 (killed by SIGKILL)")
     assert not router.alive() and not servers.running
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_local_servers_restart_a_dead_replica_until_its_restarts_are_spent(tmp_path, tiny, capfd):
+    """`replica_restarts: 1`: a replica SIGKILLed while watched is no event; it comes back on a fresh port and its
+    router takes it back (both in rotation, the role's address unchanged). Killed again, it is the job's failure."""
+    import os
+    import signal
+
+    from dualrun.plugin import get_plugin
+    from dualrun.servers import router_client
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.process import http_ok
+    from helpers import eventually
+
+    cfg = _cfg({"gpus": 2, "model": str(tiny / "teacher"), "health_timeout_s": 120, "replica_restarts": 1},
+               use_cpu=True)
+    servers = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), lambda p: dict(os.environ, **p.env),
+                           log_dir=str(tmp_path), stream=None)
+    with servers:
+        address = servers.start()["teacher"]
+        first = servers.running[1]
+        servers.watch()
+        os.kill(first.proc.pid, signal.SIGKILL)
+        err: list[str] = []
+        assert eventually(lambda: err.append(capfd.readouterr().err) or "teacher server 1 is back in rotation at "
+                          f"{servers.running[1].address}" in "".join(err) or servers.failure is not None, timeout=120)
+        assert servers.failure is None and servers.next_death() is None, servers.failure
+        assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\) while the job was "
+                         r"running.*; restarting it on the same devices \(restart 1 of 1, replica_restarts\)\n",
+                         "".join(err))
+        second = servers.running[1]
+        assert second.port != first.port and second.alive() and not first.alive()
+        table = router_client.replicas(address)
+        assert table["in_rotation"] == [0, 1] and table["replicas"][1]["address"] == second.address
+        assert servers.addresses["teacher"] == address and http_ok(f"http://{address}/health")
+        os.kill(second.proc.pid, signal.SIGKILL)   # restarts spent: the job's failure, as before
+        death = servers.next_death(timeout=10)
+        assert death is not None and death.index == 1 and servers.failure is death
+        assert death.one_line().startswith("teacher server 1 exited with code -9 (killed by SIGKILL)")
+    assert not second.alive() and not servers.running

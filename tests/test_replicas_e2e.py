@@ -2,8 +2,9 @@
 serve real TRL GKD's teacher, and a 4-engine GRPO rollout serves TRL's own client built from the unchanged
 GRPOConfig; every replica gets requests (counted in each replica's own log or stats). A replica killed mid-training
 ends the job within 10 s naming it (torchrun; on Ray once the rollout has served); with max_failures: 1 the job
-restarts with fresh replicas and a fresh router and finishes. One SIGSTOPped (hung, alive) is routed around by the
-router and GKD finishes."""
+restarts with fresh replicas and a fresh router and finishes (both with `replica_restarts: 0`); by default a killed
+teacher replica is restarted while GKD goes on. One SIGSTOPped (hung, alive) is routed around by the router, then
+stopped and restarted by the launcher, and GKD finishes."""
 from __future__ import annotations
 
 import json
@@ -72,9 +73,12 @@ def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, b
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
 
+RESTART_STEPS = 6
+
+
 # -- a replica dies ----------------------------------------------------------------------------------------------
 def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster) -> subprocess.Popen:
-    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures))
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures, teacher="replica_restarts: 0, "))  # as before
     (tmp_path / "out").mkdir()
     env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
     return subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
@@ -132,18 +136,70 @@ def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, module_t
     assert eventually(lambda: not _engines(module_tiny))
 
 
-def test_a_hung_replica_is_routed_around_and_gkd_finishes(tmp_path, module_tiny):
-    """A teacher replica SIGSTOPped once it has served (hung: alive, never answers; the launcher sees a live process):
-    the router's health probes take it out of rotation, a request on it goes to the other replica, and GKD finishes
-    with both ranks' losses; the router's log names the replica. (Restarting it is the launcher's, not yet done.)"""
-    (tmp_path / "job.yaml").write_text(_yaml(module_tiny, 2, teacher="request_timeout_s: 120, "))
+def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_tiny):
+    """The default `replica_restarts`: a teacher replica SIGKILLed once it has served is restarted on a fresh port
+    while GKD goes on; its router takes it back (and it serves again); the job ends 0 with every step's loss, the
+    same on both ranks, no restart of the job; the launch's stderr names the death and the return. (The trainers
+    wait after step 2 until the replica is back, so that it serves again on 2 busy cores: `--hold_file`.)"""
+    (tmp_path / "job.yaml").write_text(_yaml(module_tiny, 2))
     (tmp_path / "out").mkdir()
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1")
+    log = tmp_path / "logs" / "teacher-server-1.log"
+    hold = tmp_path / "hold"
+    hold.touch()
     with open(tmp_path / "stderr.txt", "w") as errors:   # a file: a full pipe never blocks the job
         driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
                                    str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(module_tiny / "model"),
                                    "--teacher_model_name_or_path", str(module_tiny / "teacher"), "--data",
-                                   str(module_tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "6"],
+                                   str(module_tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps",
+                                   str(RESTART_STEPS), "--hold_file", str(hold), "--hold_at_step", "2"],
+                                  cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    try:
+        assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
+                                                                 log.read_text()), timeout=200, every=0.05)
+        assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        killed = _replica_pid(tmp_path, 1)
+        os.kill(killed, signal.SIGKILL)
+        assert eventually(lambda: driver.poll() is not None or "teacher server 1 is back in rotation" in
+                          (tmp_path / "stderr.txt").read_text(), timeout=120)
+        hold.unlink()
+        code = driver.wait(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    err = (tmp_path / "stderr.txt").read_text()
+    assert code == 0, err[-3000:]
+    assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\) while the job was "
+                     r"running.*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", err), \
+        err[-3000:]
+    assert re.search(r"dualrun: teacher server 1 is back in rotation at 127\.0\.0\.1:\d+, [\d.]+ s after it died",
+                     err), err[-3000:]
+    assert "restarting the job" not in err
+    losses = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text())["losses"] for i in range(2)]
+    assert len(losses[0]) == RESTART_STEPS and losses[0] == losses[1] and all(x == x and x >= 0 for x in losses[0])
+    text = log.read_text()   # the restarted engine appends to the same log, after the dead one's last request
+    assert engine_pid(text) != killed and '"POST /v1/completions' in text[text.rfind("dualrun engine: loading"):]
+    router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
+    assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation", router_log), router_log[-2000:]
+    assert eventually(lambda: not _engines(module_tiny))
+
+
+def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_path, module_tiny):
+    """A teacher replica SIGSTOPped once it has served (hung: alive, never answers; the launcher sees a live process):
+    the router's health probes take it out of rotation, a request on it goes to the other replica; out that long
+    (`request_timeout_s: 10`), the launcher stops it and restarts it, the router takes it back, and GKD finishes with
+    both ranks' losses (the trainers wait after step 2 until it is back: `--hold_file`)."""
+    (tmp_path / "job.yaml").write_text(_yaml(module_tiny, 2, teacher="request_timeout_s: 10, "))
+    (tmp_path / "out").mkdir()
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1")
+    hold = tmp_path / "hold"
+    hold.touch()
+    with open(tmp_path / "stderr.txt", "w") as errors:   # a file: a full pipe never blocks the job
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
+                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(module_tiny / "model"),
+                                   "--teacher_model_name_or_path", str(module_tiny / "teacher"), "--data",
+                                   str(module_tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "6",
+                                   "--hold_file", str(hold), "--hold_at_step", "2"],
                                   cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
     log = tmp_path / "logs" / "teacher-server-1.log"
     stopped = None
@@ -151,9 +207,12 @@ def test_a_hung_replica_is_routed_around_and_gkd_finishes(tmp_path, module_tiny)
         assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
                                                                  log.read_text()), timeout=200, every=0.05)
         assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-        assert pids_matching("dualrun.servers.router", "--request-timeout-s 120")   # the role's key, passed on
+        assert pids_matching("dualrun.servers.router", "--request-timeout-s 10")   # the role's key, passed on
         stopped = _replica_pid(tmp_path, 1)
         os.kill(stopped, signal.SIGSTOP)
+        assert eventually(lambda: driver.poll() is not None or "teacher server 1 is back in rotation" in
+                          (tmp_path / "stderr.txt").read_text(), timeout=150)
+        hold.unlink()
         code = driver.wait(timeout=240)
     finally:
         if stopped is not None and cmdline(stopped):
@@ -162,11 +221,16 @@ def test_a_hung_replica_is_routed_around_and_gkd_finishes(tmp_path, module_tiny)
             driver.kill()
     err = (tmp_path / "stderr.txt").read_text()
     assert code == 0, err[-3000:]
+    assert not cmdline(stopped)                                                  # the hung engine was stopped
+    assert re.search(r"dualrun: teacher server 1 is hung \(.+\); stopping it \(SIGTERM, then SIGKILL after 5 s\)\n",
+                     err), err[-3000:]
+    assert re.search(r"dualrun: teacher server 1 was hung \(.+\).*; restarting it on the same devices \(restart 1 of 3",
+                     err), err[-3000:]
+    assert "dualrun: teacher server 1 is back in rotation at 127.0.0.1:" in err
     losses = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text())["losses"] for i in range(2)]
     assert len(losses[0]) == 6 and losses[0] == losses[1] and all(x == x and x >= 0 for x in losses[0])
     router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
-    assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation: health probe not answered within 5 s; "
-                     r"1 of 2 in rotation", router_log), router_log[-2000:]
+    assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation: ", router_log), router_log[-2000:]
     assert eventually(lambda: not _engines(module_tiny))
 
 

@@ -117,7 +117,7 @@ def external_roles(source: str, raw_roles: Mapping[str, Mapping[str, Any]], role
     # each key with the values that are the same as not writing it
     harmless = {"gpus": (None, 0), "processes": (None, 1), "gpu_ids": (None,), "tensor_parallel_size": (None, 1),
                 "data_parallel_size": (None, 1), "server_args": (None, []), "health_timeout_s": (None,),
-                "request_timeout_s": (None,), "env": (None, {}), "engine": (None,)}
+                "request_timeout_s": (None,), "replica_restarts": (None,), "env": (None, {}), "engine": (None,)}
     for role in roles:
         if not role.address:
             continue
@@ -147,7 +147,7 @@ def server_sizes(source: str, roles: Sequence[Any], primary: str, groups: Sequen
 
 
 _DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "server_args": (), "health_timeout_s": 600.0,
-             "request_timeout_s": 1800.0}
+             "request_timeout_s": 1800.0, "replica_restarts": 3}
 
 
 def inert_keys(cfg: Any, engine_roles: Sequence[str] = (), single_controller: bool = False) -> None:

@@ -26,6 +26,7 @@ class RoleSpec:
     address: str | None = None
     health_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
+    replica_restarts: int = 3
     server_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=frozen_map)
 

@@ -5,12 +5,13 @@ trainers their addresses, end or restart the job when one dies, stop them with t
 processes here (`LocalServers`, local.py) or from Ray actors (`RayServers`, ray_server.py). A dying server is an
 event (`ServerDeath`, naming which of `plan.servers` it was) that the launcher takes from `next_death`; the set's
 own watcher (a thread polling its processes, or one waiting on its actors) puts it there. An event names one
-server of the plan by index, so replacing that one server (same devices, fresh port) is a later method of the
-same set, not another shape.
+server of the plan by index, so a backend can replace that one server (same devices, fresh port: `_replace`) when
+`replacing.survivable` says the job survives it; only the deaths it does not survive reach `next_death`.
 """
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ class ServerSet(ABC):
         self._deaths: "queue.Queue[ServerDeath]" = queue.Queue()
         self._watching = threading.Event()
         self._stopping = threading.Event()   # the set's one stop flag: set when `stop` begins
+        self.restarts_left: dict[int, int] = {}   # plan.servers index -> restarts left (replacing.py; set by a
+        self.restarts_allowed: dict[int, int] = {}   # backend that implements `_replace`)
+        self._down: set[int] = set()        # replicas being restarted
+        self._policy = threading.Lock()
 
     @abstractmethod
     def start(self) -> dict[str, str]:
@@ -97,9 +102,41 @@ class ServerSet(ABC):
     def watching(self) -> bool:
         return self._watching.is_set() and not self.stopping
 
+    def _replace(self, death: ServerDeath) -> None:
+        """Restart the dead replica `death.index` on its devices and have its router take it back (a thread of
+        its own); `fatal` when that fails. Only backends that set `restarts_left` implement it."""
+        raise NotImplementedError
+
     def report(self, death: ServerDeath) -> None:
-        """Record a death (the first is kept as `failure`) and queue it for `next_death`; ignored once `stop`
-        began. Called by the set's watchers (any thread)."""
+        """A server died: a replica with restarts left while another serves is restarted (`_replace`, in a
+        thread of its own), the job going on; any other death is `fatal`. Ignored once `stop` began. Called by
+        the set's watchers (any thread)."""
+        from dualrun.servers.replacing import restarting_line, survivable
+
+        if self.stopping:
+            return
+        with self._policy:
+            replace = self.watching and survivable(self.plan, death.index, self.restarts_left, self._down)
+            if replace:
+                assert death.index is not None
+                self.restarts_left[death.index] -= 1
+                self._down.add(death.index)
+                allowed = self.restarts_allowed[death.index]
+                line = restarting_line(death.one_line(), allowed - self.restarts_left[death.index], allowed)
+        if not replace:
+            self.fatal(death)
+            return
+        print(line, file=sys.stderr, flush=True)
+        threading.Thread(target=self._replace, args=(death,), name="dualrun-replace", daemon=True).start()
+
+    def replaced(self, index: int) -> None:
+        """The replica `index` serves again (its next death is an event like the first)."""
+        with self._policy:
+            self._down.discard(index)
+
+    def fatal(self, death: ServerDeath) -> None:
+        """Record a death the job does not survive (the first is kept as `failure`) and queue it for
+        `next_death`; ignored once `stop` began."""
         if self.stopping:
             return
         if self.failure is None:

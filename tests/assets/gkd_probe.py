@@ -14,6 +14,8 @@ p.add_argument("--data", required=True)
 p.add_argument("--output_dir", required=True)
 p.add_argument("--max_steps", type=int, default=2)
 p.add_argument("--crash_at_step", type=int, default=-1)
+p.add_argument("--hold_file", default="")
+p.add_argument("--hold_at_step", type=int, default=1)
 a = p.parse_args()
 
 config = GKDConfig(output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=2, lmbda=0.5,
@@ -32,6 +34,19 @@ if a.crash_at_step >= 0:
                 raise RuntimeError("trainer rank 1 crashed on purpose")
 
     trainer.add_callback(Crash())
+if a.hold_file:   # the test's gate: after step `hold_at_step` every rank waits while the file exists
+    import time
+
+    from transformers import TrainerCallback
+
+    class Hold(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == a.hold_at_step:
+                open(f"{a.hold_file}.held{os.environ.get('RANK', '0')}", "w").close()
+                while os.path.exists(a.hold_file):
+                    time.sleep(0.1)
+
+    trainer.add_callback(Hold())
 trainer.train()
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 rank = os.environ.get("RANK", "0")

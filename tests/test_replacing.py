@@ -1,0 +1,89 @@
+"""`roles.<r>.replica_restarts`: which dead replicas a job survives (pure rules, milliseconds) and the config's
+refusals where the key would restart nothing. The restart itself (a real CPU engine killed and taken back by its
+router) is test_replicas.py's; a whole GKD job surviving a kill is test_replicas_e2e.py's."""
+from __future__ import annotations
+
+import pytest
+
+from dualrun.config import build_config
+from dualrun.errors import ConfigError
+from dualrun.plan import make_plan
+from dualrun.plugin import get_plugin
+from dualrun.servers.replacing import (back_line, hung, hung_line, restart_budget, restarting_line, router_of,
+                                      survivable)
+
+
+def _cfg(role: str = "teacher", backend: str = "torchrun", **spec) -> object:
+    method = "grpo" if role == "rollout" else "gkd"
+    extra = {"engine": "transformers"} if role == "rollout" else {"top_k": 5}
+    cfg = build_config({"backend": backend, "method": method, "use_cpu": True, "roles": {
+        "train": {"gpus": 1}, role: {"gpus": 3, "model": "m/m", **extra, **spec}}}, "job.yaml")
+    get_plugin(method).validate(cfg)
+    return cfg
+
+
+def test_each_teacher_replica_gets_the_default_budget_the_router_none():
+    plan = make_plan(_cfg())
+    assert [p.label for p in plan.servers] == ["teacher server 0", "teacher server 1", "teacher server 2",
+                                               "teacher router"]
+    assert restart_budget(_cfg(), plan) == {0: 3, 1: 3, 2: 3}
+    assert restart_budget(_cfg(replica_restarts=1), plan) == {0: 1, 1: 1, 2: 1}
+    assert restart_budget(_cfg(replica_restarts=0), plan) == {}
+    assert router_of(plan, 2) == (3, 2)
+
+
+def test_a_rollout_and_a_single_engine_are_not_restarted():
+    cfg = _cfg("rollout")
+    assert restart_budget(cfg, make_plan(cfg)) == {}        # stale weights: issue #25 point 3, not done
+    one = _cfg(gpus=1)
+    assert restart_budget(one, make_plan(one)) == {}        # no router to take it back
+
+
+def test_a_death_is_survived_while_restarts_are_left_and_another_replica_serves():
+    plan = make_plan(_cfg())
+    left = {0: 1, 1: 0, 2: 2}
+    assert survivable(plan, 0, left, down=set())
+    assert not survivable(plan, 1, left, down=set())          # spent
+    assert not survivable(plan, 3, left, down=set())          # the router
+    assert not survivable(plan, None, left, down=set())       # not one server
+    assert survivable(plan, 2, left, down={0})                # replica 1 still serves
+    assert not survivable(plan, 2, left, down={0, 1})         # the last one: the job ends as before
+
+
+def test_event_lines_say_which_why_and_when_back():
+    line = restarting_line("teacher server 1 exited with code -9 (killed by SIGKILL) while the job was running", 1, 3)
+    assert line == ("dualrun: teacher server 1 exited with code -9 (killed by SIGKILL) while the job was running; "
+                    "restarting it on the same devices (restart 1 of 3, replica_restarts)")
+    assert back_line("teacher server 1", "127.0.0.1:4242", 12.34) == \
+        "dualrun: teacher server 1 is back in rotation at 127.0.0.1:4242, 12.3 s after it died"
+
+
+@pytest.mark.parametrize("role, backend, spec, why", [
+    ("teacher", "torchrun", {"gpus": 1}, "one engine has no router"),
+    ("rollout", "torchrun", {}, "stale weights"),
+    ("teacher", "ray", {}, "torchrun backend on one machine only"),
+])
+def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, spec, why):
+    with pytest.raises(ConfigError) as e:
+        _cfg(role, backend, replica_restarts=5, **spec)
+    assert e.value.key == f"roles.{role}.replica_restarts" and why in str(e.value)
+    _cfg(role, backend, replica_restarts=0, **spec)   # today's behaviour: accepted everywhere
+
+
+def test_replica_restarts_beside_an_address_is_refused():
+    with pytest.raises(ConfigError) as e:
+        build_config({"method": "gkd", "roles": {"train": {"gpus": 1}, "teacher": {
+            "address": "127.0.0.1:9", "top_k": 5, "replica_restarts": 2}}}, "job.yaml")
+    assert e.value.key == "roles.teacher.replica_restarts"
+
+
+def test_a_replica_is_hung_when_a_request_timed_out_or_its_probes_failed_for_request_timeout_s():
+    timed_out = {"in_rotation": False, "kind": "timeout", "reason": "no answer within 10 s"}
+    probe = {"in_rotation": False, "kind": "probe", "reason": "health probe not answered within 5 s"}
+    assert hung(timed_out, 0.0, 10.0)
+    assert not hung(probe, 9.0, 10.0) and hung(probe, 10.0, 10.0)      # a busy engine may miss a probe or two
+    assert not hung({"in_rotation": False, "kind": "unreachable"}, 99.0, 10.0)   # dead: the process watcher's
+    assert not hung({"in_rotation": True, "kind": None}, 99.0, 10.0)
+    assert hung_line("teacher server 1", probe["reason"]) == ("dualrun: teacher server 1 is hung (health probe not "
+                                                              "answered within 5 s); stopping it (SIGTERM, then "
+                                                              "SIGKILL after 5 s)")
