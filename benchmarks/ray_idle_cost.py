@@ -56,23 +56,10 @@ def kind_of(cmdline: str, is_root: bool) -> str:
 
 def tree_ticks(root: int) -> dict[int, tuple[int, str]]:
     """{pid: (utime+stime ticks, command line)} of `root` and every live descendant."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(d.name)], ticks[int(d.name)] = int(f[1]), int(f[11]) + int(f[12])
-    children: dict[int, list[int]] = {}
-    for c, p in parents.items():
-        children.setdefault(p, []).append(c)
-    mine, todo = {root}, [root]
-    while todo:
-        kids = [c for c in children.get(todo.pop(), []) if c not in mine]
-        mine.update(kids)
-        todo += kids
+    from benchlib.measure import descendants
+
+    mine, ticks = descendants(root)
+    mine.add(root)
     out = {}
     for p in mine:
         try:

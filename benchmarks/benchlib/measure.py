@@ -78,11 +78,9 @@ def process_kind(pid: int) -> str:
     return "launcher"
 
 
-def descendants_cpu(root: int | None = None, by_kind: dict | None = None) -> float:
-    """CPU seconds (user+system) of every live descendant of `root` (default: this process), not `root` itself:
-    the launcher, its workers, and the running cluster this script started (GCS, raylet, actors). With `by_kind`,
-    also fill it with the seconds per kind of process (`process_kind`)."""
-    root = os.getpid() if root is None else root
+def descendants(root: int) -> tuple[set[int], dict[int, int]]:
+    """The live descendants of `root` (not `root` itself), and every live process's utime+stime in clock ticks,
+    read from /proc in one pass."""
     parents: dict[int, int] = {}
     ticks: dict[int, int] = {}
     for d in Path("/proc").iterdir():
@@ -95,11 +93,20 @@ def descendants_cpu(root: int | None = None, by_kind: dict | None = None) -> flo
     children: dict[int, list[int]] = {}
     for c, pp in parents.items():
         children.setdefault(pp, []).append(c)
-    mine, todo = set(), [root]
+    mine: set[int] = set()
+    todo = [root]
     while todo:
         kids = [c for c in children.get(todo.pop(), []) if c not in mine]
         mine.update(kids)
         todo += kids
+    return mine, ticks
+
+
+def descendants_cpu(root: int | None = None, by_kind: dict | None = None) -> float:
+    """CPU seconds (user+system) of every live descendant of `root` (default: this process), not `root` itself:
+    the launcher, its workers, and the running cluster this script started (GCS, raylet, actors). With `by_kind`,
+    also fill it with the seconds per kind of process (`process_kind`)."""
+    mine, ticks = descendants(os.getpid() if root is None else root)
     hz = os.sysconf("SC_CLK_TCK")
     if by_kind is not None:
         for p in mine:
