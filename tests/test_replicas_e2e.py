@@ -136,24 +136,32 @@ def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, module_t
     assert eventually(lambda: not _engines(module_tiny))
 
 
+def _held_gkd_job(tmp_path: Path, tiny: Path, teacher: str, steps: int) -> tuple[subprocess.Popen, Path]:
+    """A GKD job on a 2-replica teacher (`teacher`: extra keys of the role), started in the background with its
+    stderr in stderr.txt (a file: a full pipe never blocks the job); its trainers wait after step 2 while the
+    returned hold file exists."""
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, teacher=teacher))
+    (tmp_path / "out").mkdir()
+    hold = tmp_path / "hold"
+    hold.touch()
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
+                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
+                                   "--teacher_model_name_or_path", str(tiny / "teacher"), "--data",
+                                   str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", str(steps),
+                                   "--hold_file", str(hold), "--hold_at_step", "2"],
+                                  cwd=tmp_path, env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"),
+                                  stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    return driver, hold
+
+
 def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_tiny):
     """The default `replica_restarts`: a teacher replica SIGKILLed once it has served is restarted on a fresh port
     while GKD goes on; its router takes it back (and it serves again); the job ends 0 with every step's loss, the
     same on both ranks, no restart of the job; the launch's stderr names the death and the return. (The trainers
     wait after step 2 until the replica is back, so that it serves again on 2 busy cores: `--hold_file`.)"""
-    (tmp_path / "job.yaml").write_text(_yaml(module_tiny, 2))
-    (tmp_path / "out").mkdir()
-    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1")
+    driver, hold = _held_gkd_job(tmp_path, module_tiny, "", RESTART_STEPS)
     log = tmp_path / "logs" / "teacher-server-1.log"
-    hold = tmp_path / "hold"
-    hold.touch()
-    with open(tmp_path / "stderr.txt", "w") as errors:   # a file: a full pipe never blocks the job
-        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
-                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(module_tiny / "model"),
-                                   "--teacher_model_name_or_path", str(module_tiny / "teacher"), "--data",
-                                   str(module_tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps",
-                                   str(RESTART_STEPS), "--hold_file", str(hold), "--hold_at_step", "2"],
-                                  cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
     try:
         assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
                                                                  log.read_text()), timeout=200, every=0.05)
@@ -189,18 +197,7 @@ def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_
     the router's health probes take it out of rotation, a request on it goes to the other replica; out that long
     (`request_timeout_s: 10`), the launcher stops it and restarts it, the router takes it back, and GKD finishes with
     both ranks' losses (the trainers wait after step 2 until it is back: `--hold_file`)."""
-    (tmp_path / "job.yaml").write_text(_yaml(module_tiny, 2, teacher="request_timeout_s: 10, "))
-    (tmp_path / "out").mkdir()
-    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1")
-    hold = tmp_path / "hold"
-    hold.touch()
-    with open(tmp_path / "stderr.txt", "w") as errors:   # a file: a full pipe never blocks the job
-        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
-                                   str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(module_tiny / "model"),
-                                   "--teacher_model_name_or_path", str(module_tiny / "teacher"), "--data",
-                                   str(module_tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", "6",
-                                   "--hold_file", str(hold), "--hold_at_step", "2"],
-                                  cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    driver, hold = _held_gkd_job(tmp_path, module_tiny, "request_timeout_s: 10, ", 6)
     log = tmp_path / "logs" / "teacher-server-1.log"
     stopped = None
     try:
