@@ -23,6 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from benchlib.servers import start_router  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "replicas.md")
 TARGET = 1.6  # 2 replicas over 1 engine, from issue 13
@@ -44,19 +47,6 @@ def _engines(model: str, n: int, stack) -> list:
     for s in out:
         s.wait_healthy()
     return out
-
-
-def _router(replicas: list, stack):
-    from dualrun.ports import free_port
-    from dualrun.servers.process import ServerProcess
-    from dualrun.servers.router import router_argv
-
-    port = free_port()
-    r = ServerProcess("router", router_argv("127.0.0.1", port, [s.address for s in replicas]), dict(os.environ),
-                      "127.0.0.1", port, "/health", 60, stream=None).start()
-    stack.append(r)
-    r.wait_healthy()
-    return r
 
 
 def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, int, list]:
@@ -96,8 +86,8 @@ def measure(model: str, requests_n: int, max_tokens: int, concurrency: int, roun
     try:
         engines = _engines(model, 2, stack)
         layouts = {"1 engine, direct": f"http://{engines[0].address}",
-                   "1 engine behind the router": f"http://{_router(engines[:1], stack).address}",
-                   "2 replicas behind the router": f"http://{_router(engines, stack).address}"}
+                   "1 engine behind the router": f"http://{start_router(engines[:1], stack, 60).address}",
+                   "2 replicas behind the router": f"http://{start_router(engines, stack, 60).address}"}
         _load(layouts["1 engine, direct"], prompts[:4], max_tokens, 2)  # warm-up (first-call costs)
         runs: dict[str, list[dict]] = {name: [] for name in layouts}
         reference = None

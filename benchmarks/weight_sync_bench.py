@@ -31,6 +31,9 @@ import time
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from benchlib.servers import start_router  # noqa: E402
 
 OUT = os.path.join(BENCH, "results", "weight_sync.md")
 # The vLLM tier's CPU settings (tests/vllm_helpers.py): eager float32, a 1 GiB KV cache; timing extension added.
@@ -85,19 +88,6 @@ def start_servers(model: str, n: int, log_dir: str, stack: list) -> list:
     for s in servers:
         s.wait_healthy()
     return servers
-
-
-def start_router(replicas: list, stack: list):
-    from dualrun.ports import free_port
-    from dualrun.servers.process import ServerProcess
-    from dualrun.servers.router import router_argv
-
-    port = free_port()
-    r = ServerProcess("router", router_argv("127.0.0.1", port, [s.address for s in replicas]), dict(os.environ),
-                      "127.0.0.1", port, "/health", 120, stream=None).start()
-    stack.append(r)
-    r.wait_healthy()
-    return r
 
 
 def server_timings(log_path: str) -> list[dict]:

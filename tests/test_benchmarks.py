@@ -41,7 +41,8 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
     assert (tmp_path / "launch.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost"])
+@pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost",
+                                    "replica_throughput", "weight_sync_bench"])
 def test_the_scripts_built_on_benchlib_start(script):
     """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,

@@ -8,6 +8,7 @@
   cluster   a running local Ray cluster the benchmark starts and stops itself
   report    the launch tables, chart and the README blocks they refresh
   planner   the planner timed at 1,024 GPUs
+  servers   dualrun's router in front of servers a benchmark started
 
 Imported as `benchlib` with benchmarks/ on sys.path (as it is for `python benchmarks/<script>.py`).
 """
