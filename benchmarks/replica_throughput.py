@@ -33,8 +33,8 @@ TARGET = 1.6  # 2 replicas over 1 engine, from issue 13
 
 def _engines(model: str, n: int, stack) -> list:
     from dualrun.config.model import RoleSpec
-    from dualrun.ports import free_port
-    from dualrun.servers.commands import cpu_engine
+    from dualrun.light.ports import free_port
+    from dualrun.serving.commands import cpu_engine
     from dualrun.servers.process import ServerProcess
 
     role = RoleSpec("rollout", 0, 1)
@@ -71,7 +71,7 @@ def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int)
 def _served(server) -> int:
     import requests
 
-    from dualrun.engines.transformers_server import STATS_PATH
+    from dualrun.serving.transformers_server import STATS_PATH
 
     return requests.get(f"http://{server.address}{STATS_PATH}", timeout=10,
                         proxies={"http": None}).json()["completions"]

@@ -3,7 +3,7 @@
     unshare -n bash -c 'ip link set lo up; python benchmarks/router_overhead.py'      # about 40 s
 
 Two stub replicas (processes that answer at once, so that the time measured is transport, not inference) stand
-behind `dualrun.servers.router` (a process). One client with a kept-alive connection alternates: a request straight
+behind `dualrun.serving.router` (a process). One client with a kept-alive connection alternates: a request straight
 to replica 0, the same request through the router, the two kinds below interleaved. Two kinds: a single-prompt /v1/completions (goes to one replica
 whole) and a two-prompt one (split over both replicas, answers merged). Added latency = router percentile minus
 direct percentile. The router's resident memory is read before and after the timed requests. Writes
@@ -70,9 +70,9 @@ def _pct(values: list[float], q: float) -> float:
 def measure(requests_n: int, warmup: int) -> dict:
     import requests
 
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
     from dualrun.servers.process import ServerProcess
-    from dualrun.servers.router import router_argv
+    from dualrun.serving.router import router_argv
 
     servers = []
     try:

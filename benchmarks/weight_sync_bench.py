@@ -6,8 +6,8 @@ router, against a plain gloo broadcast of the same bytes measured in the same ru
 
 Per model (the tiny vLLM model of examples/make_tiny_model.py --vllm, and a ~100M-parameter Llama built here from a
 config, random weights, the tiny tokenizer; nothing downloaded) two vLLM CPU servers start as dualrun starts a
-rollout (`dualrun.servers.commands.rollout_vllm`: TRL's flags, `--weight-transfer-config {"backend": "gloo"}`), and
-two routers (`dualrun.servers.router`) stand in front of them: one over the first server, one over both. For each
+rollout (`dualrun.serving.commands.rollout_vllm`: TRL's flags, `--weight-transfer-config {"backend": "gloo"}`), and
+two routers (`dualrun.serving.router`) stand in front of them: one over the first server, one over both. For each
 router, TRL 1.16's unchanged `VLLMClient` with dualrun's gloo path installed (as GRPO's rank hook installs it)
 opens the weight-sync group (`init_communicator`), syncs once untimed, then `--reps` times does what GRPOTrainer's
 `sync_weights` does (`update_named_params` of every parameter, packed, then `reset_prefix_cache`), each time right
@@ -70,8 +70,8 @@ def build_models(work: str, which: list[str]) -> dict[str, str]:
 # -- servers ----------------------------------------------------------------------------------------------------
 def start_servers(model: str, n: int, log_dir: str, stack: list) -> list:
     from dualrun.config.model import RoleSpec
-    from dualrun.ports import free_port
-    from dualrun.servers.commands import HEALTH_PATH, ROLLOUT_SERVER_ENV, for_installed_vllm, rollout_vllm
+    from dualrun.light.ports import free_port
+    from dualrun.serving.commands import HEALTH_PATH, ROLLOUT_SERVER_ENV, for_installed_vllm, rollout_vllm
     from dualrun.servers.process import ServerProcess
 
     role = RoleSpec("rollout", 1, 1, engine="vllm", model=model, server_args=SERVER_ARGS)
@@ -124,7 +124,7 @@ class Baseline:
         import torch
         import torch.distributed as dist
 
-        from dualrun.ports import free_port
+        from dualrun.light.ports import free_port
 
         port, world = free_port(), self.receivers + 1
         sizes = ",".join(map(str, self.chunk_bytes))
@@ -176,7 +176,7 @@ class TimedClient:
     def __init__(self, url: str) -> None:
         import trl.generation.vllm_client as trl_client
 
-        from dualrun.ports import free_port
+        from dualrun.light.ports import free_port
         from dualrun.rank.gloo_client import install
 
         install(trl_client)
@@ -228,8 +228,8 @@ class TimedClient:
 
 
 def chunk_sizes(model) -> list[int]:
-    """The packed chunks' sizes in bytes, cut as the gloo path cuts them (dualrun.engines.gloo_plugin)."""
-    from dualrun.engines.gloo_plugin import PACKED_BUFFER_BYTES, chunk_bounds
+    """The packed chunks' sizes in bytes, cut as the gloo path cuts them (dualrun.serving.gloo_plugin)."""
+    from dualrun.serving.gloo_plugin import PACKED_BUFFER_BYTES, chunk_bounds
 
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     return [sum(sizes[a:b]) for a, b in chunk_bounds(sizes, PACKED_BUFFER_BYTES)]

@@ -11,7 +11,7 @@ nodes the plan gives it and one tensor moved through it (dualrun.weight_sync), b
 Ports: servers and rank 0 take free ports, so the plan fixes a port only where the config does: rank 0's
 `main_process_port` (on torchrun 29500 when several machines rendezvous), on machine 0 (torchrun) or on the node
 the plan puts rank 0 (Ray; its placement group decides the final node). A server's port is never fixed: a
-`--port` in `server_args` is a config error (dualrun.servers.commands.validate_server_role).
+`--port` in `server_args` is a config error (dualrun.serving.commands.validate_server_role).
 """
 from __future__ import annotations
 

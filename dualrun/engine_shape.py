@@ -1,7 +1,7 @@
 """The shape of a separate role's engines: which engine it runs, the devices one engine takes, how many engines
 (replicas) it runs, and the env each needs.
 
-Why apart from the command lines (dualrun/servers/commands.py): the plan places the replicas from these facts,
+Why apart from the command lines (dualrun/serving/commands.py): the plan places the replicas from these facts,
 and the plan is pure, below everything that starts a process; both read them here. Pure functions of the config.
 """
 from __future__ import annotations
@@ -36,5 +36,5 @@ def engine_size(cfg: JobConfig, role: RoleSpec) -> int:
 
 def replica_count(cfg: JobConfig, role: RoleSpec) -> int:
     """Engines a separate role runs: its GPUs (or CPU processes) over one engine's size. More than one stand
-    behind one address, the router's (`dualrun.servers.router`): TRL's trainers take a single server address."""
+    behind one address, the router's (`dualrun.serving.router`): TRL's trainers take a single server address."""
     return max(1, (role.gpus or role.processes) // engine_size(cfg, role))

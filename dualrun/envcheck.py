@@ -16,7 +16,7 @@ from dualrun.config.checks import host_port
 from dualrun.config.schema import MAX_SECONDS
 from dualrun.envspec import forward_patterns
 from dualrun.errors import ConfigError
-from dualrun.progress import MODES
+from dualrun.light.progress import MODES
 
 SOURCE = "<environment>"
 _NAME_OR_PATTERN = re.compile(r"[A-Za-z_*?][A-Za-z0-9_*?]*")

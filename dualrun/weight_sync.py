@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 from dualrun.config.model import JobConfig
 from dualrun.plan import Plan
 from dualrun.engine_shape import engine_of, engine_size
-from dualrun.servers.routing import rank_offsets
+from dualrun.serving.routing import rank_offsets
 
 TIMEOUT_S = 30.0          # forming the group and the broadcast, per member
 _START_S = 90.0           # on top: a fresh interpreter importing torch on a busy node
@@ -124,7 +124,7 @@ def advertised_address(env: Mapping[str, str] | None = None) -> str:
 
 def master_endpoint(host: str, env: Mapping[str, str]) -> tuple[str, int]:
     """On trainer rank 0's node: the address it advertises and a free port, picked as the job picks it."""
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
 
     return advertised_address({**os.environ, **env}), free_port(host)
 
@@ -138,7 +138,7 @@ def member_spec(group: SyncGroup, member: Member, address: str, port: int,
 def start_member(spec: Mapping[str, Any]) -> subprocess.Popen:
     """The probe in a child process (it dies with this one), with the member's interface variables. Its stderr
     goes to a file (`NCCL_DEBUG=INFO` can say more than a pipe holds while nobody reads it)."""
-    from dualrun.parent_death import die_with_parent
+    from dualrun.light.parent_death import die_with_parent
 
     env = {**os.environ, **spec["env"]}
     err = tempfile.TemporaryFile("w+", errors="replace")

@@ -25,7 +25,7 @@ from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
 from dualrun.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
 from dualrun.plugins.grpo import ROLLOUT_SERVES, require_vllm, wire_rollout
-from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.serving.commands import HEALTH_PATH, server_argv, validate_server_role
 from dualrun.rank.wiring import fill_defaults, say
 
 FULL_VOCAB_HINT = ("a teacher server returns only the top-k log-probabilities of each token; for full-vocabulary "

@@ -16,7 +16,7 @@ from dualrun.errors import ConfigError
 from dualrun.rank.gloo_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
 from dualrun.plugin import MethodPlugin
-from dualrun.servers.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.serving.commands import HEALTH_PATH, server_argv, validate_server_role
 from dualrun.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
 from dualrun.rank.wiring import fill_defaults, left_at_default, rollout_fields, say
 

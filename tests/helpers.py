@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from dualrun.ports import free_port
+from dualrun.light.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 ASSETS = REPO / "tests" / "assets"   # the small scripts and programs tests run

@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from dualrun.ports import free_port
+from dualrun.light.ports import free_port
 
 NEEDED = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "sinfo", "srun", "scontrol")
 

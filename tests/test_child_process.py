@@ -1,4 +1,4 @@
-"""ChildProcess (dualrun/child_process.py): the child and every helper it started stop together; a child that
+"""ChildProcess (dualrun/light/child_process.py): the child and every helper it started stop together; a child that
 ignores SIGTERM is killed after the grace. Real processes, well under a second each."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from dualrun.child_process import ChildProcess
+from dualrun.light.child_process import ChildProcess
 
 
 def _gone(pid: int) -> bool:

@@ -101,7 +101,7 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
         assert len(argv) == len(real) and AUTO in argv
         if backend == "ray":   # Ray gives a replica its GPUs; the router has none
             assert shown["CUDA_VISIBLE_DEVICES"] == ("" if label == "teacher router" else AUTO)
-    assert "vllm.entrypoints.cli.main serve m/teacher" in text and "dualrun.servers.router" in text
+    assert "vllm.entrypoints.cli.main serve m/teacher" in text and "dualrun.serving.router" in text
 
 
 @pytest.mark.e2e

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import dualrun
-from dualrun.progress import looks_like_bar
+from dualrun.light.progress import looks_like_bar
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.slow]

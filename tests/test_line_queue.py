@@ -1,11 +1,11 @@
-"""The long-poll that carries a Ray actor's output lines to the driver (dualrun/line_queue.py): batches, the wait
+"""The long-poll that carries a Ray actor's output lines to the driver (dualrun/light/line_queue.py): batches, the wait
 for the first line, and the end mark that every later call sees."""
 from __future__ import annotations
 
 import threading
 import time
 
-from dualrun.line_queue import STDERR, STDOUT, LineQueue
+from dualrun.light.line_queue import STDERR, STDOUT, LineQueue
 
 
 def test_lines_come_in_one_batch_then_the_end_for_every_later_call():

@@ -5,7 +5,7 @@ import io
 
 import pytest
 
-from dualrun.progress import Collapser, looks_like_bar, show_progress
+from dualrun.light.progress import Collapser, looks_like_bar, show_progress
 
 tqdm = pytest.importorskip("tqdm").tqdm
 

@@ -76,7 +76,7 @@ def test_env_names_equal_torchrun(job, cluster):
 def test_two_nodes_one_gpu_each(job, cluster):
     """4 GPU ranks on 2 nodes x 2 fake GPUs: both nodes used, distinct GPU per node, LOCAL_RANK=0, one master
     (on the port `--main_process_port` asks for, as torchrun would)."""
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
 
     port = free_port("127.0.0.1")
     (job / "gpu4.yaml").write_text(f"roles: {{train: {{gpus: 4}}}}\nray: {{address: '{cluster.address}'}}\n")

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from helpers import REPO, dualrun, link_tiny, pids_matching
-from dualrun.progress import looks_like_bar
+from dualrun.light.progress import looks_like_bar
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(400)]

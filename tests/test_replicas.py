@@ -86,7 +86,7 @@ def test_router_command_and_the_trainers_address():
     started = {0: "127.0.0.1:9001", 1: "127.0.0.1:9002"}
     assert replica_addresses(plan, started, 2) == ["127.0.0.1:9001", "127.0.0.1:9002"]
     argv = server_command(cfg, None, router, "127.0.0.1", 9000, replica_addresses(plan, started, 2))
-    assert argv[1:] == ["-m", "dualrun.servers.router", "--host", "127.0.0.1", "--port", "9000",
+    assert argv[1:] == ["-m", "dualrun.serving.router", "--host", "127.0.0.1", "--port", "9000",
                         "--replica", "127.0.0.1:9001", "--replica", "127.0.0.1:9002", "--request-timeout-s", "1800"]
     argv = server_command(_cfg({"gpus": 2, "request_timeout_s": 90.5}), None, router, "127.0.0.1", 9000, ["a:1"])
     assert argv[-2:] == ["--request-timeout-s", "90.5"]              # the role's request_timeout_s
@@ -111,7 +111,7 @@ def test_a_four_engine_rollout_is_four_cpu_engines_behind_one_router(backend):
     started = {i: f"127.0.0.1:{9001 + i}" for i in range(4)}
     for i, p in enumerate(plan.servers[:4]):
         argv = server_command(cfg, plugin, p, "127.0.0.1", 9001 + i)
-        assert argv[1:5] == ["-m", "dualrun.engines.transformers_server", "--model", "m/m"]
+        assert argv[1:5] == ["-m", "dualrun.serving.transformers_server", "--model", "m/m"]
     router = server_command(cfg, plugin, plan.servers[4], "127.0.0.1", 9000, replica_addresses(plan, started, 4))
     assert router[router.index("--replica"):-2] == [w for a in started.values() for w in ("--replica", a)]
     assert addresses(plan, {**started, 4: "127.0.0.1:9000"}) == {"rollout": "127.0.0.1:9000"}
@@ -133,7 +133,7 @@ def test_dry_run_shows_each_replica_and_the_router(tmp_path, backend):
     out = proc.stdout
     assert "teacher server 0" in out and "teacher server 1" in out and "teacher router" in out, out
     if backend == "torchrun":
-        assert "dualrun.servers.router --host 127.0.0.1 --port '<auto>' --replica '<auto>' --replica '<auto>'" in out
+        assert "dualrun.serving.router --host 127.0.0.1 --port '<auto>' --replica '<auto>' --replica '<auto>'" in out
 
 
 def test_gpus_not_a_multiple_is_one_line_and_exit_2(tmp_path):
@@ -202,7 +202,7 @@ def test_local_servers_restart_a_dead_replica_until_its_restarts_are_spent(tmp_p
     import signal
 
     from dualrun.plugin import get_plugin
-    from dualrun.servers import router_client
+    from dualrun.serving import router_client
     from dualrun.servers.local import LocalServers
     from dualrun.servers.process import http_ok
     from helpers import eventually

@@ -105,7 +105,7 @@ def _engines(tiny: Path) -> list[int]:
 
 def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
     host, _, port = json.loads((tmp_path / "out" / f"address_{attempt}_0.json").read_text()).rpartition(":")
-    return pids_matching(f"dualrun.servers.router --host {host} --port {port} ")
+    return pids_matching(f"dualrun.serving.router --host {host} --port {port} ")
 
 
 # torchrun here: on Ray a replica is killed in the 4-engine rollout's job below (each Ray job costs ~1 min)
@@ -204,7 +204,7 @@ def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_
         assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
                                                                  log.read_text()), timeout=200, every=0.05)
         assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-        assert pids_matching("dualrun.servers.router", "--request-timeout-s 10")   # the role's key, passed on
+        assert pids_matching("dualrun.serving.router", "--request-timeout-s 10")   # the role's key, passed on
         stopped = _replica_pid(tmp_path, 1)
         os.kill(stopped, signal.SIGSTOP)
         assert eventually(lambda: driver.poll() is not None or "teacher server 1 is back in rotation" in
@@ -289,7 +289,7 @@ def _assert_four_engines_served(tmp_path: Path, err: str) -> str:
 def _nothing_left(tmp_path: Path, tiny: Path, address: str, cluster) -> None:
     host, _, port = address.rpartition(":")
     assert eventually(lambda: not pids_matching(str(tmp_path / "out")))            # the trainer
-    assert eventually(lambda: not pids_matching(f"dualrun.servers.router --host {host} --port {port} "))
+    assert eventually(lambda: not pids_matching(f"dualrun.serving.router --host {host} --port {port} "))
     assert eventually(lambda: not pids_matching(str(tiny / "model"), "transformers_server"))
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())

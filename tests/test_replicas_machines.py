@@ -120,7 +120,7 @@ def _gkd(tmp_path: Path, tiny: Path, *more: str) -> list[str]:
 def _two_machines(tmp_path: Path, tiny: Path, program: list[str], extra: str = "") -> list[subprocess.Popen]:
     """Both machines' `dualrun launch` of a GKD job whose teacher has a replica on each (stdout and stderr in
     m{rank}/out and m{rank}/err; logs in logs{rank}); `extra`: more top-level YAML."""
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
 
     port = free_port()
     (tmp_path / "job.yaml").write_text(
@@ -217,7 +217,7 @@ def test_both_machines_restart_for_machine_1s_replica_then_end_naming_machine_0s
     before = steps()
     assert eventually(lambda: steps() >= before + 2, 60, 0.5), _ended(tmp_path, procs, 0)   # attempt 1 trains
     router = port_in(tmp_path / "logs0" / "teacher-router.log", r"serving http://0\.0\.0\.0:(\d+) ")
-    [pid] = pids_matching("dualrun.servers.router", f"--port {router}")
+    [pid] = pids_matching("dualrun.serving.router", f"--port {router}")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     outs = _ended(tmp_path, procs, 60)
@@ -309,7 +309,7 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
     from torch.distributed import TCPStore
 
     from dualrun.plugin import get_plugin
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
     from dualrun.servers.local import LocalServers
     from dualrun.servers.machines import Machines
 
@@ -338,7 +338,7 @@ def test_machine_1_names_machine_0s_router_that_stops_answering():
 
     from dualrun import job_store
     from dualrun.plugin import get_plugin
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
     from dualrun.servers.local import LocalServers
     from dualrun.servers.machines import Machines
 
@@ -379,7 +379,7 @@ def test_machine_1_restarts_only_once_the_ending_attempts_store_is_gone_or_repla
     from torch.distributed import TCPStore
 
     from dualrun import job_store
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
     from dualrun.servers.machines import await_attempt
 
     port = free_port()

@@ -1,12 +1,12 @@
-"""The router's rotation table (dualrun/servers/rotation.py): which replicas take requests after which failures,
+"""The router's rotation table (dualrun/serving/rotation.py): which replicas take requests after which failures,
 what brings them back, the launcher's replace / restore / remove. Pure: the clock is passed in."""
 from __future__ import annotations
 
 import pytest
 
-from dualrun.servers import rotation as rot
-from dualrun.servers import routing
-from dualrun.servers.rotation import Rotation
+from dualrun.serving import rotation as rot
+from dualrun.serving import routing
+from dualrun.serving.rotation import Rotation
 
 A, B, C = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from dualrun.servers import router_client
+from dualrun.serving import router_client
 from helpers import eventually, free_port
 from helpers import ASSETS
 from test_router import _recorded, _server, _start_all
@@ -34,7 +34,7 @@ def _stubs(tmp_path: Path, count: int, first: int = 0) -> list:
 
 
 def _router(tmp_path: Path, replicas, *flags: str):
-    from dualrun.servers.router import router_argv
+    from dualrun.serving.router import router_argv
 
     argv = router_argv("127.0.0.1", free_port(), [r.address for r in replicas]) + list(flags)
     return _start_all([_server("router", argv, tmp_path / "router.log")])[0]

@@ -141,7 +141,7 @@ def test_server_commands_per_engine():
     assert "--weight-transfer-config" in roll
     cpu = build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": R}}, "c.yaml")
     assert get_plugin("grpo").server_command(cpu, cpu.role("rollout"), "127.0.0.1", 1)[1:3] == [
-        "-m", "dualrun.engines.transformers_server"]
+        "-m", "dualrun.serving.transformers_server"]
     assert plugin.server_command(cfg, cfg.role("train"), "h", 1) is None
     assert plugin.health_path(teacher) == "/health"
 

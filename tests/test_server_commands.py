@@ -9,10 +9,10 @@ import warnings
 import pytest
 
 from dualrun.config import build_config
-from dualrun.interpreter import PYTHON, resolve
+from dualrun.light.interpreter import PYTHON, resolve
 from dualrun.plan import make_plan
 from dualrun.plugin import get_plugin
-from dualrun.servers import commands
+from dualrun.serving import commands
 from dualrun.servers.local import LocalServers
 from dualrun.servers.ray_server import ServerActor
 
@@ -108,7 +108,7 @@ def test_local_launcher_and_ray_actor_run_the_placeholder_with_their_python(tmp_
         (proc,) = servers.running.values()
         assert proc.proc.args[0] == sys.executable
     actor = ServerActor("rollout server")
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
 
     port = free_port("127.0.0.1")
     result = actor.start(HTTP + ["127.0.0.1", str(port)], {}, "127.0.0.1", port, "/", 30,

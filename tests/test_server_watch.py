@@ -97,7 +97,7 @@ def test_max_failures_restarts_with_a_fresh_server_on_a_fresh_port(tmp_path, mod
 def test_multi_node_torchrun_servers_take_free_ports(tmp_path, module_tiny):
     """Two machines by hand (one host): machine 0 starts the teacher on a free port; machine 1's ranks read its
     address from torchrun's store. Both ranks use the same server; nothing sits on main_process_port + 1."""
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
 
     port = free_port()
     (tmp_path / "job.yaml").write_text(

@@ -112,7 +112,7 @@ def test_a_server_that_dies_is_named_with_its_code_and_log(tmp_path):
 
 
 def test_free_port_never_returns_an_avoided_port():
-    from dualrun.ports import free_port
+    from dualrun.light.ports import free_port
 
     taken = {free_port() for _ in range(5)}
     assert all(free_port(avoid=taken) not in taken for _ in range(20))
@@ -127,7 +127,7 @@ def test_missing_command_is_a_server_error(tmp_path):
 # -- the CPU engine ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from dualrun.engines.transformers_server import Engine, make_handler
+    from dualrun.serving.transformers_server import Engine, make_handler
 
     eng = Engine(str(tiny / "teacher"))
     srv = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(eng))
@@ -189,7 +189,7 @@ def test_engine_stats_count_what_it_served(engine):
     import json
     import urllib.request
 
-    from dualrun.engines.transformers_server import STATS_PATH
+    from dualrun.serving.transformers_server import STATS_PATH
     from dualrun.rank.teacher import teacher_client
 
     _, address = engine

@@ -11,7 +11,7 @@ from dualrun.config import build_config
 from dualrun.envcheck import check_environment
 from dualrun.envspec import REDACTED, forwarded_env, redact_argv, redact_text, redact_value
 from dualrun.errors import ConfigError
-from dualrun.servers.commands import own_flag
+from dualrun.serving.commands import own_flag
 
 
 @pytest.mark.parametrize("argv", [["--api-k", "sk-1"], ["--api_key", "sk-1"], ["--api-ke=sk-1"], ["--hf-tok", "sk-1"],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dualrun.ports import free_port
+from dualrun.light.ports import free_port
 
 from . import BENCH, REPO
 

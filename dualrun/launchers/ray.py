@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
-from dualrun.interpreter import PYTHON
+from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
 from dualrun.launchers.ray_results import first_line

@@ -22,15 +22,15 @@ import tempfile
 import threading
 import time
 
-from dualrun.child_process import ChildProcess
+from dualrun.light.child_process import ChildProcess
 from dualrun.envspec import on_this_node
 from dualrun.errors import killed_by
-from dualrun.line_queue import STDERR, STDOUT, LineQueue
-from dualrun.parent_death import die_with_parent
-from dualrun.progress import Collapser, show_progress
+from dualrun.light.line_queue import STDERR, STDOUT, LineQueue
+from dualrun.light.parent_death import die_with_parent
+from dualrun.light.progress import Collapser, show_progress
 from dualrun.protocol import PROGRESS, ActorPlace, RankExit
-from dualrun.ports import free_ports
-from dualrun.interpreter import resolve
+from dualrun.light.ports import free_ports
+from dualrun.light.interpreter import resolve
 
 CALL = "<call>"     # stands for the pickled call's file on the actor's node
 _TAIL = 40          # stderr lines kept for the failure message

@@ -20,7 +20,7 @@ from dualrun.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
 from dualrun.plan import AUTO, Plan
-from dualrun.ports import free_port
+from dualrun.light.ports import free_port
 from dualrun.servers.local import LocalServers
 from dualrun.servers.machines import Machines, await_attempt
 from dualrun.servers.planned import server_previews

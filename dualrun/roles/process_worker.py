@@ -12,7 +12,7 @@ import pickle
 from typing import Any
 
 from dualrun import protocol
-from dualrun.parent_death import exit_with_process
+from dualrun.light.parent_death import exit_with_process
 from dualrun.roles.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
 from dualrun.roles.workers import bind
 

@@ -74,7 +74,7 @@ class ProcessWorkers(Workers):
         import multiprocessing
 
         from dualrun.funcs import pickler
-        from dualrun.ports import free_port
+        from dualrun.light.ports import free_port
         from dualrun.roles.process_worker import serve
 
         self.spec, self.factory, self.track_bytes = spec, factory, runtime.track_bytes

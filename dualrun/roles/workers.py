@@ -81,7 +81,7 @@ class LocalWorkers(Workers):
     backend = "local"
 
     def __init__(self, spec: GroupSpec, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        from dualrun.ports import free_port
+        from dualrun.light.ports import free_port
 
         self.spec = spec
         self.objs: list[Any] = []

@@ -58,7 +58,7 @@ class LocalServers(ServerSet):
 
     def _endpoint(self) -> tuple[str, str, int]:
         """(bind host, advertised host, port) of a server of this machine."""
-        from dualrun.ports import free_port, route_address
+        from dualrun.light.ports import free_port, route_address
 
         if self.cfg.num_machines == 1:
             return "127.0.0.1", "127.0.0.1", free_port("127.0.0.1", self.avoid_ports)
@@ -182,7 +182,7 @@ class LocalServers(ServerSet):
         """The trainers' wiring env (the same for every machine): the plugin's wiring of every server's address and a
         free weight-sync port on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's
         value is used)."""
-        from dualrun.ports import free_port
+        from dualrun.light.ports import free_port
         from dualrun.rank.wiring import group_port_env
         from dualrun.weight_sync import port_host
 
@@ -219,7 +219,7 @@ class LocalServers(ServerSet):
 
     def _restart(self, index: int, label: str, died: float) -> None:
         """`_replace`'s steps: spawn on a fresh port, wait for health, `replace` at the router, wait for rotation."""
-        from dualrun.servers import router_client
+        from dualrun.serving import router_client
         from dualrun.servers.replacing import back_line, router_of
 
         with self._lock:
@@ -250,7 +250,7 @@ class LocalServers(ServerSet):
         """Ask each router with restartable replicas for its table: a replica it found hung (`replacing.hung`) is
         stopped and its death reported as being hung, so it is restarted; without a restart left (or no other
         replica serving) it stays out of rotation, routed around."""
-        from dualrun.servers import router_client
+        from dualrun.serving import router_client
         from dualrun.servers.replacing import HUNG_GRACE_S, hung, hung_line, router_of, survivable
 
         for index in list(self.restarts_left):

@@ -98,7 +98,7 @@ class Machines:
                 print(f"dualrun: {plan.servers[index].unit}: server healthy at {address}", file=sys.stderr, flush=True)
             store.set(job_store.WIRING_KEY, json.dumps(servers.shared_wiring()))
             # the thread that started the routers stays until they stop: a server dies with the thread that
-            # spawned it (PR_SET_PDEATHSIG, dualrun.parent_death)
+            # spawned it (PR_SET_PDEATHSIG, dualrun.light.parent_death)
             servers.wait_stopped()
         except ServerError as e:
             servers.report(ServerDeath.of(None, e))

@@ -24,7 +24,7 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
     router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
     if proc.kind == ROUTER:
-        from dualrun.servers.router import router_argv
+        from dualrun.serving.router import router_argv
 
         return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,
                            server_role(cfg, proc).request_timeout_s)
@@ -56,7 +56,7 @@ def server_previews(cfg: JobConfig, plugin: Any, plan: Plan, host: str, node: in
 
 
 def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
-    from dualrun.servers.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
+    from dualrun.serving.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
 
     return HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
 

@@ -24,7 +24,7 @@ import tempfile
 import threading
 from typing import Any, Callable, Collection, Mapping
 
-from dualrun.line_queue import STDERR, LineQueue
+from dualrun.light.line_queue import STDERR, LineQueue
 from dualrun.protocol import ActorPlace, ServerStart
 from dualrun.servers.process import ServerError, ServerProcess
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
@@ -41,7 +41,7 @@ class ServerActor:
     def where(self, avoid: list[int] | None = None) -> ActorPlace:
         import ray
 
-        from dualrun.ports import free_port
+        from dualrun.light.ports import free_port
 
         ip = ray.util.get_node_ip_address()
         port = free_port(ip, set(avoid or ()))

@@ -46,7 +46,7 @@ def hung(row: Mapping[str, Any], out_for_s: float, request_timeout_s: float) -> 
     """Whether the router's row (`router_client.replicas`) shows a hung replica: out for `timeout` (a request got
     no answer within `request_timeout_s`), or its health probes failing for that long (`out_for_s`, as the launcher
     saw it) while the process lives (a stopped one answers nothing)."""
-    from dualrun.servers.rotation import PROBE, TIMEOUT
+    from dualrun.serving.rotation import PROBE, TIMEOUT
 
     if row.get("in_rotation"):
         return False

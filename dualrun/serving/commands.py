@@ -3,7 +3,7 @@
 Why here and not in each plugin: GRPO's rollout and GKD's rollout/teacher start the same engines; the plugins
 only choose which one (and check what they need, e.g. a model path).
 
-Every command starts with the interpreter placeholder (`dualrun.interpreter.PYTHON`): the process that spawns it
+Every command starts with the interpreter placeholder (`dualrun.light.interpreter.PYTHON`): the process that spawns it
 (this machine's server launcher, or the server's Ray actor on its own node) puts its own Python there.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Sequence
 from dualrun.config.model import JobConfig, RoleSpec
 # the engines' shape (engine, size, replicas, env) lives below the plan that places them (dualrun/engine_shape.py)
 from dualrun.engine_shape import engine_of
-from dualrun.engines.gloo_plugin import GLOO_BACKEND
+from dualrun.serving.gloo_plugin import GLOO_BACKEND
 from dualrun.envinfo import vllm_cpu_only
 from dualrun.envspec import abbreviates
-from dualrun.interpreter import PYTHON
+from dualrun.light.interpreter import PYTHON
 
 HEALTH_PATH = "/health"  # vLLM's OpenAI server and dualrun's CPU engine
 # vLLM's CLI (`vllm serve`), run as a module so the node's interpreter runs it (TRL's build_command does the same).
@@ -28,7 +28,7 @@ VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"  # the same server and fl
 TRL_ROLLOUT_FLAGS = ("--weight-transfer-config", json.dumps({"backend": "nccl"}),
                      "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
 WEIGHT_TRANSFER_FLAG = "--weight-transfer-config"
-# vLLM's CPU build: NCCL needs CUDA, so the rollout takes the trainer's weights over gloo (dualrun.engines.gloo_transfer,
+# vLLM's CPU build: NCCL needs CUDA, so the rollout takes the trainer's weights over gloo (dualrun.serving.gloo_transfer,
 # registered in vLLM by dualrun's `vllm.general_plugins` entry point; TRL's client takes the gloo path through
 # dualrun.rank.gloo_client).
 GLOO_WEIGHT_TRANSFER = json.dumps({"backend": GLOO_BACKEND})
@@ -79,7 +79,7 @@ def vllm_serve(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
 
 def cpu_engine(role: RoleSpec, model: str, host: str, port: int) -> list[str]:
     """dualrun's transformers engine: the same HTTP subset, for CPUs, tests and laptops."""
-    return [PYTHON, "-m", "dualrun.engines.transformers_server", "--model", model, "--host", host,
+    return [PYTHON, "-m", "dualrun.serving.transformers_server", "--model", model, "--host", host,
             "--port", str(port), *role.server_args]
 
 

@@ -2,7 +2,7 @@
 
 Why a plugin: vLLM's own engines (NCCL, IPC, ...) need CUDA; vLLM loads general plugins in each of its processes
 (API server, engine core, workers) before a worker creates its engine from `--weight-transfer-config`, so
-`{"backend": "gloo"}` resolves there to `dualrun.engines.gloo_transfer`. Registration is lazy (a module path), so
+`{"backend": "gloo"}` resolves there to `dualrun.serving.gloo_transfer`. Registration is lazy (a module path), so
 every other vLLM process on a machine with dualrun installed pays one dict entry and no import.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ def register() -> None:
     except ImportError:   # a vLLM without the weight-transfer registry (< 0.28): nothing to extend
         return
     if GLOO_BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, "dualrun.engines.gloo_transfer",
+        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, "dualrun.serving.gloo_transfer",
                                                     "GlooWeightTransferEngine")
 
 

@@ -1,6 +1,6 @@
 """vLLM's weight-transfer engine over gloo: the trainer's weights reach a vLLM CPU engine without CUDA or NCCL.
 
-Loaded inside vLLM's worker processes (registered by `dualrun.engines.gloo_plugin`, created by the worker from
+Loaded inside vLLM's worker processes (registered by `dualrun.serving.gloo_plugin`, created by the worker from
 `--weight-transfer-config '{"backend": "gloo"}'`). The same `init_info` fields as vLLM's NCCL engine
 (`master_address`, `master_port`, `rank_offset`, `world_size`, `packed`), so TRL's client and dualrun's router
 drive it unchanged: the trainer is rank 0 of a stateless torch.distributed group (vLLM's
@@ -25,7 +25,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-from dualrun.engines.gloo_plugin import GROUP_TIMEOUT_S, PACKED_BUFFER_BYTES, chunk_bounds
+from dualrun.serving.gloo_plugin import GROUP_TIMEOUT_S, PACKED_BUFFER_BYTES, chunk_bounds
 
 
 @dataclass(kw_only=True)

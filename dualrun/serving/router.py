@@ -1,6 +1,6 @@
 """Several engine replicas behind one host:port, for TRL's server protocol.
 
-    python -m dualrun.servers.router --host 127.0.0.1 --port 8000 --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
+    python -m dualrun.serving.router --host 127.0.0.1 --port 8000 --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
 
 Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data parallelism for dense models inside one
 server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
@@ -31,9 +31,9 @@ from typing import Any, Sequence
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from dualrun.config.checks import host_port
-from dualrun.interpreter import PYTHON
-from dualrun.servers import rotation, routing
-from dualrun.servers.rotation import Replica
+from dualrun.light.interpreter import PYTHON
+from dualrun.serving import rotation, routing
+from dualrun.serving.rotation import Replica
 
 PROBE_INTERVAL_S = 1.0   # between two health probes of one replica
 PROBE_TIMEOUT_S = 5.0    # a probe not answered by then fails (a busy engine still answers /health within it)
@@ -344,14 +344,14 @@ def _error(status: int, message: str) -> web.Response:
 
 def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s: float | None = None) -> list[str]:
     """The router's command line (for a ServerProcess; health at `/health`)."""
-    argv = [PYTHON, "-m", "dualrun.servers.router", "--host", host, "--port", str(port)]
+    argv = [PYTHON, "-m", "dualrun.serving.router", "--host", host, "--port", str(port)]
     for address in replicas:
         argv += ["--replica", address]
     return argv + ([] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"])
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="dualrun.servers.router", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="dualrun.serving.router", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--replica", action="append", default=[], help="host:port of a replica (repeat)")

@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from dualrun.servers import routing
+from dualrun.serving import routing
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # loopback and cluster hosts: no proxy
 

