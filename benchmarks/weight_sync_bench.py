@@ -228,8 +228,8 @@ class TimedClient:
 
 
 def chunk_sizes(model) -> list[int]:
-    """The packed chunks' sizes in bytes, cut as the gloo path cuts them (dualrun.serving.gloo_plugin)."""
-    from dualrun.serving.gloo_plugin import PACKED_BUFFER_BYTES, chunk_bounds
+    """The packed chunks' sizes in bytes, cut as the gloo path cuts them (dualrun.gloo_wire)."""
+    from dualrun.gloo_wire import PACKED_BUFFER_BYTES, chunk_bounds
 
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     return [sum(sizes[a:b]) for a, b in chunk_bounds(sizes, PACKED_BUFFER_BYTES)]

@@ -10,6 +10,9 @@ from dualrun.config.model import JobConfig, RoleSpec
 
 # The endpoints TRL's VLLMClient uses (weight transfer, /server_info, prefix-cache reset) live behind dev mode.
 ROLLOUT_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+# Roles whose dead replicas are not restarted (dualrun/servers/replacing.py; the config check in dualrun/plugin.py):
+# a rollout needs the trainer's weights before it serves (issue #25 point 3).
+NOT_RESTARTED_ROLES = frozenset({"rollout"})
 
 
 def engine_of(cfg: JobConfig, role: RoleSpec) -> str:

@@ -1,7 +1,9 @@
-"""Method plugins: which roles a method has, how they are validated, served and wired into the trainer.
+"""Method plugins, their driver half: which roles a method has, how they are validated and served.
 
-Built-in plugins live in the top-level `plugins/` folder (installed as `dualrun.plugins.<name>`);
-third-party ones register a `MethodPlugin` subclass (or instance) under the entry-point group `dualrun.plugins`.
+Built-in plugins live in the top-level `plugins/` folder (installed as `dualrun.plugins.<name>`), each with its worker
+half (the hooks that wire the trainer) in `plugins/workers/<name>.py`, found by dualrun/rank/method.py, so a worker
+imports neither the config nor the servers' command lines. Third-party ones register a `MethodPlugin` subclass (or
+instance) under the entry-point group `dualrun.plugins`, and may keep both halves in it (its `activate`).
 """
 from __future__ import annotations
 
@@ -10,9 +12,8 @@ from typing import Any, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.errors import ConfigError
-from dualrun.protocol import Settings, address_env
+from dualrun.protocol import PLUGIN_ENTRY_POINTS, address_env
 
-ENTRY_POINT_GROUP = "dualrun.plugins"
 ALIASES = {"pt": "sft"}
 
 
@@ -55,9 +56,9 @@ class MethodPlugin:
         """Env for the trainer ranks, given each separate role's `host:port`."""
         return {address_env(name): addr for name, addr in servers.items()}
 
-    # -- worker side -------------------------------------------------------------------------------
+    # -- worker side (a third-party plugin's; a built-in's is plugins/workers/<name>.py) -----------------------
     def activate(self, settings: Mapping[str, Any]) -> None:
-        """Install hooks in a worker before the user's script runs."""
+        """Install hooks in a worker before the user's script runs (dualrun/rank/method.py calls it)."""
 
 
 def router_keys(cfg: JobConfig) -> None:
@@ -82,7 +83,7 @@ def router_keys(cfg: JobConfig) -> None:
 
 def restarts_do_nothing(cfg: JobConfig, role: RoleSpec, replicas: int) -> str | None:
     """Why `replica_restarts` would restart nothing for `role` (None: it takes effect; servers/replacing.py)."""
-    from dualrun.servers.replacing import NOT_RESTARTED_ROLES
+    from dualrun.engine_shape import NOT_RESTARTED_ROLES
 
     if replicas == 1:
         return "one engine has no router to take a restarted one back"
@@ -108,7 +109,7 @@ def get_plugin(name: str, source: str = "<config>") -> MethodPlugin:
                 return plugin() if isinstance(plugin, type) else plugin
     from importlib.metadata import entry_points
 
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in entry_points(group=PLUGIN_ENTRY_POINTS):
         if ep.name == name:
             plugin = ep.load()
             return plugin() if isinstance(plugin, type) else plugin
@@ -122,15 +123,12 @@ def available() -> list[str]:
     try:
         import dualrun.plugins as pkg
 
-        names.update(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+        names.update(m.name for m in pkgutil.iter_modules(pkg.__path__)   # `workers`: the worker halves
+                     if not m.name.startswith("_") and not m.ispkg)
     except ImportError:
         pass
     from importlib.metadata import entry_points
 
-    names.update(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+    names.update(ep.name for ep in entry_points(group=PLUGIN_ENTRY_POINTS))
     return sorted(names)
 
-
-def worker_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The job settings (DUALRUN_SETTINGS) as the plain mapping `MethodPlugin.activate` takes."""
-    return Settings.from_env(environ).to_dict()

@@ -44,6 +44,9 @@ CACHE = "DUALRUN_CACHE"                    # '0': no on-disk cache of accelerate
 DEBUG = "DUALRUN_DEBUG"                    # '1': print the traceback of an unexpected error
 FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns) to forward to the workers
 
+# The entry-point group third-party method plugins register under (read by the driver and by every worker).
+PLUGIN_ENTRY_POINTS = "dualrun.plugins"
+
 # Names the driver sets for every process: a config's `env:` must not override them.
 RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN)
 
@@ -55,6 +58,12 @@ def address_env(role: str) -> str:
 
 ROLLOUT_ADDRESS = address_env("rollout")
 TEACHER_ADDRESS = address_env("teacher")
+
+
+def group_port_env(wiring: Mapping[str, str], port: int | None) -> dict[str, str]:
+    """The trainers' weight-sync port, for jobs with a rollout server (picked where rank 0 runs: the torchrun
+    driver's machine, or rank 0's Ray actor, alongside MASTER_PORT)."""
+    return {VLLM_GROUP_PORT: str(port)} if port and ROLLOUT_ADDRESS in wiring else {}
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,18 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "dualrun"
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "dualrun"
+# the built-in method plugins: the top-level `plugins/` folder, installed as `dualrun.plugins` (pyproject.toml)
+PACKAGES = {PKG: ("dualrun",), REPO / "plugins": ("dualrun", "plugins")}
 
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for path in PKG.rglob("*.py"):
-        parts = ("dualrun",) + path.relative_to(PKG).with_suffix("").parts
-        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for root, prefix in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            parts = prefix + path.relative_to(root).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return mods
 
 
@@ -91,14 +95,16 @@ def test_no_import_cycle_inside_dualrun():
 
 
 def test_no_module_imports_upward():
-    """servers/, roles/ and the Ray resource layer sit below the launchers: none of them imports
-    dualrun.launchers (the Ray layer imports none of its users either); the worker side imports no driver-side
-    package."""
+    """servers/ (the lifecycle), roles/ and the Ray resource layer sit below the launchers: none of them imports
+    dualrun.launchers (the Ray layer imports none of its users either); the server programs (serving/) sit below
+    the lifecycle that starts them; the worker side imports no driver-side package."""
     mods = _modules()
     graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    lifecycle = ("dualrun.launchers", "dualrun.servers", "dualrun.roles", "dualrun.raycluster")
     below = {"dualrun.servers": ("dualrun.launchers",), "dualrun.roles": ("dualrun.launchers",),
              "dualrun.raycluster": ("dualrun.launchers", "dualrun.servers", "dualrun.roles"),
-             "dualrun.rank": ("dualrun.launchers", "dualrun.servers", "dualrun.roles", "dualrun.raycluster")}
+             "dualrun.serving": (*lifecycle, "dualrun.rank", "dualrun.plugin", "dualrun.plugins", "dualrun.plan"),
+             "dualrun.rank": lifecycle}
     upward = sorted(f"{name} -> {dep}" for name, deps in graph.items() for pkg, banned in below.items()
                     if name == pkg or name.startswith(pkg + ".") for dep in deps
                     if any(dep == b or dep.startswith(b + ".") for b in banned))
@@ -186,3 +192,58 @@ def test_config_imports_nothing_above_it():
     upward = sorted(f"{name} -> {dep}" for name in config for dep in _reached(graph, {name})
                     if not any(dep == low or dep.startswith(low + ".") for low in CONFIG_READS))
     assert upward == []
+
+
+def _in(module: str, packages: tuple[str, ...] | set[str]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+# The worker side: what a rank imports (the entry point, the hooks, the plugins' worker halves) reaches only itself,
+# the protocol, the standard-library-only modules and the gloo wire it shares with the server; never the config,
+# the plan, a plugin's driver half, the server programs or anything that starts a process.
+WORKER_SIDE = ("dualrun.rank", "dualrun.plugins.workers")
+WORKER_READS = (*WORKER_SIDE, "dualrun.protocol", "dualrun.light", "dualrun.gloo_wire", "dualrun.job_store",
+                "dualrun.funcs")
+# A plugin's driver half reads the config and names its servers' command lines (serving.commands), and may import
+# its own worker half; it never reaches the server programs themselves, the plan or the lifecycle.
+PLUGIN_READS = (*CONFIG_READS, "dualrun.engine_shape", "dualrun.serving.commands", "dualrun.gloo_wire",
+                "dualrun.light", "dualrun.plugin", "dualrun.plugins", *WORKER_READS)
+# What the driver shares with the workers lives in the protocol or light/, not in the worker side itself.
+SHARED_WITH_WORKERS = ("dualrun.protocol", "dualrun.light")
+
+
+def test_the_worker_side_reaches_no_driver_side_module():
+    """rank/bootstrap.py activates a method through dualrun/rank/method.py and the plugin's worker half: nothing a
+    rank imports, even through another module, is the config, the plan, a plugin's driver half or a server."""
+    graph = _graph()
+    side = {name for name in graph if _in(name, WORKER_SIDE)}
+    assert {"dualrun.rank.bootstrap", "dualrun.plugins.workers.gkd"} <= side and graph["dualrun.rank.bootstrap"], \
+        "the import scan found nothing: it is broken"
+    outside = sorted(f"{name} -> {dep}" for name in sorted(side) for dep in _reached(graph, {name})
+                     if dep != "dualrun" and not _in(dep, WORKER_READS))
+    assert outside == [], "the worker side reaches the driver side: split the module, or move the shared part down"
+
+
+def test_plugins_reach_only_the_config_and_the_command_lines():
+    """A method plugin's driver half (dualrun/plugin.py, plugins/*.py): the config, the engines' shape, the catalogue
+    of command lines (dualrun.serving.commands) and its own worker half; not the plan, the servers' lifecycle,
+    a server program or a launcher."""
+    graph = _graph()
+    plugins = {name for name in graph if _in(name, ("dualrun.plugin", "dualrun.plugins"))
+               and not _in(name, WORKER_SIDE)}
+    assert {"dualrun.plugin", "dualrun.plugins.grpo", "dualrun.plugins.gkd"} <= plugins, "the scan is broken"
+    assert graph["dualrun.plugins.grpo"], "the import scan found nothing: it is broken"
+    outside = sorted(f"{name} -> {dep}" for name in sorted(plugins) for dep in _reached(graph, {name})
+                     if dep != "dualrun" and not _in(dep, PLUGIN_READS))
+    assert outside == []
+
+
+def test_the_driver_side_imports_nothing_of_the_worker_side():
+    """Launchers, servers, the server programs, the plan and the config import no module of rank/: what both sides
+    need (an env name, a port) lives in the protocol or light/ (e.g. `protocol.group_port_env`)."""
+    graph = _graph()
+    driver = {name for name in graph if not _in(name, (*WORKER_SIDE, "dualrun.plugins", "dualrun.plugin"))
+              and not _in(name, SHARED_WITH_WORKERS) and name != "dualrun"}
+    assert "dualrun.launchers.ray" in driver and graph["dualrun.launchers.ray"], "the scan is broken"
+    into = sorted(f"{name} -> {dep}" for name in sorted(driver) for dep in graph[name] if _in(dep, WORKER_SIDE))
+    assert into == []

@@ -23,7 +23,8 @@ SKIP = shutil.ignore_patterns(".git", ".venv*", "venv", "build", "dist", "*.egg-
 
 MUST_HAVE = ["dualrun/__init__.py", "dualrun/cli.py", "dualrun/rank/bootstrap.py", "dualrun/config/schema.py",
              "dualrun/plugins/__init__.py", "dualrun/plugins/sft.py", "dualrun/plugins/grpo.py",
-             "dualrun/plugins/gkd.py", "dualrun/plugins/sampling.py", "dualrun/launchers/ray.py",
+             "dualrun/plugins/gkd.py", "dualrun/plugins/sampling.py", "dualrun/plugins/workers/grpo.py",
+             "dualrun/plugins/workers/gkd.py", "dualrun/launchers/ray.py",
              "dualrun/launchers/ray_worker.py", "dualrun/launchers/torchrun.py"]
 MUST_HAVE_DIRS = ["dualrun/servers/", "dualrun/serving/", "dualrun/light/", "dualrun/roles/", "dualrun/launchers/",
                   "dualrun/config/", "dualrun/plugins/"]

@@ -9,7 +9,7 @@ import sys
 from dualrun import protocol
 from dualrun.config import build_config
 from dualrun.plan import make_plan
-from dualrun.plugin import worker_settings
+from dualrun.rank.method import worker_settings
 from helpers import REPO
 
 

@@ -10,12 +10,12 @@ import pytest
 
 from dualrun.config import build_config
 from dualrun.plan import make_plan
-from plugins.grpo import colocate_fields
+from dualrun.plugins.workers.grpo import colocate_fields
 
 PROBE = """
 import json, os, sys
-from dualrun.plugin import get_plugin, worker_settings
-get_plugin(os.environ["DUALRUN_METHOD"]).activate(worker_settings())
+from dualrun.rank.method import activate
+activate(os.environ["DUALRUN_METHOD"])   # what rank/bootstrap.py does: the plugin's worker half
 import trl
 {body}
 """

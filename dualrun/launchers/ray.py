@@ -26,8 +26,7 @@ from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, boot
 from dualrun.launchers.ray_results import first_line
 from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
 from dualrun.plan import AUTO, Cluster, Plan, Process, units
-from dualrun.protocol import ActorPlace
-from dualrun.rank.wiring import group_port_env
+from dualrun.protocol import ActorPlace, group_port_env
 from dualrun.servers.planned import server_previews
 from dualrun.servers.serverset import ServerDeath, ServerSet
 

@@ -53,9 +53,9 @@ def _activate_plugin() -> None:
     method = os.environ.get(METHOD)
     if not method:
         return
-    from dualrun.plugin import get_plugin, worker_settings
+    from dualrun.rank.method import activate
 
-    get_plugin(method).activate(worker_settings())
+    activate(method)   # the plugin's worker half (dualrun/rank/method.py)
 
 
 def _call(path: str) -> object:

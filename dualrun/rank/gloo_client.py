@@ -1,4 +1,5 @@
-"""The trainer's side of the gloo weight transfer (`dualrun.serving.gloo_transfer`), given to TRL's `VLLMClient`.
+"""The trainer's side of the gloo weight transfer (`dualrun.serving.gloo_transfer`), given to TRL's `VLLMClient`;
+the wire both sides agree on is `dualrun.gloo_wire`.
 
 Why: TRL 1.16's `VLLMClient` opens vLLM's NCCL endpoint in `init_communicator` (and refuses a non-CUDA device),
 broadcasts through `packed_nccl_broadcast_producer` (CUDA streams) in `update_named_params`, and closes the NCCL
@@ -15,7 +16,7 @@ import atexit
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
-from dualrun.serving.gloo_plugin import GLOO_BACKEND, PACKED_BUFFER_BYTES
+from dualrun.gloo_wire import GLOO_BACKEND, PACKED_BUFFER_BYTES
 
 _INSTALLED = "_dualrun_gloo"
 
@@ -33,7 +34,7 @@ class GlooEndpoint:
             self.group.broadcast(chunk.packed_tensor, 0).wait()
 
     def close(self) -> None:
-        from dualrun.serving.gloo_transfer import close_group
+        from dualrun.gloo_wire import close_group
 
         group, self.group = self.group, None
         if group is not None:
@@ -50,7 +51,7 @@ def init_gloo(client: Any) -> None:
     """TRL's `init_communicator`, over gloo: the server joins while this process opens the group as rank 0."""
     from vllm.utils.network_utils import get_ip
 
-    from dualrun.serving.gloo_transfer import open_group
+    from dualrun.gloo_wire import open_group
 
     init_info = {"master_address": get_ip(), "master_port": client.group_port, "rank_offset": 1,
                  "world_size": client.get_world_size() + 1, "packed": True,

@@ -59,7 +59,7 @@ def _patch_init_process_group(dist, timeout_s: float) -> None:
 
 
 def activate() -> None:
-    from dualrun.plugin import worker_settings
+    from dualrun.rank.method import worker_settings
 
     timeout_s = worker_settings().get("collective_timeout_s")
     cpu_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"

@@ -13,7 +13,6 @@ import functools
 import sys
 from typing import Any, Callable, Mapping
 
-from dualrun.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
 
 _EXPLICIT = "_dualrun_explicit_fields"
 
@@ -78,12 +77,6 @@ def fill_defaults(cls: type, values: Mapping[str, Any] | Callable[[Any], Mapping
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host, int(port)
-
-
-def group_port_env(wiring: Mapping[str, str], port: int | None) -> dict[str, str]:
-    """The trainers' weight-sync port, for jobs with a rollout server (picked where rank 0 runs: the torchrun
-    driver's machine, or rank 0's Ray actor, alongside MASTER_PORT)."""
-    return {VLLM_GROUP_PORT: str(port)} if port and ROLLOUT_ADDRESS in wiring else {}
 
 
 def rollout_fields(address: str, group_port: str | None = None) -> dict[str, Any]:

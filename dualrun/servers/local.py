@@ -183,11 +183,10 @@ class LocalServers(ServerSet):
         free weight-sync port on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's
         value is used)."""
         from dualrun.light.ports import free_port
-        from dualrun.rank.wiring import group_port_env
         from dualrun.weight_sync import port_host
 
         env = wiring_env(self.cfg, self.plugin, self.addresses)
-        env.update(group_port_env(env, free_port(port_host(self.cfg))))
+        env.update(protocol.group_port_env(env, free_port(port_host(self.cfg))))
         return env
 
     # -- watching ------------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Collection, Mapping
 
+from dualrun.engine_shape import NOT_RESTARTED_ROLES
 from dualrun.plan import ROUTER, Plan
 
 HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
-NOT_RESTARTED_ROLES = frozenset({"rollout"})   # needs the trainer's weights before it serves (issue #25 point 3)
 
 
 def restart_budget(cfg: Any, plan: Plan) -> dict[int, int]:

@@ -15,7 +15,7 @@ from typing import Sequence
 from dualrun.config.model import JobConfig, RoleSpec
 # the engines' shape (engine, size, replicas, env) lives below the plan that places them (dualrun/engine_shape.py)
 from dualrun.engine_shape import engine_of
-from dualrun.serving.gloo_plugin import GLOO_BACKEND
+from dualrun.gloo_wire import GLOO_BACKEND
 from dualrun.envinfo import vllm_cpu_only
 from dualrun.envspec import abbreviates
 from dualrun.light.interpreter import PYTHON

@@ -7,7 +7,7 @@ every other vLLM process on a machine with dualrun installed pays one dict entry
 """
 from __future__ import annotations
 
-GLOO_BACKEND = "gloo"   # the name in `--weight-transfer-config` and in the server's reported config
+from dualrun.gloo_wire import GLOO_BACKEND
 
 
 def register() -> None:
@@ -20,22 +20,3 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(GLOO_BACKEND, "dualrun.serving.gloo_transfer",
                                                     "GlooWeightTransferEngine")
 
-
-# -- the wire both sides agree on (the vLLM worker's engine and the trainer's endpoint, dualrun/rank/gloo_client.py)
-# Packed chunks of 64 MiB, not vLLM's 1 GiB default: on a CPU each chunk is one more copy of that many bytes in RAM.
-PACKED_BUFFER_BYTES = 64 * 1024 * 1024
-GROUP_TIMEOUT_S = 600   # one collective of the weight-sync group (a chunk); a vanished peer fails within it
-
-
-def chunk_bounds(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int]]:
-    """Pure: (start, stop) of each packed chunk over tensors of `sizes` bytes, cut as vLLM's `pack_tensors` cuts
-    them (a chunk ends with the tensor that takes it past `buffer_bytes`), so the receiver sizes the same chunks."""
-    bounds, start, total = [], 0, 0
-    for i, size in enumerate(sizes):
-        total += size
-        if total > buffer_bytes:
-            bounds.append((start, i + 1))
-            start, total = i + 1, 0
-    if start < len(sizes):
-        bounds.append((start, len(sizes)))
-    return bounds

@@ -5,19 +5,18 @@ Loaded inside vLLM's worker processes (registered by `dualrun.serving.gloo_plugi
 (`master_address`, `master_port`, `rank_offset`, `world_size`, `packed`), so TRL's client and dualrun's router
 drive it unchanged: the trainer is rank 0 of a stateless torch.distributed group (vLLM's
 `init_gloo_process_group` over a TCPStore the trainer hosts), each worker joins at `rank_offset` plus its rank,
-and every update is a broadcast from rank 0, packed into byte chunks (`gloo_plugin.chunk_bounds`) or one tensor
-at a time. Received weights load through vLLM's layerwise reload, as NCCL's do, so layers whose kernels repack
+and every update is a broadcast from rank 0, packed into byte chunks (`dualrun.gloo_wire.chunk_bounds`) or one
+tensor at a time. Received weights load through vLLM's layerwise reload, as NCCL's do, so layers whose kernels repack
 their weights (the CPU linear layers) are processed again.
 
-Imports vLLM: vLLM's processes import it, and so does a trainer syncing to a gloo server (`open_group` and
-`close_group` serve both sides; TRL's client already needs vLLM there).
+Imports vLLM: only vLLM's processes import it; what the trainer shares with it (the chunks, the group) is
+dualrun.gloo_wire.
 """
 from __future__ import annotations
 
 import math
 import sys
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
-from dualrun.serving.gloo_plugin import GROUP_TIMEOUT_S, PACKED_BUFFER_BYTES, chunk_bounds
+from dualrun.gloo_wire import PACKED_BUFFER_BYTES, chunk_bounds, close_group, open_group
 
 
 @dataclass(kw_only=True)
@@ -49,24 +48,6 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"names, dtype_names and shapes differ in length: {len(self.names)}, "
                              f"{len(self.dtype_names)}, {len(self.shapes)}")
-
-
-def open_group(address: str, port: int, rank: int, world_size: int) -> Any:
-    """This process's member of the weight-sync group; rank 0 (the trainer) hosts its TCPStore on `port`.
-
-    Why not `stateless_init_torch_distributed_process_group`: it meets through torch's `rendezvous`, which under
-    torchrun (TORCHELASTIC_USE_AGENT_STORE) joins the agent's store as a client instead of hosting one on `port`,
-    so the trainer's rank 0 would host nothing and every member would wait."""
-    from torch.distributed import PrefixStore, TCPStore
-    from vllm.distributed.utils import init_gloo_process_group
-
-    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-    store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    return init_gloo_process_group(PrefixStore(f"dualrun-gloo:{address}:{port}", store), rank, world_size, timeout)
-
-
-def close_group(group: Any) -> None:
-    group.shutdown()
 
 
 def refresh_tied_heads(model: torch.nn.Module) -> None:
