@@ -78,7 +78,7 @@ class ServerProcess:
                  health_path: str = "/health", timeout_s: float = 600.0, log_path: str | None = None,
                  stream: TextIO | None = sys.stderr, check_host: str | None = None,
                  die_with_parent: bool = True, cwd: str | None = None) -> None:
-        # a command built elsewhere names no interpreter path (dualrun.light.interpreter): the spawning process runs its own
+        # a command built elsewhere names no interpreter path (light/interpreter.py): the spawning process runs its own
         self.label, self.argv, self.env = label, resolve(argv), dict(env)
         self.host, self.port, self.health_path, self.timeout_s = host, port, health_path, timeout_s
         self.log_path, self.stream, self.die_with_parent = log_path, stream, die_with_parent

@@ -8,7 +8,7 @@ the server's devices can never be a trainer's. Two phases, like the trainers' re
 node IP, GPUs and a free port on its node; the driver builds the command with the plugin (which stays on the
 driver) and the actor starts it and waits for health there. The trainers then get `ip:port`. The server's output
 reaches the driver's stderr as under torchrun, `[teacher server 0] ...`, by the long-poll the rank actors use
-(line_queue.py), from its first line (while it loads) to its last; `log_dir` still gets all of it.
+(light/line_queue.py), from its first line (while it loads) to its last; `log_dir` still gets all of it.
 
 `RayServers` is the Ray implementation of the server-set interface (servers/serverset.py): the launcher starts
 it, gives every rank its `wiring_env()`, watches it (one waiting call per server, resolved when the server ends,

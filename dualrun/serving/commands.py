@@ -28,7 +28,7 @@ VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"  # the same server and fl
 TRL_ROLLOUT_FLAGS = ("--weight-transfer-config", json.dumps({"backend": "nccl"}),
                      "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1")
 WEIGHT_TRANSFER_FLAG = "--weight-transfer-config"
-# vLLM's CPU build: NCCL needs CUDA, so the rollout takes the trainer's weights over gloo (dualrun.serving.gloo_transfer,
+# vLLM's CPU build: NCCL needs CUDA, so the rollout takes the trainer's weights over gloo (serving/gloo_transfer.py,
 # registered in vLLM by dualrun's `vllm.general_plugins` entry point; TRL's client takes the gloo path through
 # dualrun.rank.gloo_client).
 GLOO_WEIGHT_TRANSFER = json.dumps({"backend": GLOO_BACKEND})
