@@ -4,27 +4,46 @@ Why a module of its own: the server sets (processes here, later Ray actors) rest
 takes it back (rotation.py); whether a death is survivable at all, and the one line each event prints, are the same
 rules for every backend and unit-testable without a process.
 
-A replica may be restarted when it stands behind a router (its role has several engines), its role keeps static
-weights (a teacher, a reward model: not a GRPO `rollout`, which would serve stale weights until the next sync, not
-done yet), restarts of it are left, and another replica of its role is still serving (the last one gone ends the
-job as before).
+A replica may be restarted when it stands behind a router (its role has several engines), restarts of it are left,
+and another replica of its role is still serving (the last one gone ends the job as before). A replica whose engine
+takes the trainer's weights (a `rollout` on vLLM) is restarted only by a backend that holds it out of rotation until
+it has them (`restart_budget(..., holds=True)`): the launcher `remove`s the dead one at its router (the next sync
+re-forms the weight-sync group without it), `replace`s it with `hold` once healthy, and the router restores it after
+its first completed weight update (rotation.py; the trainer's side: dualrun/rank/regroup.py). A teacher or reward
+model keeps static weights: back in rotation once healthy.
 """
 from __future__ import annotations
 
 from typing import Any, Collection, Mapping
 
-from dualrun.plan import ROUTER, Plan
+from dualrun.plan import ROUTER, Plan, Process
 
 HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
-NOT_RESTARTED_ROLES = frozenset({"rollout"})   # needs the trainer's weights before it serves (issue #25 point 3)
+SYNCED_ROLES = frozenset({"rollout"})   # the trainer pushes its weights to these roles' engines (when on vLLM)
+HOLDING_BACKENDS = frozenset({"torchrun"})   # whose server sets replace such a replica with `hold` (holds=True)
 
 
-def restart_budget(cfg: Any, plan: Plan) -> dict[int, int]:
-    """plan.servers index -> restarts allowed, for every engine replica that may be restarted at all."""
+def role_takes_weights(cfg: Any, role: Any) -> bool:
+    """Whether the engines of `role` receive the trainer's weights: a rollout on vLLM (dualrun's transformers
+    engine has no weight transfer: it serves the model it loaded, as its restart does)."""
+    from dualrun.engine_shape import engine_of
+
+    return role is not None and role.name in SYNCED_ROLES and engine_of(cfg, role) == "vllm"
+
+
+def takes_weights(cfg: Any, proc: Process) -> bool:
+    """`role_takes_weights` of the replica `proc`."""
+    return role_takes_weights(cfg, cfg.role(proc.roles[0]))
+
+
+def restart_budget(cfg: Any, plan: Plan, holds: bool = False) -> dict[int, int]:
+    """plan.servers index -> restarts allowed, for every engine replica that may be restarted at all. `holds`: the
+    backend replaces a replica that takes the trainer's weights with `hold` (`takes_weights`); without it such a
+    replica is not restarted (it would serve stale weights)."""
     routed = {p.unit for p in plan.servers if p.kind == ROUTER}
     budget = {}
     for index, proc in enumerate(plan.servers):
-        if proc.kind == ROUTER or proc.unit not in routed or NOT_RESTARTED_ROLES & set(proc.roles):
+        if proc.kind == ROUTER or proc.unit not in routed or (not holds and takes_weights(cfg, proc)):
             continue
         role = cfg.role(proc.roles[0])
         if role is not None and role.replica_restarts > 0:
@@ -69,6 +88,12 @@ def router_of(plan: Plan, index: int) -> tuple[int, int]:
 def restarting_line(death_line: str, used: int, allowed: int) -> str:
     """The launch's line when a replica died and is restarted."""
     return f"dualrun: {death_line}; restarting it on the same devices (restart {used} of {allowed}, replica_restarts)"
+
+
+def held_line(label: str, address: str) -> str:
+    """The launch's line when a restarted replica that takes the trainer's weights is healthy, held by its router."""
+    return (f"dualrun: {label} is healthy again at {address}; out of rotation until it holds the trainer's weights "
+            "(it joins the weight-sync group at the next sync)")
 
 
 def back_line(label: str, address: str, seconds: float) -> str:
