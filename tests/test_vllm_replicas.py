@@ -84,7 +84,8 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
     text = err.read_text()
     assert code == 0, text[-4000:]
     assert re.search(r"dualrun: rollout server 1 exited with code -9 \(killed by SIGKILL\) while the job was running"
-                     r".*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", text), text[-3000:]
+                     r".*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", text), \
+        text[-3000:]
     assert re.search(r"dualrun: rollout server 1 is healthy again at [\d.]+:\d+; out of rotation until it holds the "
                      r"trainer's weights", text)
     assert text.count("re-forming the weight-sync group before this sync") == 2, text[-3000:]   # without it, with it
@@ -104,7 +105,7 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
     survivor = (logs / "rollout-server-0.log").read_text()
     assert [int(n) for n in re.findall(r"dualrun gloo weight transfer: rank 1 of (\d+)", survivor)] == [3, 2, 3]
     restarted = (logs / "rollout-server-1.log").read_text()
-    new = restarted[[m.start() for m in re.finditer("Starting vLLM server on", restarted)][-1]:]
+    new = restarted[[m.start() for m in re.finditer(r"Started server process \[", restarted)][-1]:]
     assert new.find('"POST /finish_weight_update') > 0
     assert '"POST /v1/completions' not in new[:new.find('"POST /finish_weight_update')], new[-3000:]
     assert '"POST /v1/completions' in new   # and it served once restored
