@@ -10,9 +10,10 @@ from dualrun.config.model import JobConfig, RoleSpec
 
 # The endpoints TRL's VLLMClient uses (weight transfer, /server_info, prefix-cache reset) live behind dev mode.
 ROLLOUT_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-# Roles whose dead replicas are not restarted (dualrun/servers/replacing.py; the config check in dualrun/plugin.py):
-# a rollout needs the trainer's weights before it serves (issue #25 point 3).
-NOT_RESTARTED_ROLES = frozenset({"rollout"})
+# Roles whose engines take the trainer's weights (when on vLLM): a restarted replica of one is held out of rotation
+# until its first weight update (dualrun/servers/replacing.py; the config check in dualrun/plugin.py).
+SYNCED_ROLES = frozenset({"rollout"})
+HOLDING_BACKENDS = frozenset({"torchrun"})   # whose server sets replace such a replica with `hold` (holds=True)
 
 
 def engine_of(cfg: JobConfig, role: RoleSpec) -> str:
@@ -20,6 +21,12 @@ def engine_of(cfg: JobConfig, role: RoleSpec) -> str:
     if role.engine:
         return role.engine
     return "transformers" if (cfg.use_cpu or role.gpus == 0) else "vllm"
+
+
+def role_takes_weights(cfg: JobConfig, role: RoleSpec | None) -> bool:
+    """Whether the engines of `role` receive the trainer's weights: a rollout on vLLM (dualrun's transformers
+    engine has no weight transfer: it serves the model it loaded, as its restart does)."""
+    return role is not None and role.name in SYNCED_ROLES and engine_of(cfg, role) == "vllm"
 
 
 def server_env(cfg: JobConfig, role: RoleSpec) -> dict[str, str]:

@@ -37,6 +37,12 @@ VLLM_GROUP_PORT = "DUALRUN_VLLM_GROUP_PORT"
 WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # 'host:port' of the store to read the wiring from (machine 0's launcher
                                             # puts it there: main_process_ip:main_process_port, whatever rdzv_backend)
 
+# The rollout router's weight-transfer membership (`GET` it: `{"membership": int, "members": [int]}`): the number grows
+# when a replica leaves the weight-sync group (dead, being restarted) or joins it (its replacement); the trainer's side
+# compares it before each sync and re-forms its group when it changed (dualrun/rank/gloo_client.py serves it by
+# dualrun/serving/router.py). A single engine answers 404: no membership to follow.
+ROUTER_MEMBERSHIP_PATH = "/router/membership"
+
 # -- set by the user (read by workers or the driver) ---------------------------------------------------------
 PROGRESS = "DUALRUN_PROGRESS"              # rank0 (default) | all | none
 EXIT_TIMEOUT_S = "DUALRUN_EXIT_TIMEOUT_S"  # the exit watchdog's limit (default 60 s)

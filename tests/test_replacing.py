@@ -9,14 +9,16 @@ from dualrun.config import build_config
 from dualrun.errors import ConfigError
 from dualrun.plan import make_plan
 from dualrun.plugin import get_plugin
-from dualrun.servers.replacing import (back_line, hung, hung_line, restart_budget, restarting_line, router_of,
-                                      survivable)
+from dualrun.servers.replacing import (back_line, held_line, hung, hung_line, restart_budget, restarting_line,
+                                      router_of, survivable, takes_weights)
 
 
 def _cfg(role: str = "teacher", backend: str = "torchrun", **spec) -> object:
+    """3 replicas on CPU; a rollout on dualrun's CPU engine, or with `engine: vllm` on 3 GPUs."""
     method = "grpo" if role == "rollout" else "gkd"
     extra = {"engine": "transformers"} if role == "rollout" else {"top_k": 5}
-    cfg = build_config({"backend": backend, "method": method, "use_cpu": True, "roles": {
+    use_cpu = spec.get("engine") != "vllm"
+    cfg = build_config({"backend": backend, "method": method, "use_cpu": use_cpu, "roles": {
         "train": {"gpus": 1}, role: {"gpus": 3, "model": "m/m", **extra, **spec}}}, "job.yaml")
     get_plugin(method).validate(cfg)
     return cfg
@@ -32,11 +34,19 @@ def test_each_teacher_replica_gets_the_default_budget_the_router_none():
     assert router_of(plan, 2) == (3, 2)
 
 
-def test_a_rollout_and_a_single_engine_are_not_restarted():
-    cfg = _cfg("rollout")
-    assert restart_budget(cfg, make_plan(cfg)) == {}        # stale weights: issue #25 point 3, not done
+def test_a_vllm_rollout_is_restarted_only_where_it_is_held_until_it_has_the_weights_and_a_single_engine_never():
+    vllm = _cfg("rollout", engine="vllm")
+    plan = make_plan(vllm)
+    assert [takes_weights(vllm, p) for p in plan.servers[:3]] == [True] * 3
+    assert restart_budget(vllm, plan) == {}                         # a backend that does not hold it: stale weights
+    assert restart_budget(vllm, plan, holds=True) == {0: 3, 1: 3, 2: 3}
+    cpu = _cfg("rollout")                                           # dualrun's CPU engine takes no weights
+    assert not takes_weights(cpu, make_plan(cpu).servers[0])
+    assert restart_budget(cpu, make_plan(cpu)) == {0: 3, 1: 3, 2: 3}
+    teacher = _cfg()
+    assert not takes_weights(teacher, make_plan(teacher).servers[0])
     one = _cfg(gpus=1)
-    assert restart_budget(one, make_plan(one)) == {}        # no router to take it back
+    assert restart_budget(one, make_plan(one), holds=True) == {}   # no router to take it back
 
 
 def test_a_death_is_survived_while_restarts_are_left_and_another_replica_serves():
@@ -56,11 +66,14 @@ def test_event_lines_say_which_why_and_when_back():
                     "restarting it on the same devices (restart 1 of 3, replica_restarts)")
     assert back_line("teacher server 1", "127.0.0.1:4242", 12.34) == \
         "dualrun: teacher server 1 is back in rotation at 127.0.0.1:4242, 12.3 s after it died"
+    assert held_line("rollout server 1", "127.0.0.1:4242") == (
+        "dualrun: rollout server 1 is healthy again at 127.0.0.1:4242; out of rotation until it holds the trainer's "
+        "weights (it joins the weight-sync group at the next sync)")
 
 
 @pytest.mark.parametrize("role, backend, spec, why", [
     ("teacher", "torchrun", {"gpus": 1}, "one engine has no router"),
-    ("rollout", "torchrun", {}, "stale weights"),
+    ("rollout", "ray", {"engine": "vllm"}, "held until it has the trainer's weights on torchrun only"),
     ("teacher", "ray", {}, "torchrun backend on one machine only"),
 ])
 def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, spec, why):

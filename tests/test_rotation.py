@@ -26,6 +26,8 @@ def test_pick_spreads_round_robin_then_by_load_and_skips_what_is_out_or_excluded
     assert table.in_rotation() == [0, 2] and table.pick(prefer=1) != 1
     assert table.pick(exclude={0, 2}) is None
     assert table.members() == [0, 1, 2]                             # weight transfer: every replica, out or not
+    table.remove(2, "died", 2.0)
+    assert table.members() == [0, 1]                                # ... but a removed one
 
 
 @pytest.mark.parametrize("kind, aborts", [(rot.UNREACHABLE, False), (rot.STATUS, False), (rot.TIMEOUT, True)])
@@ -98,7 +100,7 @@ def test_replace_swaps_in_a_new_address_held_until_restored_and_ignores_the_old_
     old = table[1].incarnation
     event = table.replace(1, C, now=2.0, hold=True)
     assert event.abort and event.line.startswith(f"replica 1 replaced: {B} -> {C} (replaced, waiting for its health "
-                                                 "and to be restored)")
+                                                 "and its first weight update)")
     assert table[1].address == C and table.membership == 1 and table.in_rotation() == [0]
     assert table.fail(1, rot.UNREACHABLE, "the old engine's request failed", 3.0, incarnation=old) is None
     assert table.probed(1, False, "the old engine's probe", 3.0, incarnation=old) is None and table[1].passes == 0
@@ -120,3 +122,57 @@ def test_control_paths():
     for bad in ("/router/replicas/x/restore", "/router/replicas/1/reboot", "/router/replicas/1"):
         with pytest.raises(ValueError, match="expected POST /router/replicas/<index>/<replace|restore|remove>"):
             routing.control("POST", bad)
+
+
+# -- the weight-transfer members and a held replacement (issue #25: no stale weights) ------------------------------
+def _sync(table: Rotation, now: float, finished: bool = True) -> list:
+    """One weight update as the router sees it: every member answers /update_weights, then /finish_weight_update."""
+    for i in table.members():
+        table.weights_received(i)
+    return [table.weights_finished(i, now) for i in table.members()] if finished else []
+
+
+def test_a_dead_replica_leaves_the_weight_transfer_group_and_its_replacement_joins_held_until_its_first_update():
+    table = Rotation([A, B])
+    _passes(table, 0, 2)
+    assert table.membership == 0 and _sync(table, 1.0) == [None, None]   # nobody held: no event
+    table.fail(1, rot.UNREACHABLE, "refused", 2.0)
+    assert table.membership == 0 and table.members() == [0, 1]    # out of rotation, still in the group
+    table.remove(1, "died; being restarted", 2.1)                 # the launcher: the next sync goes without it
+    assert table.membership == 1 and table.members() == [0] and table.in_rotation() == [0]
+    assert _sync(table, 3.0) == [None]                            # a sync of the survivor alone
+    table.replace(1, C, now=4.0, hold=True)
+    assert table.membership == 2 and table.members() == [0, 1]    # joins the group: the trainer re-forms it
+    assert table[1].received is False and table[1].member
+    assert _passes(table, 1, 3, now=5.0) == [None] * 3 and table.in_rotation() == [0]   # healthy, held
+    assert table.weights_finished(1, 6.0) is None                 # a finish without an update it received: held
+    events = _sync(table, 7.0)
+    assert events[0] is None and events[1] is not None and table.in_rotation() == [0, 1]
+    assert events[1].line == (f"replica 1 ({C}) holds the trainer's weights (its first update completed); "
+                              f"replica 1 ({C}) back in rotation after 3.0 s; 2 of 2 in rotation")
+    assert table[1].hold is False and table.membership == 2       # the group stays as formed
+
+
+def test_an_update_that_never_finishes_keeps_the_replacement_held_and_one_not_yet_healthy_waits_for_its_probes():
+    table = Rotation([A, B])
+    table.remove(1, "died", 1.0)
+    table.replace(1, C, now=2.0, hold=True)
+    _passes(table, 1, 2)
+    _sync(table, 3.0, finished=False)                             # the broadcast failed before /finish
+    assert table.in_rotation() == [0]
+    other = Rotation([A, B])
+    other.remove(1, "died", 1.0)
+    other.replace(1, C, now=2.0, hold=True)
+    event = _sync(other, 3.0)[1]                                  # weights before its probes passed
+    assert event is not None and event.line.endswith("in rotation once healthy") and other.in_rotation() == [0]
+    assert other[1].hold is False and _passes(other, 1, 2)[1] is not None and other.in_rotation() == [0, 1]
+
+
+def test_remove_and_restore_change_the_membership_once_each():
+    table = Rotation([A, B])
+    table.remove(1, "stopping it", 1.0)
+    table.remove(1, "again", 1.5)
+    assert table.membership == 1
+    _passes(table, 1, 2)
+    table.restore(1, 2.0)
+    assert table.membership == 2 and table.members() == [0, 1] and table.in_rotation() == [0, 1]

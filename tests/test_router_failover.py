@@ -3,8 +3,9 @@ which records each request on arrival and answers each prompt with itself) behin
 SIGKILLed with a request on it: that request and every other one is answered once, correctly, by the replica left;
 one SIGSTOPped: found by request_timeout_s (probes off), or by the health probes, the request retried elsewhere;
 a 5xx takes a replica out, but a request that fails on every replica gets the engine's answer, as with one engine;
-the launcher's control endpoints swap in a new engine held out of rotation until restored; the last replica dead:
-the request fails naming it, as with one engine. (The rules themselves: test_rotation.py.)"""
+the launcher's control endpoints swap in a new engine held out of rotation until restored; the weight-transfer calls
+follow the members (a removed replica left out, its replacement in, held until its first completed update); the last
+replica dead: the request fails naming it, as with one engine. (The rules themselves: test_rotation.py.)"""
 from __future__ import annotations
 
 import os
@@ -199,5 +200,60 @@ def test_probes_take_a_stopped_replica_out_and_back_and_a_new_engine_is_held_unt
         with pytest.raises(RuntimeError, match="no replica 7: this router has 2"):
             router_client.control(router.address, 7, "restore")
         assert requests.get(f"{base}/health", timeout=10, proxies={"http": None}).json()["in_rotation"] == 2
+    finally:
+        _stop(router, *replicas, *([spare] if spare else []))
+
+
+def test_the_weight_transfer_follows_the_members_and_a_held_replacement_serves_after_its_first_update(tmp_path):
+    """Issue #25's "no stale weights", as the router sees it: the launcher removes a dead replica (the membership
+    grows, the weight-transfer calls and the world size leave it out), replaces it held (the membership grows
+    again: the trainer re-forms its group), and the router restores it once it received and finished an update."""
+    import requests
+
+    from dualrun.protocol import ROUTER_MEMBERSHIP_PATH
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+
+    def stub(i: int):   # REPLICAS=1: each answers the collective calls alone (the members change here)
+        return _server(f"r{i}", [sys.executable, str(ASSETS / "recording_replica.py"), str(free_port()), "1",
+                                 str(rec), f"r{i}"], tmp_path / f"r{i}.log", env={"REPLICAS": "1"})
+
+    def calls(name: str) -> list:
+        return [r["path"] for r in _recorded(rec, name) if r["method"] == "POST"]
+
+    def sync() -> None:
+        for path in ("/start_weight_update", "/update_weights", "/finish_weight_update"):
+            assert _post(base, path, {}).status_code == 200, path
+
+    replicas = _start_all([stub(0), stub(1)])
+    router = _router(tmp_path, replicas)
+    base = f"http://{router.address}"
+    spare = None
+    members = lambda: requests.get(base + ROUTER_MEMBERSHIP_PATH, timeout=10, proxies={"http": None}).json()  # noqa
+    world = lambda: requests.get(base + "/get_world_size", timeout=10, proxies={"http": None}).json()  # noqa: E731
+    try:
+        assert members() == {"membership": 0, "members": [0, 1]} and world() == {"world_size": 2}
+        replicas[1].stop(grace_s=0)
+        router_client.control(router.address, 1, "remove", reason="died; being restarted")
+        assert members() == {"membership": 1, "members": [0]} and world() == {"world_size": 1}
+        sync()                                          # the survivor alone
+        assert calls("r0")[-3:] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+        assert "/start_weight_update" not in calls("r1")
+
+        [spare] = _start_all([stub(2)])
+        router_client.control(router.address, 1, "replace", address=spare.address, hold=True)
+        assert members() == {"membership": 2, "members": [0, 1]} and world() == {"world_size": 2}
+        assert eventually(lambda: _stats(base)["replicas"][1]["passes"] >= 2, timeout=15, every=0.1)
+        _complete(base, ["a", "b"])
+        assert _stats(base)["in_rotation"] == [0] and _prompts_of(tmp_path, "r2") == []   # healthy, held
+        assert _post(base, "/shutdown_weight_transfer_engine", {}).status_code == 200      # the group re-formed
+        assert "/shutdown_weight_transfer_engine" in calls("r0") and "/shutdown_weight_transfer_engine" in calls("r2")
+        sync()
+        assert _stats(base)["in_rotation"] == [0, 1]   # at once: its probes had passed
+        assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) holds the trainer's weights \(its first update completed\); "
+                         r"replica 1 \(127\.0\.0\.1:\d+\) back in rotation", Path(router.log_path).read_text())
+        _complete(base, ["c", "d"])
+        assert _prompts_of(tmp_path, "r2") == ["d"] or _prompts_of(tmp_path, "r2") == ["c"]
     finally:
         _stop(router, *replicas, *([spare] if spare else []))

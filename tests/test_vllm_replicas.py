@@ -4,15 +4,22 @@ engine per process) behind one address.
   scoring requests, and everything is stopped with nothing left behind.
 - A GRPO rollout: the unchanged GRPOTrainer trains 4 steps and its weights reach both replicas at every step, over
   one gloo group of world size 1 + 2 (the trainer rank 0, the replicas at rank offsets 1 and 2, as the router's
-  fan-out gives them); after each sync both replicas serve the trainer's weights."""
+  fan-out gives them); after each sync both replicas serve the trainer's weights.
+- The same rollout with one replica SIGKILLed mid-run: restarted, it serves only once it holds the trainer's weights."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from vllm_helpers import (TIER, assert_every_sync_landed, assert_nothing_left, run_gkd_probe, run_grpo_probe,
-                          server_role)
+from helpers import ASSETS, cmdline, eventually, pids_matching
+from vllm_helpers import (LOGPROB_TOLERANCE, TIER, assert_every_sync_landed, assert_nothing_left, run_gkd_probe,
+                          run_grpo_probe, server_role)
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
@@ -44,3 +51,66 @@ def test_grpo_weights_reach_both_vllm_replicas_behind_the_router_every_step(tmp_
     spread = re.search(r"served per replica: \[(\d+), (\d+)\]", router_log)
     assert spread and all(int(n) >= 4 * 3 for n in spread.groups()), router_log[-500:]  # 4 syncs x 3 calls each
     assert_nothing_left(proc.stderr, str(tmp_path))
+
+
+@pytest.mark.timeout(900)
+def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the_trainers_weights(tmp_path, vllm_tiny):
+    """GRPO on 2 vLLM replicas, replica 1 SIGKILLed at step 2 (`replica_restarts` by default): the launcher takes it
+    out of the weight-transfer group, the trainer re-forms the group without it at the next sync (replica 0 alone,
+    world size 2), the restarted engine joins it at the sync after it is healthy (world size 3) held out of rotation,
+    and the router restores it once that update completed: its log-probabilities then equal the trainer's, far from
+    the initial model's, and it served no generation before (its own access log, its router's log)."""
+    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
+                                       + server_role("rollout", vllm_tiny / "model", gpus=2, health_timeout_s=400))
+    (tmp_path / "out").mkdir()
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as errors:
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "torchrun", "--config_file",
+                                   "job.yaml", str(ASSETS / "grpo_replica_restart_probe.py"), str(vllm_tiny / "model"),
+                                   str(vllm_tiny / "data" / "prompts.jsonl"), "out"],
+                                  cwd=tmp_path, env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"),
+                                  stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    try:
+        marker = tmp_path / "out" / "kill_now"
+        assert eventually(lambda: marker.exists() or driver.poll() is not None, timeout=500, every=0.5)
+        assert driver.poll() is None, err.read_text()[-4000:]
+        port = marker.read_text().rpartition(":")[2]
+        [victim] = [p for p in pids_matching("vllm", "--port", port) if f"--port {port} " in cmdline(p) + " "]
+        os.kill(victim, signal.SIGKILL)
+        code = driver.wait(timeout=360)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    text = err.read_text()
+    assert code == 0, text[-4000:]
+    assert re.search(r"dualrun: rollout server 1 exited with code -9 \(killed by SIGKILL\) while the job was running"
+                     r".*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", text), \
+        text[-3000:]
+    assert re.search(r"dualrun: rollout server 1 is healthy again at [\d.]+:\d+; out of rotation until it holds the "
+                     r"trainer's weights", text)
+    assert text.count("re-forming the weight-sync group before this sync") == 2, text[-3000:]   # without it, with it
+    assert re.search(r"dualrun: rollout server 1 is back in rotation at [\d.]+:\d+, [\d.]+ s after it died", text)
+    rec = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert len(rec["losses"]) == 5
+    removed, rejoined, restored = (rec["rows"][k][1] for k in ("removed", "rejoined", "restored"))
+    assert not removed["member"] and not removed["in_rotation"]
+    assert rejoined["member"] and rejoined["hold"] and not rejoined["in_rotation"] and rejoined["incarnation"] == 1
+    assert restored["in_rotation"] and not restored["hold"]
+    for c in rec["checks"]:   # every replica in rotation, at every step: the trainer's weights of the last sync
+        assert c["gap"] < LOGPROB_TOLERANCE, rec["checks"]
+    first = next(c for c in rec["checks"] if c["replica"] == 1 and c["incarnation"] == 1)
+    assert first["step"] == 4 and first["from_initial"] > 100 * LOGPROB_TOLERANCE, rec["checks"]   # not stale
+    assert [c["replica"] for c in rec["checks"] if c["step"] == 3] == [0]   # meanwhile replica 0 alone served
+    logs = tmp_path / "logs"
+    survivor = (logs / "rollout-server-0.log").read_text()
+    assert [int(n) for n in re.findall(r"dualrun gloo weight transfer: rank 1 of (\d+)", survivor)] == [3, 2, 3]
+    restarted = (logs / "rollout-server-1.log").read_text()
+    new = restarted[[m.start() for m in re.finditer(r"Started server process \[", restarted)][-1]:]
+    assert new.find('"POST /finish_weight_update') > 0
+    assert '"POST /v1/completions' not in new[:new.find('"POST /finish_weight_update')], new[-3000:]
+    assert '"POST /v1/completions' in new   # and it served once restored
+    router_log = (logs / "rollout-router.log").read_text()
+    replaced = router_log.find("replica 1 replaced:")
+    assert 0 < replaced < router_log.find("replica 1 (", replaced) and re.search(
+        r"replica 1 \([\d.:]+\) holds the trainer's weights \(its first update completed\)", router_log[replaced:])
+    assert_nothing_left(text, str(tmp_path))

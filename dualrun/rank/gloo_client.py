@@ -5,7 +5,8 @@ Why: TRL 1.16's `VLLMClient` opens vLLM's NCCL endpoint in `init_communicator` (
 broadcasts through `packed_nccl_broadcast_producer` (CUDA streams) in `update_named_params`, and closes the NCCL
 group's socket in `close_communicator`. When the server it talks to reports `{"backend": "gloo"}` (dualrun starts
 vLLM's CPU build that way), those three methods take the gloo path here instead; against any other server they
-are TRL's own. GRPOPlugin installs this from the rank's import hook, so the user's script is unchanged.
+are TRL's own. GRPOPlugin installs this from the rank's import hook, so the user's script is unchanged. On both
+paths, before each sync, the group is formed again when the rollout router's members changed (`regroup`).
 
 The protocol is TRL's: the same `init_info` (the trainer is rank 0, the workers from `rank_offset` 1), the same
 `/start_weight_update`, `/update_weights` (posted while the trainer broadcasts), `/finish_weight_update` calls.
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 from dualrun.gloo_wire import GLOO_BACKEND, PACKED_BUFFER_BYTES
+from dualrun.rank import regroup
 
 _INSTALLED = "_dualrun_gloo"
 
@@ -83,18 +85,21 @@ def send_gloo(client: Any, metadata: list[tuple[str, str, list[int]]], named: It
 
 
 def install(module: Any) -> None:
-    """Give `module.VLLMClient` (trl.generation.vllm_client) the gloo path for servers that report gloo."""
+    """Give `module.VLLMClient` (trl.generation.vllm_client) the gloo path for servers that report gloo, and (either
+    path) a weight-sync group that follows the rollout router's members (dualrun/rank/regroup.py)."""
     cls = module.VLLMClient
     if getattr(cls, _INSTALLED, False):
         return
     trl_init, trl_update, trl_close = cls.init_communicator, cls.update_named_params, cls.close_communicator
 
     def init_communicator(self, device: Any = 0) -> None:
+        regroup.remember(self, device)   # the router's membership this group is formed under
         if server_backend(self) != GLOO_BACKEND:
             return trl_init(self, device)
         init_gloo(self)
 
     def update_named_params(self, metadata, named_params) -> None:  # noqa: ANN001 - TRL's signature
+        regroup.reform_if_changed(self)   # a replica left or joined behind the router: the group of now
         if not isinstance(self.communicator, GlooEndpoint):
             return trl_update(self, metadata, named_params)
         send_gloo(self, metadata, named_params)

@@ -52,7 +52,7 @@ class LocalServers(ServerSet):
         if cfg.num_machines == 1:   # several machines: a replica elsewhere is not restarted yet (its router is
             from dualrun.servers.replacing import restart_budget   # on machine 0)
 
-            self.restarts_allowed = restart_budget(cfg, plan)
+            self.restarts_allowed = restart_budget(cfg, plan, holds=True)   # `_restart` holds a rollout
             self.restarts_left = dict(self.restarts_allowed)
         self._probe_out: dict[int, float] = {}   # replica -> when the launcher first saw it out of rotation
 
@@ -217,24 +217,34 @@ class LocalServers(ServerSet):
         self.wait_stopped()   # the engine's parent-death signal fires when the thread that spawned it ends
 
     def _restart(self, index: int, label: str, died: float) -> None:
-        """`_replace`'s steps: spawn on a fresh port, wait for health, `replace` at the router, wait for rotation."""
+        """`_replace`'s steps: `remove` at the router (out of the weight-sync group: the next sync goes on
+        without it), spawn on a fresh port, wait for health, `replace` at the router (held until its first weight
+        update when it takes the trainer's weights: `replacing.takes_weights`), wait for rotation."""
         from dualrun.serving import router_client
-        from dualrun.servers.replacing import back_line, router_of
+        from dualrun.servers.replacing import back_line, held_line, router_of, takes_weights
 
+        router, slot = router_of(self.plan, index)
+        router_client.control(self.started[router], slot, "remove", reason="died; being restarted")
         with self._lock:
             if self.stopping:
                 return
-            self.running.pop(index, None)   # ended: its output was drained by `wait_exit`
+            dead = self.running.pop(index, None)   # ended: its output was drained by `wait_exit`
             self.avoid_ports.add(port_of(self._advertised[index]))   # a fresh port, never the dead one's
             self.running[index] = self._spawn(index)
+        if dead is not None:
+            dead.stop(0)   # the helpers its group may have left (vLLM's engine core)
         server = self._wait(index, self.running[index])
-        router, slot = router_of(self.plan, index)
         address = self._advertised[index]
-        router_client.control(self.started[router], slot, "replace", address=address)
-        deadline = time.monotonic() + server.timeout_s
+        hold = takes_weights(self.cfg, self.plan.servers[index])
+        router_client.control(self.started[router], slot, "replace", address=address, hold=hold)
+        if hold:
+            print(held_line(label, address), file=sys.stderr, flush=True)
+        deadline = None if hold else time.monotonic() + server.timeout_s   # held: until the next sync, however far
         while self.watching and slot not in router_client.replicas(self.started[router])["in_rotation"]:
-            if time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"its router's health probes did not pass within {server.timeout_s:g} s")
+            if not server.alive():
+                raise server.wait_exit()
             time.sleep(0.1)   # the router's probes pass about once a second
         with self._lock:
             if self.stopping:

@@ -1,30 +1,40 @@
 """Which dead engine replicas a job survives: the pure rules behind `roles.<r>.replica_restarts`.
 
 Why a module of its own: the server sets (processes here, later Ray actors) restart a dead replica and the router
-takes it back (rotation.py); whether a death is survivable at all, and the one line each event prints, are the same
+takes it back (dualrun/serving/rotation.py); whether a death is survivable at all, and the one line each event prints, are the same
 rules for every backend and unit-testable without a process.
 
-A replica may be restarted when it stands behind a router (its role has several engines), its role keeps static
-weights (a teacher, a reward model: not a GRPO `rollout`, which would serve stale weights until the next sync, not
-done yet), restarts of it are left, and another replica of its role is still serving (the last one gone ends the
-job as before).
+A replica may be restarted when it stands behind a router (its role has several engines), restarts of it are left,
+and another replica of its role is still serving (the last one gone ends the job as before). A replica whose engine
+takes the trainer's weights (a `rollout` on vLLM) is restarted only by a backend that holds it out of rotation until
+it has them (`restart_budget(..., holds=True)`): the launcher `remove`s the dead one at its router (the next sync
+re-forms the weight-sync group without it), `replace`s it with `hold` once healthy, and the router restores it after
+its first completed weight update (serving/rotation.py; the trainer's side: dualrun/rank/regroup.py). A teacher or reward
+model keeps static weights: back in rotation once healthy.
 """
 from __future__ import annotations
 
 from typing import Any, Collection, Mapping
 
-from dualrun.engine_shape import NOT_RESTARTED_ROLES
-from dualrun.plan import ROUTER, Plan
+from dualrun.engine_shape import role_takes_weights
+from dualrun.plan import ROUTER, Plan, Process
 
 HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
 
 
-def restart_budget(cfg: Any, plan: Plan) -> dict[int, int]:
-    """plan.servers index -> restarts allowed, for every engine replica that may be restarted at all."""
+def takes_weights(cfg: Any, proc: Process) -> bool:
+    """`role_takes_weights` of the replica `proc`."""
+    return role_takes_weights(cfg, cfg.role(proc.roles[0]))
+
+
+def restart_budget(cfg: Any, plan: Plan, holds: bool = False) -> dict[int, int]:
+    """plan.servers index -> restarts allowed, for every engine replica that may be restarted at all. `holds`: the
+    backend replaces a replica that takes the trainer's weights with `hold` (`takes_weights`); without it such a
+    replica is not restarted (it would serve stale weights)."""
     routed = {p.unit for p in plan.servers if p.kind == ROUTER}
     budget = {}
     for index, proc in enumerate(plan.servers):
-        if proc.kind == ROUTER or proc.unit not in routed or NOT_RESTARTED_ROLES & set(proc.roles):
+        if proc.kind == ROUTER or proc.unit not in routed or (not holds and takes_weights(cfg, proc)):
             continue
         role = cfg.role(proc.roles[0])
         if role is not None and role.replica_restarts > 0:
@@ -69,6 +79,12 @@ def router_of(plan: Plan, index: int) -> tuple[int, int]:
 def restarting_line(death_line: str, used: int, allowed: int) -> str:
     """The launch's line when a replica died and is restarted."""
     return f"dualrun: {death_line}; restarting it on the same devices (restart {used} of {allowed}, replica_restarts)"
+
+
+def held_line(label: str, address: str) -> str:
+    """The launch's line when a restarted replica that takes the trainer's weights is healthy, held by its router."""
+    return (f"dualrun: {label} is healthy again at {address}; out of rotation until it holds the trainer's weights "
+            "(it joins the weight-sync group at the next sync)")
 
 
 def back_line(label: str, address: str, seconds: float) -> str:

@@ -13,8 +13,14 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
   stays out until the launcher restores or replaces it: a hung engine may still answer `/health` (vLLM's API process
   answers it while its engine core hangs), so a passing probe proves nothing. So does one the launcher took out.
 - The launcher (through the router's control endpoints) can `replace` a replica by a new engine at a new address
-  (optionally *held*: kept out of rotation, even when healthy, until restored — a rollout replica that does not yet
-  hold the trainer's weights), `restore` one (it is back once healthy) or `remove` one (out until restored).
+  (optionally *held*: kept out of rotation, even when healthy, until restored or until it completes its first
+  weight update — a rollout replica that does not yet hold the trainer's weights), `restore` one (it is back once
+  healthy) or `remove` one (out until restored).
+- The weight-transfer *members* (every replica a weight-transfer call goes to) are the replicas not removed: a
+  removed one (dead, about to be restarted) leaves, a replacement joins. Each change grows `membership`, the number
+  the trainer's side compares before a sync: changed, it re-forms its weight-sync group with the members of now
+  (dualrun/rank/gloo_client.py). A held replica is restored by the router once it has received an update and
+  completed it (`weights_received`, `weights_finished`): from then on it serves the trainer's current weights.
 - A 5xx from the only replica in rotation leaves it in: it is alive, and the answer reaches the client as one
   engine's would (so does a request's second 5xx: the request is at fault, not the replicas; `router.forward`).
   Nothing else is spared: the last replica unreachable or hung is an error, as with one engine.
@@ -49,7 +55,9 @@ class Replica:
     kind: str | None = None        # why it is out (one of the kinds above)
     reason: str | None = None      # the same in words
     out_since: float | None = None
-    hold: bool = False             # kept out until restored, even when healthy
+    hold: bool = False             # kept out until restored (or its first completed weight update), even when healthy
+    member: bool = True            # in the weight-transfer group: gets every weight-transfer call
+    received: bool = False         # a weight update reached this engine (since its replacement)
     passes: int = 0                # passing health probes in a row while out
     incarnation: int = 0
     requests: int = 0              # every forwarded call
@@ -92,9 +100,9 @@ class Rotation:
         return [i for i, r in enumerate(self.replicas) if r.in_rotation]
 
     def members(self) -> list[int]:
-        """The replicas every weight-transfer call goes to: all of them, in rotation or not (a dead one makes the
-        call fail, as with one engine; a held one is there to receive the weights)."""
-        return list(range(len(self.replicas)))
+        """The replicas every weight-transfer call goes to: all but the removed ones, in rotation or not (a dead
+        one not yet removed makes the call fail, as with one engine; a held one is there to receive the weights)."""
+        return [i for i, r in enumerate(self.replicas) if r.member]
 
     def pick(self, exclude: Iterable[int] = (), prefer: int | None = None) -> int | None:
         """The replica for the next attempt of a request: `prefer` when it is in rotation and not excluded, else the
@@ -152,29 +160,55 @@ class Rotation:
         old = r.address
         r.address, r.incarnation, r.hold, r.passes = address, r.incarnation + 1, hold, 0
         r.in_rotation, r.kind, r.out_since = False, JOINING, now
-        r.reason = "replaced, waiting for its health" + (" and to be restored" if hold else "")
+        r.member, r.received = True, False
+        r.reason = "replaced, waiting for its health" + (" and its first weight update" if hold else "")
         self.membership += 1
         return Event(index, f"replica {index} replaced: {old} -> {address} ({r.reason}); "
                             f"{self._left()}", abort=True)
 
     def remove(self, index: int, reason: str, now: float) -> Event | None:
-        """Out until restored or replaced (the launcher is about to stop it, say)."""
+        """Out until restored or replaced (it died and is being restarted, say), and out of the weight-transfer
+        group: the next sync goes to the others."""
         r = self.replicas[index]
+        if r.member:
+            r.member = False
+            self.membership += 1
         if not r.in_rotation:
             r.kind, r.reason, r.passes = LAUNCHER, reason, 0
             return None
         return self._out(index, LAUNCHER, reason, now)
 
     def restore(self, index: int, now: float) -> Event | None:
-        """Back in rotation once healthy (at once when its last probes passed): ends a hold and a stay for good."""
+        """Back in rotation once healthy (at once when its last probes passed): ends a hold and a stay for good; a
+        removed replica is a weight-transfer member again."""
         r = self.replicas[index]
         r.hold = False
+        if not r.member:
+            r.member = True
+            self.membership += 1
         if r.in_rotation:
             return None
         if r.kind in STICKY:
             r.kind = PROBE
             r.reason = (r.reason or "") + "; restored, waiting for its health"
         return self._maybe_back(index, now)
+
+    # -- the weight transfer ---------------------------------------------------------------------------------------
+    def weights_received(self, index: int) -> None:
+        """The replica answered an `/update_weights`: it holds the weights of that update once it finishes it."""
+        self.replicas[index].received = True
+
+    def weights_finished(self, index: int, now: float) -> Event | None:
+        """The replica answered `/finish_weight_update`: a replica held for its weights that received this update
+        is restored (back in rotation once healthy: it serves the trainer's current weights)."""
+        r = self.replicas[index]
+        if not (r.hold and r.received and r.member):
+            return None
+        r.hold = False
+        r.reason = "holds the trainer's weights, waiting for its health"
+        line = f"replica {index} ({r.address}) holds the trainer's weights (its first update completed)"
+        event = self._maybe_back(index, now)
+        return Event(index, line + "; " + (event.line if event else "in rotation once healthy"))
 
     # -- views ---------------------------------------------------------------------------------------------------
     def unavailable(self, exclude: Iterable[int] = ()) -> str:

@@ -13,7 +13,10 @@ A replica that fails — connection refused or reset, a 5xx, no answer within `-
 `request_timeout_s`), a failed health probe (every replica is probed about once a second) — leaves the rotation at
 once and the request in flight goes to another replica (generation and scoring are safe to repeat: the same body);
 `rotation.py` holds the rules, and the launcher's say over them (`routing.CONTROL_PATH`). The weight-transfer
-fan-out is not retried: a replica failing there is the call's error.
+fan-out is not retried: a replica failing there is the call's error. It goes to the weight-transfer members
+(`rotation.members`): a replica the launcher removed (dead, being restarted) is left out, and a replacement held
+until it has the trainer's weights is restored once it completes its first update; the trainer's side re-forms its
+group when `protocol.ROUTER_MEMBERSHIP_PATH` reports a new membership.
 
 Known differences from one engine: a split request with sampling and a `seed` gives each part the same seed, so
 sampled completions differ from one engine's (greedy ones are identical); `/server_info` and `/v1/models` are
@@ -30,6 +33,7 @@ from typing import Any, Sequence
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
+from dualrun import protocol
 from dualrun.config.checks import host_port
 from dualrun.light.interpreter import PYTHON
 from dualrun.serving import rotation, routing
@@ -233,9 +237,8 @@ class Router:
             raise RouterError(status, f"a replica answered {status}: {data.decode(errors='replace')[:500]}")
         return json.loads(data or b"null")
 
-    async def world_sizes(self) -> list[int]:
-        answers = await asyncio.gather(*(self.call_json(i, "GET", "/get_world_size")
-                                         for i in range(len(self.replicas))))
+    async def world_sizes(self, members: Sequence[int]) -> list[int]:
+        answers = await asyncio.gather(*(self.call_json(i, "GET", "/get_world_size") for i in members))
         return [int(a["world_size"]) for a in answers]
 
     # -- the handler ----------------------------------------------------------------------------------------
@@ -244,6 +247,8 @@ class Router:
         if request.method == "GET" and path.rstrip("/") == routing.STATS_PATH:
             return web.json_response({"replicas": self.table.rows(), "in_rotation": self.table.in_rotation(),
                                       "membership": self.table.membership})
+        if request.method == "GET" and path.rstrip("/") == protocol.ROUTER_MEMBERSHIP_PATH:
+            return web.json_response({"membership": self.table.membership, "members": self.table.members()})
         try:
             control = routing.control(request.method, path)
             if control is not None:
@@ -257,8 +262,8 @@ class Router:
         try:
             if treatment == routing.HEALTH:
                 return self.health()
-            if treatment == routing.WORLD_SIZE:
-                return web.json_response({"world_size": sum(await self.world_sizes())})
+            if treatment == routing.WORLD_SIZE:   # the weight-sync group's engines: the members'
+                return web.json_response({"world_size": sum(await self.world_sizes(self.table.members()))})
             if treatment == routing.FIRST:
                 first = next(iter(self.table.in_rotation()), None)
                 return _passthrough(*await self.forward(request.method, request.path_qs, body or None, prefer=first))
@@ -267,10 +272,11 @@ class Router:
             if treatment == routing.ONE:
                 return _passthrough(*await self.forward(request.method, request.path_qs, body,
                                                         _content_type(request)))
+            members = self.table.members()   # (taken once: a change meanwhile is the next sync's)
             if treatment == routing.INIT_WEIGHTS:
-                bodies = routing.init_bodies(_json(body), await self.world_sizes())
-                return await self.to_all(request.path_qs, [json.dumps(b).encode() for b in bodies])
-            return await self.to_all(request.path_qs, [body] * len(self.replicas))
+                bodies = routing.init_bodies(_json(body), await self.world_sizes(members))
+                return await self.to_all(request.path_qs, members, [json.dumps(b).encode() for b in bodies])
+            return await self.to_all(request.path_qs, members, [body] * len(members))
         except RouterError as e:
             return _error(e.status, str(e))
         except ValueError as e:
@@ -300,20 +306,33 @@ class Router:
                                            int(payload.get("n") or 1))
         return web.json_response(merged, dumps=_dumps)
 
-    async def to_all(self, path_qs: str, bodies: list[bytes]) -> web.Response:
-        """Every replica at once (a collective blocks until all members join); all must answer 200."""
+    async def to_all(self, path_qs: str, members: Sequence[int], bodies: list[bytes]) -> web.Response:
+        """Every weight-transfer member at once (a collective blocks until all members join); all must answer 200.
+        A member that received and finished an update is told to the table (a held one is restored)."""
+        if not members:
+            return _error(503, "no replica is in the weight-transfer group: " + self.table.unavailable())
         headers = {"Content-Type": "application/json"}
         results = await asyncio.gather(*(self.call(i, "POST", path_qs, b or None, headers)
-                                         for i, b in enumerate(bodies)), return_exceptions=True)
+                                         for i, b in zip(members, bodies)), return_exceptions=True)
         problems = []
-        for i, result in enumerate(results):
+        for i, result in zip(members, results):
             if isinstance(result, BaseException):
                 problems.append(str(result))
             elif result[0] != 200:
                 problems.append(str(ReplicaError(i, self.replicas[i], result[0], result[1].decode(errors="replace"))))
+            else:
+                self._weights_step(i, path_qs)
         if problems:
             return _error(502, "; ".join(problems))
         return _passthrough(*results[0])  # type: ignore[misc]
+
+    def _weights_step(self, index: int, path_qs: str) -> None:
+        """A weight-transfer call the replica answered 200: an update it received, or one it finished."""
+        path = path_qs.split("?")[0].rstrip("/")
+        if path == routing.UPDATE_WEIGHTS_PATH:
+            self.table.weights_received(index)
+        elif path == routing.FINISH_UPDATE_PATH:
+            self._apply(self.table.weights_finished(index, time.monotonic()))
 
 
 def _json(body: bytes) -> dict:

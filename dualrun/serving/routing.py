@@ -15,12 +15,15 @@ from typing import Any, Sequence
 
 # treatments
 HEALTH = "health"            # 200 only when every replica answers 200
-WORLD_SIZE = "world_size"    # the replicas' world sizes summed
+WORLD_SIZE = "world_size"    # the weight-transfer members' world sizes summed
 FIRST = "first"              # every replica serves the same model and config: the first one answers
 SPLIT = "split"              # many prompts: cut into one chunk per replica, answers reassembled in order
 ONE = "one"                  # one replica (the least busy) takes the whole request
-INIT_WEIGHTS = "init"        # to every replica at once, each with its own rank offset
-ALL = "all"                  # to every replica at once (they block together in the weight-sync group); all must succeed
+INIT_WEIGHTS = "init"        # to every weight-transfer member (rotation.members) at once, each with its own rank offset
+ALL = "all"                  # to every member at once (they block together in the weight-sync group); all must succeed
+
+UPDATE_WEIGHTS_PATH = "/update_weights"          # answered 200: the replica received an update
+FINISH_UPDATE_PATH = "/finish_weight_update"     # answered 200: it completed it (a held replica is restored)
 
 ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/health"): HEALTH,
@@ -33,10 +36,11 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/inference/v1/generate"): ONE,
     ("POST", "/init_weight_transfer_engine"): INIT_WEIGHTS,
     ("POST", "/start_weight_update"): ALL,
-    ("POST", "/update_weights"): ALL,
-    ("POST", "/finish_weight_update"): ALL,
+    ("POST", UPDATE_WEIGHTS_PATH): ALL,
+    ("POST", FINISH_UPDATE_PATH): ALL,
     ("POST", "/reset_prefix_cache"): ALL,
     ("POST", "/close_communicator"): ALL,
+    ("POST", "/shutdown_weight_transfer_engine"): ALL,   # vLLM's: leave the group (before it is re-formed)
     # AsyncGRPOTrainer's client: generation paused on every engine while its weights change; an adapter on each
     ("POST", "/pause"): ALL,
     ("POST", "/resume"): ALL,

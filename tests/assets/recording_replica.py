@@ -87,7 +87,8 @@ class H(BaseHTTPRequestHandler):
             prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
             self.send(200, {"replica": name, "choices": [{"index": i, "text": p} for i, p in enumerate(prompts)]})
         elif self.path.split("?")[0] in ("/start_weight_update", "/finish_weight_update", "/reset_prefix_cache",
-                                         "/pause", "/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                                         "/pause", "/resume", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+                                         "/shutdown_weight_transfer_engine"):
             self.send(200, {"name": name})
         else:
             self.send(404, {})
