@@ -3,8 +3,9 @@ colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with
 CPU engine where there are none, or vLLM's CPU build with `engine: vllm`) and the unchanged GRPOConfig is pointed
 at it: `use_vllm`, `vllm_mode="server"`, `vllm_server_host/port` and a free `vllm_group_port`, each only where the
 user left it at its default; TRL's AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`.
-TRL's VLLMClient gets the gloo weight-sync path for a rollout on vLLM's CPU build (dualrun.rank.gloo_client), and a
-separate rollout without vLLM installed is refused at launch (`require_vllm`)."""
+TRL's VLLMClient gets the gloo weight-sync path for a rollout on vLLM's CPU build (dualrun.rank.gloo_client), as
+does AsyncGRPOTrainer's default `weight_transfer` (dualrun.rank.gloo_async), and a separate rollout without vLLM
+installed is refused at launch (`require_vllm`)."""
 from __future__ import annotations
 
 import importlib.util
@@ -74,6 +75,7 @@ class GRPOPlugin(MethodPlugin):
         if address:
             when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
             when_imported("trl.generation.vllm_client", install_gloo_client)
+            when_imported("trl.experimental.async_grpo.async_grpo_trainer", install_async_gloo)
             when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(
                 m.AsyncGRPOConfig, async_rollout_fields(address),
                 lambda cfg, filled: say(f"AsyncGRPOConfig: {filled} (rollout server)")))
@@ -82,6 +84,14 @@ class GRPOPlugin(MethodPlugin):
         if fields:
             when_imported("trl.trainer.grpo_config", lambda m: fill_defaults(
                 m.GRPOConfig, fields, lambda cfg, filled: say(f"GRPOConfig: {filled} (colocated rollout)")))
+
+
+def install_async_gloo(module: Any) -> None:
+    """AsyncGRPOTrainer's module: its default weight transfer takes the gloo path for a gloo server (imports TRL's
+    async weight-transfer module, hence here and not at the top)."""
+    from dualrun.rank.gloo_async import install
+
+    install(module)
 
 
 def require_vllm(cfg: JobConfig, rollout: RoleSpec) -> None:

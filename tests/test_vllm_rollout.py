@@ -45,6 +45,23 @@ def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_s
                                                                              abs=1e-5)   # the same updates
 
 
+def test_distillation_trainer_trains_against_the_real_rollout_server_with_weights_synced_every_step(tmp_path,
+                                                                                                    vllm_tiny):
+    """GKD's on-policy DistillationTrainer (TRL 1.16) generates through the same `VLLMGeneration` and `VLLMClient`
+    as GRPO: with a separate rollout (method gkd, the teacher loaded by the trainer) its student's weights reach the
+    server over gloo before every generation, and the server serves them."""
+    proc, rec, address = run_grpo_probe(tmp_path, vllm_tiny, "torchrun", None, method="gkd",
+                                        probe_args=("--teacher", str(vllm_tiny / "teacher")))
+    host, port = address.split(":")
+    assert "dualrun gloo weight transfer: rank 1 of 2" in (tmp_path / "logs" / "rollout-server-0.log").read_text()
+    grpo = rec["grpo"]   # DistillationConfig's fields, filled by dualrun
+    assert grpo["use_vllm"] and grpo["vllm_mode"] == "server"
+    assert (grpo["vllm_server_host"], grpo["vllm_server_port"]) == (host, int(port))
+    assert len(rec["losses"]) == 4 and all(x == x and x >= 0 for x in rec["losses"]), rec["losses"]
+    assert_every_sync_landed(rec, replicas=1)
+    assert_nothing_left(proc.stderr, str(tmp_path))
+
+
 @pytest.mark.filterwarnings("ignore:Tensor '2' has size")   # one tensor past the buffer: a chunk alone, on purpose
 def test_vllm_loads_the_gloo_engine_and_cuts_packed_chunks_as_dualrun_does():
     """The entry point registers `gloo` when vLLM loads its general plugins, and vLLM's `pack_tensors` (the

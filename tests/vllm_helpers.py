@@ -54,16 +54,17 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
     return proc, rank
 
 
-def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1) -> tuple:
-    """The probe under a job with a vLLM rollout of `gpus` engines: the finished process, rank 0's record and the
-    rollout's address (the router's when there are several engines)."""
+def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1, method: str = "grpo",
+                   probe_args: tuple[str, ...] = ()) -> tuple:
+    """The probe under a job (`method`) with a vLLM rollout of `gpus` engines: the finished process, rank 0's record
+    and the rollout's address (the router's when there are several engines)."""
     from ray_helpers import ray_env
 
-    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
+    (tmp_path / "job.yaml").write_text(f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: 1}}\n"
                                        + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400))
     (tmp_path / "out").mkdir()
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
-                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
+                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", *probe_args, cwd=tmp_path,
                    env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
                    timeout=580)
     assert proc.returncode == 0, proc.stderr[-4000:]
