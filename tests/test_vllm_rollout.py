@@ -4,12 +4,15 @@ GRPOTrainer trains 4 steps, pushing its weights to the server before every gener
 vLLM, TRL's client given the gloo path). The probe (assets/grpo_server_probe.py) proves each sync landed: the
 server's log-probabilities of a fixed prompt equal the trainer model's and its greedy completion equals the one
 the trainer's weights give, and greedy generation changes during training. Both backends give the same losses.
-AsyncGRPOTrainer reaches the server and then stops at construction on a CPU (TRL 1.16 reads the CUDA device)."""
+AsyncGRPOTrainer reaches the server and then stops at construction on a CPU (TRL 1.16 reads the CUDA device); the
+weight transfer it would build is dualrun's gloo client, and its syncs land. GKD's DistillationTrainer trains
+against the same server with the same syncs."""
 from __future__ import annotations
 
 import pytest
 
-from vllm_helpers import TIER, assert_every_sync_landed, assert_nothing_left, run_grpo_probe
+from vllm_helpers import (TIER, assert_async_syncs_landed, assert_every_sync_landed, assert_nothing_left,
+                          run_grpo_probe)
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
@@ -28,6 +31,7 @@ def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_s
     assert rec["async_url"] == f"http://{address}"
     assert rec["async_server"] == {"dtype": "torch.float32", "world_size": 1}
     assert "CUDA" in rec["async_error"]  # TRL 1.16's AsyncGRPOTrainer reads the CUDA device name when built
+    assert_async_syncs_landed(rec, replicas=1)   # ... but its weight transfer syncs over gloo
     grpo = rec["grpo"]
     assert grpo["use_vllm"] and grpo["vllm_mode"] == "server"
     assert (grpo["vllm_server_host"], grpo["vllm_server_port"]) == (host, int(port))

@@ -89,6 +89,17 @@ def assert_every_sync_landed(rec: dict, replicas: int) -> None:
     assert max(one["logprob_gap"]) < LOGPROB_TOLERANCE, one
 
 
+def assert_async_syncs_landed(rec: dict, replicas: int) -> None:
+    """AsyncGRPOTrainer's default weight transfer, as its constructor would build it, is dualrun's gloo client, and
+    after its sync of a perturbed model (far from the loaded one) and then of the original, every replica serves
+    the model just sent."""
+    assert rec["async_transfer"] == "GlooWeightTransferClient", rec["async_transfer"]
+    perturbed, restored = rec["async_syncs"]
+    assert perturbed["moved"] > 100 * LOGPROB_TOLERANCE and restored["moved"] < LOGPROB_TOLERANCE, rec["async_syncs"]
+    for sync in (perturbed, restored):
+        assert len(sync["logprob_gap"]) == replicas and max(sync["logprob_gap"]) < LOGPROB_TOLERANCE, sync
+
+
 def vllm_processes() -> list[int]:
     """vLLM's engine processes (they rename themselves `VLLM::...`); only this tier runs vLLM on the machine."""
     return pids_matching("VLLM::")

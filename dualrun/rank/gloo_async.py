@@ -27,7 +27,7 @@ class GlooWeightTransferClient(WeightTransferClient):
     """TRL's client (`vllm_client`, `weight_update_info`, `weight_sync_timeout`), over a gloo group: rank 0 here."""
 
     def init_weight_transfer(self) -> None:
-        """TRL's init_info (a free port here, `rank_offset` 1), the server joining while this process opens the group."""
+        """TRL's init_info (a free port, `rank_offset` 1): the server joins while this process opens the group."""
         from vllm.utils.network_utils import get_ip, get_open_port
 
         from dualrun.engines.gloo_transfer import open_group

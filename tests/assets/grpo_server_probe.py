@@ -135,9 +135,9 @@ class SyncProof(TrainerCallback):
                 time.sleep(0.1)
         self.check(state.global_step)
         now = trainer_side(model)
-        if self.previous is None:
+        if self.previous is None:   # the first step of this attempt (after a restart: the one it resumed at)
             rec["start_step"], rec["start_logprobs"] = state.global_step, now["logprobs"]
-        if self.previous is not None:
+        else:
             now["moved"] = gap(now["logprobs"], self.previous["logprobs"])
         self.previous = now
 
