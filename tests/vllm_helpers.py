@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -108,4 +109,5 @@ def vllm_processes() -> list[int]:
 def assert_nothing_left(log: str, marker: str) -> None:
     """The job's servers are gone: nothing naming `marker` (the test's model or directory) and no vLLM engine."""
     assert not pids_matching(marker), f"processes naming {marker} are left"
-    assert not vllm_processes(), "vLLM engine processes are left"
+    left = {pid: os.path.realpath(f"/proc/{pid}/cwd") for pid in vllm_processes()}
+    assert not left, f"vLLM engine processes are left (pid: working directory): {left}"
