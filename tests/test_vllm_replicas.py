@@ -5,7 +5,10 @@ engine per process) behind one address.
 - A GRPO rollout: the unchanged GRPOTrainer trains 4 steps and its weights reach both replicas at every step, over
   one gloo group of world size 1 + 2 (the trainer rank 0, the replicas at rank offsets 1 and 2, as the router's
   fan-out gives them); after each sync both replicas serve the trainer's weights.
-- The same rollout with one replica SIGKILLed mid-run: restarted, it serves only once it holds the trainer's weights."""
+- The same rollout with one replica SIGKILLed mid-run: restarted, it serves only once it holds the trainer's weights.
+- A replica killed mid-run with `max_failures: 1`: the job restarts with fresh replicas and router, the trainer
+  resumes from its checkpoint, and after their first sync the fresh replicas serve the checkpoint's weights (which
+  they did not load)."""
 from __future__ import annotations
 
 import json
@@ -18,8 +21,9 @@ import sys
 import pytest
 
 from helpers import ASSETS, cmdline, eventually, pids_matching
-from vllm_helpers import (LOGPROB_TOLERANCE, TIER, assert_every_sync_landed, assert_nothing_left, run_gkd_probe,
-                          run_grpo_probe, server_role)
+from ray_helpers import ray_env
+from vllm_helpers import (LOGPROB_TOLERANCE, TIER, assert_async_syncs_landed, assert_every_sync_landed,
+                          assert_nothing_left, run_gkd_probe, run_grpo_probe, server_role)
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
@@ -48,6 +52,7 @@ def test_grpo_weights_reach_both_vllm_replicas_behind_the_router_every_step(tmp_
     assert rec["async_server"]["world_size"] == 2   # the router sums the replicas' world sizes
     assert len(rec["losses"]) == 4
     assert_every_sync_landed(rec, replicas=2)
+    assert_async_syncs_landed(rec, replicas=2)   # AsyncGRPOTrainer's weight transfer, fanned out by the router
     spread = re.search(r"served per replica: \[(\d+), (\d+)\]", router_log)
     assert spread and all(int(n) >= 4 * 3 for n in spread.groups()), router_log[-500:]  # 4 syncs x 3 calls each
     assert_nothing_left(proc.stderr, str(tmp_path))
@@ -114,3 +119,55 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
     assert 0 < replaced < router_log.find("replica 1 (", replaced) and re.search(
         r"replica 1 \([\d.:]+\) holds the trainer's weights \(its first update completed\)", router_log[replaced:])
     assert_nothing_left(text, str(tmp_path))
+
+
+# torchrun only: the Ray case passes too (add "ray"), but costs ~5.5 min on 2 cores against ~3 min here
+@pytest.mark.parametrize("backend", ["torchrun"])
+def test_grpo_resumes_after_a_replica_dies_and_the_fresh_replicas_get_the_trainers_weights(
+        tmp_path, vllm_tiny, backend, ray_cluster_if_ray):
+    """GRPO, 2 replicas, `max_failures: 1`: replica 0 is SIGKILLed while the trainer waits at the start of
+    step 2 (checkpoint-2 written). The job restarts with fresh engines, the trainer resumes at step 2, and the first
+    sync (over a new gloo group through a new router) gives both fresh engines the trainer's weights."""
+    ray = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
+    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nmax_failures: 1\nlog_dir: logs\nroles:\n"
+                                       "  train: {gpus: 1}\n"
+                                       + server_role("rollout", vllm_tiny / "model", gpus=2, health_timeout_s=400))
+    (tmp_path / "out").mkdir()
+    hold = tmp_path / "hold"
+    hold.touch()
+    with open(tmp_path / "stderr.txt", "w") as errors:
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
+                                   "job.yaml", str(ASSETS / "grpo_server_probe.py"), str(vllm_tiny / "model"),
+                                   str(vllm_tiny / "data" / "prompts.jsonl"), "out", "--restart_test",
+                                   "--max_steps", "3", "--hold_file", str(hold), "--hold_at_step", "2"],
+                                  cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=errors, text=True,
+                                  env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", **ray_env(RAY_ADDRESS=ray)))
+    err = lambda: (tmp_path / "stderr.txt").read_text()  # noqa: E731
+    try:
+        assert eventually(lambda: driver.poll() is not None or os.path.exists(f"{hold}.held"), timeout=450), err()
+        assert driver.poll() is None, err()[-4000:]
+        log = (tmp_path / "logs" / "rollout-server-0.log").read_text()
+        os.kill(int(re.findall(r"Started server process \[(\d+)\]", log)[-1]), signal.SIGKILL)
+        hold.unlink()
+        code = driver.wait(timeout=450)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert code == 0, err()[-4000:]
+    assert "rollout server 0 exited with code -9 (killed by SIGKILL) while the job was running" in err()
+    assert "restarting the job" in err() and "after 1 restart(s)" in err()
+    rec = json.loads((tmp_path / "out" / "rank0.json").read_text())
+    assert (rec["attempt"], rec["start_step"]) == (1, 2), rec   # the restarted trainer resumed from checkpoint-2
+    for i in (0, 1):   # each fresh engine joined the restarted attempt's group, at its offset
+        log = (tmp_path / "logs" / f"rollout-server-{i}.log").read_text()
+        assert log.count(f"dualrun gloo weight transfer: rank {i + 1} of 3") == 2, log[-2000:]
+    trained = rec["start_logprobs"]   # the checkpoint's weights, which no fresh engine loaded ...
+    assert all(max(abs(x - y) for x, y in zip(loaded[1:], trained[1:])) > 100 * LOGPROB_TOLERANCE
+               for loaded in rec["initial_logprobs"]), rec
+    [check] = rec["checks"]           # ... and which both serve after their first sync
+    assert check["step"] == 3 and len(check["logprob_gap"]) == 2, check
+    assert max(check["logprob_gap"]) < LOGPROB_TOLERANCE and check["greedy"] == [check["trainer_greedy"]] * 2, check
+    assert max(rec["one_tensor"]["logprob_gap"]) < LOGPROB_TOLERANCE, rec["one_tensor"]
+    assert_nothing_left("", str(tmp_path))
+    if ray_cluster_if_ray:
+        ray_cluster_if_ray.assert_nothing_left()

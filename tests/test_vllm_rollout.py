@@ -4,12 +4,15 @@ GRPOTrainer trains 4 steps, pushing its weights to the server before every gener
 vLLM, TRL's client given the gloo path). The probe (assets/grpo_server_probe.py) proves each sync landed: the
 server's log-probabilities of a fixed prompt equal the trainer model's and its greedy completion equals the one
 the trainer's weights give, and greedy generation changes during training. Both backends give the same losses.
-AsyncGRPOTrainer reaches the server and then stops at construction on a CPU (TRL 1.16 reads the CUDA device)."""
+AsyncGRPOTrainer reaches the server and then stops at construction on a CPU (TRL 1.16 reads the CUDA device); the
+weight transfer it would build is dualrun's gloo client, and its syncs land. GKD's DistillationTrainer trains
+against the same server with the same syncs."""
 from __future__ import annotations
 
 import pytest
 
-from vllm_helpers import TIER, assert_every_sync_landed, assert_nothing_left, run_grpo_probe
+from vllm_helpers import (TIER, assert_async_syncs_landed, assert_every_sync_landed, assert_nothing_left,
+                          run_grpo_probe)
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
@@ -28,6 +31,7 @@ def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_s
     assert rec["async_url"] == f"http://{address}"
     assert rec["async_server"] == {"dtype": "torch.float32", "world_size": 1}
     assert "CUDA" in rec["async_error"]  # TRL 1.16's AsyncGRPOTrainer reads the CUDA device name when built
+    assert_async_syncs_landed(rec, replicas=1)   # ... but its weight transfer syncs over gloo
     grpo = rec["grpo"]
     assert grpo["use_vllm"] and grpo["vllm_mode"] == "server"
     assert (grpo["vllm_server_host"], grpo["vllm_server_port"]) == (host, int(port))
@@ -43,6 +47,23 @@ def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_s
         assert [c["trainer_greedy"] for c in torchrun["checks"]] == [c["trainer_greedy"] for c in ray["checks"]]
         assert [c["moved"] for c in torchrun["checks"][1:]] == pytest.approx([c["moved"] for c in ray["checks"][1:]],
                                                                              abs=1e-5)   # the same updates
+
+
+def test_distillation_trainer_trains_against_the_real_rollout_server_with_weights_synced_every_step(tmp_path,
+                                                                                                    vllm_tiny):
+    """GKD's on-policy DistillationTrainer (TRL 1.16) generates through the same `VLLMGeneration` and `VLLMClient`
+    as GRPO: with a separate rollout (method gkd, the teacher loaded by the trainer) its student's weights reach the
+    server over gloo before every generation, and the server serves them."""
+    proc, rec, address = run_grpo_probe(tmp_path, vllm_tiny, "torchrun", None, method="gkd",
+                                        probe_args=("--teacher", str(vllm_tiny / "teacher")))
+    host, port = address.split(":")
+    assert "dualrun gloo weight transfer: rank 1 of 2" in (tmp_path / "logs" / "rollout-server-0.log").read_text()
+    grpo = rec["grpo"]   # DistillationConfig's fields, filled by dualrun
+    assert grpo["use_vllm"] and grpo["vllm_mode"] == "server"
+    assert (grpo["vllm_server_host"], grpo["vllm_server_port"]) == (host, int(port))
+    assert len(rec["losses"]) == 4 and all(x == x and x >= 0 for x in rec["losses"]), rec["losses"]
+    assert_every_sync_landed(rec, replicas=1)
+    assert_nothing_left(proc.stderr, str(tmp_path))
 
 
 @pytest.mark.filterwarnings("ignore:Tensor '2' has size")   # one tensor past the buffer: a chunk alone, on purpose

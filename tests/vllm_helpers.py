@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -54,16 +55,17 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
     return proc, rank
 
 
-def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1) -> tuple:
-    """The probe under a job with a vLLM rollout of `gpus` engines: the finished process, rank 0's record and the
-    rollout's address (the router's when there are several engines)."""
+def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1, method: str = "grpo",
+                   probe_args: tuple[str, ...] = ()) -> tuple:
+    """The probe under a job (`method`) with a vLLM rollout of `gpus` engines: the finished process, rank 0's record
+    and the rollout's address (the router's when there are several engines)."""
     from ray_helpers import ray_env
 
-    (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
+    (tmp_path / "job.yaml").write_text(f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: 1}}\n"
                                        + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400))
     (tmp_path / "out").mkdir()
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
-                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", cwd=tmp_path,
+                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", *probe_args, cwd=tmp_path,
                    env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
                    timeout=580)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -88,6 +90,17 @@ def assert_every_sync_landed(rec: dict, replicas: int) -> None:
     assert max(one["logprob_gap"]) < LOGPROB_TOLERANCE, one
 
 
+def assert_async_syncs_landed(rec: dict, replicas: int) -> None:
+    """AsyncGRPOTrainer's default weight transfer, as its constructor would build it, is dualrun's gloo client, and
+    after its sync of a perturbed model (far from the loaded one) and then of the original, every replica serves
+    the model just sent."""
+    assert rec["async_transfer"] == "GlooWeightTransferClient", rec["async_transfer"]
+    perturbed, restored = rec["async_syncs"]
+    assert perturbed["moved"] > 100 * LOGPROB_TOLERANCE and restored["moved"] < LOGPROB_TOLERANCE, rec["async_syncs"]
+    for sync in (perturbed, restored):
+        assert len(sync["logprob_gap"]) == replicas and max(sync["logprob_gap"]) < LOGPROB_TOLERANCE, sync
+
+
 def vllm_processes() -> list[int]:
     """vLLM's engine processes (they rename themselves `VLLM::...`); only this tier runs vLLM on the machine."""
     return pids_matching("VLLM::")
@@ -96,4 +109,5 @@ def vllm_processes() -> list[int]:
 def assert_nothing_left(log: str, marker: str) -> None:
     """The job's servers are gone: nothing naming `marker` (the test's model or directory) and no vLLM engine."""
     assert not pids_matching(marker), f"processes naming {marker} are left"
-    assert not vllm_processes(), "vLLM engine processes are left"
+    left = {pid: os.path.realpath(f"/proc/{pid}/cwd") for pid in vllm_processes()}
+    assert not left, f"vLLM engine processes are left (pid: working directory): {left}"

@@ -4,7 +4,8 @@ plugins/grpo.py).
 A separate rollout: the unchanged GRPOConfig is pointed at its server (`use_vllm`, `vllm_mode="server"`,
 `vllm_server_host/port` and a free `vllm_group_port`, each only where the user left it at its default); TRL's
 AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`, and TRL's VLLMClient the gloo
-weight-sync path for a rollout on vLLM's CPU build (dualrun.rank.gloo_client). A colocated vLLM rollout: TRL's
+weight-sync path for a rollout on vLLM's CPU build (dualrun.rank.gloo_client), as does AsyncGRPOTrainer's default
+`weight_transfer` (dualrun.rank.gloo_async). A colocated vLLM rollout: TRL's
 colocate mode, sleep mode from `offload_model`.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ def activate(settings: Mapping[str, Any]) -> None:
     if address:
         when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
         when_imported("trl.generation.vllm_client", install_gloo_client)
+        when_imported("trl.experimental.async_grpo.async_grpo_trainer", install_async_gloo)
         when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(
             m.AsyncGRPOConfig, async_rollout_fields(address),
             lambda cfg, filled: say(f"AsyncGRPOConfig: {filled} (rollout server)")))
@@ -33,6 +35,14 @@ def activate(settings: Mapping[str, Any]) -> None:
     if fields:
         when_imported("trl.trainer.grpo_config", lambda m: fill_defaults(
             m.GRPOConfig, fields, lambda cfg, filled: say(f"GRPOConfig: {filled} (colocated rollout)")))
+
+
+def install_async_gloo(module: Any) -> None:
+    """AsyncGRPOTrainer's module: its default weight transfer takes the gloo path for a gloo server (imports TRL's
+    async weight-transfer module, hence here and not at the top)."""
+    from dualrun.rank.gloo_async import install
+
+    install(module)
 
 
 def wire_rollout(module: Any, config_class: str, address: str) -> None:

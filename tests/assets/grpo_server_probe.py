@@ -1,7 +1,8 @@
 """Unchanged TRL trainers against a rollout server they never name (dualrun fills the address), on CPU:
 1. TRL's AsyncGRPOTrainer: records the `vllm_server_base_url` it got, asks the server through TRL's async client
    (dtype and world size over the dev-mode endpoints), then builds the trainer (on a CPU TRL 1.16 stops there: it
-   reads the CUDA device's name for its FLOPs metric).
+   reads the CUDA device's name for its FLOPs metric); then the weight transfer the trainer would build (gloo,
+   through dualrun's hook) syncs a perturbed and then the original model into the server(s), each sync checked.
 2. TRL's GRPOTrainer in server mode, trained for 4 steps: the weights go to the server(s) before every generation
    (over gloo on vLLM's CPU build). A callback, which only observes, proves each sync landed: at the start of step
    g (and at the end) every replica's log-probabilities of a fixed prompt, and its greedy completion, are compared
@@ -11,11 +12,22 @@ Writes out/rank0.json: filled fields, losses, and per check the largest log-prob
 the greedy completions, and how far the trainer's weights moved since the previous check; then the same after one
 tensor pushed alone through TRL's `update_named_param`.
 
-    grpo_server_probe.py MODEL PROMPTS.jsonl OUT
+For the restart test (`--restart_test`): no AsyncGRPOTrainer, a checkpoint every step, and on the first attempt the
+trainer waits at the start of step `--hold_at_step` (its checkpoint written) while `--hold_file` exists, so the
+test kills a replica there; the restarted attempt resumes from that checkpoint (dualrun's resume hook) and records
+which attempt it is, the step it resumed at and each fresh replica's log-probabilities before any sync.
+
+With `--teacher TEACHER` the trainer is TRL's DistillationTrainer instead of GRPOTrainer (on-policy: the student
+generates through the same server, after the same weight sync), distilling from TEACHER loaded in the trainer.
+
+    grpo_server_probe.py MODEL PROMPTS.jsonl OUT [--restart_test --max_steps N --hold_file F --hold_at_step S]
+                                                 [--teacher TEACHER]
 """
+import argparse
+import functools
 import json
 import os
-import sys
+import time
 
 import requests
 import torch
@@ -25,7 +37,18 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-model, data, out = sys.argv[1:4]
+cli = argparse.ArgumentParser()
+cli.add_argument("model")
+cli.add_argument("data")
+cli.add_argument("out")
+cli.add_argument("--restart_test", action="store_true")
+cli.add_argument("--max_steps", type=int, default=4)
+cli.add_argument("--hold_file", default="")
+cli.add_argument("--hold_at_step", type=int, default=2)
+cli.add_argument("--teacher", default="")
+a = cli.parse_args()
+model, data, out = a.model, a.data, a.out
+attempt = sum(int(os.environ.get(k, "0")) for k in ("TORCHELASTIC_RESTART_COUNT", "DUALRUN_JOB_RESTARTS"))
 path = os.path.join(out, f"rank{os.environ['RANK']}.json")
 dataset = load_dataset("json", data_files=data, split="train")
 PROMPT = [2, 10, 11, 12, 13, 14]   # token ids of the tiny model's vocabulary
@@ -37,21 +60,19 @@ def reward(completions, **kwargs):
 
 
 common = dict(num_generations=2, max_completion_length=8, report_to="none", use_cpu=True, bf16=False)
-rec = {}
-async_config = AsyncGRPOConfig(output_dir=os.path.join(out, "async"), dtype="float32", vllm_server_timeout=60,
-                               max_steps=1, **common)
-rec["async_url"] = async_config.vllm_server_base_url
-client = VLLMClient(async_config.vllm_server_base_url, server_timeout=60)
-client.wait_for_server_ready()
-rec["async_server"] = {"dtype": client.get_dtype(), "world_size": client.get_world_size()}
-try:
-    AsyncGRPOTrainer(model=model, reward_funcs=[reward], args=async_config, train_dataset=dataset)
-    rec["async_error"] = None
-except Exception as e:  # noqa: BLE001 - recorded for the test
-    rec["async_error"] = f"{type(e).__name__}: {e}"
+rec = {"attempt": attempt}
+saving = dict(save_strategy="steps", save_steps=1) if a.restart_test else dict(save_strategy="no")
+training = dict(per_device_train_batch_size=2, max_steps=a.max_steps, learning_rate=0.05, logging_steps=1, seed=0,
+                generation_kwargs={"seed": 7}, **saving)
+if a.teacher:
+    from trl import DistillationConfig, DistillationTrainer
 
-config = GRPOConfig(output_dir=os.path.join(out, "grpo"), per_device_train_batch_size=2, max_steps=4,
-                    learning_rate=0.05, logging_steps=1, seed=0, generation_kwargs={"seed": 7}, **common)
+    common.pop("num_generations")
+    config = DistillationConfig(output_dir=os.path.join(out, "distil"), **training, **common)
+    make_trainer = functools.partial(DistillationTrainer, teacher_model=a.teacher)
+else:
+    config = GRPOConfig(output_dir=os.path.join(out, "grpo"), **training, **common)
+    make_trainer = functools.partial(GRPOTrainer, reward_funcs=[reward])
 rec["grpo"] = {k: getattr(config, k) for k in ("use_vllm", "vllm_mode", "vllm_server_host", "vllm_server_port",
                                                "vllm_group_port")}
 base = f"http://{config.vllm_server_host}:{config.vllm_server_port}"
@@ -94,7 +115,9 @@ class SyncProof(TrainerCallback):
     def __init__(self) -> None:
         self.previous = None
         rec["checks"] = []
-        rec["initial_greedy"] = [served(url)["greedy"] for url in replicas()]
+        initial = [served(url) for url in replicas()]   # before any sync: the weights each engine loaded
+        rec["initial_greedy"] = [i["greedy"] for i in initial]
+        rec["initial_logprobs"] = [i["logprobs"] for i in initial]
 
     def check(self, step: int) -> None:
         if self.previous is None:
@@ -106,9 +129,15 @@ class SyncProof(TrainerCallback):
                               "moved": self.previous.get("moved")})
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if a.hold_file and attempt == 0 and state.global_step == a.hold_at_step:
+            open(f"{a.hold_file}.held", "w").close()   # checkpoint-<step> is written: the test kills a replica
+            while os.path.exists(a.hold_file):
+                time.sleep(0.1)
         self.check(state.global_step)
         now = trainer_side(model)
-        if self.previous is not None:
+        if self.previous is None:   # the first step of this attempt (after a restart: the one it resumed at)
+            rec["start_step"], rec["start_logprobs"] = state.global_step, now["logprobs"]
+        else:
             now["moved"] = gap(now["logprobs"], self.previous["logprobs"])
         self.previous = now
 
@@ -116,8 +145,54 @@ class SyncProof(TrainerCallback):
         self.check(state.global_step)
 
 
-trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
-                      callbacks=[SyncProof()])
+def async_grpo() -> None:
+    """AsyncGRPOTrainer as far as TRL 1.16 lets it go on a CPU (its constructor stops at the CUDA device), then its
+    default weight transfer as the trainer builds it (the module's `WeightTransferClient`, given the trainer's weight
+    manifest): two syncs through pause/send_weights/resume, a perturbed model and then the original one, each checked
+    against every replica's log-probabilities."""
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo import async_grpo_trainer
+
+    async_config = AsyncGRPOConfig(output_dir=os.path.join(out, "async"), dtype="float32", vllm_server_timeout=60,
+                                   max_steps=1, **common)
+    rec["async_url"] = async_config.vllm_server_base_url
+    client = VLLMClient(async_config.vllm_server_base_url, server_timeout=60)
+    client.wait_for_server_ready()
+    rec["async_server"] = {"dtype": client.get_dtype(), "world_size": client.get_world_size()}
+    try:
+        AsyncGRPOTrainer(model=model, reward_funcs=[reward], args=async_config, train_dataset=dataset)
+        rec["async_error"] = None
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        rec["async_error"] = f"{type(e).__name__}: {e}"
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    params = lambda: ((n, p.detach()) for n, p in async_grpo_trainer._iter_vllm_named_params(policy))  # noqa: E731
+    manifest = list(params())
+    info = {"names": [n for n, _ in manifest], "dtype_names": [str(t.dtype).split(".")[-1] for _, t in manifest],
+            "shapes": [list(t.shape) for _, t in manifest]}
+    transfer = async_grpo_trainer.WeightTransferClient(vllm_client=client, weight_update_info=info,
+                                                       weight_sync_timeout=120)
+    rec["async_transfer"], rec["async_syncs"] = type(transfer).__name__, []
+    transfer.init_weight_transfer()
+    original = trainer_side(policy)
+    noise = torch.Generator().manual_seed(0)
+    saved = {n: t.clone() for n, t in manifest}
+    for step in ("perturbed", "restored"):
+        with torch.no_grad():
+            for n, t in params():
+                t.copy_(saved[n] + 0.05 * torch.randn(t.shape, generator=noise) if step == "perturbed" else saved[n])
+        now = trainer_side(policy)
+        transfer.pause()
+        transfer.send_weights(params())
+        transfer.resume()
+        rec["async_syncs"].append({"step": step, "moved": gap(now["logprobs"], original["logprobs"]),
+                                   "logprob_gap": [gap(served(url)["logprobs"], now["logprobs"])
+                                                   for url in replicas()]})
+    transfer.destroy()
+
+
+if not (a.restart_test or a.teacher):
+    async_grpo()
+trainer = make_trainer(model=model, args=config, train_dataset=dataset, callbacks=[SyncProof()])
 trainer.train()
 # TRL's per-tensor call (`update_named_param`, one tensor in its own update) on the same client: one weight changed
 client = trainer.vllm_generation.vllm_client
