@@ -13,7 +13,7 @@ second as dualrun's). Two requests: a one-prompt /v1/completions (both routers s
 (request, in-flight) cell runs the three ways back to back, in an order that rotates, `--reps` times, so load from
 other jobs hits them alike. Added latency = the router's percentile minus the direct one of the same repetition.
 Also each router process's CPU time per request (from /proc: less noisy than latency on a shared machine).
-Writes results/router_vs_vllm.md.
+Writes results/router_vs_vllm.md (every run in results/router_vs_vllm.json).
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def measure(args: argparse.Namespace) -> dict:
             replicas = start_cpu_engines(model, 2, stack)
             out["backends"][f"2 CPU engines (tiny model, {args.engine_max_tokens} new tokens)"] = run_backend(
                 replicas, stack, bodies(args.engine_max_tokens), args.inflight, args.engine_reps,
-                lambda kind, c: (max(2 * c, 16) if kind == "1 prompt" else (max(c, 4) if c <= 8 else 0)))
+                lambda kind, c: (max(4 * c, 32) if kind == "1 prompt" else (max(c, 4) if c <= 8 else 0)))
         finally:
             for s in reversed(stack):
                 s.stop(grace_s=2)
@@ -137,8 +137,8 @@ def verdict(rows: list[dict]) -> list[str]:
     for (kind, c), ways in sorted(_cells(rows).items()):
         if kind != "1 prompt":
             continue
-        added = {w: {q: statistics.median(ways[w][k][q] - ways["direct"][k][q] for k in ways[w]) for q in ("p50", "p99")}
-                 for w in ("dualrun", "vllm-router")}
+        added = {w: {q: statistics.median(ways[w][k][q] - ways["direct"][k][q] for k in ways[w])
+                     for q in ("p50", "p99")} for w in ("dualrun", "vllm-router")}
         rps = {w: statistics.median(r["rps"] for r in ways[w].values()) for w in ("dualrun", "vllm-router")}
         lat_ok = all(added["dualrun"][q] <= added["vllm-router"][q] for q in ("p50", "p99"))
         rps_ok = rps["dualrun"] >= rps["vllm-router"] or c > 64
@@ -228,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     command = "python benchmarks/router_vs_vllm.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
                                                        if (argv if argv is not None else sys.argv[1:]) else "")
-    text = report(measure(args), args, command)
+    res = measure(args)
+    text = report(res, args, command)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(text)
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:   # every run, for another look
+        json.dump(res, f, indent=1)
     print(text)
     return 0
 

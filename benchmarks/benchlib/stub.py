@@ -44,7 +44,7 @@ def main(port: int) -> None:
     app = web.Application()
     app.router.add_get("/{tail:.*}", _get)
     app.router.add_post("/{tail:.*}", _post)
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=1024)  # 256 in flight
 
 
 if __name__ == "__main__":

@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
     web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
-                handle_signals=True, loop=_event_loop())
+                handle_signals=True, loop=_event_loop(), backlog=1024)   # a connection per request in flight
 
 
 if __name__ == "__main__":
