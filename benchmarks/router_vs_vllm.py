@@ -153,7 +153,8 @@ def report(res: dict, args: argparse.Namespace, command: str) -> str:
     m = res["machine"]
     lines = ["# dualrun's router against vllm-router", "",
              f"`{command}` ({res['started']}; dualrun {m.get('git', '?')}, vllm-router "
-             f"{_version('vllm-router')}, aiohttp {_version('aiohttp')}).", "",
+             f"{_version('vllm-router')}, aiohttp {_version('aiohttp')}, uvloop {_version('uvloop')}: dualrun's router runs "
+             "on uvloop where it is installed).", "",
              "2 replicas behind each router; a closed-loop client keeps N requests in flight: straight to the "
              "replicas (alternating: no router), through dualrun's router, through vllm-router (round robin). "
              "Every cell is the median of the repetitions, (min–max) beside it; *added* = the router's percentile "
