@@ -1,8 +1,8 @@
 """dualrun's router against vllm-router (the vLLM project's Rust router) in front of the same replicas.
 
     pip install vllm-router==0.1.17          # the version measured; not a dependency of dualrun
-    unshare -n bash -c 'ip link set lo up; python benchmarks/router_vs_vllm.py'              # about 4 min
-    unshare -n bash -c 'ip link set lo up; python benchmarks/router_vs_vllm.py --no-engines' # stubs only, ~2 min
+    unshare -n bash -c 'ip link set lo up; python benchmarks/router_vs_vllm.py'              # ~7 min, 2 busy cores
+    unshare -n bash -c 'ip link set lo up; python benchmarks/router_vs_vllm.py --no-engines' # stubs only, ~3 min
 
 Two replicas stand behind both routers at once: stub replicas that answer at once (benchlib/stub.py: what is timed
 is the routers' hop), then 2 of dualrun's CPU engines on the tiny model (a real generation behind it). A closed-loop
