@@ -2,7 +2,7 @@
 
     unshare -n bash -c 'ip link set lo up; python benchmarks/router_overhead.py'      # about 40 s
 
-Two stub replicas (processes that answer at once, so that the time measured is transport, not inference) stand
+Two stub replicas (benchlib/stub.py: processes that answer at once, so that the time measured is transport) stand
 behind `dualrun.serving.router` (a process). One client with a kept-alive connection alternates: a request straight
 to replica 0, the same request through the router, the two kinds below interleaved. Two kinds: a single-prompt /v1/completions (goes to one replica
 whole) and a two-prompt one (split over both replicas, answers merged). Added latency = router percentile minus
@@ -12,50 +12,20 @@ results/router.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchlib.load import pct as _pct  # noqa: E402
+from benchlib.servers import start_router, start_stubs  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "router.md")
 TARGETS = {"p50": 2.0, "p99": 10.0}  # ms added, from issue 13
-
-
-def stub(port: int) -> None:
-    """A replica that answers at once: one choice per prompt."""
-
-    class H(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
-
-        def log_message(self, *a: object) -> None:
-            pass
-
-        def _send(self, payload: dict) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:  # noqa: N802
-            self._send({"world_size": 1} if self.path.startswith("/get_world_size") else {"status": "ok"})
-
-        def do_POST(self) -> None:  # noqa: N802
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-            prompts = body["prompt"] if isinstance(body.get("prompt"), list) and body["prompt"] and \
-                isinstance(body["prompt"][0], list) else [body.get("prompt")]
-            self._send({"id": "x", "choices": [{"index": i, "token_ids": [1, 2, 3], "text": "a b c"}
-                                               for i in range(len(prompts))],
-                        "usage": {"prompt_tokens": 3, "completion_tokens": 3}})
-
-    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def _rss(pid: int) -> int:
@@ -63,29 +33,15 @@ def _rss(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def _pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1] if q < 100 else max(values)
-
-
 def measure(requests_n: int, warmup: int) -> dict:
     import requests
 
-    from dualrun.light.ports import free_port
-    from dualrun.servers.process import ServerProcess
-    from dualrun.serving.router import router_argv
-
-    servers = []
+    servers: list = []
     try:
-        ports = [free_port(), free_port()]
-        for port in ports:
-            servers.append(ServerProcess(f"stub {port}", [sys.executable, __file__, "--stub", str(port)],
-                                         dict(os.environ), "127.0.0.1", port, "/health", 30, stream=None).start())
-        router_port = free_port()
-        router = ServerProcess("router", router_argv("127.0.0.1", router_port, [f"127.0.0.1:{p}" for p in ports]),
-                               dict(os.environ), "127.0.0.1", router_port, "/health", 30, stream=None).start()
-        servers.append(router)
-        for s in servers:
-            s.wait_healthy()
+        stubs = start_stubs(2, servers)   # benchlib/stub.py: aiohttp, answers at once
+        router = start_router(stubs, servers, 30)
+        ports = [s.port for s in stubs]
+        router_port = router.port
         session = requests.Session()
         session.trust_env = False
         kinds = {"one prompt (to one replica)": {"prompt": [1, 2, 3], "max_tokens": 3},
@@ -149,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=5000, help="timed requests per kind and path")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--out", default=OUT)
-    p.add_argument("--stub", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.stub:
-        stub(args.stub)
-        return 0
     res = measure(args.requests, args.warmup)
     text = report(res, args.requests)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

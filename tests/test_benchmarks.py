@@ -42,7 +42,7 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost",
-                                    "replica_throughput", "weight_sync_bench"])
+                                    "replica_throughput", "weight_sync_bench", "router_vs_vllm"])
 def test_the_scripts_built_on_benchlib_start(script):
     """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,
@@ -92,6 +92,27 @@ def test_router_overhead_benchmark_runs(tmp_path):
     text = out.read_text()
     assert "| one prompt (to one replica) |" in text and "| two prompts (split over both) |" in text
     assert "after 60 more routed requests" in text
+
+
+@pytest.mark.e2e
+def test_router_vs_vllm_router_benchmark_runs(tmp_path):
+    """Both routers in front of the stub replicas, two loads, one repetition: every cell of the table filled."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from benchlib.servers import vllm_router_bin
+    finally:
+        sys.path.pop(0)
+    if vllm_router_bin() is None:
+        pytest.skip("vllm-router is not installed (pip install vllm-router; not a test dependency)")
+    out = tmp_path / "r.md"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "router_vs_vllm.py"), "--no-engines", "--reps", "1",
+                        "--inflight", "1", "8", "--requests", "40", "--per-inflight", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 1 |") or ln.startswith("| 8 |")]
+    assert len(rows) == 6 and not any("| - |" in ln for ln in rows), text   # 2 loads x (2 kinds + the target)
+    assert (tmp_path / "r.json").exists()
 
 
 @pytest.mark.e2e

@@ -8,7 +8,9 @@
   cluster   a running local Ray cluster the benchmark starts and stops itself
   report    the launch tables, chart and the README blocks they refresh
   planner   the planner timed at 1,024 GPUs
-  servers   dualrun's router in front of servers a benchmark started
+  servers   servers a benchmark starts: stub replicas, CPU engines, dualrun's router or vllm-router before them
+  stub      a replica that answers at once (run as a process by servers.start_stubs)
+  load      closed-loop HTTP load: N requests in flight, each one's latency, requests/s
 
 Imported as `benchlib` with benchmarks/ on sys.path (as it is for `python benchmarks/<script>.py`).
 """

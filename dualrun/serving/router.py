@@ -73,7 +73,8 @@ class Router:
         self.timeout = ClientTimeout(total=request_timeout_s)
         self.probe_interval_s = probe_interval_s
         self.session: ClientSession | None = None
-        self._abort = [asyncio.Event() for _ in self.replicas]   # set: the requests in flight on it are retried
+        self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # its requests in flight, to abort
+        self._aborted: set[asyncio.Task] = set()   # cancelled by an abort: retried on another replica
         self._probes: list[asyncio.Task] = []
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -166,19 +167,19 @@ class Router:
                       headers: dict | None) -> tuple[int, bytes, str]:
         """`call`, ended early (ReplicaError, kind None) when the replica leaves the rotation meanwhile for a reason
         that means no answer will come."""
-        replica, abort = self.replicas[index], self._abort[index]
+        replica, flying = self.replicas[index], self._abort[index]
         request = asyncio.ensure_future(self.call(index, method, path_qs, body, headers))
-        aborted = asyncio.ensure_future(abort.wait())
+        flying.add(request)   # (a task of its own: an abort cancels it, not the handler; no waiter task per request)
         try:
-            await asyncio.wait({request, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            aborted.cancel()
-            if not request.done():
-                request.cancel()   # (it ends on the loop's next turns, its in_flight count with it)
-        if not request.done() or request.cancelled():
+            return await request
+        except asyncio.CancelledError:
+            if request not in self._aborted:
+                raise   # the handler itself was cancelled (the client went away)
             raise ReplicaError(index, replica, 502, "", None,
-                               f"left the rotation while this request was on it ({replica.reason})")
-        return request.result()
+                               f"left the rotation while this request was on it ({replica.reason})") from None
+        finally:
+            flying.discard(request)
+            self._aborted.discard(request)
 
     def _failed(self, index: int, error: ReplicaError, incarnation: int) -> bool:
         """Tell the table; True when the replica is out of rotation now (it may have been already)."""
@@ -192,8 +193,10 @@ class Router:
             return
         print(f"dualrun router: {event.line}", file=sys.stderr, flush=True)
         if event.abort:
-            abort, self._abort[event.index] = self._abort[event.index], asyncio.Event()
-            abort.set()
+            flying, self._abort[event.index] = self._abort[event.index], set()
+            for request in flying:   # (they end on the loop's next turns, their in_flight counts with them)
+                self._aborted.add(request)
+                request.cancel()
 
     async def _probe_loop(self, index: int) -> None:
         timeout = ClientTimeout(total=PROBE_TIMEOUT_S)
@@ -369,6 +372,15 @@ def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s
     return argv + ([] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"])
 
 
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (it comes with vLLM): the router's time is the loop's and the sockets'."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dualrun.serving.router", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -386,7 +398,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
     web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
-                handle_signals=True)
+                handle_signals=True, loop=_event_loop(), backlog=1024)   # a connection per request in flight
 
 
 if __name__ == "__main__":

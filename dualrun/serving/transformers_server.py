@@ -253,6 +253,14 @@ def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestH
     return Handler
 
 
+class Server(ThreadingHTTPServer):
+    """Why a listen backlog of 1024 (socketserver's default is 5): a router or a TRL client opens a connection per
+    request in flight; past the backlog the kernel drops the handshakes and the client waits out TCP's retransmit
+    back-off (seconds, then minutes) before the request even reaches the queue."""
+
+    request_queue_size = 1024
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dualrun.serving.transformers_server", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -274,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(max(1, args.threads))
     engine = Engine(args.model, args.dtype, args.device, args.served_model_name, args.seed)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, args.verbose))
+    server = Server((args.host, args.port), make_handler(engine, args.verbose))
     server.daemon_threads = True
     print(f"dualrun engine: serving {engine.name} on http://{args.host}:{args.port} ({engine.device})",
           file=sys.stderr, flush=True)
