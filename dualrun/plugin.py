@@ -88,8 +88,8 @@ def restarts_do_nothing(cfg: JobConfig, role: RoleSpec, replicas: int) -> str | 
         return "one engine has no router to take a restarted one back"
     if role.name in NOT_RESTARTED_ROLES:
         return "a restarted rollout engine would serve stale weights: not restarted yet"
-    if cfg.backend != "torchrun" or cfg.num_machines > 1:
-        return "replicas are restarted on the torchrun backend on one machine only, so far"
+    if cfg.backend == "torchrun" and cfg.num_machines > 1:
+        return "replicas are restarted on one torchrun machine or on Ray, not yet on several torchrun machines"
     return None
 
 
