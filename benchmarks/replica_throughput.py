@@ -25,28 +25,10 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from benchlib.servers import start_router  # noqa: E402
+from benchlib.servers import start_engines, start_router  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "replicas.md")
 TARGET = 1.6  # 2 replicas over 1 engine, from issue 13
-
-
-def _engines(model: str, n: int, stack) -> list:
-    from dualrun.config.model import RoleSpec
-    from dualrun.ports import free_port
-    from dualrun.servers.commands import cpu_engine
-    from dualrun.servers.process import ServerProcess
-
-    role = RoleSpec("rollout", 0, 1)
-    out = []
-    for i in range(n):
-        port = free_port()
-        out.append(ServerProcess(f"engine {i}", cpu_engine(role, model, "127.0.0.1", port), dict(os.environ),
-                                 "127.0.0.1", port, "/health", 120, stream=None).start())
-    stack.extend(out)
-    for s in out:
-        s.wait_healthy()
-    return out
 
 
 def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, int, list]:
@@ -84,7 +66,7 @@ def measure(model: str, requests_n: int, max_tokens: int, concurrency: int, roun
     prompts = [[rng.randrange(5, 60) for _ in range(rng.randrange(4, 12))] for _ in range(requests_n)]
     stack: list = []
     try:
-        engines = _engines(model, 2, stack)
+        engines = start_engines(model, 2, stack)
         layouts = {"1 engine, direct": f"http://{engines[0].address}",
                    "1 engine behind the router": f"http://{start_router(engines[:1], stack, 60).address}",
                    "2 replicas behind the router": f"http://{start_router(engines, stack, 60).address}"}
