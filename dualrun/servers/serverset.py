@@ -5,8 +5,10 @@ trainers their addresses, end or restart the job when one dies, stop them with t
 processes here (`LocalServers`, local.py) or from Ray actors (`RayServers`, ray_server.py). A dying server is an
 event (`ServerDeath`, naming which of `plan.servers` it was) that the launcher takes from `next_death`; the set's
 own watcher (a thread polling its processes, or one waiting on its actors) puts it there. An event names one
-server of the plan by index, so a backend can replace that one server (same devices, fresh port: `_replace`) when
-`replacing.survivable` says the job survives it; only the deaths it does not survive reach `next_death`.
+server of the plan by index, so the set can replace that one server (same devices, fresh port: `_replace`) when
+`replacing.survivable` says the job survives it; only the deaths it does not survive reach `next_death`. The
+restart's steps (router `replace`, the wait for rotation, the event lines) and the search for hung replicas are
+here, once for both backends; each backend only starts one replica again (`_respawn`) and stops a hung one.
 """
 from __future__ import annotations
 
