@@ -189,7 +189,7 @@ def report(res: dict, args: argparse.Namespace, info: dict, command: str) -> str
              "replicas behind dualrun's router, restarted by the backend's own server set; a stand-in trainer "
              "scores 4 sequences per step through TRL's client without pause. Times from the signal; the router's "
              "table read every 5 ms.", "",
-             "| mode | kill -> out of rotation, median (min-max) | kill -> back in rotation | a bare engine's start "
+             "| mode | signal -> out of rotation, median (min-max) | signal -> back in rotation | a bare engine's start "
              "(same round) | steps during | steps lost | requests failed |", "|---|---:|---:|---:|---:|---:|---:|"]
     for mode in args.modes:
         rows = [r for r in res["rounds"] if r["mode"] == mode]
