@@ -23,10 +23,9 @@ from dualrun.plan import ROUTER, Plan, Process
 from dualrun.servers.planned import (addresses, log_name, phases, replica_addresses, server_command,
                                      server_health_path, server_role, wiring_env)
 from dualrun.servers.process import ServerError, ServerProcess
-from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
+from dualrun.servers.serverset import HUNG_EVERY_S, START_TRIES, ServerDeath, ServerSet
 
 WATCH_EVERY_S = 0.25   # how often the watcher looks at this machine's server processes
-HUNG_EVERY_S = 1.0     # how often it asks the routers for hung replicas (they probe about once a second)
 
 
 def port_of(address: str) -> int:

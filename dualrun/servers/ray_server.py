@@ -30,9 +30,7 @@ from typing import Any, Callable, Collection, Mapping
 from dualrun.protocol import ActorPlace
 from dualrun.servers.process import ServerError
 from dualrun.servers.ray_actor import ServerActor
-from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
-
-HUNG_EVERY_S = 1.0   # how often the watcher asks the routers for hung replicas (they probe about once a second)
+from dualrun.servers.serverset import HUNG_EVERY_S, START_TRIES, ServerDeath, ServerSet
 
 
 class RayServers(ServerSet):

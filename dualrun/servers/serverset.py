@@ -23,6 +23,7 @@ from typing import Any
 from dualrun.servers.process import ServerError
 
 START_TRIES = 3   # a server whose free port was taken between picking and binding it is started again, this often
+HUNG_EVERY_S = 1.0   # how often a set's watcher asks the routers for hung replicas (they probe about once a second)
 
 
 
