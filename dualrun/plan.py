@@ -9,12 +9,12 @@ master port, a server's address, the run id) appear as `<auto>` until the launch
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from dualrun import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
-from dualrun.engine_shape import engine_size, replica_count, server_env
+from dualrun.engine_shape import engine_of, engine_size, replica_count, server_env
 from dualrun.envspec import rank_env, redact
 from dualrun.errors import ConfigError, escaped
 from dualrun.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
@@ -137,8 +137,26 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
                 external[name] = role.address
             continue
         procs += _place_server(cfg, policy, cluster, free, group, role, unit, common)
-    return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(procs), frozen_map(common),
+    return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_share_cpus(cfg, procs)), frozen_map(common),
                 frozen_map(external), policy.machine_rank)
+
+
+def _share_cpus(cfg: JobConfig, procs: list[Process]) -> list[Process]:
+    """Several vLLM CPU engines on one machine: each marked with its share of the machine's cores ('j/k'), which
+    it binds its OpenMP threads to where it starts (dualrun/servers/cpu_share.py); vLLM alone binds them all to
+    the same cores."""
+    if not cfg.use_cpu:
+        return procs
+    on_node: dict[int, list[int]] = {}
+    for i, p in enumerate(procs):
+        role = cfg.role(p.roles[0])
+        if p.kind == "server" and role is not None and engine_of(cfg, role) == "vllm":
+            on_node.setdefault(p.node, []).append(i)
+    out = list(procs)
+    for engines in on_node.values():
+        for j, i in enumerate(engines if len(engines) > 1 else ()):
+            out[i] = replace(out[i], env=frozen_map({**out[i].env, protocol.CPU_SHARE: f"{j}/{len(engines)}"}))
+    return out
 
 
 def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:

@@ -29,6 +29,10 @@ ROLES_MODE = "DUALRUN_ROLES_MODE"   # 'ray' (this process is the driver of a Ray
 GROUP_RANK = "DUALRUN_GROUP_RANK"   # a role group worker's rank in its group
 GROUP_SIZE = "DUALRUN_GROUP_SIZE"   # the number of workers of the group
 
+# Several vLLM CPU engines on one machine (dualrun/plan.py): 'j/k' = this engine is the j-th of k there, and binds its
+# OpenMP threads to the j-th k-th of the machine's allowed cores where it starts (dualrun/servers/cpu_share.py).
+CPU_SHARE = "DUALRUN_CPU_SHARE"
+
 # -- trainer wiring ------------------------------------------------------------------------------------------
 # A free port on trainer rank 0's node for TRL's weight-sync rendezvous (the trainer is its master): TRL's default
 # 51216 makes two jobs with rollout servers on one node collide.

@@ -42,7 +42,8 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost",
-                                    "replica_throughput", "weight_sync_bench", "router_vs_vllm"])
+                                    "replica_throughput", "weight_sync_bench", "router_vs_vllm",
+                                    "replica_restart_bench"])
 def test_the_scripts_built_on_benchlib_start(script):
     """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,

@@ -18,8 +18,10 @@ def _cfg(role: str = "teacher", backend: str = "torchrun", **spec) -> object:
     method = "grpo" if role == "rollout" else "gkd"
     extra = {"engine": "transformers"} if role == "rollout" else {"top_k": 5}
     use_cpu = spec.get("engine") != "vllm"
-    cfg = build_config({"backend": backend, "method": method, "use_cpu": use_cpu, "roles": {
-        "train": {"gpus": 1}, role: {"gpus": 3, "model": "m/m", **extra, **spec}}}, "job.yaml")
+    top = {k: spec.pop(k) for k in ("num_machines", "main_process_ip") if k in spec}   # the job's, not the role's
+    cfg = build_config({"backend": backend, "method": method, "use_cpu": use_cpu, **top, "roles": {
+        "train": {"gpus": top.get("num_machines", 1)}, role: {"gpus": 3, "model": "m/m", **extra, **spec}}},
+        "job.yaml")
     get_plugin(method).validate(cfg)
     return cfg
 
@@ -74,13 +76,18 @@ def test_event_lines_say_which_why_and_when_back():
 @pytest.mark.parametrize("role, backend, spec, why", [
     ("teacher", "torchrun", {"gpus": 1}, "one engine has no router"),
     ("rollout", "ray", {"engine": "vllm"}, "held until it has the trainer's weights on torchrun only"),
-    ("teacher", "ray", {}, "torchrun backend on one machine only"),
+    ("teacher", "torchrun", {"num_machines": 2, "main_process_ip": "10.0.0.1"}, "not yet on several torchrun machines"),
 ])
 def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, spec, why):
     with pytest.raises(ConfigError) as e:
         _cfg(role, backend, replica_restarts=5, **spec)
     assert e.value.key == f"roles.{role}.replica_restarts" and why in str(e.value)
     _cfg(role, backend, replica_restarts=0, **spec)   # today's behaviour: accepted everywhere
+
+
+def test_teacher_replicas_are_restarted_on_ray_too():
+    cfg = _cfg(backend="ray", replica_restarts=5)   # RayServers restarts them (a fresh actor and group)
+    assert restart_budget(cfg, make_plan(cfg)) == {0: 5, 1: 5, 2: 5}
 
 
 def test_replica_restarts_beside_an_address_is_refused():

@@ -1,10 +1,11 @@
 """Engine replicas behind one router, end to end on CPU with the built-in engine: 2 and 3 replicas on both backends
 serve real TRL GKD's teacher, and a 4-engine GRPO rollout serves TRL's own client built from the unchanged
-GRPOConfig; every replica gets requests (counted in each replica's own log or stats). A replica killed mid-training
-ends the job within 10 s naming it (torchrun; on Ray once the rollout has served); with max_failures: 1 the job
-restarts with fresh replicas and a fresh router and finishes (both with `replica_restarts: 0`); by default a killed
-teacher replica is restarted while GKD goes on. One SIGSTOPped (hung, alive) is routed around by the router, then
-stopped and restarted by the launcher, and GKD finishes."""
+GRPOConfig; every replica gets requests (counted in each replica's own log or stats). With `replica_restarts: 0` a
+replica killed mid-training ends the job within 10 s naming it, as before (both backends; the rollout's on Ray),
+and so does the last replica serving (both killed) with the default; with max_failures: 1 the job restarts with
+fresh replicas and a fresh router and finishes. By default a killed teacher replica is restarted while GKD goes on
+(on Ray a fresh actor and placement group), and the losses equal the run without the kill; one SIGSTOPped (hung,
+alive) is routed around by the router, then stopped and restarted by the launcher, with the same losses."""
 from __future__ import annotations
 
 import json
@@ -77,8 +78,9 @@ RESTART_STEPS = 6
 
 
 # -- a replica dies ----------------------------------------------------------------------------------------------
-def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster) -> subprocess.Popen:
-    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures, teacher="replica_restarts: 0, "))  # as before
+def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster,
+           teacher: str = "replica_restarts: 0, ") -> subprocess.Popen:
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures, teacher=teacher))  # 0: as before #25
     (tmp_path / "out").mkdir()
     env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
     return subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
@@ -108,20 +110,26 @@ def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
     return pids_matching(f"dualrun.serving.router --host {host} --port {port} ")
 
 
-# torchrun here: on Ray a replica is killed in the 4-engine rollout's job below (each Ray job costs ~1 min)
-@pytest.mark.parametrize("backend", ["torchrun"])
-def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, module_tiny, ray_cluster_if_ray, backend):
+@pytest.mark.parametrize("backend, last", [("torchrun", False), ("ray", False), ("torchrun", True), ("ray", True)])
+def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, module_tiny, ray_cluster_if_ray, backend, last):
+    """`replica_restarts: 0` keeps the behaviour from before #25: one dead replica ends the job. `last`: the default
+    budget, but both replicas killed at once: the one left to serve is gone, so the job ends as before too."""
     cluster = ray_cluster_if_ray
-    driver = _start(tmp_path, module_tiny, backend, 0, cluster)
+    driver = _start(tmp_path, module_tiny, backend, 0, cluster, teacher="" if last else "replica_restarts: 0, ")
     killed = _kill_replica_mid_training(tmp_path, driver, 1)
+    if last:
+        os.kill(_replica_pid(tmp_path, 0), signal.SIGKILL)
     assert _router_pids(tmp_path), "the trainers' address is the router's"
     code = driver.wait(timeout=60)
     took = time.monotonic() - killed
     err = driver.stderr.read()
     assert code == 1, err[-3000:]
     assert took < 10, f"{took:.1f} s"
-    assert "dualrun: error: teacher server 1 exited with code -9 (killed by SIGKILL) while the job was running" in err
+    named = r"dualrun: error: teacher server [01] exited with code -9 \(killed by SIGKILL\) while the job was running"
+    assert re.search(named if last else named.replace("[01]", "1"), err), err[-3000:]
     assert "--- last lines of its log ---" in err
+    assert ("restarting it on the same devices" in err) == last   # the first of the two, while the other served
+    assert "restarting the job" not in err
     assert eventually(lambda: not pids_matching(str(tmp_path / "out")))   # trainers, router, replicas are gone
     assert eventually(lambda: not _router_pids(tmp_path))
     assert eventually(lambda: not _engines(module_tiny))
@@ -136,31 +144,60 @@ def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, module_t
     assert eventually(lambda: not _engines(module_tiny))
 
 
-def _held_gkd_job(tmp_path: Path, tiny: Path, teacher: str, steps: int) -> tuple[subprocess.Popen, Path]:
+def _held_gkd_job(tmp_path: Path, tiny: Path, teacher: str, steps: int, backend: str = "torchrun", cluster=None,
+                  hold: bool = True) -> tuple[subprocess.Popen, Path]:
     """A GKD job on a 2-replica teacher (`teacher`: extra keys of the role), started in the background with its
     stderr in stderr.txt (a file: a full pipe never blocks the job); its trainers wait after step 2 while the
-    returned hold file exists."""
+    returned hold file exists (`hold`: it does at the start)."""
     (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, teacher=teacher))
     (tmp_path / "out").mkdir()
-    hold = tmp_path / "hold"
-    hold.touch()
+    hold_file = tmp_path / "hold"
+    if hold:
+        hold_file.touch()
+    env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
     with open(tmp_path / "stderr.txt", "w") as errors:
-        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend,
+                                   "--config_file", "job.yaml",
                                    str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
                                    "--teacher_model_name_or_path", str(tiny / "teacher"), "--data",
                                    str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", str(steps),
-                                   "--hold_file", str(hold), "--hold_at_step", "2"],
-                                  cwd=tmp_path, env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"),
-                                  stdout=subprocess.DEVNULL, stderr=errors, text=True)
-    return driver, hold
+                                   "--hold_file", str(hold_file), "--hold_at_step", "2"],
+                                  cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+    return driver, hold_file
 
 
-def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_tiny):
+def _losses(tmp_path: Path, steps: int) -> list[float]:
+    """Every step's loss, the same on both ranks (DDP)."""
+    losses = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text())["losses"] for i in range(2)]
+    assert len(losses[0]) == steps and losses[0] == losses[1] and all(x == x and x >= 0 for x in losses[0]), losses
+    return losses[0]
+
+
+@pytest.fixture(scope="module")
+def unkilled_losses(module_tiny, tmp_path_factory) -> list[float]:
+    """The losses of the restart tests' GKD run with no replica killed (torchrun): the teacher is deterministic, so
+    a run whose replica died and came back must give exactly these, on either backend."""
+    tmp_path = tmp_path_factory.mktemp("unkilled")
+    driver, _ = _held_gkd_job(tmp_path, module_tiny, "", RESTART_STEPS, hold=False)
+    try:
+        code = driver.wait(timeout=240)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert code == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    return _losses(tmp_path, RESTART_STEPS)
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_tiny, ray_cluster_if_ray, backend,
+                                                              unkilled_losses):
     """The default `replica_restarts`: a teacher replica SIGKILLed once it has served is restarted on a fresh port
     while GKD goes on; its router takes it back (and it serves again); the job ends 0 with every step's loss, the
-    same on both ranks, no restart of the job; the launch's stderr names the death and the return. (The trainers
-    wait after step 2 until the replica is back, so that it serves again on 2 busy cores: `--hold_file`.)"""
-    driver, hold = _held_gkd_job(tmp_path, module_tiny, "", RESTART_STEPS)
+    same on both ranks and equal to the run without the kill, no restart of the job; the launch's stderr names the
+    death and the return. On Ray the replica's actor and placement group are fresh ones. (The trainers wait after
+    step 2 until the replica is back, so that it serves again on 2 busy cores: `--hold_file`.)"""
+    cluster = ray_cluster_if_ray
+    driver, hold = _held_gkd_job(tmp_path, module_tiny, "", RESTART_STEPS, backend, cluster)
     log = tmp_path / "logs" / "teacher-server-1.log"
     try:
         assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
@@ -170,6 +207,12 @@ def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_t
         os.kill(killed, signal.SIGKILL)
         assert eventually(lambda: driver.poll() is not None or "teacher server 1 is back in rotation" in
                           (tmp_path / "stderr.txt").read_text(), timeout=120)
+        if cluster:   # a fresh actor in a fresh placement group; the dead one's are gone
+            groups = [p["name"] for p in cluster.live_placement_groups()]
+            actors = [a["Name"] for a in cluster.alive_actors()]
+            for names in (groups, actors):
+                assert [n for n in names if "teacher-server-1" in n][0].endswith("-teacher-server-1-0-r1"), names
+                assert not [n for n in names if n.endswith("-teacher-server-1-0")], names
         hold.unlink()
         code = driver.wait(timeout=240)
     finally:
@@ -180,24 +223,28 @@ def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_t
     assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\) while the job was "
                      r"running.*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", err), \
         err[-3000:]
-    assert re.search(r"dualrun: teacher server 1 is back in rotation at 127\.0\.0\.1:\d+, [\d.]+ s after it died",
+    assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+, [\d.]+ s after it died",
                      err), err[-3000:]
     assert "restarting the job" not in err
-    losses = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text())["losses"] for i in range(2)]
-    assert len(losses[0]) == RESTART_STEPS and losses[0] == losses[1] and all(x == x and x >= 0 for x in losses[0])
+    assert _losses(tmp_path, RESTART_STEPS) == unkilled_losses
     text = log.read_text()   # the restarted engine appends to the same log, after the dead one's last request
     assert engine_pid(text) != killed and '"POST /v1/completions' in text[text.rfind("dualrun engine: loading"):]
     router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
-    assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation", router_log), router_log[-2000:]
+    assert re.search(r"replica 1 \([\d.]+:\d+\) out of rotation", router_log), router_log[-2000:]
     assert eventually(lambda: not _engines(module_tiny))
+    if cluster:
+        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
 
-def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_path, module_tiny):
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_path, module_tiny, ray_cluster_if_ray,
+                                                                            backend, unkilled_losses):
     """A teacher replica SIGSTOPped once it has served (hung: alive, never answers; the launcher sees a live process):
     the router's health probes take it out of rotation, a request on it goes to the other replica; out that long
     (`request_timeout_s: 10`), the launcher stops it and restarts it, the router takes it back, and GKD finishes with
-    both ranks' losses (the trainers wait after step 2 until it is back: `--hold_file`)."""
-    driver, hold = _held_gkd_job(tmp_path, module_tiny, "request_timeout_s: 10, ", 6)
+    both ranks' losses, equal to the run without it (the trainers wait after step 2 until it is back: `--hold_file`)."""
+    cluster = ray_cluster_if_ray
+    driver, hold = _held_gkd_job(tmp_path, module_tiny, "request_timeout_s: 10, ", RESTART_STEPS, backend, cluster)
     log = tmp_path / "logs" / "teacher-server-1.log"
     stopped = None
     try:
@@ -223,12 +270,13 @@ def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_
                      err), err[-3000:]
     assert re.search(r"dualrun: teacher server 1 was hung \(.+\).*; restarting it on the same devices \(restart 1 of 3",
                      err), err[-3000:]
-    assert "dualrun: teacher server 1 is back in rotation at 127.0.0.1:" in err
-    losses = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text())["losses"] for i in range(2)]
-    assert len(losses[0]) == 6 and losses[0] == losses[1] and all(x == x and x >= 0 for x in losses[0])
+    assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+", err), err[-3000:]
+    assert _losses(tmp_path, RESTART_STEPS) == unkilled_losses
     router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
-    assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) out of rotation: ", router_log), router_log[-2000:]
+    assert re.search(r"replica 1 \([\d.]+:\d+\) out of rotation: ", router_log), router_log[-2000:]
     assert eventually(lambda: not _engines(module_tiny))
+    if cluster:
+        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
 
 # -- a 4-engine GRPO rollout behind one address ------------------------------------------------------------------

@@ -37,8 +37,12 @@ def test_gkd_distils_from_two_vllm_replicas_behind_the_router(tmp_path, vllm_tin
     assert f"serving http://{rank['teacher_address']} for 2 replicas" in router_log
     spread = re.search(r"served per replica: \[(\d+), (\d+)\]", router_log)
     assert spread and all(int(n) >= 1 for n in spread.groups()), router_log[-500:]
-    for i in (0, 1):   # each replica is a real vLLM server
-        assert "vllm" in (tmp_path / "logs" / f"teacher-server-{i}.log").read_text().lower()
+    cores = []
+    for i in (0, 1):   # each replica is a real vLLM server, its OpenMP threads on cores of its own
+        log = (tmp_path / "logs" / f"teacher-server-{i}.log").read_text()
+        assert "vllm" in log.lower()
+        cores.append(re.search(r"local_rank=0, core ids=\[([\d, ]+)\]", log).group(1))
+    assert cores[0] != cores[1], cores   # vLLM's own "auto" binding gives both the same core
     assert_nothing_left(proc.stderr, str(vllm_tiny / "teacher"))
 
 

@@ -1,4 +1,5 @@
-"""Servers a benchmark starts itself: stub replicas, and dualrun's router or vllm-router in front of started ones."""
+"""Servers a benchmark starts itself, one copy of each start: stub replicas, dualrun's CPU engines, and dualrun's router
+or vllm-router in front of started ones."""
 from __future__ import annotations
 
 import os

@@ -161,13 +161,15 @@ ROLE_KEYS: tuple[Key, ...] = (
         "router's health probes (about once a second, 5 s to answer); lower this to find sooner an engine that "
         "answers its health check but not its requests. Weight-transfer calls get the same limit.",
         minimum=1, maximum=MAX_SECONDS),
-    Key("replica_restarts", "int", 3, "A role with several engine replicas, torchrun backend on one machine: how "
-        "often each replica that dies while the job runs is restarted on its own devices (a fresh port; the router "
-        "takes it back once it answers), the job going on; a hung one (no answer within `request_timeout_s`, or "
-        "failing its health probes that long) is stopped first (SIGTERM, then SIGKILL). Spent, or every other replica of the role dead or being restarted: the job ends "
-        "naming the replica (or restarts whole with `max_failures`), as does any dead replica with `0`, on Ray and on "
-        "several machines. A restarted GRPO `rollout` replica on vLLM is held out of rotation until it holds the "
-        "trainer's weights (it joins the weight-sync group at the next sync).", minimum=0, maximum=MAX_RESTARTS),
+    Key("replica_restarts", "int", 3, "A role with several engine replicas (torchrun on one machine, or Ray): "
+        "how often each replica that dies while the job runs is restarted on its own devices (a fresh port; on Ray a "
+        "fresh actor and placement group on the same node; the router takes it back once it answers), the job going "
+        "on; a hung one (no answer within `request_timeout_s`, or failing its health probes that long) is stopped "
+        "first (SIGTERM, then SIGKILL). Spent, or every other replica of the role dead or being restarted: the job "
+        "ends naming the replica (or restarts whole with `max_failures`), as does any dead replica with `0` and on "
+        "several torchrun machines. A restarted GRPO `rollout` replica on vLLM is held out of rotation until it "
+        "holds the trainer's weights (it joins the weight-sync group at the next sync; torchrun only, so far).",
+        minimum=0, maximum=MAX_RESTARTS),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item "
         "(only on a separate role dualrun starts a server for); not the flags dualrun sets itself (`--host`, "
         "`--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "

@@ -43,6 +43,25 @@ class Gang:
         """`call_each` on every actor of the gang."""
         call_each(self.actors, method, *args, timeout=timeout)
 
+    def drop(self, actor: Any, pg: Any) -> None:
+        """Kill one of the gang's actors and remove one of its groups now (a replaced server's: its successor is
+        placed afresh); the others stay. Ones the gang does not hold are left alone."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if any(a is actor for a in self.actors):
+            self.actors[:] = [a for a in self.actors if a is not actor]
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if any(g is pg for g in self.pgs):
+            self.pgs[:] = [g for g in self.pgs if g is not pg]
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
     def stop(self) -> None:
         """Kill every actor and remove every placement group (idempotent)."""
         import ray

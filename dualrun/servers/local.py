@@ -23,10 +23,9 @@ from dualrun.plan import ROUTER, Plan, Process
 from dualrun.servers.planned import (addresses, log_name, phases, replica_addresses, server_command,
                                      server_health_path, server_role, wiring_env)
 from dualrun.servers.process import ServerError, ServerProcess
-from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
+from dualrun.servers.serverset import HUNG_EVERY_S, START_TRIES, ServerDeath, ServerSet
 
 WATCH_EVERY_S = 0.25   # how often the watcher looks at this machine's server processes
-HUNG_EVERY_S = 1.0     # how often it asks the routers for hung replicas (they probe about once a second)
 
 
 def port_of(address: str) -> int:
@@ -44,17 +43,12 @@ class LocalServers(ServerSet):
         self.log_dir = log_dir or cfg.torchrun.log_dir or cfg.log_dir
         self.running: dict[int, ServerProcess] = {}  # plan.servers index ->
         self.avoid_ports = {port_of(a) for a in avoid}   # an earlier set's ports: never reused
-        self.started: dict[int, str] = {}   # plan.servers index -> advertised host:port (machine 0: every machine's)
         self._bound: set[str] = set()       # bind host:port of every server started (`used`)
         self._advertised: dict[int, str] = {}   # plan.servers index -> advertised host:port of its latest process
         self._reported: set[int] = set()    # servers whose end was reported
         self._lock = threading.Lock()       # `start_waiting` (a thread beside torchrun's agent) against `stop`
         if cfg.num_machines == 1:   # several machines: a replica elsewhere is not restarted yet (its router is
-            from dualrun.servers.replacing import restart_budget   # on machine 0)
-
-            self.restarts_allowed = restart_budget(cfg, plan, holds=True)   # `_restart` holds a rollout
-            self.restarts_left = dict(self.restarts_allowed)
-        self._probe_out: dict[int, float] = {}   # replica -> when the launcher first saw it out of rotation
+            self.enable_restarts(cfg)   # on machine 0)
 
     def _endpoint(self) -> tuple[str, str, int]:
         """(bind host, advertised host, port) of a server of this machine."""
@@ -200,93 +194,40 @@ class LocalServers(ServerSet):
             self.report(ServerDeath.of(index, server.wait_exit()))
         return self.failure
 
-    def _replace(self, death: ServerDeath) -> None:
-        """The dead replica again on its devices, on a fresh port, healthy; its router replaces its address and
-        takes it back once its probes pass. Any failure on the way ends the job (`fatal`), naming the replica."""
-        index = death.index
-        assert index is not None
-        died = time.monotonic()
-        label = self.plan.servers[index].label
-        try:
-            self._restart(index, label, died)
-        except ServerError as e:
-            self.fatal(ServerDeath.of(index, e))
-        except (OSError, RuntimeError) as e:
-            self.fatal(ServerDeath.of(index, ServerError(label, f"could not be taken back by its router after a "
-                                                                f"restart ({e})")))
-        self.wait_stopped()   # the engine's parent-death signal fires when the thread that spawned it ends
-
-    def _restart(self, index: int, label: str, died: float) -> None:
-        """`_replace`'s steps: `remove` at the router (out of the weight-sync group: the next sync goes on
-        without it), spawn on a fresh port, wait for health, `replace` at the router (held until its first weight
-        update when it takes the trainer's weights: `replacing.takes_weights`), wait for rotation."""
-        from dualrun.serving import router_client
-        from dualrun.servers.replacing import back_line, held_line, router_of, takes_weights
-
-        router, slot = router_of(self.plan, index)
-        router_client.control(self.started[router], slot, "remove", reason="died; being restarted")
+    # -- the restart hooks of ServerSet._replace / find_hung --------------------------------------------------
+    def _respawn(self, index: int) -> tuple[str, float] | None:
+        """The replica's process again on its devices, on a fresh port (never the dead one's), healthy."""
         with self._lock:
             if self.stopping:
-                return
+                return None
             dead = self.running.pop(index, None)   # ended: its output was drained by `wait_exit`
-            self.avoid_ports.add(port_of(self._advertised[index]))   # a fresh port, never the dead one's
+            self.avoid_ports.add(port_of(self._advertised[index]))
             self.running[index] = self._spawn(index)
         if dead is not None:
             dead.stop(0)   # the helpers its group may have left (vLLM's engine core)
         server = self._wait(index, self.running[index])
-        address = self._advertised[index]
-        hold = takes_weights(self.cfg, self.plan.servers[index])
-        router_client.control(self.started[router], slot, "replace", address=address, hold=hold)
-        if hold:
-            print(held_line(label, address), file=sys.stderr, flush=True)
-        deadline = None if hold else time.monotonic() + server.timeout_s   # held: until the next sync, however far
-        while self.watching and slot not in router_client.replicas(self.started[router])["in_rotation"]:
-            if deadline is not None and time.monotonic() > deadline:
-                raise RuntimeError(f"its router's health probes did not pass within {server.timeout_s:g} s")
-            if not server.alive():
-                raise server.wait_exit()
-            time.sleep(0.1)   # the router's probes pass about once a second
+        return self._advertised[index], server.timeout_s
+
+    def _serving(self, index: int, address: str) -> bool:
         with self._lock:
             if self.stopping:
-                return
+                return False
             self.started[index] = address
             self._reported.discard(index)   # its next death is an event too
-        self.replaced(index)
-        if self.watching:   # else the job's ranks ended meanwhile: its router takes it back on its own
-            print(back_line(label, address, time.monotonic() - died), file=sys.stderr, flush=True)
+        return True
 
-    def find_hung(self, now: float) -> None:
-        """Ask each router with restartable replicas for its table: a replica it found hung (`replacing.hung`) is
-        stopped and its death reported as being hung, so it is restarted; without a restart left (or no other
-        replica serving) it stays out of rotation, routed around."""
-        from dualrun.serving import router_client
-        from dualrun.servers.replacing import HUNG_GRACE_S, hung, hung_line, router_of, survivable
+    def _alive(self, index: int) -> bool:
+        server = self.running.get(index)
+        return server is not None and server.alive()
 
-        for index in list(self.restarts_left):
-            router, slot = router_of(self.plan, index)
-            server = self.running.get(index)
-            if router not in self.started or server is None or not server.alive() or index in self._down:
-                self._probe_out.pop(index, None)
-                continue
-            try:
-                row = router_client.replicas(self.started[router], timeout_s=2.0)["replicas"][slot]
-            except (OSError, ValueError, KeyError, IndexError):
-                continue   # the router's own death is the watcher's event
-            out_for = now - self._probe_out.setdefault(index, now) if not row.get("in_rotation") else 0.0
-            if row.get("in_rotation"):
-                self._probe_out.pop(index, None)
-            if not hung(row, out_for, server_role(self.cfg, self.plan.servers[index]).request_timeout_s):
-                continue
-            with self._policy:
-                if not survivable(self.plan, index, self.restarts_left, self._down):
-                    continue
-            print(hung_line(server.label, row.get("reason") or "out of rotation"), file=sys.stderr, flush=True)
-            with self._lock:
-                self._reported.add(index)   # its end is reported here, as hung, not as an exit
-            server.stop(HUNG_GRACE_S)
-            self._probe_out.pop(index, None)
-            self.report(ServerDeath.of(index, ServerError(server.label, f"was hung ({row.get('reason')})",
-                                                          server.tail(), server.log_path)))
+    def _stop_hung(self, index: int) -> tuple[str, str | None]:
+        from dualrun.servers.replacing import HUNG_GRACE_S
+
+        with self._lock:
+            self._reported.add(index)   # its end is reported by find_hung, as hung, not as an exit
+            server = self.running[index]
+        server.stop(HUNG_GRACE_S)
+        return server.tail(), server.log_path
 
     def _watch(self) -> None:
         def loop() -> None:

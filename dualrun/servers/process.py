@@ -19,6 +19,7 @@ from typing import Mapping, Sequence, TextIO
 from dualrun.light.child_process import ChildProcess
 from dualrun.light.interpreter import resolve
 from dualrun.light.parent_death import terminate_with_parent
+from dualrun.servers.cpu_share import bind_share
 
 TAIL_LINES = 30
 
@@ -79,7 +80,7 @@ class ServerProcess:
                  stream: TextIO | None = sys.stderr, check_host: str | None = None,
                  die_with_parent: bool = True, cwd: str | None = None) -> None:
         # a command built elsewhere names no interpreter path (light/interpreter.py): the spawning process runs its own
-        self.label, self.argv, self.env = label, resolve(argv), dict(env)
+        self.label, self.argv, self.env = label, resolve(argv), bind_share(env)   # its own cores: cpu_share.py
         self.host, self.port, self.health_path, self.timeout_s = host, port, health_path, timeout_s
         self.log_path, self.stream, self.die_with_parent = log_path, stream, die_with_parent
         self.cwd = cwd   # where relative paths in the command (a role's `model: tiny/teacher`) resolve

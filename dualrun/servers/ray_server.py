@@ -12,93 +12,25 @@ reaches the driver's stderr as under torchrun, `[teacher server 0] ...`, by the 
 
 `RayServers` is the Ray implementation of the server-set interface (servers/serverset.py): the launcher starts
 it, gives every rank its `wiring_env()`, watches it (one waiting call per server, resolved when the server ends,
-becomes a `ServerDeath` event) and stops it with the job.
+becomes a `ServerDeath` event; the routers asked about hung replicas once a second) and stops it with the job. A
+dead or hung replica that `replacing.py` lets the job survive is restarted by the interface's `_replace`: here
+its actor and placement group are replaced by fresh ones on the same node (`_respawn`), the server on a fresh port.
 
-The actor module is imported by Ray worker processes: it needs only the standard library (and ray).
+The actor itself (`ServerActor`) lives in ray_actor.py: Ray worker processes import only that.
 """
 from __future__ import annotations
 
 import os
+import queue
 import sys
-import tempfile
 import threading
+import time
 from typing import Any, Callable, Collection, Mapping
 
-from dualrun.light.line_queue import STDERR, LineQueue
-from dualrun.protocol import ActorPlace, ServerStart
-from dualrun.servers.process import ServerError, ServerProcess
-from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSet
-
-
-class ServerActor:
-    """One server on the actor's node. Threaded actor: `stop` may run while `start` still waits for health."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.server: ServerProcess | None = None
-        self.output = LineQueue()   # the server's lines, `[label] ...`, for the driver's long-poll (`lines`)
-
-    def where(self, avoid: list[int] | None = None) -> ActorPlace:
-        import ray
-
-        from dualrun.light.ports import free_port
-
-        ip = ray.util.get_node_ip_address()
-        port = free_port(ip, set(avoid or ()))
-        return ActorPlace(ip, ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()),
-                          os.getpid(), port)
-
-    def start(self, argv: list[str], env: dict[str, str], host: str, port: int, health_path: str,
-              timeout_s: float, log_path: str | None, cwd: str | None = None) -> ServerStart:
-        """Start and wait for health; the outcome as a value (never an exception: it must cross Ray intact).
-
-        `cwd`: the launching directory, as for the ranks, so a relative `model:` means what it means under
-        torchrun (a Ray worker's own directory is Ray's session dir on a running cluster); on a node without that
-        directory the server runs where Ray put it and only absolute paths work."""
-        if log_path is None:
-            log_path = os.path.join(tempfile.mkdtemp(prefix="dualrun-server-"), "server.log")
-        os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-        self.server = ServerProcess(self.label, argv, env, host, port, health_path, timeout_s, log_path,
-                                    stream=_Lines(self.output), cwd=cwd if cwd and os.path.isdir(cwd) else None)
-        try:
-            self.server.start().wait_healthy()
-        except ServerError as e:
-            self.server.stop()   # its output stays open: a lost port is retried by this actor (`stop` closes it)
-            return ServerStart(False, error=str(e), port_in_use=e.lost_port)
-        return ServerStart(True, self.server.address, self.server.proc.pid if self.server.proc else None)
-
-    def alive(self) -> bool:
-        return self.server is not None and self.server.alive()
-
-    def wait_exit(self) -> str:
-        """Block until the server ends; the error naming it, its exit code and its log's last lines."""
-        assert self.server is not None, "start() was not called"
-        try:
-            return str(self.server.wait_exit())   # its output read to the end
-        finally:
-            self.output.close()
-
-    def lines(self, timeout: float = 5.0) -> list[tuple[int, str]] | None:
-        """Long-poll: the server's queued output lines; None once it has ended."""
-        return self.output.take(timeout)
-
-    def stop(self, grace_s: float = 10.0) -> int | None:
-        code = self.server.stop(grace_s) if self.server is not None else None
-        self.output.close()
-        return code
-
-
-class _Lines:
-    """The text stream ServerProcess tees the server's output to (one prefixed line per write): the queue."""
-
-    def __init__(self, output: LineQueue) -> None:
-        self.output = output
-
-    def write(self, text: str) -> None:
-        self.output.put(STDERR, text.rstrip("\n"))
-
-    def flush(self) -> None:
-        pass
+from dualrun.protocol import ActorPlace
+from dualrun.servers.process import ServerError
+from dualrun.servers.ray_actor import ServerActor
+from dualrun.servers.serverset import HUNG_EVERY_S, START_TRIES, ServerDeath, ServerSet
 
 
 class RayServers(ServerSet):
@@ -111,15 +43,24 @@ class RayServers(ServerSet):
         super().__init__(plan)
         self.cfg, self.plugin, self.run_id = cfg, plugin, run_id
         self.env_for, self.bundle, self.check, self.attempt = env_for, bundle, check, attempt
-        self.avoid = set(avoid)   # `ip:port` of an earlier set's servers: a restart never reuses them
+        self.avoid = set(avoid)   # `ip:port` of an earlier set's servers (and of dead replicas): never reused
         from dualrun.raycluster import Gang
 
         self.gang = Gang(cfg.ray, cfg.source, check)   # the servers' placement groups and actors
+        self._gangs = [self.gang]                       # ... and one more per restarted replica
+        self._actors: list[Any] = []                    # plan order: each server's current actor
+        self._pg_of: list[Any] = []                     # plan order: its placement group
         self.infos: list[ActorPlace | None] = []
+        self._used: set[str] = set()
         self._exits: dict[Any, int] = {}   # ref that resolves when a server ends -> its plan.servers index
+        self._exit_of: dict[int, Any] = {}  # ... and back
+        self._new_exits: "queue.Queue[Any]" = queue.Queue()    # a restarted replica's, for the watcher
+        self._new_output: "queue.Queue[Any]" = queue.Queue()   # a restarted replica's actor, for the printer
+        self._lock = threading.Lock()       # the actors and groups, between a restart's thread and `stop`
         self._printer: threading.Thread | None = None
         self._printed = threading.Event()   # the printer's end: set once the servers' last lines are out
         self._watcher: threading.Thread | None = None
+        self.enable_restarts(cfg)
 
     def start(self) -> dict[str, str]:
         """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
@@ -132,7 +73,7 @@ class RayServers(ServerSet):
         try:
             self._place()
             self._print_output()
-            started = self._start_all()
+            self.started = self._start_all()
         except RayError as e:
             self.stop()
             raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
@@ -141,48 +82,65 @@ class RayServers(ServerSet):
             raise
         from dualrun.servers.planned import addresses
 
-        self.addresses = addresses(self.plan, started)
-        # one waiting call per server for the whole job: the watcher turns each that resolves into an event
-        self._exits = {a.wait_exit.remote(): i for i, a in enumerate(self.actors)}
+        self.addresses = addresses(self.plan, self.started)
+        # one waiting call per server: the watcher turns each that resolves into an event
+        for index, actor in enumerate(self.actors):
+            self._exit_ref(index, actor)
         return self.addresses
 
     @property
     def actors(self) -> list[Any]:
-        """One ServerActor per planned server, in plan order."""
-        return self.gang.actors
+        """One ServerActor per planned server, in plan order (a restarted replica's: its fresh one)."""
+        return self._actors
 
     @property
     def pgs(self) -> list[Any]:
-        return self.gang.pgs
+        return [pg for gang in self._gangs for pg in gang.pgs]
+
+    def _name(self, index: int, restart: int = 0) -> str:
+        label = self.plan.servers[index].label.replace(" ", "-")
+        return f"{self.run_id}-{label}-{self.attempt}" + (f"-r{restart}" if restart else "")
 
     def _place(self) -> None:
+        for index, p in enumerate(self.plan.servers):
+            pg, actor = self._place_one(self.gang, index, self.bundle(p), self._name(index))
+            self._pg_of.append(pg)
+            self._actors.append(actor)
+
+    def _place_one(self, gang: Any, index: int, b: dict[str, float], name: str) -> tuple[Any, Any]:
+        """A server's own placement group (a replica's, or the router's) and its actor in it."""
         import ray
 
-        cls = ray.remote(ServerActor)
-        for p in self.plan.servers:
-            b = self.bundle(p)
-            name = f"{self.run_id}-{p.label.replace(' ', '-')}-{self.attempt}"   # a replica's, or the router's
-            pg = self.gang.place(name, p.roles[0], [b], what="server(s)")
-            self.gang.spawn(cls, pg, 0, p.label, num_cpus=b.get("CPU", 0), num_gpus=b.get("GPU", 0),
-                            max_concurrency=6, max_restarts=0, name=name)
+        p = self.plan.servers[index]
+        pg = gang.place(name, p.roles[0], [b], what="server(s)")
+        actor = gang.spawn(ray.remote(ServerActor), pg, 0, p.label, num_cpus=b.get("CPU", 0),
+                           num_gpus=b.get("GPU", 0), max_concurrency=6, max_restarts=0, name=name)
+        return pg, actor
 
     def _print_output(self) -> None:
         """A thread that prints every server's lines on this driver's stderr as they come (under torchrun the
-        servers' own tee does), until each has ended or `stop` is called."""
+        servers' own tee does), until each has ended and `stop` began, or `stop` is done waiting; a restarted
+        replica's actor joins it (`_new_output`)."""
         import ray
         from ray.exceptions import RayError
 
-        actors, stopping, stream = list(self.actors), self._printed, sys.stderr
+        actors, printed, stream, fresh = list(self.actors), self._printed, sys.stderr, self._new_output
 
         def run() -> None:
             pending = {a.lines.remote(): a for a in actors}
-            while pending and not stopping.is_set():
+            while (pending or not self.stopping) and not printed.is_set():
+                while not fresh.empty():
+                    actor = fresh.get()
+                    pending[actor.lines.remote()] = actor
+                if not pending:
+                    time.sleep(0.25)
+                    continue
                 ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
                 for ref in ready:
                     actor = pending.pop(ref)
                     try:
                         batch = ray.get(ref)
-                    except RayError:   # the actor is gone (stopped, or died: the watch names it)
+                    except RayError:   # the actor is gone (stopped, replaced, or died: the watch names it)
                         continue
                     if batch is None:
                         continue
@@ -204,33 +162,24 @@ class RayServers(ServerSet):
             started.update(self._start_phase(phase, started))
         return started
 
-    def _start_phase(self, todo: list[int], started: Mapping[int, str]) -> dict[int, str]:
+    def _start_phase(self, todo: list[int], started: Mapping[int, str],
+                     check: Callable[[], None] | None = None) -> dict[int, str]:
+        """Start the servers `todo` (their actors placed), each on a free port of its node; index -> address.
+        A port taken between picking and binding it is picked again; any other failure: LaunchError."""
         from dualrun.errors import LaunchError
         from dualrun.raycluster import wait_refs
-        from dualrun.servers.planned import (log_name, replica_addresses, server_command, server_health_path,
-                                             server_role)
+        from dualrun.servers.planned import server_role
 
+        check = check or self.check
         done: dict[int, str] = {}
         for attempt in range(START_TRIES):
             ports = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
             infos = wait_refs([self.actors[i].where.remote(ports) for i in todo], "start their server actors",
-                              max(60.0, self.cfg.ray.placement_timeout_s), self.check)
-            refs = {}
-            for i, info in zip(todo, infos):
-                self.infos[i] = info
-                p = self.plan.servers[i]
-                role = server_role(self.cfg, p)
-                argv = server_command(self.cfg, self.plugin, p, info.ip, info.port,
-                                      replica_addresses(self.plan, started, i))
-                env = dict(self.env_for(p))
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
-                log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
-                refs[i] = self.actors[i].start.remote(argv, env, info.ip, info.port,
-                                                      server_health_path(self.plugin, role, p),
-                                                      role.health_timeout_s, log, os.getcwd())
+                              max(60.0, self.cfg.ray.placement_timeout_s), check)
+            refs = {i: self._start_call(i, info, started) for i, info in zip(todo, infos)}
             retry = []
             limit = max(server_role(self.cfg, self.plan.servers[i]).health_timeout_s for i in refs) + 30.0
-            results = wait_refs(list(refs.values()), "get their servers healthy", limit, self.check)
+            results = wait_refs(list(refs.values()), "get their servers healthy", limit, check)
             for i, result in zip(refs, results):
                 if result.ok:
                     done[i] = result.address
@@ -243,12 +192,36 @@ class RayServers(ServerSet):
             todo = retry
         return done
 
-    def why_ended(self, ref: Any) -> ServerDeath:
+    def _start_call(self, i: int, info: ActorPlace, started: Mapping[int, str]) -> Any:
+        """Server `i`'s command (built here, with the plugin) started by its actor on `info`'s port: the ref of
+        its `ServerStart`."""
+        from dualrun.servers.planned import (log_name, replica_addresses, server_command, server_health_path,
+                                             server_role)
+
+        self.infos[i] = info
+        self._used.add(info.address)
+        p = self.plan.servers[i]
+        role = server_role(self.cfg, p)
+        argv = server_command(self.cfg, self.plugin, p, info.ip, info.port, replica_addresses(self.plan, started, i))
+        env = dict(self.env_for(p))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
+        log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
+        return self.actors[i].start.remote(argv, env, info.ip, info.port, server_health_path(self.plugin, role, p),
+                                           role.health_timeout_s, log, os.getcwd())
+
+    def _exit_ref(self, index: int, actor: Any) -> None:
+        """The waiting call that resolves when server `index` ends; the watcher reports it."""
+        ref = actor.wait_exit.remote()
+        self._exits[ref] = index
+        self._exit_of[index] = ref
+        self._new_exits.put(ref)
+
+    def why_ended(self, ref: Any, index: int | None = None) -> ServerDeath:
         """For a server-exit ref that resolved: the event naming the server, its exit code and log's last lines."""
         import ray
         from ray.exceptions import RayError
 
-        index = self._exits.get(ref)
+        index = self._exits.get(ref) if index is None else index
         label = self.plan.servers[index].label if index is not None else "a server"
         try:
             text = ray.get(ref)
@@ -258,24 +231,113 @@ class RayServers(ServerSet):
         return ServerDeath(index, label, text, text.splitlines()[0])
 
     def _watch(self) -> None:
-        """A thread that waits on every server's exit ref and reports each that resolves."""
+        """A thread that waits on every server's exit ref and reports each that resolves (a replaced server's
+        no longer counts), and asks the routers for hung replicas about once a second."""
         import ray
 
         def run() -> None:
-            pending = list(self._exits)
-            while pending and self.watching:
-                ready, pending = ray.wait(pending, num_returns=1, timeout=0.25)
+            pending: list[Any] = []
+            last = 0.0
+            while self.watching:
+                while not self._new_exits.empty():
+                    pending.append(self._new_exits.get())
+                if pending:
+                    ready, pending = ray.wait(pending, num_returns=1, timeout=0.25)
+                else:
+                    ready = []
+                    time.sleep(0.25)
                 for ref in ready:
-                    if self.watching:
-                        self.report(self.why_ended(ref))
+                    index = self._exits.pop(ref, None)
+                    if index is not None and self.watching:
+                        self.report(self.why_ended(ref, index))
+                if self.restarts_left and time.monotonic() - last >= HUNG_EVERY_S:
+                    last = time.monotonic()
+                    self.find_hung(last)
 
         if self._exits:
             self._watcher = threading.Thread(target=run, name="dualrun-server-watch", daemon=True)
             self._watcher.start()
 
+    # -- the restart hooks of ServerSet._replace / find_hung --------------------------------------------------
+    def _respawn(self, index: int) -> tuple[str, float] | None:
+        """A fresh actor in a fresh placement group on the dead replica's node (its old group removed first, so
+        the node's resources it held are free: Ray gives the new one the same shape there), the server on a fresh
+        port, healthy. ServerError naming the replica when any step fails."""
+        from dualrun.errors import LaunchError
+        from dualrun.raycluster import Gang
+        from dualrun.servers.planned import server_role
+
+        label = self.plan.servers[index].label
+
+        def check() -> None:
+            if self.stopping:
+                raise ServerError(label, "was being restarted when the job ended")
+
+        with self._lock:
+            if self.stopping:
+                return None
+            old_actor, old_pg, info = self._actors[index], self._pg_of[index], self.infos[index]
+            gang = Gang(self.cfg.ray, self.cfg.source, check)
+            self._gangs.append(gang)
+        assert info is not None
+        self.avoid.add(info.address)   # a fresh port, never the dead one's
+        for held in list(self._gangs):   # the first set's gang, or an earlier restart's
+            held.drop(old_actor, old_pg)
+        bundle = dict(self.bundle(self.plan.servers[index]), **{f"node:{info.ip}": 0.001})   # the same node
+        used = self.restarts_allowed[index] - self.restarts_left[index]
+        try:
+            pg, actor = self._place_one(gang, index, bundle, self._name(index, used))
+            with self._lock:
+                if self.stopping:
+                    gang.stop()
+                    return None
+                self._pg_of[index], self._actors[index] = pg, actor
+            self._new_output.put(actor)
+            address = self._start_phase([index], self.started, check)[index]
+        except ServerError:
+            raise
+        except LaunchError as e:
+            raise ServerError(label, "could not be restarted: " + str(e).splitlines()[0].removeprefix(label + " ")) \
+                from None
+        except Exception as e:  # noqa: BLE001 - a Ray error on the way: the job ends naming the replica
+            raise ServerError(label, f"could not be restarted: {str(e).strip().splitlines()[0][:200]}") from None
+        return address, server_role(self.cfg, self.plan.servers[index]).health_timeout_s
+
+    def _serving(self, index: int, address: str) -> bool:
+        with self._lock:
+            if self.stopping:
+                return False
+            self.started[index] = address
+            self._exit_ref(index, self._actors[index])   # its next death is an event too
+        return True
+
+    def _alive(self, index: int) -> bool:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            return bool(ray.get(self._actors[index].alive.remote(), timeout=5.0))
+        except (RayError, GetTimeoutError):
+            return False
+
+    def _stop_hung(self, index: int) -> tuple[str, str | None]:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        from dualrun.servers.replacing import HUNG_GRACE_S
+
+        self._exits.pop(self._exit_of.pop(index, None), None)   # its end is reported by find_hung, as hung
+        actor = self._actors[index]
+        try:
+            ray.get(actor.stop.remote(HUNG_GRACE_S), timeout=HUNG_GRACE_S + 10.0)
+            return ray.get(actor.tail.remote(), timeout=10.0)
+        except (RayError, GetTimeoutError):
+            return "", None
+
+    # -- the rest of the interface ---------------------------------------------------------------------------
     def used(self) -> frozenset[str]:
         """`ip:port` of every server this set started (a restart avoids them)."""
-        return frozenset(info.address for info in self.infos if info)
+        return frozenset(self._used)
 
     def wiring_env(self) -> dict[str, str]:
         from dualrun.servers.planned import wiring_env
@@ -287,8 +349,10 @@ class RayServers(ServerSet):
         return {p.label: list(info.gpus) for p, info in zip(self.plan.servers, self.infos) if info}
 
     def _stop(self, grace_s: float) -> None:
-        """Stop every server, kill its actor, remove its placement group."""
-        self.gang.call_all("stop", grace_s, timeout=grace_s + 5)
+        """Stop every server, kill its actor, remove its placement group (a restart's too)."""
+        from dualrun.raycluster.gang import call_each
+
+        call_each(list(self.actors), "stop", grace_s, timeout=grace_s + 5)
         if self._printer is not None:   # the servers' last lines (they have ended), then no more calls to them
             self._printer.join(timeout=2.0)
             self._printed.set()
@@ -297,5 +361,9 @@ class RayServers(ServerSet):
         if self._watcher is not None:
             self._watcher.join(timeout=2.0)
             self._watcher = None
-        self.gang.stop()
+        with self._lock:   # a restart placing a group meanwhile sees `stopping` and removes its own
+            for gang in self._gangs:
+                gang.stop()
+            self._gangs = [self.gang]
+            self._actors, self._pg_of = [], []
         self._exits = {}
