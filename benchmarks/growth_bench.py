@@ -29,6 +29,7 @@ extrapolation to 1,024 ranks, load average per run) and results/growth.png (matp
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -51,6 +52,9 @@ HERE = Path(__file__).resolve().parent
 EMPTY = HERE / "empty_rank.py"
 LABELS = {"ray": "dualrun --backend ray", "torchrun": "dualrun --backend torchrun",
           "ray-train": "Ray Train TorchTrainer"}
+# memory a rank takes (GiB, measured here: the drop of MemAvailable during the 32-rank runs), for the check before
+# a run of 32 or more ranks; anything else: 0.05
+RANK_GIB = {("ray-train", "pg"): 0.3, ("ray", "pg"): 0.13, ("torchrun", "pg"): 0.13}
 SCRIPTS = {"empty": EMPTY, "pg": HERE / "pg_rank.py"}
 BACKENDS = ("ray", "torchrun", "ray-train")
 # phase -> what the time means (seconds after the launcher's spawn; the last rank or actor counts)
@@ -269,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-free-gib", type=float, default=12.0,
                    help="before a run of 32 or more ranks: skip it unless this much memory is available")
     p.add_argument("--no-planner", dest="planner", action="store_false", help="skip the planner timing")
+    p.add_argument("--add-to", default=None, metavar="JSON",
+                   help="an earlier run's NAME.json: its runs come first in this report (one more rank count "
+                   "measured later, e.g. when memory allows it)")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.ranks, ns.reps = "2,8", 1
@@ -296,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         # timed runs show the launcher's recurring cost, not the one-time torch import of a new config
         for n in sorted(set(ranks) | set(t_ranks)):
             subprocess.run([sys.executable, "-m", "dualrun", "launch", "--dry_run", "--config_file",
-                            str(config(work, n)), "--num_processes", str(n), str(EMPTY)], env=env,
-                           capture_output=True, timeout=ns.timeout)
+                            str(config(work, n)), "--num_processes", str(n), str(EMPTY)],
+                           env=ph.probe_env(env, work), capture_output=True, timeout=ns.timeout)   # same key
         if {"ray", "ray-train"} & set(backends):
             saved = {k: os.environ.get(k) for k in ("PYTHONPATH", ph.DIR_ENV)}
             os.environ.update(ph.probe_env(dict(os.environ), actors_dir))
@@ -313,12 +320,14 @@ def main(argv: list[str] | None = None) -> int:
                     if n not in (t_ranks if backend == "torchrun" else ranks):
                         continue
                     free = noise.machine().get("mem_available_gib", 0.0)
-                    if n >= 32 and free < ns.min_free_gib:
-                        print(f"rep {rep + 1} {backend:9s} {n:4d} ranks: skipped, {free} GiB available "
-                              f"(< --min-free-gib {ns.min_free_gib:g})", flush=True)
+                    need = max(ns.min_free_gib, 2.0 + n * RANK_GIB.get((backend, ns.script), 0.05))
+                    if n >= 32 and free < need:
+                        print(f"rep {rep + 1} {backend:9s} {n:4d} ranks: skipped, {free} GiB available, "
+                              f"{need:.1f} needed", flush=True)
                         rows.append({"backend": backend, "n": n, "rep": rep, "ok": False, "startup_s": None,
                                      "wall_s": None, "cpu_s": None, "rss_mib": None, "load": os.getloadavg()[0],
-                                     "error": f"skipped: {free} GiB available"})
+                                     "error": f"skipped: {free} GiB of memory available, about "
+                                     f"{need:.0f} GiB needed"})
                         continue
                     ray = backend in ("ray", "ray-train")
                     e = dict(env, RAY_ADDRESS=cluster.address) if ray else env
@@ -331,14 +340,20 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
     info["load_after"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    planner = bench_planner(5) if ns.planner else "(not timed in this run: --no-planner)"
     out = Path(ns.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    info["command"] = f"`python benchmarks/growth_bench.py {' '.join(sys.argv[1:] if argv is None else argv)}`"
+    if ns.add_to:
+        earlier = json.loads(Path(ns.add_to).read_text())
+        info["command"] = f"{earlier['info'].get('command', '?')}, then {info['command']}"
+        rows = earlier["rows"] + rows
+        info["load_before"] = f"{earlier['info']['load_before']} (earlier run), {info['load_before']} (this run)"
+    (out / f"{ns.out_name}.json").write_text(json.dumps({"rows": rows, "info": info}, indent=1))
+    planner = bench_planner(5) if ns.planner else "(not timed in this run: --no-planner)"
     has_chart = chart(rows, out / f"{ns.out_name}.png")
     text = report(rows, info, planner)
     (out / f"{ns.out_name}.md").write_text(
-        f"# Launcher cost as the job grows\n\nCommand: `python benchmarks/growth_bench.py "
-        f"{' '.join(sys.argv[1:] if argv is None else argv)}` — written {time.strftime('%Y-%m-%d %H:%M')}\n\n"
+        f"# Launcher cost as the job grows\n\nCommand: {info['command']} — written {time.strftime('%Y-%m-%d %H:%M')}\n\n"
         + text + (f"\n\n![growth]({ns.out_name}.png)\n" if has_chart else "\n"))
     print(text)
     return 0 if all(r["ok"] for r in rows) else 1
