@@ -109,8 +109,13 @@ def phase_marks(spawned: float, ranks: list[dict], drivers: list[dict], actors: 
     """Seconds after `spawned` at which the run reached each of PHASES (None where it does not go through it)."""
     drv = drivers[0] if drivers else {}
     made = [a["actor_made"] for a in actors if a.get("actor_made")]
-    last = lambda key: max(r[key] for r in ranks) - spawned if ranks and all(r.get(key) for r in ranks) else None  # noqa: E731
-    at = lambda key: drv[key] - spawned if drv.get(key) else None  # noqa: E731
+
+    def last(key: str) -> float | None:
+        return max(r[key] for r in ranks) - spawned if ranks and all(r.get(key) for r in ranks) else None
+
+    def at(key: str) -> float | None:
+        return drv[key] - spawned if drv.get(key) else None
+
     return {"connected": at("ray_connect_end"), "placed": at("place_end"),
             "actors": max(made) - spawned if made else None, "programs": at("start_end") or at("agent_start"),
             "script": last("script") or last("ran"), "torch": last("torch"), "joined": last("joined")}
@@ -179,8 +184,8 @@ def report(rows: list[dict], info: dict, planner: str) -> str:
     md += ["", "## Planner: 128 nodes x 8 GPUs", "", planner, "",
            f"Machine: {info.get('cpus')} CPUs ({info.get('cpu', '?')}), {info.get('mem_total_gib')} GiB; load average "
            f"before {info['load_before']}, after {info['load_after']}; ray {info.get('ray')}, torch "
-           f"{info.get('torch')}, git {info.get('git')}; running cluster: {info['cluster_cpus']} fake CPUs; rank script: "
-           f"benchmarks/{info.get('script', 'empty_rank.py')}."]
+           f"{info.get('torch')}, git {info.get('git')}; running cluster: {info['cluster_cpus']} fake CPUs; "
+           f"rank script: benchmarks/{info.get('script', 'empty_rank.py')}."]
     return "\n".join(md)
 
 
@@ -353,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     has_chart = chart(rows, out / f"{ns.out_name}.png")
     text = report(rows, info, planner)
     (out / f"{ns.out_name}.md").write_text(
-        f"# Launcher cost as the job grows\n\nCommand: {info['command']} — written {time.strftime('%Y-%m-%d %H:%M')}\n\n"
+        f"# Launcher cost as the job grows\n\nCommand: {info['command']} — written "
+        f"{time.strftime('%Y-%m-%d %H:%M')}\n\n"
         + text + (f"\n\n![growth]({ns.out_name}.png)\n" if has_chart else "\n"))
     print(text)
     return 0 if all(r["ok"] for r in rows) else 1

@@ -57,7 +57,8 @@ def main() -> None:
         train_loop_per_worker,
         train_loop_config={"script": os.path.abspath(a.script), "args": a.args, "cwd": os.getcwd()},
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=a.num_workers, use_gpu=False, resources_per_worker={"CPU": a.cpus_per_worker}),
+        scaling_config=ScalingConfig(num_workers=a.num_workers, use_gpu=False,
+                                     resources_per_worker={"CPU": a.cpus_per_worker}),
         run_config=RunConfig(storage_path=storage, name="bench"),
     )
     trainer.fit()
