@@ -37,7 +37,7 @@ from pathlib import Path
 
 from benchlib import BENCH, REPO, RESULTS, noise
 from benchlib import phases as ph
-from benchlib.job import command, script_args
+from benchlib.job import SCRIPT, command, script_args
 from benchlib.measure import Run, measure
 from benchlib.report import fmt, machine_md
 from benchlib.sandbox import ensure_loopback_only
@@ -89,11 +89,13 @@ def milestones(spawned: float, wall: float | None, records: dict[str, list[dict]
         out.update(ray_imported=floor["ray_imported"] - spawned, cluster_up=floor["ray_init"] - spawned,
                    actors_made=floor["actor_ready"] - spawned, cluster_down=floor["ray_shutdown"] - spawned)
     ranks = records.get("rank", [])
-    for key, name in (("probe", "ranks_up"), ("torch", "torch_imported"), ("rendezvous", "rendezvous")):
-        vals = [r[key] for r in ranks if r.get(key)]
-        if vals and len(vals) == len(ranks):
+    # the probe's record (the SFT job), else pg_rank.py's own (--job pg: "script", "joined", "ran")
+    for keys, name in ((("probe", "script"), "ranks_up"), (("torch",), "torch_imported"),
+                       (("rendezvous", "joined"), "rendezvous")):
+        vals = [next((r[k] for k in keys if r.get(k)), None) for r in ranks]
+        if ranks and all(v is not None for v in vals):
             out[name] = max(vals) - spawned
-    firsts = [r["steps"][0][0] for r in ranks if r.get("steps")]
+    firsts = [r["steps"][0][0] if r.get("steps") else r.get("ran") for r in ranks if r.get("steps") or r.get("ran")]
     if firsts and len(firsts) == len(ranks):
         out["first_step"] = max(firsts) - spawned
     if wall is not None:
@@ -124,6 +126,15 @@ def _load(folder: Path) -> dict[str, list[dict]]:
     return out
 
 
+def job_command(job: str, variant: str, tiny: Path, out: Path, steps: int, nproc: int) -> list[str]:
+    """`variant`'s command line for the SFT job (`steps` steps) or for benchmarks/pg_rank.py (`job` "pg")."""
+    if job == "pg":
+        cmd = command(variant, [], nproc)
+        cmd[cmd.index(str(SCRIPT))] = str(BENCH / "pg_rank.py")
+        return cmd
+    return command(variant, script_args(tiny, out, steps), nproc)
+
+
 # -- the session -------------------------------------------------------------------------------------------------
 
 def run_session(ns: argparse.Namespace) -> tuple[list[Run], dict]:
@@ -132,6 +143,8 @@ def run_session(ns: argparse.Namespace) -> tuple[list[Run], dict]:
     logs.mkdir(parents=True, exist_ok=True)
     info = noise.machine()
     info.update(load_before=noise.loadavg(), steps=ns.steps, reps=ns.reps, nproc=ns.nproc)
+    if ns.job == "pg":
+        info["steps"] = "1 (benchmarks/pg_rank.py: one all_reduce, not examples/sft.py)"
     tiny = work / "tiny"
     subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(tiny)], check=True,
                    capture_output=True)
@@ -145,7 +158,7 @@ def run_session(ns: argparse.Namespace) -> tuple[list[Run], dict]:
         for v in ("torchrun", "dualrun-torchrun"):
             env = ph.probe_env(base, work / "warm")
             (work / "warm").mkdir(exist_ok=True)
-            measure(Run("warmup", -1), command(v, script_args(tiny, work / "warm-out", 2), ns.nproc), env, REPO,
+            measure(Run("warmup", -1), job_command(ns.job, v, tiny, work / "warm-out", 2, ns.nproc), env, REPO,
                     logs / f"warmup-{v}.log", ns.timeout)
         order = list(ns.variants)
         for rep in range(ns.reps):
@@ -161,7 +174,7 @@ def run_session(ns: argparse.Namespace) -> tuple[list[Run], dict]:
                     cmd = [sys.executable, str(BENCH / "ray_floor.py")] + (["--lean"] if variant.endswith("lean")
                                                                             else [])
                 else:
-                    cmd = command(variant, script_args(tiny, work / "out" / f"{variant}-{rep}", ns.steps), ns.nproc)
+                    cmd = job_command(ns.job, variant, tiny, work / "out" / f"{variant}-{rep}", ns.steps, ns.nproc)
                 busy = noise.wait_quiet(ns.quiet_cores, ns.quiet_wait)
                 run = measure(Run(variant, rep, busy_before=busy), cmd, env, REPO, logs / f"{variant}-{rep}.log",
                               ns.timeout)
@@ -169,6 +182,10 @@ def run_session(ns: argparse.Namespace) -> tuple[list[Run], dict]:
                 if variant in FLOORS:
                     run.ok = run.exit_code == 0 and bool(recs["floor"])
                     run.error = None if run.ok else run.error or f"exit code {run.exit_code}"
+                elif ns.job == "pg":   # no trainer summary line: ok when it exited 0 and every rank recorded
+                    timed_out = (run.error or "").startswith("timed out")
+                    run.ok = run.exit_code == 0 and len(recs["rank"]) == ns.nproc and not timed_out
+                    run.error = None if run.ok else run.error
                 elif run.ok and len(recs["rank"]) != ns.nproc:
                     run.ok, run.error = False, f"{len(recs['rank'])} of {ns.nproc} ranks left a probe record"
                 run.phases = milestones(run.spawned, run.wall_s, recs) if run.spawned else None
@@ -287,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="repetitions of every variant (round-robin)")
     p.add_argument("--steps", type=int, default=10, help="training steps per run (start-up is what is measured)")
     p.add_argument("--nproc", type=int, default=2, help="training processes per run")
+    p.add_argument("--job", choices=("sft", "pg"), default="sft",
+                   help="sft: examples/sft.py on the tiny model; pg: benchmarks/pg_rank.py (torch, the gloo group, "
+                   "one all_reduce: the first step), seconds a run, so more repetitions fit")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {', '.join(VARIANTS)}")
     p.add_argument("--out", default=str(RESULTS / "startup.md"), help="the report's path")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before one run is killed")

@@ -186,6 +186,12 @@ def test_startup_report_on_fake_numbers(tmp_path):
     marks = {"dualrun_imported": 0.1, "cluster_up": 2.0, "ranks_up": 3.0, "exit": 9.0}
     assert sb.segments(marks) == pytest.approx({"dualrun_imported": 0.1, "cluster_up": 1.9, "ranks_up": 1.0,
                                                 "exit": 6.0})
+    pg = {"rank": [{"script": 101.0, "torch": 102.0, "joined": 103.0, "ran": 103.5},
+                   {"script": 101.2, "torch": 102.5, "joined": 103.1, "ran": 103.4}],
+          "driver": [{"cli_imported": 100.1, "agent_start": 100.9}], "actor": [], "floor": []}
+    assert sb.milestones(100.0, 5.0, pg) == pytest.approx({
+        "dualrun_imported": 0.1, "programs_started": 0.9, "ranks_up": 1.2, "torch_imported": 2.5, "rendezvous": 3.1,
+        "first_step": 3.5, "exit": 5.0})
 
 
 def test_machinery_cores_is_the_cpu_of_everything_but_the_ranks():
