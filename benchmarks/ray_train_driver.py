@@ -21,7 +21,10 @@ def train_loop_per_worker(config: dict) -> None:
     if os.environ.get("DUALRUN_BENCH_PHASES"):   # launch_bench.py's probe (benchmarks/probe/): this worker was
         import importlib                          # started before RANK existed, so activate it here
 
-        probe = importlib.import_module("sitecustomize")
+        try:
+            probe = importlib.import_module("sitecustomize")
+        except ImportError:   # growth_bench.py: the rank script records its own times
+            probe = None
         if hasattr(probe, "activate"):
             probe.activate()
 
@@ -35,6 +38,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or "auto")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0,
+                   help="logical CPUs per worker (growth_bench.py: 0.001, so 64 workers fit on 2 cores)")
     p.add_argument("--storage", default=None, help="Ray Train storage_path (default: a temp dir, removed after)")
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -52,7 +57,8 @@ def main() -> None:
         train_loop_per_worker,
         train_loop_config={"script": os.path.abspath(a.script), "args": a.args, "cwd": os.getcwd()},
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=a.num_workers, use_gpu=False, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(num_workers=a.num_workers, use_gpu=False,
+                                     resources_per_worker={"CPU": a.cpus_per_worker}),
         run_config=RunConfig(storage_path=storage, name="bench"),
     )
     trainer.fit()

@@ -43,7 +43,7 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
 
 @pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost",
                                     "replica_throughput", "weight_sync_bench", "router_vs_vllm",
-                                    "replica_restart_bench"])
+                                    "replica_restart_bench", "startup_bench"])
 def test_the_scripts_built_on_benchlib_start(script):
     """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,
@@ -180,6 +180,40 @@ def test_growth_fit_and_report():
     md = gb.report(rows, {"load_before": "1", "load_after": "1", "cluster_cpus": 4}, "planner")
     assert "| ray | 8 | 1 |" in md and "at 1,024 ranks" in md
     assert "| ray | driver CPU s | 1.00 | 10.0 ms | 11.2 |" in md
+
+
+def test_growth_phases_per_rank_cost():
+    """Each phase's own duration fitted against the rank count: the per-rank cost by phase (issue 26)."""
+    gb = _bench_module("growth_bench")
+    rows = [{"backend": "ray", "n": n, "rep": 0, "ok": True, "wall_s": 9.0, "cpu_s": 1.0, "rss_mib": 100, "load": 1.0,
+             "connected": 1.0, "placed": 1.5, "actors": 1.5 + 0.1 * n, "programs": 1.6 + 0.1 * n,
+             "script": 1.7 + 0.1 * n, "torch": None, "joined": None, "startup_s": 1.8 + 0.1 * n} for n in (8, 32)]
+    assert gb.phase_steps(rows[0]) == pytest.approx({"connected": 1.0, "placed": 0.5, "actors": 0.8, "programs": 0.1,
+                                                     "script": 0.1, "startup_s": 0.1})
+    md = "\n".join(gb.phases_md(rows))
+    assert "| ray | actors | 0.00 | 100.0 ms |" in md and "| ray | placed | 0.50 | 0.0 ms |" in md
+    assert "| ray | 32 | 1.00 | 1.50 | 4.70 |" in md
+
+
+def test_startup_report_on_fake_numbers(tmp_path):
+    """`startup_bench.py --fake`: milestones, where each second goes, the targets; nothing started."""
+    out = tmp_path / "startup.md"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "startup_bench.py"), "--fake", "--reps", "3",
+                        "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = out.read_text()
+    assert "FAKE" in md and md.count("PASS") + md.count("FAIL") == 3 and "## Where each second goes" in md
+    assert "| `ray.init` returned: the embedded cluster is up | - | - | 2.4" in md
+    sb = _bench_module("startup_bench")
+    marks = {"dualrun_imported": 0.1, "cluster_up": 2.0, "ranks_up": 3.0, "exit": 9.0}
+    assert sb.segments(marks) == pytest.approx({"dualrun_imported": 0.1, "cluster_up": 1.9, "ranks_up": 1.0,
+                                                "exit": 6.0})
+    pg = {"rank": [{"script": 101.0, "torch": 102.0, "joined": 103.0, "ran": 103.5},
+                   {"script": 101.2, "torch": 102.5, "joined": 103.1, "ran": 103.4}],
+          "driver": [{"cli_imported": 100.1, "agent_start": 100.9}], "actor": [], "floor": []}
+    assert sb.milestones(100.0, 5.0, pg) == pytest.approx({
+        "dualrun_imported": 0.1, "programs_started": 0.9, "ranks_up": 1.2, "torch_imported": 2.5, "rendezvous": 3.1,
+        "first_step": 3.5, "exit": 5.0})
 
 
 def test_machinery_cores_is_the_cpu_of_everything_but_the_ranks():

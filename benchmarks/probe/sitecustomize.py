@@ -130,5 +130,87 @@ def activate() -> None:
         _record["rendezvous_before_probe"] = True
 
 
+# -- the launcher's side: where its seconds go before the ranks start ----------------------------------------------
+# In a process without RANK (a launcher, a Ray actor), the probe records, once `dualrun.cli` is imported, when each
+# of the driver's steps began and ended (DIR/driver-PID.json); in a Ray actor of dualrun's (an embedded cluster's
+# workers inherit the driver's env), when its process started and when the rank actor was made (DIR/actor-PID.json).
+# Wrapping, not editing dualrun: the same probe measures every revision.
+_DRIVER_STEPS = (  # (module, attribute path, step name): the step's start and end are recorded
+    ("dualrun.api", "run_job", "run_job"),
+    ("dualrun.accelerate_env", "cached_accelerate_env", "accelerate_env"),
+    ("dualrun.raycluster.connect", "connect", "ray_connect"),
+    ("dualrun.launchers.base", "Launcher.launch", "launch"),
+    ("dualrun.launchers.ray", "RayLauncher._place", "place"),
+    ("dualrun.launchers.ray", "RayLauncher._start", "start"),
+    ("torch.distributed.run", "run", "agent"),
+    ("dualrun.raycluster.connect", "Connection.close", "ray_shutdown"),
+)
+_side: dict = {}
+
+
+def _write_side(kind: str) -> None:
+    folder = os.environ.get(_DIR_ENV)
+    if folder and _side:
+        with open(os.path.join(folder, f"{kind}-{os.getpid()}.json"), "w") as f:
+            json.dump(_side, f)
+
+
+def _wrap(owner, attr: str, step: str) -> None:
+    import functools
+
+    original = getattr(owner, attr)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        _side.setdefault(step + "_start", time.time())
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _side[step + "_end"] = time.time()
+
+    setattr(owner, attr, wrapper)
+
+
+def _step_hook(path: str, step: str):
+    def hook(module) -> None:
+        owner = module
+        *parents, attr = path.split(".")
+        for name in parents:
+            owner = getattr(owner, name)
+        _wrap(owner, attr, step)
+    return hook
+
+
+def _on_cli(module) -> None:
+    import atexit
+
+    _side.update(started=_process_start(), probe=_record.get("side_probe"), cli_imported=time.time())
+    for name, fn in (("torch", lambda m: _side.setdefault("torch_imported", time.time())),
+                     ("ray", lambda m: _side.setdefault("ray_imported", time.time()))):
+        when_imported(name, fn)
+    for mod, path, step in _DRIVER_STEPS:
+        when_imported(mod, _step_hook(path, step))
+    atexit.register(_write_side, "driver")
+
+
+def _on_rank_worker(module) -> None:
+    if "dualrun.cli" in sys.modules:   # the driver imports it too: only actors record
+        return
+    original = module.RankWorker.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _side.update(started=_process_start(), probe=_record.get("side_probe"), actor_made=time.time())
+        _write_side("actor")
+
+    module.RankWorker.__init__ = __init__
+
+
 if os.environ.get(_DIR_ENV) and os.environ.get("RANK") is not None:
     activate()
+elif os.environ.get(_DIR_ENV):
+    from dualrun.rank.hooks import when_imported
+
+    _record["side_probe"] = time.time()
+    when_imported("dualrun.cli", _on_cli)
+    when_imported("dualrun.launchers.ray_worker", _on_rank_worker)

@@ -33,7 +33,7 @@ class Gang:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote = cls if hasattr(cls, "options") else ray.remote(cls)
+        remote = cls if hasattr(cls, "options") else _remote_class(cls)
         actor = remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=index), **options).remote(*args)
         self.actors.append(actor)
@@ -79,6 +79,19 @@ class Gang:
                 pass
         self.actors.clear()
         self.pgs.clear()
+
+
+_REMOTE: dict[type, Any] = {}
+
+
+def _remote_class(cls: type) -> Any:
+    """`ray.remote(cls)`, made once per class: a new remote class per actor is exported to the GCS again for every
+    actor (Ray re-exports once per remote class and job), a cost that grew with the rank count."""
+    import ray
+
+    if cls not in _REMOTE:
+        _REMOTE[cls] = ray.remote(cls)
+    return _REMOTE[cls]
 
 
 def call_each(actors: list[Any], method: str, *args: Any, timeout: float | None = None) -> None:

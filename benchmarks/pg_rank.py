@@ -1,0 +1,39 @@
+"""The growth benchmark's tiniest training function, the same under every launcher: import torch, join the gloo
+process group (unless the launcher already did: Ray Train's TorchTrainer sets it up before its loop), one
+all_reduce (the first step), then leave.
+
+Writes DIR/rank-R.json (DIR from DUALRUN_BENCH_PHASES): its process start time (/proc), when the script started,
+when torch was imported, when the group was joined and when the all_reduce returned (`ran`), all time.time().
+"""
+import json
+import os
+import time
+
+script = time.time()
+try:
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        btime = next(int(ln.split()[1]) for ln in f if ln.startswith("btime"))
+    started = btime + ticks / os.sysconf("SC_CLK_TCK")
+except (OSError, ValueError, StopIteration):
+    started = None
+
+import torch  # noqa: E402 - timed
+import torch.distributed as dist  # noqa: E402
+
+imported = time.time()
+ours = not dist.is_initialized()
+if ours:
+    dist.init_process_group("gloo")
+joined = time.time()
+total = torch.ones(1)
+dist.all_reduce(total)
+ran = time.time()
+folder = os.environ.get("DUALRUN_BENCH_PHASES")
+if folder:
+    with open(os.path.join(folder, f"rank-{dist.get_rank()}.json"), "w") as f:
+        json.dump({"rank": dist.get_rank(), "started": started, "script": script, "torch": imported,
+                   "joined": joined, "ran": ran, "world": int(total.item())}, f)
+if ours:
+    dist.destroy_process_group()
