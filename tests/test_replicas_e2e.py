@@ -290,11 +290,12 @@ def rollout_tiny(tiny, tmp_path_factory) -> Path:
     return link_tiny(tiny, tmp_path_factory.mktemp("rollout"))
 
 
-def _rollout_job(tmp_path: Path, tiny: Path, backend: str, cluster, *probe_args: str) -> tuple[subprocess.Popen, Path]:
+def _rollout_job(tmp_path: Path, tiny: Path, backend: str, cluster, *probe_args: str,
+                 role_extra: str = "") -> tuple[subprocess.Popen, Path]:
     (tmp_path / "job.yaml").write_text(
         "use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
         f"  rollout: {{gpus: {ROLLOUT_ENGINES}, tensor_parallel_size: 1, model: {tiny / 'model'}, "
-        "engine: transformers, health_timeout_s: 120}\n")
+        f"engine: transformers, health_timeout_s: 120{role_extra}}}\n")
     (tmp_path / "out").mkdir()
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1",
                **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
@@ -355,7 +356,8 @@ def test_a_four_engine_rollout_serves_grpo_behind_one_address_torchrun(tmp_path,
 def test_a_four_engine_rollout_on_ray_and_a_dead_replica_ends_the_job_within_10_s(tmp_path, rollout_tiny, cluster):
     """The same load on Ray (an actor and placement group per replica, the router in a CPU actor); then one
     replica is SIGKILLed while the trainer still runs: the job ends within 10 s naming it, nothing left."""
-    proc, err = _rollout_job(tmp_path, rollout_tiny, "ray", cluster, "--then-wait")
+    proc, err = _rollout_job(tmp_path, rollout_tiny, "ray", cluster, "--then-wait",
+                             role_extra=", replica_restarts: 0")   # a dead replica ends the job, as before #25
     try:
         assert eventually(lambda: (tmp_path / "out" / "generated").exists() or proc.poll() is not None,
                           timeout=200)

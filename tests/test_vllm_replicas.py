@@ -63,7 +63,9 @@ def test_grpo_weights_reach_both_vllm_replicas_behind_the_router_every_step(tmp_
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the_trainers_weights(tmp_path, vllm_tiny):
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the_trainers_weights(
+        tmp_path, vllm_tiny, backend, ray_cluster_if_ray):
     """GRPO on 2 vLLM replicas, replica 1 SIGKILLed at step 2 (`replica_restarts` by default): the launcher takes it
     out of the weight-transfer group, the trainer re-forms the group without it at the next sync (replica 0 alone,
     world size 2), the restarted engine joins it at the sync after it is healthy (world size 3) held out of rotation,
@@ -74,10 +76,12 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
     (tmp_path / "out").mkdir()
     err = tmp_path / "stderr.txt"
     with open(err, "w") as errors:
-        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "torchrun", "--config_file",
+        ray = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
+        driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
                                    "job.yaml", str(ASSETS / "grpo_replica_restart_probe.py"), str(vllm_tiny / "model"),
                                    str(vllm_tiny / "data" / "prompts.jsonl"), "out"],
-                                  cwd=tmp_path, env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1"),
+                                  cwd=tmp_path, env=dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1",
+                                                         **ray_env(RAY_ADDRESS=ray)),
                                   stdout=subprocess.DEVNULL, stderr=errors, text=True)
     try:
         marker = tmp_path / "out" / "kill_now"

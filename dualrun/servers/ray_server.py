@@ -281,6 +281,12 @@ class RayServers(ServerSet):
             self._gangs.append(gang)
         assert info is not None
         self.avoid.add(info.address)   # a fresh port, never the dead one's
+        try:   # the helpers its process group may have left (vLLM's engine core), before the actor goes
+            import ray
+
+            ray.get(old_actor.stop.remote(0), timeout=10)
+        except Exception:  # noqa: BLE001 - a dead actor: nothing of it to stop
+            pass
         for held in list(self._gangs):   # the first set's gang, or an earlier restart's
             held.drop(old_actor, old_pg)
         bundle = dict(self.bundle(self.plan.servers[index]), **{f"node:{info.ip}": 0.001})   # the same node
