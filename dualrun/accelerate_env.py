@@ -67,9 +67,16 @@ def accelerate_env(cfg: JobConfig, environ: Mapping[str, str] | None = None) -> 
 
 # -- cache -------------------------------------------------------------------------------------------------------
 # Importing accelerate imports torch (2-3 s, ~200 MiB) in the driver, which a Ray launch otherwise never needs.
-# The result depends only on the versions, the config's accelerate keys, the process counts, the working directory
-# and a few inherited variables, so it is cached on disk (DUALRUN_CACHE=0 turns the cache off).
+# The result depends only on the versions, the config's accelerate keys, the process counts, a few inherited
+# variables and (DeepSpeed only) the working directory, so it is cached on disk (DUALRUN_CACHE=0 turns the cache off).
 _ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "MEGATRON_", "OMP_", "KMP_", "MKL_", "PYTHONPATH", "DS_", "CUDA_", "NCCL_")
+
+
+def _reads_cwd(cfg: JobConfig) -> bool:
+    """Whether accelerate's env for `cfg` holds the working directory: only its DeepSpeed path does (it puts the
+    directory on PYTHONPATH). Told conservatively, by any accelerate key or value naming DeepSpeed; the rest is
+    shared by every directory (a dry run or launch from a new one need not import torch)."""
+    return any("deepspeed" in f"{k} {v}".lower() for k, v in cfg.accelerate.items())
 
 
 def _cache_path(cfg: JobConfig, environ: Mapping[str, str]) -> str | None:
@@ -85,7 +92,8 @@ def _cache_path(cfg: JobConfig, environ: Mapping[str, str]) -> str | None:
     key = json.dumps({
         "v": [__version__, version("accelerate"), version("deepspeed"), version("torch")],
         "acc": dict(cfg.accelerate), "n": [cfg.num_processes, cfg.num_machines, cfg.machine_rank, cfg.use_cpu],
-        "cwd": os.getcwd(), "env": sorted((k, v) for k, v in environ.items() if k.startswith(_ENV_PREFIXES)),
+        "cwd": os.getcwd() if _reads_cwd(cfg) else None,
+        "env": sorted((k, v) for k, v in environ.items() if k.startswith(_ENV_PREFIXES)),
     }, sort_keys=True, default=str)
     root = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(root, "dualrun", "accelerate-env", hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")

@@ -1,6 +1,7 @@
 """accelerate's own env preparation, and its on-disk cache (so a Ray driver need not import torch)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,3 +37,21 @@ def test_cache_can_be_turned_off(tmp_path):
     cfg = build_config({"use_cpu": True}, "x.yaml")
     cached_accelerate_env(cfg, {"XDG_CACHE_HOME": str(tmp_path), "DUALRUN_CACHE": "0"})
     assert not list(tmp_path.glob("dualrun/**/*.json"))
+
+
+def test_one_cache_entry_serves_every_directory_unless_deepspeed_puts_it_on_the_path(tmp_path, monkeypatch):
+    """accelerate's DeepSpeed env holds the working directory (on PYTHONPATH), the others none: a dry run or launch
+    from a new directory reuses the entry, a DeepSpeed one gets its own."""
+    cache = tmp_path / "cache"
+    environ = {"XDG_CACHE_HOME": str(cache)}
+    plain = build_config({"use_cpu": True, "roles": {"train": {"gpus": 2}}}, "x.yaml")
+    zero2 = build_config({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2}, "num_processes": 2,
+                          "use_cpu": True}, "x.yaml")
+    envs = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        monkeypatch.chdir(tmp_path / name)
+        assert str(tmp_path / name) not in cached_accelerate_env(plain, environ).values()
+        envs[name] = cached_accelerate_env(zero2, environ)
+        assert str(tmp_path / name) in envs[name]["PYTHONPATH"].split(os.pathsep)
+    assert len(list(cache.glob("dualrun/accelerate-env/*.json"))) == 3   # plain once, DeepSpeed per directory

@@ -1,6 +1,7 @@
 """Config loading: accelerate keys keep their meaning, dualrun keys are typed, swift's form converts."""
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from dualrun.config import schema
 from dualrun.errors import ConfigError
 from helpers import REPO
 
-TRL_CONFIGS = sorted((Path(__import__("trl").__file__).parent / "accelerate_configs").glob("*.yaml"))
+# found, not imported: importing trl at collection costs every test worker a second (transformers with it)
+TRL_CONFIGS = sorted((Path(importlib.util.find_spec("trl").origin).parent / "accelerate_configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", TRL_CONFIGS, ids=lambda p: p.name)

@@ -165,6 +165,7 @@ def test_replica_throughput_benchmark_runs(tmp_path, tiny):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow   # two CPU engines (torch, transformers, the model each) and a router: ~8 CPU-s
 def test_local_servers_start_replicas_then_router_and_watch_the_router(tmp_path, tiny):
     """What the torchrun launcher does with the plan's servers, without a trainer: the role's address is the
     router's, its health is green through both replicas; a router that dies is the job's failure, named."""

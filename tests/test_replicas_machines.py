@@ -255,19 +255,30 @@ def _answering():
     return server
 
 
+PROBE_S = 0.25   # the tests' health-check interval (a launcher's: servers.machines.PROBE_EVERY_S, 1 s): what they
+#                 check is the count of misses and who is named, so they need not wait seconds of silence for it
+
+
+@pytest.fixture
+def quick_probes(monkeypatch):
+    from dualrun.servers import machines
+
+    monkeypatch.setattr(machines, "PROBE_EVERY_S", PROBE_S)
+
+
 def _after_silence(machines, server, finished: bool) -> str | None:
-    """Stop `server` (another machine's, health-checked by `machines`) and keep calling `machines.check()`: once
-    that machine said it finished, no failure within 3.5 s (two probes ~1 s apart fit); else the failure's line,
-    within 10 s."""
+    """Stop `server` (another machine's, health-checked by `machines` every PROBE_S) and keep calling
+    `machines.check()`: once that machine said it finished, no failure within 3.5 probe intervals (two misses fit);
+    else the failure's line, within 10 s."""
     import time
 
     servers = machines.servers
     assert machines.check() is None                            # answering: fine
     server.shutdown()
     server.server_close()
-    deadline = time.monotonic() + (3.5 if finished else 10)
+    deadline = time.monotonic() + (3.5 * PROBE_S if finished else 10)
     while machines.check() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
+        time.sleep(PROBE_S / 5)
     if finished:
         assert servers.failure is None
         return None
@@ -276,9 +287,9 @@ def _after_silence(machines, server, finished: bool) -> str | None:
 
 
 @pytest.mark.e2e
-def test_machine_0_names_another_machines_replica_that_stops_answering():
+def test_machine_0_names_another_machines_replica_that_stops_answering(quick_probes):
     """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
-    LocalServers health-checks it about once a second and, two misses after it stops, names it; once machine 1 has
+    LocalServers health-checks it every PROBE_EVERY_S and, two misses after it stops, names it; once machine 1 has
     said its ranks finished (the store's key), the same silence is no failure."""
     from dualrun.plugin import get_plugin
     from dualrun.servers.local import LocalServers
@@ -328,9 +339,9 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
 
 
 @pytest.mark.e2e
-def test_machine_1_names_machine_0s_router_that_stops_answering():
+def test_machine_1_names_machine_0s_router_that_stops_answering(quick_probes):
     """Through a real TCPStore: machine 1's launcher reads the router's address that machine 0 published and
-    health-checks it about once a second. Once machine 0 said its ranks finished, the router's end is no failure;
+    health-checks it every PROBE_EVERY_S. Once machine 0 said its ranks finished, the router's end is no failure;
     when machine 0 is gone (its store with it) and the router is silent, two misses name the router."""
     import gc
 

@@ -317,6 +317,9 @@ class Reducer:
         dist.all_reduce(t)
         return t.item(), dist.get_rank(), dist.get_world_size()
 
+    def imported(self, name):
+        return name in sys.modules
+
 
 def by_rank(length, i, *args, **kwargs):
     """A dispatch function with ms-swift's signature `(n, i, *args, **kwargs) -> (args, kwargs)`."""
@@ -353,6 +356,8 @@ def test_a_local_two_worker_group_all_reduces_and_a_crash_names_the_worker():
     group = dualrun.WorkerGroup(Reducer, "a", runtime=Runtime(on_gpus, "local"))   # torchrun planned GPUs 2, 3
     pids = [i["pid"] for i in group.info()]
     assert len(set(pids)) == 2 and os.getpid() not in pids
+    # a class and calls that came by reference, plain answers: the workers stay free of Ray (cloudpickle's home)
+    assert group.run("imported", "ray") == [False, False]
     assert group.run(lambda obj: os.environ["CUDA_VISIBLE_DEVICES"]) == ["2", "3"]
     assert group.run("total", [1, 2], dispatch=by_rank) == [(3.0, 0, 2), (3.0, 1, 2)]
     with pytest.raises(dualrun.WorkerError, match=r"a worker rank 1 failed in exit_on: .*exited with code 3"):

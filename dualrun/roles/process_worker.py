@@ -22,9 +22,15 @@ LAUNCHER_NAMES = ("GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "R
 
 
 def _dumps(value: Any) -> bytes:
-    from dualrun.funcs import pickler
+    """Plain pickle where it does (answers are mostly data): a worker whose factory and calls came by reference
+    then never imports cloudpickle, which comes with Ray (~0.5 CPU-s per worker). cloudpickle for the rest: a
+    closure, or an instance of a class that came by value (pickle cannot find it here, so it refuses)."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - pickle refuses with PicklingError, TypeError or AttributeError
+        from dualrun.funcs import pickler
 
-    return pickler().dumps(value)
+        return pickler().dumps(value)
 
 
 def _enter(env: dict[str, str], group: str, rank: int, size: int) -> None:
