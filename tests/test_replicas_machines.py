@@ -108,9 +108,6 @@ def test_dry_run_of_machine_1_shows_the_replica_it_starts(tmp_path):
 
 
 # -- end to end: two machines on one host --------------------------------------------------------------------
-@pytest.mark.e2e
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def _gkd(tmp_path: Path, tiny: Path, *more: str) -> list[str]:
     return [str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path",
             str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", str(tmp_path / "out"),
