@@ -13,7 +13,6 @@ ROLLOUT_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 # Roles whose engines take the trainer's weights (when on vLLM): a restarted replica of one is held out of rotation
 # until its first weight update (dualrun/servers/replacing.py; the config check in dualrun/plugin.py).
 SYNCED_ROLES = frozenset({"rollout"})
-HOLDING_BACKENDS = frozenset({"torchrun", "ray"})   # whose server sets replace such a replica with `hold` (holds=True)
 
 
 def engine_of(cfg: JobConfig, role: RoleSpec) -> str:

@@ -83,13 +83,8 @@ def router_keys(cfg: JobConfig) -> None:
 
 def restarts_do_nothing(cfg: JobConfig, role: RoleSpec, replicas: int) -> str | None:
     """Why `replica_restarts` would restart nothing for `role` (None: it takes effect; servers/replacing.py)."""
-    from dualrun.engine_shape import HOLDING_BACKENDS, role_takes_weights
-
     if replicas == 1:
         return "one engine has no router to take a restarted one back"
-    if role_takes_weights(cfg, role) and cfg.backend not in HOLDING_BACKENDS:
-        return (f"a restarted rollout engine is held until it has the trainer's weights on "
-                f"{', '.join(sorted(HOLDING_BACKENDS))} only, so far")
     if cfg.backend == "torchrun" and cfg.num_machines > 1:
         return "replicas are restarted on one torchrun machine or on Ray, not yet on several torchrun machines"
     return None

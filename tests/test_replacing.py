@@ -36,19 +36,19 @@ def test_each_teacher_replica_gets_the_default_budget_the_router_none():
     assert router_of(plan, 2) == (3, 2)
 
 
-def test_a_vllm_rollout_is_restarted_only_where_it_is_held_until_it_has_the_weights_and_a_single_engine_never():
-    vllm = _cfg("rollout", engine="vllm")
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_vllm_rollout_is_restarted_held_until_it_has_the_weights_and_a_single_engine_never(backend):
+    vllm = _cfg("rollout", backend=backend, engine="vllm")
     plan = make_plan(vllm)
-    assert [takes_weights(vllm, p) for p in plan.servers[:3]] == [True] * 3
-    assert restart_budget(vllm, plan) == {}                         # a backend that does not hold it: stale weights
-    assert restart_budget(vllm, plan, holds=True) == {0: 3, 1: 3, 2: 3}
+    assert [takes_weights(vllm, p) for p in plan.servers[:3]] == [True] * 3   # held until its first sync
+    assert restart_budget(vllm, plan) == {0: 3, 1: 3, 2: 3}
     cpu = _cfg("rollout")                                           # dualrun's CPU engine takes no weights
     assert not takes_weights(cpu, make_plan(cpu).servers[0])
     assert restart_budget(cpu, make_plan(cpu)) == {0: 3, 1: 3, 2: 3}
     teacher = _cfg()
     assert not takes_weights(teacher, make_plan(teacher).servers[0])
     one = _cfg(gpus=1)
-    assert restart_budget(one, make_plan(one), holds=True) == {}   # no router to take it back
+    assert restart_budget(one, make_plan(one)) == {}   # no router to take it back
 
 
 def test_a_death_is_survived_while_restarts_are_left_and_another_replica_serves():
@@ -75,7 +75,6 @@ def test_event_lines_say_which_why_and_when_back():
 
 @pytest.mark.parametrize("role, backend, spec, why", [
     ("teacher", "torchrun", {"gpus": 1}, "one engine has no router"),
-    ("rollout", "ray", {"engine": "vllm"}, "held until it has the trainer's weights on torchrun only"),
     ("teacher", "torchrun", {"num_machines": 2, "main_process_ip": "10.0.0.1"}, "not yet on several torchrun machines"),
 ])
 def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, spec, why):

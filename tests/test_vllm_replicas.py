@@ -129,7 +129,8 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
     assert_nothing_left(text, str(tmp_path))
 
 
-# torchrun only: the Ray case passes too (add "ray"), but costs ~5.5 min on 2 cores against ~3 min here
+# torchrun only: the Ray case passes too (add "ray"), but costs ~5.5 min on 2 cores against ~3 min here; the Ray
+# restart path of one replica is the test above
 @pytest.mark.parametrize("backend", ["torchrun"])
 def test_grpo_resumes_after_a_replica_dies_and_the_fresh_replicas_get_the_trainers_weights(
         tmp_path, vllm_tiny, backend, ray_cluster_if_ray):

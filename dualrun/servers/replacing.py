@@ -6,9 +6,8 @@ rules for every backend and unit-testable without a process.
 
 A replica may be restarted when it stands behind a router (its role has several engines), restarts of it are left,
 and another replica of its role is still serving (the last one gone ends the job as before). A replica whose engine
-takes the trainer's weights (a `rollout` on vLLM) is restarted only by a backend that holds it out of rotation until
-it has them (`restart_budget(..., holds=True)`): the launcher `remove`s the dead one at its router (the next sync
-re-forms the weight-sync group without it), `replace`s it with `hold` once healthy, and the router restores it after
+takes the trainer's weights (a `rollout` on vLLM) is held out of rotation until it has them (`takes_weights`; both
+backends, through ServerSet._restart): the launcher `remove`s the dead one at its router (the next sync re-forms the weight-sync group without it), `replace`s it with `hold` once healthy, and the router restores it after
 its first completed weight update (serving/rotation.py; the trainer's side: dualrun/rank/regroup.py). A teacher or reward
 model keeps static weights: back in rotation once healthy.
 """
@@ -27,14 +26,13 @@ def takes_weights(cfg: Any, proc: Process) -> bool:
     return role_takes_weights(cfg, cfg.role(proc.roles[0]))
 
 
-def restart_budget(cfg: Any, plan: Plan, holds: bool = False) -> dict[int, int]:
-    """plan.servers index -> restarts allowed, for every engine replica that may be restarted at all. `holds`: the
-    backend replaces a replica that takes the trainer's weights with `hold` (`takes_weights`); without it such a
-    replica is not restarted (it would serve stale weights)."""
+def restart_budget(cfg: Any, plan: Plan) -> dict[int, int]:
+    """plan.servers index -> restarts allowed, for every engine replica that may be restarted at all: one behind a
+    router whose role allows restarts (a replica that takes the trainer's weights is restarted held: `takes_weights`)."""
     routed = {p.unit for p in plan.servers if p.kind == ROUTER}
     budget = {}
     for index, proc in enumerate(plan.servers):
-        if proc.kind == ROUTER or proc.unit not in routed or (not holds and takes_weights(cfg, proc)):
+        if proc.kind == ROUTER or proc.unit not in routed:
             continue
         role = cfg.role(proc.roles[0])
         if role is not None and role.replica_restarts > 0:

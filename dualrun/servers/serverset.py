@@ -157,11 +157,9 @@ class ServerSet(ABC):
     # -- restarting a replica (replacing.py's rules; the backend's hooks below) -----------------------------------
     def enable_restarts(self, cfg: Any) -> None:
         """Restart the replicas `replacing.restart_budget` allows (a backend that implements the hooks)."""
-        from dualrun.engine_shape import HOLDING_BACKENDS
         from dualrun.servers.replacing import restart_budget
 
-        # a replica that takes the trainer's weights is restarted only where it is held until its first sync
-        self.restarts_allowed = restart_budget(cfg, self.plan, holds=cfg.backend in HOLDING_BACKENDS)
+        self.restarts_allowed = restart_budget(cfg, self.plan)
         self.restarts_left = dict(self.restarts_allowed)
 
     def _respawn(self, index: int) -> tuple[str, float] | None:
