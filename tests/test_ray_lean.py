@@ -36,7 +36,7 @@ ray.get(pg.ready(), timeout=120)
 @ray.remote(num_cpus=1)
 def probe():
     import shipped_mod
-    return shipped_mod.VALUE, os.environ.get("LEAN_TEST")
+    return shipped_mod.VALUE, os.environ.get("LEAN_TEST"), os.nice(0)
 
 got = ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg, 1)).remote(), timeout=120)
 tree = tree_ticks(os.getpid())
@@ -63,7 +63,8 @@ def test_embedded_cluster_runs_only_what_the_job_uses_and_runtime_env_still_work
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
-    assert out["got"] == ["from working_dir", "shipped"]          # working_dir and env_vars reached the task
+    assert out["got"] == ["from working_dir", "shipped", 0]   # working_dir and env_vars reached the task, which
+    # runs at normal priority (Ray's workers run at niceness 15 by default)
     kinds = set(out["kinds"])
     assert {"GCS", "raylet", "runtime-env agent", "dashboard agent", "API server"} <= kinds, kinds
     assert not {"log monitor", "autoscaler monitor"} & kinds, kinds  # turned off: the job does not use them

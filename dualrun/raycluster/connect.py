@@ -16,7 +16,7 @@ A reachability probe (TCP, 2 s) runs before
 An embedded cluster without the dashboard is started lean (`LEAN_*` below, docs/concepts.md "Ray's idle cost"):
 no log monitor (dualrun streams the workers' output itself, `log_to_driver=False`), no autoscaler monitor (one
 fixed node), no metrics export or task events (nothing reads them without a dashboard), the dashboard agent's
-node-stats loop once a minute, no usage stats. Every process a job uses stays: GCS, raylet, runtime-env agent
+node-stats loop once a minute, no usage stats; its workers (the ranks) run at normal priority, not Ray's niceness 15. Every process a job uses stays: GCS, raylet, runtime-env agent
 (`runtime_env`), the dashboard agent (the raylet cannot run without it), the API server.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ _QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 LEAN_SYSTEM_CONFIG: dict[str, Any] = {
     "enable_metrics_collection": False,   # no metrics export from core workers, raylet, GCS, dashboard agent
     "task_events_report_interval_ms": 0,  # no task-event buffer flushed every second by each worker (state API)
+    "worker_niceness": 0,   # ranks at normal priority (Ray's 15 lets anything else on a node take their CPU first)
 }
 LEAN_ENV: dict[str, str] = {              # defaults only: a value the user set wins
     "RAY_USAGE_STATS_ENABLED": "0",       # no usage-stats reporting (Ray would contact its servers)
