@@ -90,8 +90,6 @@ def restarts_do_nothing(cfg: JobConfig, role: RoleSpec, replicas: int) -> str | 
     if role_takes_weights(cfg, role) and cfg.backend not in HOLDING_BACKENDS:
         return (f"a restarted rollout engine is held until it has the trainer's weights on "
                 f"{', '.join(sorted(HOLDING_BACKENDS))} only, so far")
-    if cfg.backend == "torchrun" and cfg.num_machines > 1:
-        return "replicas are restarted on one torchrun machine or on Ray, not yet on several torchrun machines"
     return None
 
 
