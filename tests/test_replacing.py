@@ -75,7 +75,6 @@ def test_event_lines_say_which_why_and_when_back():
 
 @pytest.mark.parametrize("role, backend, spec, why", [
     ("teacher", "torchrun", {"gpus": 1}, "one engine has no router"),
-    ("rollout", "ray", {"engine": "vllm"}, "held until it has the trainer's weights on torchrun only"),
 ])
 def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, spec, why):
     with pytest.raises(ConfigError) as e:

@@ -169,7 +169,7 @@ ROLE_KEYS: tuple[Key, ...] = (
         "first (SIGTERM, then SIGKILL). Spent, or every other replica of the role dead or being restarted: the job "
         "ends naming the replica (or restarts whole with `max_failures`), as does any dead replica with `0`, and "
         "on several torchrun machines a hung replica of a machine other than 0 (machine 0 health-checks it). A restarted GRPO `rollout` replica on vLLM is held out of rotation until it "
-        "holds the trainer's weights (it joins the weight-sync group at the next sync; torchrun only, so far).",
+        "holds the trainer's weights (it joins the weight-sync group at the next sync).",
         minimum=0, maximum=MAX_RESTARTS),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item "
         "(only on a separate role dualrun starts a server for); not the flags dualrun sets itself (`--host`, "
