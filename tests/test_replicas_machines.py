@@ -5,7 +5,8 @@ Planning is pure (milliseconds): replicas fill the GPUs the trainers leave on ma
 router on machine 0; what cannot be placed is a config error naming the key. End to end: two `dualrun launch`
 machines on one host, real TRL GKD with a CPU-engine teacher whose two replicas run one on each machine; both
 machines' ranks get the same router address, every replica is served, and nothing is left running; a replica that
-dies on machine 1 restarts both machines (`max_failures`), and machine 0's router dying ends both, named.
+dies on machine 1 is restarted there (`replica_restarts`) while the job goes on, or with `replica_restarts: 0`
+restarts both machines (`max_failures`), and machine 0's router dying ends both, named.
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ servers before its torchrun agent; then, beside the agent, `Machines.share` runs
   every machine. Every rank reads it before the user's program starts (dualrun/rank/store_wiring.py), so no
   rank uses the router's address before it answers for every replica.
 Machine 0 also health-checks the other machines' servers while the job runs (`Machines.check`), so a replica
-that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds;
+that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds —
+unless machine K restarts it (`replica_restarts`: its own budget; it hands the fresh address to machine 0's router,
+whose address it read from the store, and machine 0's check follows the router's table meanwhile);
 machine K health-checks machine 0's routers the same way (machine 0 publishes their addresses too), so machine 0
 or its router dying ends machine K's job instead of leaving its ranks waiting in a collective. Each machine says
 when its ranks finished (`Machines.finish`) so that its servers' normal end is no failure. The store is the
