@@ -85,8 +85,6 @@ def restarts_do_nothing(cfg: JobConfig, role: RoleSpec, replicas: int) -> str | 
     """Why `replica_restarts` would restart nothing for `role` (None: it takes effect; servers/replacing.py)."""
     if replicas == 1:
         return "one engine has no router to take a restarted one back"
-    if cfg.backend == "torchrun" and cfg.num_machines > 1:
-        return "replicas are restarted on one torchrun machine or on Ray, not yet on several torchrun machines"
     return None
 
 

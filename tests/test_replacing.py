@@ -75,7 +75,6 @@ def test_event_lines_say_which_why_and_when_back():
 
 @pytest.mark.parametrize("role, backend, spec, why", [
     ("teacher", "torchrun", {"gpus": 1}, "one engine has no router"),
-    ("teacher", "torchrun", {"num_machines": 2, "main_process_ip": "10.0.0.1"}, "not yet on several torchrun machines"),
 ])
 def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, spec, why):
     with pytest.raises(ConfigError) as e:
@@ -86,6 +85,11 @@ def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, 
 
 def test_teacher_replicas_are_restarted_on_ray_too():
     cfg = _cfg(backend="ray", replica_restarts=5)   # RayServers restarts them (a fresh actor and group)
+    assert restart_budget(cfg, make_plan(cfg)) == {0: 5, 1: 5, 2: 5}
+
+
+def test_teacher_replicas_are_restarted_on_several_torchrun_machines_too():
+    cfg = _cfg(replica_restarts=5, num_machines=2, main_process_ip="10.0.0.1")   # each by its own machine
     assert restart_budget(cfg, make_plan(cfg)) == {0: 5, 1: 5, 2: 5}
 
 

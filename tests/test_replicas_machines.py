@@ -5,7 +5,8 @@ Planning is pure (milliseconds): replicas fill the GPUs the trainers leave on ma
 router on machine 0; what cannot be placed is a config error naming the key. End to end: two `dualrun launch`
 machines on one host, real TRL GKD with a CPU-engine teacher whose two replicas run one on each machine; both
 machines' ranks get the same router address, every replica is served, and nothing is left running; a replica that
-dies on machine 1 restarts both machines (`max_failures`), and machine 0's router dying ends both, named.
+dies on machine 1 is restarted there (`replica_restarts`) while the job goes on, or with `replica_restarts: 0`
+restarts both machines (`max_failures`), and machine 0's router dying ends both, named.
 """
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ def _cpu_cfg(teacher_processes: int, rank: int = 0) -> object:
                         "job.yaml")
 
 
+def test_each_machine_restarts_the_replicas_it_runs():
+    from dualrun.plugin import get_plugin
+    from dualrun.servers.local import LocalServers
+
+    for rank in (0, 1):
+        cfg = _cpu_cfg(2, rank)
+        servers = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), dict, stream=None)
+        assert servers.restarts_left == {rank: 3} and servers.restartable == {0, 1}
+
+
 def test_cpu_replicas_take_process_slots():
     plan = make_plan(_cpu_cfg(2))
     assert _replicas(plan) == [(0, ()), (1, ())]
@@ -114,16 +125,17 @@ def _gkd(tmp_path: Path, tiny: Path, *more: str) -> list[str]:
             *more]
 
 
-def _two_machines(tmp_path: Path, tiny: Path, program: list[str], extra: str = "") -> list[subprocess.Popen]:
+def _two_machines(tmp_path: Path, tiny: Path, program: list[str], extra: str = "",
+                  teacher: str = "") -> list[subprocess.Popen]:
     """Both machines' `dualrun launch` of a GKD job whose teacher has a replica on each (stdout and stderr in
-    m{rank}/out and m{rank}/err; logs in logs{rank}); `extra`: more top-level YAML."""
+    m{rank}/out and m{rank}/err; logs in logs{rank}); `extra`: more top-level YAML, `teacher`: more teacher keys."""
     from dualrun.light.ports import free_port
 
     port = free_port()
     (tmp_path / "job.yaml").write_text(
         f"use_cpu: true\nmethod: gkd\n{extra}torchrun: {{gpus_per_machine: 2}}\nroles:\n  train: {{gpus: 2}}\n"
         f"  teacher: {{gpus: 2, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
-        "server_args: [--verbose]}\n")
+        f"server_args: [--verbose]{teacher}}}\n")
     cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml", "--num_machines", "2",
            "--machine_rank", "{rank}", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), *program]
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"}
@@ -199,7 +211,8 @@ def test_both_machines_restart_for_machine_1s_replica_then_end_naming_machine_0s
     tiny = link_tiny(tiny, tmp_path)
     out = tmp_path / "out"
     out.mkdir()
-    procs = _two_machines(tmp_path, tiny, [str(ASSETS / "uses_teacher.py"), str(out), "100000"], "max_failures: 1\n")
+    procs = _two_machines(tmp_path, tiny, [str(ASSETS / "uses_teacher.py"), str(out), "100000"], "max_failures: 1\n",
+                          ", replica_restarts: 0")   # a dead replica restarts the job, not itself
     steps = lambda: len(list(out.glob("step_1_*")))  # noqa: E731 - rank 1's steps so far, over both attempts
 
     def port_in(log: Path, pattern: str) -> str:
@@ -231,6 +244,37 @@ def test_both_machines_restart_for_machine_1s_replica_then_end_naming_machine_0s
                      rf"{router}/health\)", outs[1][1]), outs[1][1][-2000:]
     # the teacher's path is in every rank's and replica's command line
     assert gone(pid) and eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_machine_1_restarts_its_dead_replica_and_the_job_goes_on(tmp_path, tiny):
+    """`replica_restarts` (the default) on two machines: SIGKILL machine 1's teacher replica while a stand-in trainer
+    asks the router's /health every step. Machine 1 restarts it on a fresh port and hands it to machine 0's router;
+    machine 0 takes its brief absence for the restart, not the job's end: both finish with 0, no step lost, one
+    attempt, the log naming the death and the return; nothing is left running."""
+    import signal
+
+    tiny = link_tiny(tiny, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = _two_machines(tmp_path, tiny, [str(ASSETS / "uses_teacher.py"), str(out), "60"])
+    steps = lambda: len(list(out.glob("step_1_*")))  # noqa: E731 - rank 1's steps so far
+    assert eventually(lambda: steps() >= 2, 200, 0.5), _ended(tmp_path, procs, 0)
+    log = tmp_path / "logs1" / "teacher-server-1.log"
+    [replica] = re.findall(r"on http://0\.0\.0\.0:(\d+) ", log.read_text())
+    os.kill(*pids_matching(str(tiny / "teacher"), "transformers_server", f"--port {replica}"), signal.SIGKILL)
+    outs = _ended(tmp_path, procs, 240)
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+    assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\).*; restarting it on the "
+                     r"same devices \(restart 1 of 3, replica_restarts\)", outs[1][1]), outs[1][1][-2000:]
+    back = re.search(r"dualrun: teacher server 1 is back in rotation at 127\.0\.0\.1:(\d+), ", outs[1][1])
+    assert back and back.group(1) != replica, outs[1][1][-2000:]
+    assert not any("restarting the job" in o[1] or "stopped answering" in o[1] for o in outs), outs[0][1][-2000:]
+    assert not list(out.glob("address_1_*"))   # one attempt
+    assert len(list(out.glob("step_*"))) == 120   # every step of both ranks, the router answering throughout
+    assert eventually(lambda: not pids_matching(str(tiny / "teacher")))
 
 
 # -- machine 0 watches the other machines' replicas, and they watch its router ------------------------------

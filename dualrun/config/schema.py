@@ -161,13 +161,15 @@ ROLE_KEYS: tuple[Key, ...] = (
         "router's health probes (about once a second, 5 s to answer); lower this to find sooner an engine that "
         "answers its health check but not its requests. Weight-transfer calls get the same limit.",
         minimum=1, maximum=MAX_SECONDS),
-    Key("replica_restarts", "int", 3, "A role with several engine replicas (torchrun on one machine, or Ray): "
+    Key("replica_restarts", "int", 3, "A role with several engine replicas (torchrun, or Ray): "
         "how often each replica that dies while the job runs is restarted on its own devices (a fresh port; on Ray a "
-        "fresh actor and placement group on the same node; the router takes it back once it answers), the job going "
+        "fresh actor and placement group on the same node; on several torchrun machines by the machine it ran on; "
+        "the router takes it back once it answers), the job going "
         "on; a hung one (no answer within `request_timeout_s`, or failing its health probes that long) is stopped "
         "first (SIGTERM, then SIGKILL). Spent, or every other replica of the role dead or being restarted: the job "
-        "ends naming the replica (or restarts whole with `max_failures`), as does any dead replica with `0` and on "
-        "several torchrun machines. A restarted GRPO `rollout` replica on vLLM is held out of rotation until it "
+        "ends naming the replica (or restarts whole with `max_failures`), as does any dead replica with `0`, and "
+        "on several torchrun machines a hung replica of a machine other than 0 (machine 0 health-checks it). A "
+        "restarted GRPO `rollout` replica on vLLM is held out of rotation until it "
         "holds the trainer's weights (it joins the weight-sync group at the next sync).",
         minimum=0, maximum=MAX_RESTARTS),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item "

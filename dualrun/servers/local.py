@@ -47,8 +47,12 @@ class LocalServers(ServerSet):
         self._advertised: dict[int, str] = {}   # plan.servers index -> advertised host:port of its latest process
         self._reported: set[int] = set()    # servers whose end was reported
         self._lock = threading.Lock()       # `start_waiting` (a thread beside torchrun's agent) against `stop`
-        if cfg.num_machines == 1:   # several machines: a replica elsewhere is not restarted yet (its router is
-            self.enable_restarts(cfg)   # on machine 0)
+        self.enable_restarts(cfg)
+        self.restartable = frozenset(self.restarts_allowed)   # every machine's replicas that are restarted at all
+        if cfg.num_machines > 1:   # each machine restarts the replicas it runs (their router is on machine 0)
+            self.restarts_allowed = {i: n for i, n in self.restarts_allowed.items()
+                                     if plan.servers[i].node == cfg.machine_rank}
+            self.restarts_left = dict(self.restarts_allowed)
 
     def _endpoint(self) -> tuple[str, str, int]:
         """(bind host, advertised host, port) of a server of this machine."""
@@ -195,6 +199,22 @@ class LocalServers(ServerSet):
         return self.failure
 
     # -- the restart hooks of ServerSet._replace / find_hung --------------------------------------------------
+    def _others_serving(self, index: int) -> bool:
+        """Several machines: the last-replica rule needs the router's view (machine 0's; machine K learns its address
+        from the store, `Machines`): another replica of the role is in rotation there."""
+        from dualrun.serving import router_client
+        from dualrun.servers.replacing import router_of
+
+        if self.cfg.num_machines == 1:
+            return True
+        router, slot = router_of(self.plan, index)
+        if router not in self.started:
+            return False   # died before its router answered: the job ends as before
+        try:
+            return any(i != slot for i in router_client.replicas(self.started[router], timeout_s=2.0)["in_rotation"])
+        except (OSError, ValueError, KeyError):
+            return False
+
     def _respawn(self, index: int) -> tuple[str, float] | None:
         """The replica's process again on its devices, on a fresh port (never the dead one's), healthy."""
         with self._lock:

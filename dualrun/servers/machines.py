@@ -9,7 +9,9 @@ servers before its torchrun agent; then, beside the agent, `Machines.share` runs
   every machine. Every rank reads it before the user's program starts (dualrun/rank/store_wiring.py), so no
   rank uses the router's address before it answers for every replica.
 Machine 0 also health-checks the other machines' servers while the job runs (`Machines.check`), so a replica
-that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds;
+that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds —
+unless machine K restarts it (`replica_restarts`: its own budget; it hands the fresh address to machine 0's router,
+whose address it read from the store, and machine 0's check follows the router's table meanwhile);
 machine K health-checks machine 0's routers the same way (machine 0 publishes their addresses too), so machine 0
 or its router dying ends machine K's job instead of leaving its ranks waiting in a collective. Each machine says
 when its ranks finished (`Machines.finish`) so that its servers' normal end is no failure. The store is the
@@ -86,6 +88,8 @@ class Machines:
             if self.machine != 0:   # watch the servers the ranks talk to that run elsewhere (`check`)
                 self.watched.update({i: self._address(i, store.get(job_store.server_key(i)).decode())
                                      for i in facing(plan) if plan.servers[i].node != self.machine})
+                # the routers' addresses: a replica restarted here is handed to its router there (ServerSet._restart)
+                servers.started.update({i: a for i, a in self.watched.items() if plan.servers[i].kind == ROUTER})
                 return
             remote = {i: self._address(i, store.get(job_store.server_key(i)).decode())
                       for i in others(plan, self.machine)}
@@ -133,12 +137,35 @@ class Machines:
                 proc = self.servers.plan.servers[index]
                 role = server_role(self.servers.cfg, proc)
                 url = f"http://{address}{server_health_path(self.servers.plugin, role, proc)}"
-                self.misses[index] = 0 if http_ok(url, timeout=1.0) else self.misses.get(index, 0) + 1
+                answered = http_ok(url, timeout=1.0) or self._being_restarted(index)
+                self.misses[index] = 0 if answered else self.misses.get(index, 0) + 1
                 if self.misses[index] >= MISSES and not self.finished_elsewhere(proc.node):
                     return ServerDeath.of(index, ServerError(
                         proc.label, f"on machine {proc.node} stopped answering its health check ({url}) while the "
                         "job was running (that machine's launcher names its exit)"))
         return None
+
+    def _being_restarted(self, index: int) -> bool:
+        """Machine 0: whether another machine's replica that missed a health check is being restarted by its own
+        machine (`replica_restarts`): its router here has it out for the launcher (`remove`) or joining at a fresh
+        address, which is watched from then on. A replica its machine does not restart stays a death."""
+        from dualrun.serving import router_client
+        from dualrun.serving.rotation import JOINING, LAUNCHER
+        from dualrun.servers.replacing import router_of
+
+        if index not in self.servers.restartable:
+            return False
+        router, slot = router_of(self.servers.plan, index)
+        if router not in self.servers.started:
+            return False
+        try:
+            row = router_client.replicas(self.servers.started[router], timeout_s=2.0)["replicas"][slot]
+        except (OSError, ValueError, KeyError, IndexError):
+            return False
+        if row.get("address") and row["address"] != self.watched[index]:
+            self.watched[index] = row["address"]   # the restarted one, healthy before its router took it
+            return True
+        return row.get("kind") in (LAUNCHER, JOINING)
 
     def _probe_loop(self) -> None:
         while not self.servers.stopping and self.servers.failure is None:

@@ -119,8 +119,9 @@ class ServerSet(ABC):
 
         if self.stopping:
             return
+        serving = death.index in self.restarts_left and self.watching and self._others_serving(death.index)
         with self._policy:
-            replace = self.watching and survivable(self.plan, death.index, self.restarts_left, self._down)
+            replace = serving and survivable(self.plan, death.index, self.restarts_left, self._down)
             if replace:
                 assert death.index is not None
                 self.restarts_left[death.index] -= 1
@@ -161,6 +162,11 @@ class ServerSet(ABC):
 
         self.restarts_allowed = restart_budget(cfg, self.plan)
         self.restarts_left = dict(self.restarts_allowed)
+
+    def _others_serving(self, index: int) -> bool:
+        """Backend: whether another replica of `index`'s role may still serve, beyond this set's own view
+        (`_down`): several torchrun machines ask the router (another machine's replica may be down)."""
+        return True
 
     def _respawn(self, index: int) -> tuple[str, float] | None:
         """Backend: the dead replica `index` started again on its devices on a fresh port and healthy; (its
