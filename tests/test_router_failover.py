@@ -172,8 +172,8 @@ def test_probes_take_a_stopped_replica_out_and_back_and_a_new_engine_is_held_unt
         assert [c["text"] for c in _complete(base, ["a", "b", "c"])["choices"]] == ["a", "b", "c"]  # on r0 whole
         os.kill(replicas[1].proc.pid, signal.SIGCONT)   # healthy again: back after two passing probes
         assert eventually(lambda: _stats(base)["in_rotation"] == [0, 1], timeout=15, every=0.1)
-        assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) back in rotation after [\d.]+ s; 2 of 2 in rotation",
-                         Path(router.log_path).read_text())
+        assert eventually(lambda: re.search(r"replica 1 \(127\.0\.0\.1:\d+\) back in rotation after [\d.]+ s; 2 of 2 in "
+                                            r"rotation", Path(router.log_path).read_text()), timeout=10, every=0.1)
 
         # the launcher swaps in a new engine at a new address for replica 1, held until it is restored
         [spare] = _stubs(tmp_path, 1, first=2)
@@ -251,8 +251,9 @@ def test_the_weight_transfer_follows_the_members_and_a_held_replacement_serves_a
         assert "/shutdown_weight_transfer_engine" in calls("r0") and "/shutdown_weight_transfer_engine" in calls("r2")
         sync()
         assert _stats(base)["in_rotation"] == [0, 1]   # at once: its probes had passed
-        assert re.search(r"replica 1 \(127\.0\.0\.1:\d+\) holds the trainer's weights \(its first update completed\); "
-                         r"replica 1 \(127\.0\.0\.1:\d+\) back in rotation", Path(router.log_path).read_text())
+        assert eventually(lambda: re.search(   # the router's log reaches its file through a reader thread
+            r"replica 1 \(127\.0\.0\.1:\d+\) holds the trainer's weights \(its first update completed\); "
+            r"replica 1 \(127\.0\.0\.1:\d+\) back in rotation", Path(router.log_path).read_text()), timeout=10, every=0.1)
         _complete(base, ["c", "d"])
         assert _prompts_of(tmp_path, "r2") == ["d"] or _prompts_of(tmp_path, "r2") == ["c"]
     finally:
