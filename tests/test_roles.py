@@ -356,8 +356,10 @@ def test_a_local_two_worker_group_all_reduces_and_a_crash_names_the_worker():
     group = dualrun.WorkerGroup(Reducer, "a", runtime=Runtime(on_gpus, "local"))   # torchrun planned GPUs 2, 3
     pids = [i["pid"] for i in group.info()]
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    # a class and calls that came by reference, plain answers: the workers stay free of Ray (cloudpickle's home)
-    assert group.run("imported", "ray") == [False, False]
+    # a class and calls that came by reference, plain answers: the workers stay free of Ray (cloudpickle's home).
+    # Only where this process has no Ray loaded: a Ray driver's cloudpickle may send test classes by value.
+    if "ray" not in sys.modules:
+        assert group.run("imported", "ray") == [False, False]
     assert group.run(lambda obj: os.environ["CUDA_VISIBLE_DEVICES"]) == ["2", "3"]
     assert group.run("total", [1, 2], dispatch=by_rank) == [(3.0, 0, 2), (3.0, 1, 2)]
     with pytest.raises(dualrun.WorkerError, match=r"a worker rank 1 failed in exit_on: .*exited with code 3"):
