@@ -139,8 +139,9 @@ def test_grpo_resumes_after_a_replica_dies_and_the_fresh_replicas_get_the_traine
     sync (over a new gloo group through a new router) gives both fresh engines the trainer's weights."""
     ray = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
     (tmp_path / "job.yaml").write_text("use_cpu: true\nmethod: grpo\nmax_failures: 1\nlog_dir: logs\nroles:\n"
-                                       "  train: {gpus: 1}\n"
-                                       + server_role("rollout", vllm_tiny / "model", gpus=2, health_timeout_s=400))
+                                       "  train: {gpus: 1}\n"   # replica_restarts 0: the whole job restarts
+                                       + server_role("rollout", vllm_tiny / "model", gpus=2, health_timeout_s=400,
+                                                     replica_restarts=0))
     (tmp_path / "out").mkdir()
     hold = tmp_path / "hold"
     hold.touch()
