@@ -17,8 +17,8 @@ from typing import Any, Iterator
 
 from trl.experimental.async_grpo.weight_transfer import WeightTransferClient
 
-from dualrun.gloo_wire import GLOO_BACKEND, PACKED_BUFFER_BYTES
-from dualrun.rank.gloo_client import GlooEndpoint, server_backend
+from dualrun.gloo_wire import GLOO_BACKEND
+from dualrun.rank.gloo_client import open_endpoint, server_backend
 
 _INSTALLED = "_dualrun_gloo"
 
@@ -28,19 +28,12 @@ class GlooWeightTransferClient(WeightTransferClient):
 
     def init_weight_transfer(self) -> None:
         """TRL's init_info (a free port, `rank_offset` 1): the server joins while this process opens the group."""
-        from vllm.utils.network_utils import get_ip, get_open_port
-
-        from dualrun.gloo_wire import open_group
+        from vllm.utils.network_utils import get_open_port
 
         self.vllm.wait_for_server_ready()
-        init_info = {"master_address": get_ip(), "master_port": get_open_port(), "rank_offset": 1,
-                     "world_size": self.vllm.get_world_size() + 1, "packed": True,
-                     "packed_buffer_size_bytes": PACKED_BUFFER_BYTES}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(self.vllm.init_weight_transfer_engine, init_info, timeout=self.weight_sync_timeout)
-            group = open_group(init_info["master_address"], init_info["master_port"], 0, init_info["world_size"])
-            joined.result()
-        self.model_update_group = GlooEndpoint(group, PACKED_BUFFER_BYTES)
+        self.model_update_group = open_endpoint(
+            get_open_port(), self.vllm.get_world_size(),
+            lambda info: self.vllm.init_weight_transfer_engine(info, timeout=self.weight_sync_timeout))
 
     def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
         """TRL's sequence (start, update posted while this process broadcasts, finish), the broadcast over gloo."""

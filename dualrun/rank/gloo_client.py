@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import atexit
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dualrun.gloo_wire import GLOO_BACKEND, PACKED_BUFFER_BYTES
 from dualrun.rank import regroup
@@ -49,21 +49,29 @@ def server_backend(client: Any) -> str | None:
     return config.get("backend") if isinstance(config, dict) else None
 
 
-def init_gloo(client: Any) -> None:
-    """TRL's `init_communicator`, over gloo: the server joins while this process opens the group as rank 0."""
+def open_endpoint(port: int, server_world_size: int, join: Callable[[dict], Any]) -> GlooEndpoint:
+    """The trainer's end of a gloo weight-sync group (rank 0, the server's workers from `rank_offset` 1): `join`
+    posts TRL's init_info to the server, which joins while this process opens the group. TRL's VLLMClient and
+    AsyncGRPOTrainer's client (dualrun/rank/gloo_async.py) differ only in how they post it."""
     from vllm.utils.network_utils import get_ip
 
     from dualrun.gloo_wire import open_group
 
-    init_info = {"master_address": get_ip(), "master_port": client.group_port, "rank_offset": 1,
-                 "world_size": client.get_world_size() + 1, "packed": True,
+    init_info = {"master_address": get_ip(), "master_port": port, "rank_offset": 1,
+                 "world_size": server_world_size + 1, "packed": True,
                  "packed_buffer_size_bytes": PACKED_BUFFER_BYTES}
     with ThreadPoolExecutor(max_workers=1) as pool:
-        joined = pool.submit(client._post, f"{client.base_url}/init_weight_transfer_engine",
-                             json={"init_info": init_info})
+        joined = pool.submit(join, init_info)
         group = open_group(init_info["master_address"], init_info["master_port"], 0, init_info["world_size"])
         joined.result()
-    client.communicator = GlooEndpoint(group, PACKED_BUFFER_BYTES)
+    return GlooEndpoint(group, PACKED_BUFFER_BYTES)
+
+
+def init_gloo(client: Any) -> None:
+    """TRL's `init_communicator`, over gloo: the server joins while this process opens the group as rank 0."""
+    client.communicator = open_endpoint(
+        client.group_port, client.get_world_size(),
+        lambda info: client._post(f"{client.base_url}/init_weight_transfer_engine", json={"init_info": info}))
     atexit.register(client.close_communicator)
 
 
