@@ -355,10 +355,16 @@ class RayServers(ServerSet):
         return {p.label: list(info.gpus) for p, info in zip(self.plan.servers, self.infos) if info}
 
     def _stop(self, grace_s: float) -> None:
-        """Stop every server, kill its actor, remove its placement group (a restart's too)."""
+        """Stop every server, kill its actor, remove its placement group (a restart's too).
+
+        A replica being restarted is not asked to stop: its fresh actor may still be starting (a new Ray worker
+        process: 10 s and more on a loaded machine, measured), and a call to it waits for that. Its actor is killed
+        with the others below; a server it had started gets SIGTERM from its parent's death (process.py)."""
         from dualrun.raycluster.gang import call_each
 
-        call_each(list(self.actors), "stop", grace_s, timeout=grace_s + 5)
+        with self._lock:
+            restarting = {id(self._actors[i]) for i in self._down if i < len(self._actors)}
+        call_each([a for a in self.actors if id(a) not in restarting], "stop", grace_s, timeout=grace_s + 5)
         if self._printer is not None:   # the servers' last lines (they have ended), then no more calls to them
             self._printer.join(timeout=2.0)
             self._printed.set()
