@@ -374,7 +374,7 @@ def test_a_four_engine_rollout_on_ray_and_a_dead_replica_ends_the_job_within_10_
             proc.kill()
     text = err.read_text()
     assert code == 1, text[-3000:]
-    assert took < 10, f"{took:.1f} s\n{err[-3000:]}"
+    assert took < 10, f"{took:.1f} s\n{text[-3000:]}"
     assert (f"dualrun: error: rollout server {victim} exited with code -9 (killed by SIGKILL) while the job was "
             "running") in text
     assert "--- last lines of its log ---" in text and "dualrun engine" in text.split("last lines of its log")[-1]
