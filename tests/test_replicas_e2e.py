@@ -4,8 +4,8 @@ GRPOConfig; every replica gets requests (counted in each replica's own log or st
 replica killed mid-training ends the job within 10 s naming it, as before (both backends; the rollout's on Ray),
 and so does the last replica serving (both killed) with the default; with max_failures: 1 the job restarts with
 fresh replicas and a fresh router and finishes. By default a killed teacher replica is restarted while GKD goes on
-(on Ray a fresh actor and placement group), and the losses equal the run without the kill; one SIGSTOPped (hung,
-alive) is routed around by the router, then stopped and restarted by the launcher, with the same losses."""
+(on Ray a fresh actor and placement group); one SIGSTOPped after it (hung, alive) is routed around by the router,
+then stopped and restarted by the launcher; the losses equal the run without either."""
 from __future__ import annotations
 
 import json
@@ -38,12 +38,14 @@ def _yaml(tiny: Path, replicas: int, max_failures: int = 0, teacher: str = "") -
             "server_args: [--verbose]}\n")
 
 
-def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", env: dict | None = None) -> dict:
+def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", env: dict | None = None,
+         steps: int = 2) -> dict:
     (tmp_path / "job.yaml").write_text(_yaml(tiny, replicas))
     (tmp_path / "out").mkdir()
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "gkd_probe.py"),
                    "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path", str(tiny / "teacher"),
-                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", cwd=tmp_path,
+                   "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", "out", "--max_steps", str(steps),
+                   cwd=tmp_path,
                    env={"TRL_EXPERIMENTAL_SILENCE": "1", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / "out" / f"rank{i}.json").read_text()) for i in range(2)]
@@ -56,25 +58,33 @@ def _gkd(tmp_path: Path, tiny: Path, replicas: int, backend: str = "torchrun", e
             "stderr": proc.stderr, "logs": logs}
 
 
+RESTART_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def unkilled(module_tiny, tmp_path_factory) -> dict:
+    """GKD on a 3-replica teacher under torchrun for RESTART_STEPS steps, nothing killed: the first case of
+    test_replicas_serve_the_teacher, and the losses every restart test below must give (the teacher is
+    deterministic, whichever replica answers: a run whose replica died and came back must give exactly these)."""
+    return _gkd(tmp_path_factory.mktemp("unkilled"), module_tiny, 3, "torchrun", steps=RESTART_STEPS)
+
+
 @pytest.mark.parametrize("backend, replicas", [("torchrun", 3), ("ray", 2)])
-def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, backend, replicas):
+def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, backend, replicas, request):
     """(That a router's greedy answers are one engine's, for 2 and 3 replicas, is test_router.py's.)"""
     cluster = ray_cluster_if_ray
     env = ray_env(RAY_ADDRESS=cluster.address) if cluster else None
-    got = _gkd(tmp_path, module_tiny, replicas, backend, env)
+    got = _gkd(tmp_path, module_tiny, replicas, backend, env) if cluster else request.getfixturevalue("unkilled")
     assert all(n >= 1 for n in got["served"]), got["served"]           # every replica got scoring requests
     router_log = (got["logs"] / "teacher-router.log").read_text()
     assert f"serving http://{got['address']} for {replicas} replicas" in router_log  # the trainers' one address
     spread = re.search(r"served per replica: \[([\d, ]+)\]", router_log)      # its last line, when stopped
     assert spread and [int(n) >= 1 for n in spread.group(1).split(",")] == [True] * replicas, router_log[-500:]
     assert f"teacher: server healthy at {got['address']}" in got["stderr"]
-    assert len(got["losses"]) == 2 and all(x == x and x >= 0 for x in got["losses"])
+    assert len(got["losses"]) == (2 if cluster else RESTART_STEPS) and all(x == x and x >= 0 for x in got["losses"])
     assert eventually(lambda: not _engines(module_tiny))                        # the replicas are stopped
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
-
-
-RESTART_STEPS = 6
 
 
 # -- a replica dies ----------------------------------------------------------------------------------------------
@@ -173,89 +183,47 @@ def _losses(tmp_path: Path, steps: int) -> list[float]:
     return losses[0]
 
 
-@pytest.fixture(scope="module")
-def unkilled_losses(module_tiny, tmp_path_factory) -> list[float]:
-    """The losses of the restart tests' GKD run with no replica killed (torchrun): the teacher is deterministic, so
-    a run whose replica died and came back must give exactly these, on either backend."""
-    tmp_path = tmp_path_factory.mktemp("unkilled")
-    driver, _ = _held_gkd_job(tmp_path, module_tiny, "", RESTART_STEPS, hold=False)
-    try:
-        code = driver.wait(timeout=240)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-    assert code == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
-    return _losses(tmp_path, RESTART_STEPS)
+def _back(tmp_path: Path, driver: subprocess.Popen, replica: int, timeout: float) -> bool:
+    """Wait until the launcher says teacher replica `replica` is back in rotation (or the job ended)."""
+    return eventually(lambda: driver.poll() is not None or f"teacher server {replica} is back in rotation" in
+                      (tmp_path / "stderr.txt").read_text(), timeout=timeout)
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_a_dead_teacher_replica_is_restarted_and_gkd_finishes(tmp_path, module_tiny, ray_cluster_if_ray, backend,
-                                                              unkilled_losses):
-    """The default `replica_restarts`: a teacher replica SIGKILLed once it has served is restarted on a fresh port
-    while GKD goes on; its router takes it back (and it serves again); the job ends 0 with every step's loss, the
-    same on both ranks and equal to the run without the kill, no restart of the job; the launch's stderr names the
-    death and the return. On Ray the replica's actor and placement group are fresh ones. (The trainers wait after
-    step 2 until the replica is back, so that it serves again on 2 busy cores: `--hold_file`.)"""
+def test_a_dead_then_a_hung_teacher_replica_are_restarted_and_gkd_finishes(tmp_path, module_tiny, ray_cluster_if_ray,
+                                                                           backend, unkilled):
+    """The default `replica_restarts`, one GKD job (one run instead of two: each costs a minute on 2 cores):
+    1. dead: teacher replica 1 SIGKILLed once it has served is restarted on a fresh port while GKD goes on, and its
+       router takes it back (on Ray a fresh actor and placement group, the dead one's gone);
+    2. hung: then replica 0 is SIGSTOPped (alive, never answers; the launcher sees a live process): the router's
+       health probes take it out of rotation and a request on it goes to the other replica; out that long
+       (`request_timeout_s: 10`), the launcher stops it and restarts it, and the router takes it back.
+    The job ends 0 with every step's loss, the same on both ranks and equal to the run without either, no restart
+    of the job; the launch's stderr names each death and each return. (The trainers wait after step 2 until both
+    are back, so that each serves again on 2 busy cores: `--hold_file`.)"""
     cluster = ray_cluster_if_ray
-    driver, hold = _held_gkd_job(tmp_path, module_tiny, "", RESTART_STEPS, backend, cluster)
-    log = tmp_path / "logs" / "teacher-server-1.log"
+    driver, hold = _held_gkd_job(tmp_path, module_tiny, "request_timeout_s: 10, ", RESTART_STEPS, backend, cluster)
+    logs = tmp_path / "logs"
+    stderr = lambda: (tmp_path / "stderr.txt").read_text()  # noqa: E731
+    stopped = None
     try:
-        assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
-                                                                 log.read_text()), timeout=200, every=0.05)
-        assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+        assert eventually(lambda: driver.poll() is not None or all(
+            (logs / f"teacher-server-{i}.log").exists() and '"POST /v1/completions' in
+            (logs / f"teacher-server-{i}.log").read_text() for i in (0, 1)), timeout=200, every=0.05)
+        assert driver.poll() is None, stderr()[-3000:]
+        assert pids_matching("dualrun.serving.router", "--request-timeout-s 10")   # the role's key, passed on
         killed = _replica_pid(tmp_path, 1)
         os.kill(killed, signal.SIGKILL)
-        assert eventually(lambda: driver.poll() is not None or "teacher server 1 is back in rotation" in
-                          (tmp_path / "stderr.txt").read_text(), timeout=120)
+        assert _back(tmp_path, driver, 1, timeout=120), stderr()[-3000:]
         if cluster:   # a fresh actor in a fresh placement group; the dead one's are gone
             groups = [p["name"] for p in cluster.live_placement_groups()]
             actors = [a["Name"] for a in cluster.alive_actors()]
             for names in (groups, actors):
                 assert [n for n in names if "teacher-server-1" in n][0].endswith("-teacher-server-1-0-r1"), names
                 assert not [n for n in names if n.endswith("-teacher-server-1-0")], names
-        hold.unlink()
-        code = driver.wait(timeout=240)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-    err = (tmp_path / "stderr.txt").read_text()
-    assert code == 0, err[-3000:]
-    assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\) while the job was "
-                     r"running.*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", err), \
-        err[-3000:]
-    assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+, [\d.]+ s after it died",
-                     err), err[-3000:]
-    assert "restarting the job" not in err
-    assert _losses(tmp_path, RESTART_STEPS) == unkilled_losses
-    text = log.read_text()   # the restarted engine appends to the same log, after the dead one's last request
-    assert engine_pid(text) != killed and '"POST /v1/completions' in text[text.rfind("dualrun engine: loading"):]
-    router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
-    assert re.search(r"replica 1 \([\d.]+:\d+\) out of rotation", router_log), router_log[-2000:]
-    assert eventually(lambda: not _engines(module_tiny))
-    if cluster:
-        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
-
-
-@pytest.mark.parametrize("backend", ["torchrun", "ray"])
-def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_path, module_tiny, ray_cluster_if_ray,
-                                                                            backend, unkilled_losses):
-    """A teacher replica SIGSTOPped once it has served (hung: alive, never answers; the launcher sees a live process):
-    the router's health probes take it out of rotation, a request on it goes to the other replica; out that long
-    (`request_timeout_s: 10`), the launcher stops it and restarts it, the router takes it back, and GKD finishes with
-    both ranks' losses, equal to the run without it (the trainers wait after step 2 until it is back: `--hold_file`)."""
-    cluster = ray_cluster_if_ray
-    driver, hold = _held_gkd_job(tmp_path, module_tiny, "request_timeout_s: 10, ", RESTART_STEPS, backend, cluster)
-    log = tmp_path / "logs" / "teacher-server-1.log"
-    stopped = None
-    try:
-        assert eventually(lambda: driver.poll() is not None or (log.exists() and '"POST /v1/completions' in
-                                                                 log.read_text()), timeout=200, every=0.05)
-        assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-        assert pids_matching("dualrun.serving.router", "--request-timeout-s 10")   # the role's key, passed on
-        stopped = _replica_pid(tmp_path, 1)
+        stopped = _replica_pid(tmp_path, 0)
         os.kill(stopped, signal.SIGSTOP)
-        assert eventually(lambda: driver.poll() is not None or "teacher server 1 is back in rotation" in
-                          (tmp_path / "stderr.txt").read_text(), timeout=150)
+        assert _back(tmp_path, driver, 0, timeout=150), stderr()[-3000:]
         hold.unlink()
         code = driver.wait(timeout=240)
     finally:
@@ -263,17 +231,28 @@ def test_a_hung_replica_is_routed_around_stopped_restarted_and_gkd_finishes(tmp_
             os.kill(stopped, signal.SIGCONT)
         if driver.poll() is None:
             driver.kill()
-    err = (tmp_path / "stderr.txt").read_text()
+    err = stderr()
     assert code == 0, err[-3000:]
+    assert "restarting the job" not in err
+    assert _losses(tmp_path, RESTART_STEPS) == unkilled["losses"]
+    # 1. the dead one
+    assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\) while the job was "
+                     r"running.*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", err), \
+        err[-3000:]
+    assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+, [\d.]+ s after it died",
+                     err), err[-3000:]
+    text = (logs / "teacher-server-1.log").read_text()   # the restarted engine appends to the same log, after
+    assert engine_pid(text) != killed and '"POST /v1/completions' in text[text.rfind("dualrun engine: loading"):]
+    # 2. the hung one
     assert not cmdline(stopped)                                                  # the hung engine was stopped
-    assert re.search(r"dualrun: teacher server 1 is hung \(.+\); stopping it \(SIGTERM, then SIGKILL after 5 s\)\n",
+    assert re.search(r"dualrun: teacher server 0 is hung \(.+\); stopping it \(SIGTERM, then SIGKILL after 5 s\)\n",
                      err), err[-3000:]
-    assert re.search(r"dualrun: teacher server 1 was hung \(.+\).*; restarting it on the same devices \(restart 1 of 3",
+    assert re.search(r"dualrun: teacher server 0 was hung \(.+\).*; restarting it on the same devices \(restart 1 of 3",
                      err), err[-3000:]
-    assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+", err), err[-3000:]
-    assert _losses(tmp_path, RESTART_STEPS) == unkilled_losses
-    router_log = (tmp_path / "logs" / "teacher-router.log").read_text()
-    assert re.search(r"replica 1 \([\d.]+:\d+\) out of rotation: ", router_log), router_log[-2000:]
+    assert re.search(r"dualrun: teacher server 0 is back in rotation at [\d.]+:\d+", err), err[-3000:]
+    router_log = (logs / "teacher-router.log").read_text()
+    for i in (1, 0):
+        assert re.search(rf"replica {i} \([\d.]+:\d+\) out of rotation: ", router_log), router_log[-2000:]
     assert eventually(lambda: not _engines(module_tiny))
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
