@@ -27,18 +27,28 @@ class FakeGpuCluster:
 
         # the dashboard agent's port: Ray's default (52365) is one per host, and the run's shared cluster lives
         # beside clusters that tests start with `ray start` (whose agent then cannot bind it: no job agent)
+        # Lean, as dualrun's embedded cluster (raycluster/connect.py): no log monitor (dualrun never logs to the
+        # driver), no autoscaler monitor, no metrics export or task events, no usage stats, the dashboard agent's
+        # scan every 60 s. A test run keeps up to three such clusters idle beside its jobs on 2 cores. Ray's worker
+        # niceness stays Ray's (15), as on a cluster a user started.
+        from dualrun.raycluster.connect import LEAN_ENV, LEAN_NODE_PARAMS, LEAN_SYSTEM_CONFIG
+
         args = dict(num_cpus=cpus, num_gpus=gpus, node_ip_address="127.0.0.1", include_dashboard=False,
-                    temp_dir=self.temp_dir, dashboard_agent_listen_port=free_port())
+                    temp_dir=self.temp_dir, dashboard_agent_listen_port=free_port(), **LEAN_NODE_PARAMS)
+        system_config = {k: v for k, v in LEAN_SYSTEM_CONFIG.items() if k != "worker_niceness"}
         # Ray's `ray_current_cluster` file goes to $RAY_TMPDIR/ray: this cluster's own dir, never /tmp/ray
         lock = _one_start_at_a_time()   # before the env changes below: a failure here leaves the env as it was
-        saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "TMPDIR")}
+        saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "TMPDIR", *LEAN_ENV)}
         os.environ["RAY_TMPDIR"] = self.temp_dir
+        for key, value in LEAN_ENV.items():
+            os.environ.setdefault(key, value)
         try:
             for i in range(nodes):
                 if node_tmpdirs:
                     os.environ["TMPDIR"] = node_tmpdirs[i]
                 if i == 0:
-                    self.cluster = Cluster(initialize_head=True, head_node_args=args)
+                    self.cluster = Cluster(initialize_head=True,
+                                           head_node_args=dict(args, _system_config=system_config))
                 else:
                     self.cluster.add_node(**args)
             self.cluster.wait_for_nodes()

@@ -23,7 +23,7 @@ RESULTS: dict[str, dict] = {}   # per backend, for the equal-losses check
 def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_step(tmp_path, vllm_tiny, backend,
                                                                                      ray_cluster_if_ray):
     cluster = ray_cluster_if_ray   # Ray: a running cluster
-    proc, rec, address = run_grpo_probe(tmp_path, vllm_tiny, backend, cluster)
+    proc, rec, address = run_grpo_probe(tmp_path, vllm_tiny, backend, cluster, processes=backend == "torchrun")
     host, port = address.split(":")
     assert "dualrun gloo weight transfer: rank 1 of 2" in (tmp_path / "logs" / "rollout-server-0.log").read_text()
     assert len(rec["losses"]) == 4 and all(x == x for x in rec["losses"]), rec["losses"]

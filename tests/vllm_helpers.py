@@ -25,14 +25,22 @@ TIER = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
 # vLLM on a CPU: eager float32 (bf16 eager crashes with SIGILL; compiling costs 40-110 s), a 1 GiB KV cache.
 SERVER_ARGS = "[--enforce-eager, --dtype, float32, --max-model-len, '256', --max-num-seqs, '8']"
 SERVER_ENV = "{VLLM_CPU_KVCACHE_SPACE: '1'}"   # the OpenMP binding: dualrun's, one share of the cores per engine
+# vLLM's model worker inside its engine-core process instead of a third process of its own: an engine answers in
+# ~16 s instead of ~31 s here (one import of vLLM and torch fewer), the API server and the engine core still apart
+# (dualrun's gloo plugin loads in both). The tests that pass `processes=True` keep vLLM's default layout (API server,
+# engine core, worker), as on a GPU: the weight sync through all three, a killed replica's helpers stopped, and
+# each replica's OpenMP threads bound to its own cores (vLLM binds them in a worker process only).
+ONE_WORKER_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING: '0'"
 LOGPROB_TOLERANCE = 1e-3   # vLLM's CPU kernels against transformers', float32; a missed sync moves far more
 
 
-def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 300, **extra) -> str:
+def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 300, processes: bool = False,
+                **extra) -> str:
     more = "".join(f", {k}: {v}" for k, v in extra.items())
+    env = SERVER_ENV if processes else SERVER_ENV[:-1] + ", " + ONE_WORKER_ENV + "}"
     return (f"  {name}: {{gpus: {gpus}, engine: vllm, model: {model}, health_timeout_s: {health_timeout_s}, "
             f"server_args: {SERVER_ARGS}, "
-            f"env: {SERVER_ENV}{more}}}\n")
+            f"env: {env}{more}}}\n")
 
 
 def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "torchrun", timeout: int = 580,
@@ -56,13 +64,14 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
 
 
 def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1, method: str = "grpo",
-                   probe_args: tuple[str, ...] = ()) -> tuple:
+                   probe_args: tuple[str, ...] = (), processes: bool = False) -> tuple:
     """The probe under a job (`method`) with a vLLM rollout of `gpus` engines: the finished process, rank 0's record
-    and the rollout's address (the router's when there are several engines)."""
+    and the rollout's address (the router's when there are several engines). `processes`: see ONE_WORKER_ENV."""
     from ray_helpers import ray_env
 
     (tmp_path / "job.yaml").write_text(f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: 1}}\n"
-                                       + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400))
+                                       + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400,
+                                                     processes=processes))
     (tmp_path / "out").mkdir()
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
                    str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", *probe_args, cwd=tmp_path,

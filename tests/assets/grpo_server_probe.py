@@ -12,9 +12,9 @@ Writes out/rank0.json: filled fields, losses, and per check the largest log-prob
 the greedy completions, and how far the trainer's weights moved since the previous check; then the same after one
 tensor pushed alone through TRL's `update_named_param`.
 
-For the restart test (`--restart_test`): no AsyncGRPOTrainer, a checkpoint every step, and on the first attempt the
-trainer waits at the start of step `--hold_at_step` (its checkpoint written) while `--hold_file` exists, so the
-test kills a replica there; the restarted attempt resumes from that checkpoint (dualrun's resume hook) and records
+For the restart test (`--restart_test`): AsyncGRPOTrainer only in the restarted attempt, a checkpoint every step,
+and on the first attempt the trainer waits at the start of step `--hold_at_step` (its checkpoint written) while
+`--hold_file` exists, so the test kills a replica there; the restarted attempt resumes from that checkpoint (dualrun's resume hook) and records
 which attempt it is, the step it resumed at and each fresh replica's log-probabilities before any sync.
 
 With `--teacher TEACHER` the trainer is TRL's DistillationTrainer instead of GRPOTrainer (on-policy: the student
@@ -190,7 +190,7 @@ def async_grpo() -> None:
     transfer.destroy()
 
 
-if not (a.restart_test or a.teacher):
+if not a.teacher and (not a.restart_test or attempt > 0):   # restarted: into the fresh engines, before the resume
     async_grpo()
 trainer = make_trainer(model=model, args=config, train_dataset=dataset, callbacks=[SyncProof()])
 trainer.train()
