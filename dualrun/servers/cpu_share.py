@@ -5,7 +5,8 @@ picks the same first cores of the machine, so two replicas on one machine share 
 tokens/s halves. The plan marks each of k engines on a machine with its share (`protocol.CPU_SHARE`, 'j/k'); the
 cores themselves are a fact of the machine the engine starts on (its allowed CPUs, a cgroup's cpuset), so the share
 becomes `VLLM_CPU_OMP_THREADS_BIND` there, in `ServerProcess`. A binding the user set (the role's `env:` or the
-environment the server gets) is kept.
+environment the server gets) is kept. vLLM applies the binding in its worker process only: with
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` (the worker inside the engine core) the engine runs unbound.
 """
 from __future__ import annotations
 
