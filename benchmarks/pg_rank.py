@@ -7,17 +7,14 @@ when torch was imported, when the group was joined and when the all_reduce retur
 """
 import json
 import os
+import sys
 import time
 
 script = time.time()
-try:
-    with open("/proc/self/stat") as f:
-        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        btime = next(int(ln.split()[1]) for ln in f if ln.startswith("btime"))
-    started = btime + ticks / os.sysconf("SC_CLK_TCK")
-except (OSError, ValueError, StopIteration):
-    started = None
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe"))
+from dualrun_bench_clock import process_start  # noqa: E402 - after the first timestamp
+
+started = process_start()
 
 import torch  # noqa: E402 - timed
 import torch.distributed as dist  # noqa: E402

@@ -27,19 +27,12 @@ import os
 import sys
 import time
 
+from dualrun_bench_clock import process_start as _process_start   # this folder, on PYTHONPATH with this module
+
 _DIR_ENV = "DUALRUN_BENCH_PHASES"
 _record: dict = {}
 
 
-def _process_start() -> float | None:
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(ln.split()[1]) for ln in f if ln.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
-        return None
 
 
 def _write() -> None:
