@@ -14,8 +14,9 @@ tensor pushed alone through TRL's `update_named_param`.
 
 For the restart test (`--restart_test`): AsyncGRPOTrainer only in the restarted attempt, a checkpoint every step,
 and on the first attempt the trainer waits at the start of step `--hold_at_step` (its checkpoint written) while
-`--hold_file` exists, so the test kills a replica there; the restarted attempt resumes from that checkpoint (dualrun's resume hook) and records
-which attempt it is, the step it resumed at and each fresh replica's log-probabilities before any sync.
+`--hold_file` exists, so the test kills a replica there; the restarted attempt resumes from that checkpoint
+(dualrun's resume hook) and records which attempt it is, the step it resumed at and each fresh replica's
+log-probabilities before any sync.
 
 With `--teacher TEACHER` the trainer is TRL's DistillationTrainer instead of GRPOTrainer (on-policy: the student
 generates through the same server, after the same weight sync), distilling from TEACHER loaded in the trainer.
