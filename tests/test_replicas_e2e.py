@@ -154,16 +154,15 @@ def test_max_failures_restarts_with_fresh_replicas_and_router(tmp_path, module_t
     assert eventually(lambda: not _engines(module_tiny))
 
 
-def _held_gkd_job(tmp_path: Path, tiny: Path, teacher: str, steps: int, backend: str = "torchrun", cluster=None,
-                  hold: bool = True) -> tuple[subprocess.Popen, Path]:
+def _held_gkd_job(tmp_path: Path, tiny: Path, teacher: str, steps: int, backend: str = "torchrun",
+                  cluster=None) -> tuple[subprocess.Popen, Path]:
     """A GKD job on a 2-replica teacher (`teacher`: extra keys of the role), started in the background with its
     stderr in stderr.txt (a file: a full pipe never blocks the job); its trainers wait after step 2 while the
-    returned hold file exists (`hold`: it does at the start)."""
+    returned hold file exists (it does at the start)."""
     (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, teacher=teacher))
     (tmp_path / "out").mkdir()
     hold_file = tmp_path / "hold"
-    if hold:
-        hold_file.touch()
+    hold_file.touch()
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
     with open(tmp_path / "stderr.txt", "w") as errors:
         driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend,
@@ -241,7 +240,7 @@ def test_a_dead_then_a_hung_teacher_replica_are_restarted_and_gkd_finishes(tmp_p
         err[-3000:]
     assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+, [\d.]+ s after it died",
                      err), err[-3000:]
-    text = (logs / "teacher-server-1.log").read_text()   # the restarted engine appends to the same log, after
+    text = (logs / "teacher-server-1.log").read_text()   # the restarted engine appends to the dead one's log
     assert engine_pid(text) != killed and '"POST /v1/completions' in text[text.rfind("dualrun engine: loading"):]
     # 2. the hung one
     assert not cmdline(stopped)                                                  # the hung engine was stopped
