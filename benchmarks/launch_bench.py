@@ -163,6 +163,7 @@ def fake_runs(variants: list[str], reps: int) -> list[Run]:
                       rnd.uniform(60, 400), rnd.uniform(2, 8), 1.0, 0.1)
             run.steady_steps_per_s, run.step_cpu_ms = 40 * rnd.uniform(0.97, 1.0), 18 * rnd.uniform(0.97, 1.03)
             run.machinery_cores = rnd.uniform(0.0, 0.1)
+            run.own_cores = run.machinery_cores * 0.7 if v.startswith("dualrun") else None
             first = w - 6
             run.phases = {"workers_started": first * 0.15, "torch_imported": first * 0.35, "rendezvous": first * 0.8,
                           "first_step": first, "last_step": w - 1.5, "exit": w}

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import time
+
 import pytest
 
 from helpers import REPO
@@ -31,7 +33,7 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
                   "dualrun --backend ray (running cluster)", "dualrun --backend ray (embedded, cold)"):
         assert label in md
     assert "| 1.00x |" in md and "## Targets" in md and "load average" in md
-    assert md.count("PASS") + md.count("FAIL") == 6
+    assert md.count("PASS") + md.count("FAIL") == 8
     planner = (tmp_path / "planner.md").read_text()
     assert "1,024 GPUs" in planner and "| 1024 |" in planner
     try:
@@ -230,6 +232,34 @@ def test_split_cores_per_kind_of_process():
     ranks = [{"steps": [(0.1 * i, 0.1 * i) for i in range(101)]}]
     split = [(0.0, {"ray daemons": 0.0, "ranks": 0.0}), (10.0, {"ray daemons": 0.5, "ranks": 10.0})]
     assert ph.split_cores(ranks, split) == pytest.approx({"ray daemons": 0.05, "ranks": 1.0})
+
+
+def test_the_machinery_is_summed_from_its_own_processes_where_the_ranks_are_processes_of_their_own():
+    ph = _bench_module("benchlib.phases")
+    split = {"launcher": 0.006, "ray actors": 0.02, "ray daemons": 0.01, "ranks": 1.4}
+    assert ph.machinery_from_split(split) == pytest.approx(0.036)
+    assert ph.machinery_from_split({"ray actors": 1.5, "launcher": 0.01}) is None   # Ray Train: ranks in the actors
+    assert ph.machinery_from_split(None) is None
+
+
+def test_a_launchers_command_line_is_the_launcher_though_it_names_the_script(tmp_path):
+    """The launcher's own command line names the training script; it used to be counted among the ranks."""
+    import subprocess
+    import sys
+
+    measure = _bench_module("benchlib.measure")
+    script = str(measure.SCRIPT)
+    wait = "import time; time.sleep(30)"
+    launch = subprocess.Popen([sys.executable, "-c", wait, "-m", "dualrun", "launch", "--backend", "ray", script])
+    rank = subprocess.Popen([sys.executable, "-c", wait, "-m", "dualrun.rank.bootstrap", script])
+    try:
+        time.sleep(0.3)
+        assert measure.process_kind(launch.pid) == "launcher"
+        assert measure.process_kind(rank.pid) == "ranks"
+    finally:
+        for p in (launch, rank):
+            p.kill()
+            p.wait()
 
 
 def test_weight_sync_report_on_fake_numbers(tmp_path):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import phases as ph
-from .job import SCRIPT
+from .job import SCRIPT, VARIANTS
 from .noise import loadavg
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -47,6 +47,7 @@ class Run:
     tree_cpu: list | None = None               # (time.time(), CPU s of this script's descendants), every 0.5 s
     tree_split: list | None = None             # (time.time(), {kind: CPU s}) at the same times
     machinery_split: dict | None = None        # cores per kind of process (not ranks) while the ranks trained
+    own_cores: float | None = None             # ... of it, dualrun's: all of it, but a running cluster's daemons
 
 
 def _proc_stats(pid: int) -> tuple[float | None, float | None]:
@@ -71,6 +72,8 @@ def process_kind(pid: int) -> str:
         return "launcher"
     if cmd.startswith("ray::"):
         return "ray actors"
+    if any(k in cmd for k in (" -m dualrun launch ", " -m torch.distributed.run ", "ray_train_driver.py")):
+        return "launcher"   # before the ranks' test: a launcher's own command line names the script too
     if "dualrun.rank.bootstrap" in cmd or str(SCRIPT) in cmd:
         return "ranks"
     if any(k in cmd for k in ("gcs_server", "raylet", "/ray/dashboard/", "/ray/_private/", "/ray/autoscaler/")):
@@ -225,7 +228,12 @@ def add_probe(run: Run, records: list[dict], nproc: int) -> None:
         run.steady_steps_per_s, run.step_cpu_ms = steady["steps_per_s"], steady["cpu_ms"]
     run.phases = ph.phases(records, run.spawned, run.spawned + run.wall_s if run.wall_s else None)
     run.threads = ph.threads(records)
-    run.machinery_cores = ph.machinery_cores(records, run.tree_cpu or [])
     run.machinery_split = ph.split_cores(records, run.tree_split or [])
+    run.machinery_cores = ph.machinery_from_split(run.machinery_split)
+    if run.machinery_cores is None:   # Ray Train: the ranks run inside the actors
+        run.machinery_cores = ph.machinery_cores(records, run.tree_cpu or [])
+    elif run.variant.startswith("dualrun"):   # a running cluster's daemons are the cluster's, there before the job
+        joined = VARIANTS[run.variant][1]
+        run.own_cores = run.machinery_cores - (run.machinery_split.get("ray daemons", 0.0) if joined else 0.0)
     run.tree_cpu = run.tree_split = None
 

@@ -34,6 +34,8 @@ from dualrun.light.interpreter import resolve
 
 CALL = "<call>"     # stands for the pickled call's file on the actor's node
 _TAIL = 40          # stderr lines kept for the failure message
+READ_PAUSE_S = 0.25  # between two reads of a pipe: a step's log line and its bar redraw come in one read (issue 26)
+PIPE_BYTES = 1 << 20   # ... so the pipe holds 1 MiB: a rank writes 4 MB/s before a write waits for the pause
 
 
 class RankWorker:
@@ -126,15 +128,18 @@ class RankWorker:
 
     def _read(self, stream: int, pipe) -> None:
         """Read the pipe; the log file gets every line and redraw, the driver the collapsed lines (progress.py)."""
+        _widen(pipe)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         collapser = Collapser(show_bars=self.show_bars)
         log = self._log_line if self.log is not None else None
         while True:
-            chunk = pipe.read1(65536)
+            chunk = pipe.read1(PIPE_BYTES)
             if not chunk:
                 break
             for line in collapser.feed(decoder.decode(chunk), log):
                 self._emit(stream, line)
+            if len(chunk) < PIPE_BYTES // 2:   # a pipe filling up is read on at once
+                time.sleep(READ_PAUSE_S)   # what arrives meanwhile is read (and handed over) together
         for line in collapser.feed(decoder.decode(b"", final=True), log) + collapser.close(log):
             self._emit(stream, line)
         pipe.close()
@@ -211,3 +216,14 @@ class RankWorker:
     def cleanup(self) -> None:
         """Remove the job's temp dir on this node (also what an actor that died left there)."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _widen(pipe) -> None:
+    """Give the pipe PIPE_BYTES of buffer where Linux allows it (else it keeps its 64 KiB; the reader just wakes
+    more often when a rank writes fast)."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(pipe.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+    except (OSError, ValueError):
+        pass

@@ -41,6 +41,7 @@ LEAN_SYSTEM_CONFIG: dict[str, Any] = {
     "enable_metrics_collection": False,   # no metrics export from core workers, raylet, GCS, dashboard agent
     "task_events_report_interval_ms": 0,  # no task-event buffer flushed every second by each worker (state API)
     "worker_niceness": 0,   # ranks at normal priority (Ray's 15 lets anything else on a node take their CPU first)
+    "memory_monitor_refresh_ms": 1000,   # the raylet's look at its workers' memory (OOM killer): 4/s -> 1/s
 }
 LEAN_ENV: dict[str, str] = {              # defaults only: a value the user set wins
     "RAY_USAGE_STATS_ENABLED": "0",       # no usage-stats reporting (Ray would contact its servers)

@@ -1,0 +1,54 @@
+"""A Ray rank's actor reading its program's output (dualrun/launchers/ray_worker.py, the class itself, without Ray):
+a trainer that logs every step is read in a few batches, not a wake-up per line (issue 26: that was ~0.01 cores
+of a rank's actor), and a program that writes fast is not held up by the pauses between reads."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+from dualrun.launchers import ray_worker
+from dualrun.launchers.ray_worker import RankWorker
+
+_EVERY_20_MS = "import time\nfor i in range(50):\n    print(f'step {i}', flush=True)\n    time.sleep(0.02)\n"
+_FOUR_MIB = "import sys\nsys.stdout.write(('x' * 1023 + '\\n') * 4096)\nsys.stdout.flush()\n"
+
+
+def _run(tmp_path, code: str) -> tuple[list[list[str]], float]:
+    """The batches the driver's long-poll gets while the program runs, and the program's run time."""
+    worker = RankWorker("dualrun-test-rank-output", "rank 0")
+    t0 = time.time()   # worker.end is a time.time()
+    worker.start([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, str(tmp_path))
+    codes: list[int] = []
+    waiter = threading.Thread(target=lambda: codes.append(worker.wait().exit_code))   # closes the queue at the end
+    waiter.start()
+    batches: list[list[str]] = []
+    while (batch := worker.queue.take(5.0)) is not None:
+        if batch:
+            batches.append([t for _, t in batch])
+    waiter.join(10)
+    assert codes == [0]
+    return batches, worker.end - t0
+
+
+def test_a_line_every_20_ms_is_read_and_handed_over_in_a_few_batches_in_order(tmp_path, monkeypatch):
+    reads: list[int] = []
+
+    class Counting(ray_worker.Collapser):   # the reader feeds it once per read of the pipe
+        def feed(self, text, raw=None):
+            reads.append(len(text))
+            return super().feed(text, raw)
+
+    monkeypatch.setattr(ray_worker, "Collapser", Counting)
+    batches, _ = _run(tmp_path, _EVERY_20_MS)
+    lines = [t for b in batches for t in b]
+    assert lines == [f"step {i}" for i in range(50)]
+    # ~1 s of output: a read per READ_PAUSE_S (0.25 s), not one per line; a batch per LINGER_S (0.5 s)
+    assert len([n for n in reads if n]) <= 16, reads
+    assert len(batches) <= 3, [len(b) for b in batches]
+
+
+def test_four_mib_written_at_once_is_read_without_waiting_on_the_pauses(tmp_path):
+    batches, took = _run(tmp_path, _FOUR_MIB)
+    assert sum(len(b) for b in batches) == 4096
+    assert took < 3.0, took   # 64 KiB reads with a 0.25 s pause each would hold the writer ~16 s
