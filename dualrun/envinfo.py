@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import os
-import platform
-import socket
 import sys
-from importlib import metadata
 
 PACKAGES = ("dualrun", "torch", "ray", "transformers", "trl", "accelerate", "deepspeed", "vllm")
 
 
 def version(name: str) -> str | None:
+    from importlib import metadata   # here, not at the top: ~17 ms (email, zipfile) a launch need not pay
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -33,6 +32,8 @@ def ray_reachable() -> str:
         except OSError:
             return "no (no running cluster found; `dualrun launch --backend ray` starts a local one)"
     host, _, port = addr.replace("ray://", "").rpartition(":")
+    import socket
+
     from dualrun.envspec import redact_text
     from dualrun.errors import one_line
 
@@ -58,6 +59,8 @@ def devices() -> str:
 
 
 def report() -> str:
+    import platform
+
     lines = [f"python: {sys.version.split()[0]} ({sys.executable})", f"platform: {platform.platform()}"]
     for name in PACKAGES:
         v = version(name)

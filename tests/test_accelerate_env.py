@@ -28,9 +28,27 @@ def test_cache_gives_the_same_env_without_importing_torch(tmp_path):
             "from dualrun.accelerate_env import cached_accelerate_env; "
             "cfg = build_config({'use_cpu': True, 'roles': {'train': {'gpus': 2}}}, 'x.yaml'); "
             f"env = cached_accelerate_env(cfg, {{'XDG_CACHE_HOME': {str(tmp_path)!r}}}); "
-            "print(env['ACCELERATE_USE_CPU'], 'torch' in sys.modules, 'accelerate' in sys.modules)")
+            "print(env['ACCELERATE_USE_CPU'], 'torch' in sys.modules, 'accelerate' in sys.modules, "
+            "'importlib.metadata' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["True", "False", "False"], out.stderr
+    # a hit reads no package metadata either (~20 ms of every launch, issue 26)
+    assert out.stdout.split() == ["True", "False", "False", "False"], out.stderr
+
+
+def test_an_install_or_upgrade_in_site_packages_computes_the_env_again(tmp_path, monkeypatch):
+    site = tmp_path / "lib" / "site-packages"
+    (site / "accelerate-1.0.0.dist-info").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(site))
+    cfg = build_config({"use_cpu": True}, "x.yaml")
+    environ = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
+    entries = lambda: sorted((tmp_path / "cache").glob("dualrun/accelerate-env/*.json"))  # noqa: E731
+    cached_accelerate_env(cfg, environ)
+    cached_accelerate_env(cfg, environ)
+    assert len(entries()) == 1
+    (site / "accelerate-1.0.0.dist-info").rename(site / "accelerate-2.0.0.dist-info")   # what pip's upgrade does
+    os.utime(site, ns=(1, 1))   # the rename's mtime may fall in the same clock tick: make the change certain
+    cached_accelerate_env(cfg, environ)
+    assert len(entries()) == 2
 
 
 def test_cache_can_be_turned_off(tmp_path):

@@ -47,11 +47,12 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
         raise ConfigError(source, "main_process_ip", f"the address of machine 0 (num_machines={machines}, "
                           f"machine_rank={rank}: without it this machine would wait for itself)")
     cpu = bool(acc.get("use_cpu")) or acc.get("distributed_type") == "MULTI_CPU"
-    if cpu and roles and not vllm_cpu_only():   # vLLM's CPU build runs a colocated engine on CPUs too
+    if cpu and roles:
         primary = roles[0].name
         with_primary = next((set(g) for g in groups if primary in g), {primary})
         for role in roles:
-            if role.engine == "vllm" and role.name in with_primary and not role.address:
+            # vLLM's CPU build runs a colocated engine on CPUs too (asked last: it reads package metadata)
+            if role.engine == "vllm" and role.name in with_primary and not role.address and not vllm_cpu_only():
                 raise ConfigError(source, f"roles.{role.name}.engine", "a separate vLLM server on a CPU config "
                                   "(colocated vLLM needs GPUs or vLLM's CPU build, vllm-cpu; take the role out of "
                                   "colocate_groups)", "vllm")
