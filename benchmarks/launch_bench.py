@@ -53,6 +53,7 @@ from benchlib import phases as ph
 from benchlib.cluster import RunningCluster
 from benchlib.job import VARIANTS, command, script_args
 from benchlib.measure import Run, add_probe, measure
+from benchlib.options import add_run_options, chosen_variants
 from benchlib.planner import write_planner
 from benchlib.report import fmt, write_launch
 from benchlib.sandbox import ensure_loopback_only
@@ -177,37 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=5, help="repetitions of every variant (round-robin)")
-    p.add_argument("--steps", type=int, default=200, help="training steps per run (max_steps)")
-    p.add_argument("--nproc", type=int, default=2, help="training processes per run")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    add_run_options(p, variants=VARIANTS, steps=200, steps_help="training steps per run (max_steps)", quiet_cores=0.3,
+                    quick_help="2 repetitions of 60 steps, planner 3 times (a smoke run: the full run is --reps 5 "
+                    "--steps 200)", fake_help="synthetic launch numbers: write the outputs, start nothing")
     p.add_argument("--out-dir", default=str(RESULTS), help="where launch.md, launch.png, planner.md go")
     p.add_argument("--readme", default=None,
                    help="README whose table block to refresh (default: benchmarks/README.md with the default "
                    "--out-dir)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before one run is killed")
     p.add_argument("--cluster-cpus", type=int, default=4, help="CPUs of the running cluster")
     p.add_argument("--settle", type=float, default=3.0, help="seconds to wait after starting the running cluster")
-    p.add_argument("--quiet-cores", type=float, default=0.3,
-                   help="before each run, wait until other jobs keep fewer than this many cores busy ...")
-    p.add_argument("--quiet-wait", type=float, default=0.0,
-                   help="... for at most this many seconds (default 0: only measure and report it)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the untimed warm-up run")
     p.add_argument("--planner-reps", type=int, default=20)
     p.add_argument("--no-planner", dest="planner", action="store_false")
-    p.add_argument("--keep-logs", default=None, metavar="DIR", help="keep every run's timestamped output here")
-    p.add_argument("--fake", action="store_true", help="synthetic launch numbers: write the outputs, start nothing")
-    p.add_argument("--quick", action="store_true", help="2 repetitions of 60 steps, planner 3 times (a smoke run: "
-                   "the full run is --reps 5 --steps 200)")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.reps, ns.steps, ns.planner_reps = 2, 60, 3
-    ns.variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
-    unknown = [v for v in ns.variants if v not in VARIANTS]
-    if unknown or not ns.variants:
-        p.error(f"unknown variant(s) {unknown}: choose from {', '.join(VARIANTS)}")
-    ns.variants = [v for v in VARIANTS if v in ns.variants]
+    chosen_variants(p, ns.variants, VARIANTS)
+    ns.variants = [v for v in VARIANTS if v in chosen_variants(p, ns.variants, VARIANTS)]
     out_dir = Path(ns.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     readme = Path(ns.readme) if ns.readme else (BENCH / "README.md" if out_dir == RESULTS.resolve() else None)

@@ -39,6 +39,7 @@ from benchlib import BENCH, REPO, RESULTS, noise
 from benchlib import phases as ph
 from benchlib.job import SCRIPT, command, script_args
 from benchlib.measure import Run, measure
+from benchlib.options import add_run_options, chosen_variants
 from benchlib.report import fmt, machine_md
 from benchlib.sandbox import ensure_loopback_only
 
@@ -301,28 +302,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--reps", type=int, default=5, help="repetitions of every variant (round-robin)")
-    p.add_argument("--steps", type=int, default=10, help="training steps per run (start-up is what is measured)")
-    p.add_argument("--nproc", type=int, default=2, help="training processes per run")
+    add_run_options(p, variants=VARIANTS, steps=10, steps_help="training steps per run (start-up is what is measured)",
+                    quiet_cores=0.5, quick_help="2 repetitions (a smoke run)",
+                    fake_help="synthetic numbers: write the report, start nothing")
     p.add_argument("--job", choices=("sft", "pg"), default="sft",
                    help="sft: examples/sft.py on the tiny model; pg: benchmarks/pg_rank.py (torch, the gloo group, "
                    "one all_reduce: the first step), seconds a run, so more repetitions fit")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"a subset of {', '.join(VARIANTS)}")
     p.add_argument("--out", default=str(RESULTS / "startup.md"), help="the report's path")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before one run is killed")
-    p.add_argument("--quiet-cores", type=float, default=0.5,
-                   help="before each run, wait until other jobs keep fewer than this many cores busy ...")
-    p.add_argument("--quiet-wait", type=float, default=0.0, help="... for at most this many seconds")
-    p.add_argument("--keep-logs", default=None, metavar="DIR", help="keep every run's timestamped output here")
-    p.add_argument("--fake", action="store_true", help="synthetic numbers: write the report, start nothing")
-    p.add_argument("--quick", action="store_true", help="2 repetitions (a smoke run)")
     ns = p.parse_args(argv)
     if ns.quick:
         ns.reps = 2
-    ns.variants = [v.strip() for v in ns.variants.split(",") if v.strip()]
-    unknown = [v for v in ns.variants if v not in VARIANTS]
-    if unknown or not ns.variants:
-        p.error(f"unknown variant(s) {unknown}: choose from {', '.join(VARIANTS)}")
+    ns.variants = chosen_variants(p, ns.variants, VARIANTS)
     command_line = ("python benchmarks/startup_bench.py " + " ".join(argv)).strip()
     if ns.fake:
         info = noise.machine()
