@@ -29,3 +29,16 @@ def test_an_empty_wait_answers_an_empty_batch_and_a_late_line_ends_the_wait():
     t0 = time.monotonic()
     assert q.take(timeout=5) == [(STDOUT, "late")]
     assert time.monotonic() - t0 < 3
+
+
+def test_a_backlog_of_a_full_batch_is_answered_without_the_linger():
+    """A rank that prints faster than batches go is not held to one batch per LINGER_S."""
+    from dualrun.light.line_queue import BATCH, LINGER_S
+
+    q = LineQueue()
+    for i in range(3 * BATCH):
+        q.put(STDOUT, f"line {i}")
+    t0 = time.monotonic()
+    got = [q.take(timeout=1) for _ in range(2)]
+    assert [len(b) for b in got] == [BATCH, BATCH]
+    assert time.monotonic() - t0 < LINGER_S   # neither call lingered

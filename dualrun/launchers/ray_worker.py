@@ -35,7 +35,8 @@ from dualrun.light.interpreter import resolve
 CALL = "<call>"     # stands for the pickled call's file on the actor's node
 _TAIL = 40          # stderr lines kept for the failure message
 READ_PAUSE_S = 0.25  # between two reads of a pipe: a step's log line and its bar redraw come in one read (issue 26)
-PIPE_BYTES = 1 << 20   # ... so the pipe holds 1 MiB: a rank writes 4 MB/s before a write waits for the pause
+PIPE_BYTES = 1 << 18  # ... so the pipe holds 256 KiB: ~1 MB/s before a write waits (a fuller pipe is read on at once;
+#                       not more: past 64 MiB of pipes per user, Linux gives that user's new pipes one page)
 
 
 class RankWorker:

@@ -41,7 +41,7 @@ class LineQueue:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
             return out
-        if item is not None:
+        if item is not None and self._queue.qsize() < BATCH - 1:   # a full batch waiting goes at once
             self._closed.wait(LINGER_S)   # the burst gathers (one wake-up per batch), cut short by the end
         while True:
             if item is None:
