@@ -46,3 +46,26 @@ def test_one_engine_or_the_transformers_engine_is_left_to_itself():
     assert all(protocol.CPU_SHARE not in p.env for p in _plan("transformers").servers)
     assert all(protocol.CPU_SHARE not in p.env for p in make_plan(build_config(
         {"roles": {"train": {"gpus": 2}, "teacher": {"gpus": 2, "model": "m"}}}, "x.yaml")).servers)
+
+
+def test_an_engine_run_in_one_process_says_its_share_cannot_apply(tmp_path):
+    """`VLLM_ENABLE_V1_MULTIPROCESSING=0` in a role's env: vLLM binds threads only in a worker process, so the
+    engine's output says in one line that it runs unbound (once per engine, where it starts)."""
+    import io
+    import sys
+
+    from dualrun.servers.cpu_share import IN_PROCESS, unbound_note
+
+    assert unbound_note({protocol.CPU_SHARE: "1/2", IN_PROCESS: "0"})
+    assert unbound_note({protocol.CPU_SHARE: "1/2"}) is None            # vLLM's own processes: bound
+    assert unbound_note({protocol.CPU_SHARE: "0/1", IN_PROCESS: "0"}) is None   # alone on its machine
+    assert unbound_note({IN_PROCESS: "0"}) is None                       # no share planned
+    out, log = io.StringIO(), tmp_path / "s.log"
+    server = ServerProcess("rollout 1", [sys.executable, "-c", "pass"], {protocol.CPU_SHARE: "1/2", IN_PROCESS: "0"},
+                           "127.0.0.1", 1, stream=out, log_path=str(log))
+    server.start()
+    server.proc.wait(timeout=30)
+    server.stop()
+    lines = [t for t in out.getvalue().splitlines() if IN_PROCESS in t]
+    assert len(lines) == 1 and lines[0].startswith("[rollout 1] dualrun: ") and "unbound" in lines[0], out.getvalue()
+    assert IN_PROCESS in log.read_text()

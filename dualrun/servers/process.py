@@ -17,7 +17,7 @@ from typing import Mapping, Sequence, TextIO
 from dualrun.light.child_process import ChildProcess
 from dualrun.light.interpreter import resolve
 from dualrun.light.parent_death import terminate_with_parent
-from dualrun.servers.cpu_share import bind_share
+from dualrun.servers.cpu_share import bind_share, unbound_note
 
 TAIL_LINES = 30
 
@@ -121,10 +121,24 @@ class ServerProcess:
             if log:
                 log.close()
             raise ServerError(self.label, f"could not start `{self.argv[0]}`: {e}") from None
+        note = unbound_note(self.env)
+        if note:
+            self._say(note, log)
         self._reader = threading.Thread(target=self._pump, args=(proc.stdout, log),
                                         name=f"dualrun-{self.label}", daemon=True)
         self._reader.start()
         return self
+
+    def _say(self, line: str, log) -> None:
+        """A line of dualrun's own about this server, where its output goes (its stream and its log file)."""
+        if log:
+            log.write(line + "\n")
+        if self.stream is not None:
+            try:
+                self.stream.write(f"[{self.label}] {line}\n")
+                self.stream.flush()
+            except (ValueError, OSError):
+                pass
 
     def _pump(self, pipe, log) -> None:
         prefix = f"[{self.label}] "
