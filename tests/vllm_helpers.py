@@ -24,7 +24,8 @@ TIER = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.slow,
         pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM: the tier runs in .venv-vllm (scripts/setup-vllm.sh)")]
 # vLLM on a CPU: eager float32 (bf16 eager crashes with SIGILL; compiling costs 40-110 s), a 1 GiB KV cache.
 SERVER_ARGS = "[--enforce-eager, --dtype, float32, --max-model-len, '256', --max-num-seqs, '8']"
-SERVER_ENV = "{VLLM_CPU_KVCACHE_SPACE: '1'}"   # the OpenMP binding: dualrun's, one share of the cores per engine
+SERVER_ENV_ITEMS = ["VLLM_CPU_KVCACHE_SPACE: '1'"]   # the OpenMP binding: dualrun's, one share of the cores each
+SERVER_ENV = "{" + ", ".join(SERVER_ENV_ITEMS) + "}"
 # vLLM's model worker inside its engine-core process instead of a third process of its own: an engine answers in
 # ~16 s instead of ~31 s here (one import of vLLM and torch fewer), the API server and the engine core still apart
 # (dualrun's gloo plugin loads in both). The tests that pass `processes=True` keep vLLM's default layout (API server,
@@ -37,7 +38,7 @@ LOGPROB_TOLERANCE = 1e-3   # vLLM's CPU kernels against transformers', float32; 
 def server_role(name: str, model: Path, gpus: int = 1, health_timeout_s: int = 300, processes: bool = False,
                 **extra) -> str:
     more = "".join(f", {k}: {v}" for k, v in extra.items())
-    env = SERVER_ENV if processes else SERVER_ENV[:-1] + ", " + ONE_WORKER_ENV + "}"
+    env = "{" + ", ".join(SERVER_ENV_ITEMS + ([] if processes else [ONE_WORKER_ENV])) + "}"
     return (f"  {name}: {{gpus: {gpus}, engine: vllm, model: {model}, health_timeout_s: {health_timeout_s}, "
             f"server_args: {SERVER_ARGS}, "
             f"env: {env}{more}}}\n")
