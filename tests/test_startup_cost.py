@@ -81,3 +81,27 @@ def test_a_torchrun_launch_with_a_cached_env_imports_no_accelerate(tmp_path):
     mods = json.loads((tmp_path / "mods.json").read_text())
     assert "torch.distributed.run" in mods            # the agent ran in the driver, as under bare torchrun
     assert not [m for m in mods if m == "accelerate" or m.startswith("accelerate.")]
+
+
+def test_the_launch_path_reads_no_package_metadata_and_imports_no_role_api(tmp_path):
+    """What session 11 took off the path to torchrun's agent (issue 26: 0.30 -> 0.13 s): package metadata
+    (importlib.metadata, ~17 ms to import), urllib (~14 ms), the role-splitting API (~15 ms). A dry run with the
+    config's accelerate env cached takes the same path up to the agent."""
+    (tmp_path / "rank.py").write_text("import os\n")
+    (tmp_path / "cfg.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    argv = ["dualrun", "launch", "--dry_run", "--backend", "torchrun", "--config_file", "cfg.yaml", "rank.py"]
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    first = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=100)   # fills the cache, as a first launch of this config would
+    assert first.returncode == 0, first.stderr[-2000:]
+    probe = (f"import atexit, json, runpy, sys\n"
+             f"atexit.register(lambda: open({str(tmp_path / 'mods.json')!r}, 'w').write(json.dumps(sorted(sys.modules))))\n"
+             f"sys.argv = {argv!r}\n"
+             f"runpy.run_module('dualrun', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    mods = set(json.loads((tmp_path / "mods.json").read_text()))
+    assert "dualrun.plan" in mods and "dualrun.roles.driver" in mods   # the path was taken
+    assert not mods & {"importlib.metadata", "urllib.request", "dualrun.roles.decorators", "dualrun.roles.group",
+                       "torch", "accelerate"}, sorted(mods & {"importlib.metadata", "urllib.request"})
