@@ -52,3 +52,15 @@ def test_four_mib_written_at_once_is_read_without_waiting_on_the_pauses(tmp_path
     batches, took = _run(tmp_path, _FOUR_MIB)
     assert sum(len(b) for b in batches) == 4096
     assert took < 3.0, took   # 64 KiB reads with a 0.25 s pause each would hold the writer ~16 s
+
+
+def test_the_output_ends_as_soon_as_the_program_exits(tmp_path):
+    """The pause between reads does not hold the end of a rank's output (the job's end) back."""
+    worker = RankWorker("dualrun-test-rank-output", "rank 0")
+    worker.start([sys.executable, "-c", "import time; print('x', flush=True); time.sleep(0.05)"],
+                 {"PATH": "/usr/bin:/bin"}, str(tmp_path))
+    threading.Thread(target=worker.wait, daemon=True).start()
+    while worker.queue.take(5.0) is not None:
+        pass
+    lag = time.time() - worker.end
+    assert lag < 0.15, lag   # the reader was mid-pause (READ_PAUSE_S, 0.25 s) when the program exited

@@ -58,6 +58,7 @@ class RankWorker:
         self.error_file: str | None = None
         self.spawner: threading.Thread | None = None
         self.end = 0.0
+        self.exited = threading.Event()   # set when the program has exited: the readers stop pausing
         self.show_bars = True
         self.call_file: str | None = None
         self.rank = "0"
@@ -126,6 +127,7 @@ class RankWorker:
             started.set()
         proc.wait()
         self.end = time.time()
+        self.exited.set()
 
     def _read(self, stream: int, pipe) -> None:
         """Read the pipe; the log file gets every line and redraw, the driver the collapsed lines (progress.py)."""
@@ -140,7 +142,7 @@ class RankWorker:
             for line in collapser.feed(decoder.decode(chunk), log):
                 self._emit(stream, line)
             if len(chunk) < PIPE_BYTES // 2:   # a pipe filling up is read on at once
-                time.sleep(READ_PAUSE_S)   # what arrives meanwhile is read (and handed over) together
+                self.exited.wait(READ_PAUSE_S)   # what arrives meanwhile is read together; the exit, at once
         for line in collapser.feed(decoder.decode(b"", final=True), log) + collapser.close(log):
             self._emit(stream, line)
         pipe.close()
