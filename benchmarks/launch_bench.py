@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.quick:
         ns.reps, ns.steps, ns.planner_reps = 2, 60, 3
-    chosen_variants(p, ns.variants, VARIANTS)
-    ns.variants = [v for v in VARIANTS if v in chosen_variants(p, ns.variants, VARIANTS)]
+    chosen = chosen_variants(p, ns.variants, VARIANTS)
+    ns.variants = [v for v in VARIANTS if v in chosen]   # in the table's order
     out_dir = Path(ns.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     readme = Path(ns.readme) if ns.readme else (BENCH / "README.md" if out_dir == RESULTS.resolve() else None)

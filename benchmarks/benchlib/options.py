@@ -7,13 +7,12 @@ from typing import Sequence
 
 
 def add_run_options(p: argparse.ArgumentParser, *, variants: Sequence[str], steps: int, steps_help: str,
-                    quiet_cores: float, quick_help: str, fake_help: str, variants_help: str = "") -> None:
+                    quiet_cores: float, quick_help: str, fake_help: str) -> None:
     """--reps, --steps, --nproc, --variants, --timeout, --quiet-cores, --quiet-wait, --keep-logs, --fake, --quick."""
     p.add_argument("--reps", type=int, default=5, help="repetitions of every variant (round-robin)")
     p.add_argument("--steps", type=int, default=steps, help=steps_help)
     p.add_argument("--nproc", type=int, default=2, help="training processes per run")
-    p.add_argument("--variants", default=",".join(variants),
-                   help=variants_help or f"comma-separated subset of {', '.join(variants)}")
+    p.add_argument("--variants", default=",".join(variants), help=f"comma-separated subset of {', '.join(variants)}")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before one run is killed")
     p.add_argument("--quiet-cores", type=float, default=quiet_cores,
                    help="before each run, wait until other jobs keep fewer than this many cores busy ...")
