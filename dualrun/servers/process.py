@@ -123,36 +123,28 @@ class ServerProcess:
             raise ServerError(self.label, f"could not start `{self.argv[0]}`: {e}") from None
         note = unbound_note(self.env)
         if note:
-            self._say(note, log)
+            self._write(note + "\n", log)   # dualrun's own line about this server, where its output goes
         self._reader = threading.Thread(target=self._pump, args=(proc.stdout, log),
                                         name=f"dualrun-{self.label}", daemon=True)
         self._reader.start()
         return self
 
-    def _say(self, line: str, log) -> None:
-        """A line of dualrun's own about this server, where its output goes (its stream and its log file)."""
+    def _write(self, line: str, log) -> None:
+        """One line (ending in a newline) to the log file as it is and to the stream `[label]`-prefixed."""
         if log:
-            log.write(line + "\n")
+            log.write(line)
         if self.stream is not None:
             try:
-                self.stream.write(f"[{self.label}] {line}\n")
+                self.stream.write(f"[{self.label}] {line}")
                 self.stream.flush()
             except (ValueError, OSError):
                 pass
 
     def _pump(self, pipe, log) -> None:
-        prefix = f"[{self.label}] "
         try:
             for line in pipe:
                 self._tail.append(line.rstrip("\n"))
-                if log:
-                    log.write(line)
-                if self.stream is not None:
-                    try:
-                        self.stream.write(prefix + line)
-                        self.stream.flush()
-                    except (ValueError, OSError):
-                        pass
+                self._write(line, log)
         finally:
             if log:
                 log.close()
