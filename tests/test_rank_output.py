@@ -14,8 +14,9 @@ _EVERY_20_MS = "import time\nfor i in range(50):\n    print(f'step {i}', flush=T
 _FOUR_MIB = "import sys\nsys.stdout.write(('x' * 1023 + '\\n') * 4096)\nsys.stdout.flush()\n"
 
 
-def _run(tmp_path, code: str) -> tuple[list[list[str]], float]:
-    """The batches the driver's long-poll gets while the program runs, and the program's run time."""
+def _run(tmp_path, code: str) -> tuple[list[list[str]], float, float]:
+    """The batches the driver's long-poll gets while the program runs, the program's run time, and how long after
+    the program's exit the output ended (the long-poll's end mark)."""
     worker = RankWorker("dualrun-test-rank-output", "rank 0")
     t0 = time.time()   # worker.end is a time.time()
     worker.start([sys.executable, "-c", code], {"PATH": "/usr/bin:/bin"}, str(tmp_path))
@@ -26,9 +27,10 @@ def _run(tmp_path, code: str) -> tuple[list[list[str]], float]:
     while (batch := worker.queue.take(5.0)) is not None:
         if batch:
             batches.append([t for _, t in batch])
+    lag = time.time() - worker.end
     waiter.join(10)
     assert codes == [0]
-    return batches, worker.end - t0
+    return batches, worker.end - t0, lag
 
 
 def test_a_line_every_20_ms_is_read_and_handed_over_in_a_few_batches_in_order(tmp_path, monkeypatch):
@@ -40,7 +42,7 @@ def test_a_line_every_20_ms_is_read_and_handed_over_in_a_few_batches_in_order(tm
             return super().feed(text, raw)
 
     monkeypatch.setattr(ray_worker, "Collapser", Counting)
-    batches, _ = _run(tmp_path, _EVERY_20_MS)
+    batches, _, _ = _run(tmp_path, _EVERY_20_MS)
     lines = [t for b in batches for t in b]
     assert lines == [f"step {i}" for i in range(50)]
     # ~1 s of output: a read per READ_PAUSE_S (0.25 s), not one per line; a batch per LINGER_S (0.5 s)
@@ -49,18 +51,12 @@ def test_a_line_every_20_ms_is_read_and_handed_over_in_a_few_batches_in_order(tm
 
 
 def test_four_mib_written_at_once_is_read_without_waiting_on_the_pauses(tmp_path):
-    batches, took = _run(tmp_path, _FOUR_MIB)
+    batches, took, _ = _run(tmp_path, _FOUR_MIB)
     assert sum(len(b) for b in batches) == 4096
     assert took < 3.0, took   # 64 KiB reads with a 0.25 s pause each would hold the writer ~16 s
 
 
 def test_the_output_ends_as_soon_as_the_program_exits(tmp_path):
     """The pause between reads does not hold the end of a rank's output (the job's end) back."""
-    worker = RankWorker("dualrun-test-rank-output", "rank 0")
-    worker.start([sys.executable, "-c", "import time; print('x', flush=True); time.sleep(0.05)"],
-                 {"PATH": "/usr/bin:/bin"}, str(tmp_path))
-    threading.Thread(target=worker.wait, daemon=True).start()
-    while worker.queue.take(5.0) is not None:
-        pass
-    lag = time.time() - worker.end
+    _, _, lag = _run(tmp_path, "import time; print('x', flush=True); time.sleep(0.05)")
     assert lag < 0.15, lag   # the reader was mid-pause (READ_PAUSE_S, 0.25 s) when the program exited
