@@ -66,7 +66,7 @@ def summarize(runs: list[Run], variants: list[str]) -> dict[str, dict]:
 
 def targets(summary: dict[str, dict]) -> list[dict]:
     """Each of TARGETS with its measured ratio and whether it holds (None: the variant did not run)."""
-    metric = {"wall": "wall_s", "steps_per_s": "steady_steps_per_s", "own_cores": "own_cores"}
+    metric = {"wall": "wall_s", "steps_per_s": "steady_steps_per_s"}
     out = []
     for v, m, limit, kind in TARGETS:
         if kind == "cores":
