@@ -60,3 +60,19 @@ def test_the_output_ends_as_soon_as_the_program_exits(tmp_path):
     """The pause between reads does not hold the end of a rank's output (the job's end) back."""
     _, _, lag = _run(tmp_path, "import time; print('x', flush=True); time.sleep(0.05)")
     assert lag < 0.15, lag   # the reader was mid-pause (READ_PAUSE_S, 0.25 s) when the program exited
+
+
+def test_a_line_reaches_the_driver_within_a_read_pause_and_a_linger(tmp_path):
+    """The docs' bound: a line shows up at most ~0.75 s (READ_PAUSE_S + LINGER_S) after the rank wrote it, while
+    the rank goes on running (no end of output to cut the waits short)."""
+    worker = RankWorker("dualrun-test-rank-output", "rank 0")
+    worker.start([sys.executable, "-c", "import time; time.sleep(0.3); print(time.time(), flush=True); "
+                  "time.sleep(3)"], {"PATH": "/usr/bin:/bin"}, str(tmp_path))
+    try:
+        while not (batch := worker.queue.take(5.0)):
+            pass
+        late = time.time() - float(batch[0][1])
+    finally:
+        worker.stop(grace=1.0)
+        worker.wait()
+    assert late < 0.75 + 0.25, late   # the README's and concepts.md's 0.75 s, with 0.25 s of slack for a busy machine
