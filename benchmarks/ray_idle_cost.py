@@ -4,7 +4,7 @@
 
 Four variants, each in a fresh child process, interleaved (every repetition runs each once, order rotated):
 
-- **embedded-before**: what dualrun's embedded cluster was before issue 26: `ray.init(address="local",
+- **embedded-before**: what dualrun's embedded cluster was before it was made lean: `ray.init(address="local",
   include_dashboard=False, log_to_driver=False)`, usage stats off.
 - **embedded-dualrun**: `dualrun.raycluster.connect.connect` with `ray.address: local` (the lean node: no log
   monitor, no autoscaler monitor, no metrics export or task events, the agent's stats scan once a minute).
@@ -183,7 +183,7 @@ def runs_md(runs: list[dict]) -> str:
 
 def write(runs: list[dict], out: Path, command: str, info: dict, load0: tuple, load1: tuple, ns) -> str:
     md = "\n".join([
-        "# Ray's idle cost (issue 26)", "",
+        "# Ray's idle cost", "",
         f"Command: `{command}` — written {time.strftime('%Y-%m-%d %H:%M')}", "",
         f"Cores (CPU seconds per second, user+system, by pid) each kind of process used over a {ns.seconds:g} s "
         f"window with {ns.actors} idle actors (`num_cpus=0.001`), {ns.settle:g} s after they answered; median "

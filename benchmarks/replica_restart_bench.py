@@ -47,8 +47,8 @@ HUNG_TIMEOUT_S = 5   # request_timeout_s of the role: how long a hung replica ma
 def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
     """The backend's server set for a GKD teacher of 2 replicas (and its cleanup), as `dualrun launch` makes it."""
     from dualrun.config import build_config
-    from dualrun.plan import make_plan
-    from dualrun.plugin import get_plugin
+    from dualrun.plan.processes import make_plan
+    from dualrun.methods.plugin import get_plugin
 
     cfg = build_config({"backend": backend, "method": "gkd", "use_cpu": True, "log_dir": log_dir, "roles": {
         "train": {"gpus": 1}, "teacher": {"gpus": 2, "model": os.path.join(tiny, "teacher"), "top_k": 5,
@@ -64,7 +64,7 @@ def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
     import ray
 
     from dualrun import raycluster as rc
-    from dualrun.envspec import forwarded_env
+    from dualrun.env.worker import forwarded_env
     from dualrun.launchers.base import Program
     from dualrun.launchers.ray import RayLauncher
     from dualrun.servers.ray_server import RayServers
@@ -122,7 +122,7 @@ def _until(check, limit: float) -> float | None:
 
 
 def one_round(servers, router: str, replica: int, mode: str, tiny: str, log_dir: str, trainer: Trainer) -> dict:
-    from dualrun.serving import router_client
+    from dualrun.servers import router_client
 
     def table() -> dict:
         return router_client.replicas(router, timeout_s=5.0)

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from benchlib.servers import start_cpu_engines, start_router  # noqa: E402
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "replicas.md")
-TARGET = 1.6  # 2 replicas over 1 engine, from issue 13
+TARGET = 1.6  # 2 replicas over 1 engine
 
 
 def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> tuple[float, int, list]:
@@ -53,7 +53,7 @@ def _load(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int)
 def _served(server) -> int:
     import requests
 
-    from dualrun.serving.transformers_server import STATS_PATH
+    from dualrun.programs.cpu_engine import STATS_PATH
 
     return requests.get(f"http://{server.address}{STATS_PATH}", timeout=10,
                         proxies={"http": None}).json()["completions"]

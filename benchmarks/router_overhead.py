@@ -3,7 +3,7 @@
     unshare -n bash -c 'ip link set lo up; python benchmarks/router_overhead.py'      # about 40 s
 
 Two stub replicas (benchlib/stub.py: processes that answer at once, so that the time measured is transport) stand
-behind `dualrun.serving.router` (a process). One client with a kept-alive connection alternates: a request straight
+behind `dualrun.programs.router` (a process). One client with a kept-alive connection alternates: a request straight
 to replica 0, the same request through the router, the two kinds below interleaved. Two kinds: a single-prompt /v1/completions (goes to one replica
 whole) and a two-prompt one (split over both replicas, answers merged). Added latency = router percentile minus
 direct percentile. The router's resident memory is read before and after the timed requests. Writes
@@ -25,7 +25,7 @@ from benchlib.load import pct as _pct  # noqa: E402
 from benchlib.servers import start_router, start_stubs  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "router.md")
-TARGETS = {"p50": 2.0, "p99": 10.0}  # ms added, from issue 13
+TARGETS = {"p50": 2.0, "p99": 10.0}  # ms added
 
 
 def _rss(pid: int) -> int:

@@ -16,7 +16,7 @@ placed the ranks, made the rank actors and started the programs (or torchrun's a
 each interpreter was up, torch imported, the rendezvous done and the first step taken. All times are seconds
 after the launcher's spawn (time.time(), one clock).
 
-Targets (issue 26): dualrun-torchrun's first step within 0.2 s of bare torchrun's; dualrun's embedded Ray start
+Targets: dualrun-torchrun's first step within 0.2 s of bare torchrun's; dualrun's embedded Ray start
 within 1 s of Ray's own floor: the last rank's interpreter up (from there the job is the same as under torchrun)
 at most 1 s after the floor's one actor answered. Writes results/startup.md. Loopback only (benchlib.sandbox).
 `--fake` writes the report from synthetic numbers without starting anything (the test).

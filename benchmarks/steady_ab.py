@@ -109,7 +109,7 @@ def report(rows: list[dict], variants: list[str], diff: dict, info: dict) -> str
     out += ["", "Each cell: median (min–max) over the repetitions.", "",
             "Variables a dualrun worker has and a bare torchrun worker has not (or has otherwise), applied to "
             "`bare+env`:", ""]
-    from dualrun.envspec import is_secret   # a token that differs is named, never printed
+    from dualrun.env.worker import is_secret   # a token that differs is named, never printed
 
     out += [(f"- `{k}` set (value redacted)" if is_secret(k) else f"- `{k}={v!r}`") if v is not None
             else f"- `{k}` unset" for k, v in diff.items()] or ["- none"]

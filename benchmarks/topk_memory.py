@@ -186,7 +186,7 @@ def report(rows: list[dict], batch: int, seq: int, k: int) -> str:
         "temporaries (log-softmax of both sides, the mixture, the two KL terms) and keeps them for backward; the "
         "top-k loss runs a chunk of positions at a time (backward recomputes each chunk), so it adds one chunk's "
         "temporaries (about 16 MB each), whatever the sequence length.",
-        f"- At the size in issue 13 (batch 4, 2,048 tokens, vocabulary 152,064, k {k}): the dense teacher tensor "
+        f"- At a large model's size (batch 4, 2,048 tokens, vocabulary 152,064, k {k}): the dense teacher tensor "
         f"alone is {big * 152064 * 4 / 1e9:.2f} GB per rank; the top-k tensors are {big * k * 12 / 1e6:.2f} MB.",
         f"- Machine: {platform.platform()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"torch {torch.__version__}.",

@@ -6,8 +6,8 @@ router, against a plain gloo broadcast of the same bytes measured in the same ru
 
 Per model (the tiny vLLM model of examples/make_tiny_model.py --vllm, and a ~100M-parameter Llama built here from a
 config, random weights, the tiny tokenizer; nothing downloaded) two vLLM CPU servers start as dualrun starts a
-rollout (`dualrun.serving.commands.rollout_vllm`: TRL's flags, `--weight-transfer-config {"backend": "gloo"}`), and
-two routers (`dualrun.serving.router`) stand in front of them: one over the first server, one over both. For each
+rollout (`dualrun.methods.commands.rollout_vllm`: TRL's flags, `--weight-transfer-config {"backend": "gloo"}`), and
+two routers (`dualrun.programs.router`) stand in front of them: one over the first server, one over both. For each
 router, TRL 1.16's unchanged `VLLMClient` with dualrun's gloo path installed (as GRPO's rank hook installs it)
 opens the weight-sync group (`init_communicator`), syncs once untimed, then `--reps` times does what GRPOTrainer's
 `sync_weights` does (`update_named_params` of every parameter, packed, then `reset_prefix_cache`), each time right
@@ -71,7 +71,7 @@ def build_models(work: str, which: list[str]) -> dict[str, str]:
 def start_servers(model: str, n: int, log_dir: str, stack: list) -> list:
     from dualrun.config.model import RoleSpec
     from dualrun.light.ports import free_port
-    from dualrun.serving.commands import HEALTH_PATH, ROLLOUT_SERVER_ENV, for_installed_vllm, rollout_vllm
+    from dualrun.methods.commands import HEALTH_PATH, ROLLOUT_SERVER_ENV, for_installed_vllm, rollout_vllm
     from dualrun.servers.process import ServerProcess
 
     role = RoleSpec("rollout", 1, 1, engine="vllm", model=model, server_args=SERVER_ARGS)
@@ -177,7 +177,7 @@ class TimedClient:
         import trl.generation.vllm_client as trl_client
 
         from dualrun.light.ports import free_port
-        from dualrun.rank.gloo_client import install
+        from dualrun.weightsync.trainer.vllm_client import install
 
         install(trl_client)
         self.client = trl_client.VLLMClient(base_url=url, group_port=free_port(), connection_timeout=120)
@@ -228,8 +228,8 @@ class TimedClient:
 
 
 def chunk_sizes(model) -> list[int]:
-    """The packed chunks' sizes in bytes, cut as the gloo path cuts them (dualrun.gloo_wire)."""
-    from dualrun.gloo_wire import PACKED_BUFFER_BYTES, chunk_bounds
+    """The packed chunks' sizes in bytes, cut as the gloo path cuts them (dualrun.weightsync.wire)."""
+    from dualrun.weightsync.wire import PACKED_BUFFER_BYTES, chunk_bounds
 
     sizes = [p.numel() * p.element_size() for p in model.parameters()]
     return [sum(sizes[a:b]) for a, b in chunk_bounds(sizes, PACKED_BUFFER_BYTES)]

@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 
-TARGET = 0.5   # the sync's MB/s over the plain broadcast's, from issue 28
+TARGET = 0.5   # the sync's MB/s over the plain broadcast's
 CLIENT_PHASES = ("start_post", "pack", "broadcast", "update_tail", "finish_post", "reset_post")
 SERVER_PHASES = ("start", "recv", "load", "unpack", "finish")
 

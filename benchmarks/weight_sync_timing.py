@@ -20,7 +20,7 @@ import time
 from typing import Any, Callable
 
 try:
-    from dualrun.serving import gloo_transfer
+    from dualrun.weightsync.engine import transfer as gloo_transfer
 except ImportError:   # no vLLM here (weight_sync_bench.py reads MARK to parse the logs): nothing to time
     gloo_transfer = None
 

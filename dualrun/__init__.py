@@ -12,7 +12,7 @@ _LAZY = {
     "launch": ("dualrun.api", "launch"),
     "JobResult": ("dualrun.launchers.base", "JobResult"),
     "load_config": ("dualrun.config", "load_config"),
-    "ConfigError": ("dualrun.errors", "ConfigError"),
+    "ConfigError": ("dualrun.contract.errors", "ConfigError"),
     # role-splitting API (docs/roles.md)
     **{name: ("dualrun.roles", name) for name in (
         "worker", "function", "WorkerGroup", "init", "shutdown", "current", "WorkerError", "UnknownGroupError",

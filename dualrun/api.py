@@ -7,14 +7,14 @@ import time
 from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from dualrun.config.model import JobConfig
-from dualrun.errors import ConfigError, killed_by, mark_started
+from dualrun.contract.errors import ConfigError, killed_by, mark_started
 from dualrun.launchers import JobResult, Program, RankResult, launcher_class
-from dualrun.plan import make_plan
-from dualrun.plugin import MethodPlugin
+from dualrun.plan.processes import make_plan
+from dualrun.methods.plugin import MethodPlugin
 
 
 def _accelerate_env(cfg: JobConfig) -> dict[str, str]:
-    from dualrun.accelerate_env import cached_accelerate_env
+    from dualrun.env.accelerate import cached_accelerate_env
 
     try:
         return cached_accelerate_env(cfg)
@@ -93,7 +93,7 @@ def _run_role_driver(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry
 
 def _note_dropped_env(cfg: JobConfig, out: TextIO) -> None:
     """`MY_FLAG=1 dualrun launch ...`: name (never print values of) what will not reach the workers."""
-    from dualrun.envnotice import dropped_line
+    from dualrun.env.unforwarded import dropped_line
 
     given = set(cfg.env) | {k for r in cfg.roles for k in r.env}
     line = dropped_line({k: v for k, v in os.environ.items() if k not in given})
@@ -144,9 +144,9 @@ def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, conf
     import tempfile
 
     from dualrun.config import build_config, load_config
-    from dualrun.envcheck import check_environment
-    from dualrun.funcs import load_results, save_call
-    from dualrun.plugin import get_plugin
+    from dualrun.config.environment import check_environment
+    from dualrun.contract.calls import load_results, save_call
+    from dualrun.methods.plugin import get_plugin
 
     if isinstance(config, JobConfig):
         cfg = config

@@ -11,8 +11,8 @@ import re
 import sys
 from typing import Any, Sequence
 
-from dualrun import protocol
-from dualrun.errors import ConfigError, DualrunError, one_line
+from dualrun.contract import protocol
+from dualrun.contract.errors import ConfigError, DualrunError, one_line
 
 OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine_rank", int),
                   ("--main_process_ip", str), ("--main_process_port", int), ("--mixed_precision", str))
@@ -20,7 +20,7 @@ OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2, like every other bad input
-        from dualrun.envspec import redact_text
+        from dualrun.contract.redact import redact_text
 
         sys.stderr.write(one_line(redact_text(f"{self.prog}: error: {message}")) + "\n")
         sys.exit(2)
@@ -85,9 +85,9 @@ def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _load(ns: argparse.Namespace):
     from dualrun.config import load_config
-    from dualrun.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin
 
-    from dualrun.envcheck import check_environment
+    from dualrun.config.environment import check_environment
 
     cfg = load_config(ns.config_file, _overrides(ns), ns.backend)
     check_environment(backend=cfg.backend)
@@ -97,7 +97,7 @@ def _load(ns: argparse.Namespace):
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from dualrun.plan import make_plan
+    from dualrun.plan.processes import make_plan
 
     cfg, plugin = _load(ns)
     if getattr(plugin, "single_controller", False):   # what runs is the driver and its groups, not ranks
@@ -176,14 +176,14 @@ def cmd_config_default(ns: argparse.Namespace) -> int:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
-    from dualrun.check import run_check
+    from dualrun.check.preflight import run_check
 
     cfg, _ = _load(ns)
     return run_check(cfg)
 
 
 def cmd_env(ns: argparse.Namespace) -> int:
-    from dualrun.envinfo import report
+    from dualrun.env.installed import report
 
     print(report())
     return 0
@@ -226,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _unexpected(e: Exception) -> int:
     """One line for an exception nothing else caught: exit 2 when nothing had started (it was raised while checking
     the input), 1 after. DUALRUN_DEBUG=1 prints the traceback too."""
-    from dualrun.envspec import redact_text
-    from dualrun.errors import has_started
+    from dualrun.contract.redact import redact_text
+    from dualrun.contract.errors import has_started
 
     if os.environ.get(protocol.DEBUG) == "1":
         import traceback

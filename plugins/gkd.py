@@ -8,13 +8,13 @@ and points DistillationConfig at the servers.
 """
 from __future__ import annotations
 
-from dualrun.config.honest import local_model
+from dualrun.config.refusals import local_model
 from dualrun.config.model import JobConfig, RoleSpec
-from dualrun.errors import ConfigError
-from dualrun.plugin import MethodPlugin
+from dualrun.contract.errors import ConfigError
+from dualrun.methods.plugin import MethodPlugin
 from dualrun.plugins.grpo import ROLLOUT_SERVES, require_vllm
 from dualrun.plugins.workers.gkd import FULL_VOCAB_HINT
-from dualrun.serving.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
 
 
 class GKDPlugin(MethodPlugin):

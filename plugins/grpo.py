@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib.util
 
 from dualrun.config.model import JobConfig, RoleSpec
-from dualrun.errors import ConfigError
-from dualrun.plugin import MethodPlugin
-from dualrun.serving.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.contract.errors import ConfigError
+from dualrun.methods.plugin import MethodPlugin
+from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 

@@ -12,7 +12,7 @@ import re
 from typing import Any, Callable
 
 import dualrun
-from dualrun.plugin import MethodPlugin
+from dualrun.methods.plugin import MethodPlugin
 
 
 class SamplingPlugin(MethodPlugin):

@@ -1,5 +1,5 @@
 """sft / pt: one `train` role; the unchanged Trainer / SFTTrainer runs in every rank."""
-from dualrun.plugin import MethodPlugin
+from dualrun.methods.plugin import MethodPlugin
 
 
 class SFTPlugin(MethodPlugin):

@@ -17,7 +17,7 @@ import helpers
 # DeepSpeed JIT-builds its CPU op into TORCH_EXTENSIONS_DIR with the `ninja` on PATH. scripts/setup.sh built it into
 # this venv with the venv's ninja, so a run that finds that ninja first (scripts/test.sh, an activated venv) reuses
 # it and no test pays the build. Under another ninja (each version reads the other's build log as stale) it would be
-# rebuilt there, so such a run keeps torch's default directory, as before.
+# rebuilt there, so such a run keeps torch's default directory.
 _venv_ninja = Path(sys.executable).parent / "ninja"
 if _venv_ninja.exists() and shutil.which("ninja") and os.path.samefile(shutil.which("ninja"), _venv_ninja):
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dualrun import errors
+from dualrun.contract import errors
 from dualrun.cli import main
 
 CORPUS = yaml.safe_load((Path(__file__).parent / "bad_inputs.yaml").read_text())

@@ -185,7 +185,7 @@ def test_growth_fit_and_report():
 
 
 def test_growth_phases_per_rank_cost():
-    """Each phase's own duration fitted against the rank count: the per-rank cost by phase (issue 26)."""
+    """Each phase's own duration fitted against the rank count: the per-rank cost by phase."""
     gb = _bench_module("growth_bench")
     rows = [{"backend": "ray", "n": n, "rep": 0, "ok": True, "wall_s": 9.0, "cpu_s": 1.0, "rss_mib": 100, "load": 1.0,
              "connected": 1.0, "placed": 1.5, "actors": 1.5 + 0.1 * n, "programs": 1.6 + 0.1 * n,
@@ -243,7 +243,7 @@ def test_the_machinery_is_summed_from_its_own_processes_where_the_ranks_are_proc
 
 
 def test_a_launchers_command_line_is_the_launcher_though_it_names_the_script(tmp_path):
-    """The launcher's own command line names the training script; it used to be counted among the ranks."""
+    """The launcher's own command line names the training script; it is not one of the ranks."""
     import subprocess
     import sys
 

@@ -12,8 +12,8 @@ import tempfile
 import pytest
 
 from helpers import dualrun
-from dualrun.check import NodeReport, compare, rank0_ports
-from dualrun.node_facts import facts
+from dualrun.check.preflight import NodeReport, compare, rank0_ports
+from dualrun.check.node_facts import facts
 from ray_helpers import ray_env
 
 
@@ -34,8 +34,8 @@ def test_compare_names_each_difference_once():
 def test_versions_outside_the_ranges_trl_and_vllm_declare_are_named():
     """TRL 1.16 declares vLLM 0.22-0.31 (its `vllm` extra) and vLLM pins transformers: an install outside either is
     named, with who declares what; in range, or a package not installed, says nothing."""
-    from dualrun.check import range_notes
-    from dualrun.node_facts import range_mismatches
+    from dualrun.check.preflight import range_notes
+    from dualrun.check.node_facts import range_mismatches
 
     requires = {"trl": ["transformers>=4.56.2", 'vllm<=0.31.0,>=0.22.0; extra == "vllm"',
                         'aiohttp>=3.13.3; extra == "vllm"', 'transformers!=5.1.0; extra == "deepspeed"'],
@@ -56,7 +56,7 @@ def test_versions_outside_the_ranges_trl_and_vllm_declare_are_named():
 
 def test_only_the_port_the_config_fixes_is_checked_on_rank_0s_node():
     from dualrun.config.load import build_config
-    from dualrun.plan import Cluster, make_plan
+    from dualrun.plan.processes import Cluster, make_plan
 
     fixed = build_config({"backend": "ray", "main_process_port": 4242, "roles": {"train": {"gpus": 2}}}, "x.yaml")
     plan = make_plan(fixed, Cluster.uniform(2, 1))

@@ -10,9 +10,9 @@ import pytest
 
 from helpers import dualrun
 from dualrun.config.load import build_config
-from dualrun.plan import Cluster, make_plan
-from dualrun.weight_sync import (Member, SyncGroup, advertised_address, port_host, run_local, sync_group,
-                                 verdict)
+from dualrun.plan.processes import Cluster, make_plan
+from dualrun.weightsync.group import Member, SyncGroup, advertised_address, port_host, sync_group
+from dualrun.weightsync.rehearsal import run_local, verdict
 from ray_helpers import FakeGpuCluster, ray_env
 
 

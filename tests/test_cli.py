@@ -120,7 +120,7 @@ def test_config_default_takes_accelerates_flag_and_counts_this_machines_gpus(tmp
 def test_starter_for_a_gpu_machine_plans_one_rank_per_gpu(tmp_path):
     from dualrun.config import load_config
     from dualrun.config.starter import starter_text
-    from dualrun.plan import make_plan
+    from dualrun.plan.processes import make_plan
 
     path = tmp_path / "g.yaml"
     path.write_text(starter_text(str(path), "sft", False, 4, "MULTI_GPU"))

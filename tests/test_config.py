@@ -9,7 +9,7 @@ import yaml
 
 from dualrun.config import build_config, load_config
 from dualrun.config import schema
-from dualrun.errors import ConfigError
+from dualrun.contract.errors import ConfigError
 from helpers import REPO
 
 # found, not imported: importing trl at collection costs every test worker a second (transformers with it)

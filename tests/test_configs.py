@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from dualrun.config import load_config
-from dualrun.plan import make_plan
-from dualrun.plugin import get_plugin
+from dualrun.plan.processes import make_plan
+from dualrun.methods.plugin import get_plugin
 from helpers import REPO
 
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dualrun import protocol
+from dualrun.contract import protocol
 from dualrun.config import build_config
-from dualrun.plan import Cluster, make_plan
+from dualrun.plan.processes import Cluster, make_plan
 from dualrun.servers.cpu_share import OMP_BIND, bind_share, cores_for
 from dualrun.servers.process import ServerProcess
 

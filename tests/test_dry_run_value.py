@@ -17,8 +17,8 @@ with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w")
 def _launcher(backend: str, tmp_path, script: str = "job.py", args: tuple[str, ...] = ()):
     from dualrun.config import build_config
     from dualrun.launchers import Program, launcher_class
-    from dualrun.plan import make_plan
-    from dualrun.plugin import get_plugin
+    from dualrun.plan.processes import make_plan
+    from dualrun.methods.plugin import get_plugin
 
     cfg = build_config({"backend": backend, "use_cpu": True, "num_processes": 2,
                         "env": {"MY_FLAG": "on", "HF_TOKEN": "hf_secret"}}, str(tmp_path / "c.yaml"))
@@ -38,7 +38,7 @@ def _printed_env(lines: list[str]) -> dict[str, str]:
 
 
 def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path, monkeypatch):
-    from dualrun.envspec import REDACTED, redact
+    from dualrun.contract.redact import REDACTED, redact
     from dualrun.launchers.base import join_cmd
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # torchrun's rule: 1 when a node runs several processes
@@ -54,7 +54,7 @@ def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path, monkeypa
 
 
 def test_ray_dry_run_prints_each_prepared_rank_env(tmp_path):
-    from dualrun.envspec import redact
+    from dualrun.contract.redact import redact
     from dualrun.launchers.base import join_cmd
 
     launcher, plan = _launcher("ray", tmp_path)
@@ -77,8 +77,8 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
     from dualrun.config import build_config
     from dualrun.launchers import Program, launcher_class
     from dualrun.launchers.base import join_cmd
-    from dualrun.plan import AUTO, make_plan
-    from dualrun.plugin import get_plugin
+    from dualrun.plan.processes import AUTO, make_plan
+    from dualrun.methods.plugin import get_plugin
     from dualrun.servers.planned import server_command
 
     cfg = build_config({"backend": backend, "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": {
@@ -101,7 +101,7 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
         assert len(argv) == len(real) and AUTO in argv
         if backend == "ray":   # Ray gives a replica its GPUs; the router has none
             assert shown["CUDA_VISIBLE_DEVICES"] == ("" if label == "teacher router" else AUTO)
-    assert "vllm.entrypoints.cli.main serve m/teacher" in text and "dualrun.serving.router" in text
+    assert "vllm.entrypoints.cli.main serve m/teacher" in text and "dualrun.programs.router" in text
 
 
 @pytest.mark.e2e

@@ -1,7 +1,9 @@
 """What reaches workers: the allow-list, secret redaction, torchrun's variable names."""
 from __future__ import annotations
 
-from dualrun.envspec import TORCHRUN_NAMES, forwarded_env, rank_env, redact
+from dualrun.env.worker import TORCHRUN_NAMES, forwarded_env, rank_env
+
+from dualrun.contract.redact import redact
 
 
 def test_only_allow_listed_variables_are_forwarded():
@@ -42,7 +44,7 @@ def test_what_real_clusters_need_is_forwarded_and_credentials_never_printed():
 
 
 def test_dropped_variables_are_named_without_values():
-    from dualrun.envnotice import dropped_line, dropped_names
+    from dualrun.env.unforwarded import dropped_line, dropped_names
 
     shell = {"PATH": "/bin", "JAVA_HOME": "/j", "SSH_TTY": "/dev/pts/0"}
     environ = dict(shell, MY_FLAG="1", SSH_CLIENT="x", OLDPWD="/", MY_TOKEN="hunter2", HF_HOME="/h")

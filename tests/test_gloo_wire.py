@@ -1,4 +1,4 @@
-"""The gloo weight transfer's wire (dualrun.gloo_wire): pure, no vLLM. Both sides cut the packed stream
+"""The gloo weight transfer's wire (dualrun.weightsync.wire): pure, no vLLM. Both sides cut the packed stream
 into the same chunks, or the worker would wait for bytes the trainer never sends. vLLM's own `pack_tensors` is
 checked against it in the vLLM tier (test_vllm_rollout.py)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from dualrun.gloo_wire import chunk_bounds
+from dualrun.weightsync.wire import chunk_bounds
 
 
 def test_a_chunk_ends_with_the_tensor_that_takes_it_past_the_buffer():
@@ -20,7 +20,7 @@ def test_the_plugin_module_imports_neither_vllm_nor_torch():
     """vLLM loads it in every one of its processes on a machine with dualrun installed, and dualrun's driver imports
     it for the backend's name: it is standard library only, and registering adds one entry to vLLM's registry (the
     engine module loads only when a server asks for `gloo`)."""
-    code = ("import sys, dualrun.serving.gloo_plugin, dualrun.gloo_wire; "
+    code = ("import sys, dualrun.weightsync.engine.plugin, dualrun.weightsync.wire; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import dualrun
-from dualrun.accelerate_env import accelerate_env
+from dualrun.env.accelerate import accelerate_env
 from dualrun.config import build_config
 from dualrun.config.schema import REFUSED
-from dualrun.errors import ConfigError
+from dualrun.contract.errors import ConfigError
 
 ZERO2 = {"distributed_type": "DEEPSPEED", "num_processes": 2,
          "deepspeed_config": {"zero_stage": 2, "offload_param_device": "none"}}

@@ -14,8 +14,8 @@ import pytest
 from helpers import dualrun
 from dualrun.config.program import module_exists
 from dualrun.config.yamlfile import parse, read_text
-from dualrun.envspec import REDACTED, is_secret, redact, redact_argv, redact_text
-from dualrun.errors import ConfigError, one_line, shown
+from dualrun.contract.redact import REDACTED, is_secret, redact, redact_argv, redact_text
+from dualrun.contract.errors import ConfigError, one_line, shown
 
 
 @pytest.mark.parametrize("name", ["HF_TOKEN", "WANDB_API_KEY", "DB_PASSWD", "DB_PASSWORD", "MY_PASS", "DB_PWD",
@@ -143,7 +143,8 @@ def test_server_args_and_url_passwords_never_printed(tmp_path, backend):
 @pytest.mark.parametrize("started,code", [(False, 2), (True, 1)])
 def test_last_resort_handler_is_one_line(monkeypatch, capsys, tmp_path, started, code):
     """A bug of ours on the validation path still ends in one line (exit 2); after a start, exit 1."""
-    from dualrun import cli, errors
+    from dualrun import cli
+    from dualrun.contract import errors
 
     def broken(ns):
         if started:
@@ -160,7 +161,7 @@ def test_last_resort_handler_is_one_line(monkeypatch, capsys, tmp_path, started,
 
 
 def test_dualrun_env_hides_a_password_in_ray_address(monkeypatch):
-    from dualrun.envinfo import ray_reachable
+    from dualrun.env.installed import ray_reachable
 
     monkeypatch.setenv("RAY_ADDRESS", "ray://admin:sekrit-pw@127.0.0.1:1\x1b[2J")
     line = ray_reachable()

@@ -28,7 +28,12 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     """The dualrun modules `name` imports; `from pkg import sub` counts as importing `pkg.sub` only."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -45,6 +50,12 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
         if module and module != name:
             resolved.add(module)
     return resolved
+
+
+def _type_checking(test: ast.expr) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only, never run."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -94,31 +105,72 @@ def test_no_import_cycle_inside_dualrun():
     assert _cycles(graph) == []
 
 
-def test_no_module_imports_upward():
-    """servers/ (the lifecycle), roles/ and the Ray resource layer sit below the launchers: none of them imports
-    dualrun.launchers (the Ray layer imports none of its users either); the server programs (serving/) sit below
-    the lifecycle that starts them; the worker side imports no driver-side package."""
+# Every module's floor, by the longest name below that matches it (a package, or a module of a package whose other
+# modules sit higher). A module imports only modules of its own floor or lower: data flows config -> plan ->
+# launchers -> workers, and what two sides share sits below both.
+FLOORS = {
+    # the driver-worker contract and the standard-library-only pieces every process shares; the weight sync's wire
+    "dualrun.contract": 0, "dualrun.light": 0, "dualrun.weightsync.wire": 0,
+    # what reaches a worker's environment; the worker side (inside a rank, inside vLLM)
+    "dualrun.env": 1, "dualrun.rank": 1, "dualrun.plugins.workers": 1, "dualrun.weightsync.trainer": 1,
+    "dualrun.weightsync.engine": 1, "dualrun.weightsync.probe": 1,
+    # the config: the file, its values, the variables set for dualrun
+    "dualrun.config": 2,
+    # the plan (pure) and the programs that run as servers
+    "dualrun.plan": 3, "dualrun.programs": 3,
+    # the methods' driver halves and their servers' command lines, the weight-sync group a job forms and the check's
+    # rehearsal of it, the Ray resource layer
+    "dualrun.methods": 4, "dualrun.plugins": 4, "dualrun.weightsync": 4, "dualrun.raycluster": 4,
+    # the lifecycle: the servers, the role runtime, the Ray actors they start
+    "dualrun.servers": 5, "dualrun.roles": 5, "dualrun.actors": 5,
+    # the launchers and `dualrun check`
+    "dualrun.launchers": 6, "dualrun.check": 6,
+    # the entry points: the API, the command line
+    "dualrun.api": 7, "dualrun.cli": 8, "dualrun.__main__": 9,
+}
+ROOT_MODULES = {"dualrun", "dualrun.api", "dualrun.cli", "dualrun.__main__"}   # everything else lives in a package
+
+
+def _floor(module: str) -> int | None:
+    for prefix in sorted(FLOORS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return FLOORS[prefix]
+    return None
+
+
+def test_every_module_has_a_floor_and_the_root_holds_only_the_entry_points():
     mods = _modules()
-    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
-    lifecycle = ("dualrun.launchers", "dualrun.servers", "dualrun.roles", "dualrun.raycluster")
-    below = {"dualrun.servers": ("dualrun.launchers",), "dualrun.roles": ("dualrun.launchers",),
-             "dualrun.raycluster": ("dualrun.launchers", "dualrun.servers", "dualrun.roles"),
-             "dualrun.serving": (*lifecycle, "dualrun.rank", "dualrun.plugin", "dualrun.plugins", "dualrun.plan"),
-             "dualrun.rank": lifecycle}
-    upward = sorted(f"{name} -> {dep}" for name, deps in graph.items() for pkg, banned in below.items()
-                    if name == pkg or name.startswith(pkg + ".") for dep in deps
-                    if any(dep == b or dep.startswith(b + ".") for b in banned))
-    assert graph["dualrun.servers.ray_server"], "the import scan found nothing: it is broken"
-    assert graph["dualrun.rank.bootstrap"], "the import scan missed the worker package"
+    assert len(mods) > 100, "the module scan found too little: it is broken"
+    assert sorted(m for m in mods if m != "dualrun" and _floor(m) is None) == []
+    assert sorted(m for m in mods if m.count(".") == 1 and not (mods[m].name == "__init__.py")) == \
+        sorted(ROOT_MODULES - {"dualrun"})
+
+
+def test_no_module_imports_above_its_floor():
+    """A module imports modules of its own floor or lower (the package root, `dualrun`, with the version and the
+    lazy public names, is read by all): the lifecycle never reaches a launcher, a server program never the
+    lifecycle that starts it, the worker side never the config or the plan."""
+    graph = _graph()
+    assert graph["dualrun.servers.ray_server"] and graph["dualrun.rank.bootstrap"], "the import scan is broken"
+    upward = sorted(f"{name} ({_floor(name)}) -> {dep} ({_floor(dep)})" for name, deps in graph.items()
+                    if name != "dualrun" for dep in deps if dep != "dualrun" and _floor(dep) > _floor(name))
     assert upward == []
 
 
+def test_the_floor_checker_sees_an_import_upward():
+    assert _floor("dualrun.servers.local") == 5 and _floor("dualrun.weightsync.wire") == 0
+    assert _floor("dualrun.weightsync.group") == 4 and _floor("dualrun.plugins.workers.gkd") == 1
+    assert _floor("dualrun.launchers") == 6 and _floor("dualrunx") is None
+
+
 # The plan is pure: placement and env from the config and a cluster, below everything that starts a process.
-PLAN_LAYER = {"dualrun.plan", "dualrun.placement", "dualrun.engine_shape"}
+PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines"}
 # ... and it reads values only: the config's model, the protocol's names, the env builders, the errors.
-PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.protocol", "dualrun.envspec", "dualrun.errors"}
+PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.contract.protocol", "dualrun.env.worker", "dualrun.contract.errors",
+                           "dualrun.contract.redact"}
 # The config sits below the plan: it reads the file and checks values, and imports nothing that uses it.
-CONFIG_READS = ("dualrun.config", "dualrun.errors", "dualrun.envspec", "dualrun.envinfo", "dualrun.protocol")
+CONFIG_READS = ("dualrun.config", "dualrun.contract.errors", "dualrun.contract.redact", "dualrun.env.worker",
+                "dualrun.env.installed", "dualrun.contract.protocol", "dualrun.light.progress")
 _ENV_CALLS = {"environ", "getenv", "putenv", "unsetenv", "environb"}
 
 
@@ -169,12 +221,12 @@ def test_the_checkers_see_an_environment_read_and_an_import_outside():
 
 
 def test_the_plan_reads_no_environment_and_imports_only_values():
-    """plan.py, the placement policies and the engines' shape: no environment of their own (the caller passes
+    """plan/processes.py, the placement policies and the engines' shape: no environment of their own (the caller passes
     the launching shell's), and nothing of servers/, launchers/, Ray or anything else that starts or reads a
     process, even through another module; the values they read take the environment only as a default."""
     graph = _graph()
     mods = _modules()
-    assert PLAN_LAYER <= set(graph) and graph["dualrun.plan"], "the import scan found nothing: it is broken"
+    assert PLAN_LAYER <= set(graph) and graph["dualrun.plan.processes"], "the import scan found nothing: it is broken"
     outside = sorted(_reached(graph, PLAN_LAYER) - PLAN_READS)
     assert outside == [], f"the plan reaches {outside}: pass the value in, or move the pure part down"
     own = {name: _env_reads(mods[name].read_text(), defaults_ok=False) for name in sorted(PLAN_LAYER)}
@@ -185,7 +237,7 @@ def test_the_plan_reads_no_environment_and_imports_only_values():
 
 def test_config_imports_nothing_above_it():
     """dualrun.config reads the file and checks values: it reaches only itself, the errors, the env names, the
-    machine's facts (envinfo) and the protocol; never the plan, the placement, a launcher, a server or a plugin."""
+    installed packages (env.installed), the progress modes and the protocol; never the plan, the placement, a launcher, a server or a plugin."""
     graph = _graph()
     config = {name for name in graph if name == "dualrun.config" or name.startswith("dualrun.config.")}
     assert "dualrun.config.load" in config and graph["dualrun.config.load"], "the scan is broken"
@@ -201,15 +253,15 @@ def _in(module: str, packages: tuple[str, ...] | set[str]) -> bool:
 # The worker side: what a rank imports (the entry point, the hooks, the plugins' worker halves) reaches only itself,
 # the protocol, the standard-library-only modules and the gloo wire it shares with the server; never the config,
 # the plan, a plugin's driver half, the server programs or anything that starts a process.
-WORKER_SIDE = ("dualrun.rank", "dualrun.plugins.workers")
-WORKER_READS = (*WORKER_SIDE, "dualrun.protocol", "dualrun.light", "dualrun.gloo_wire", "dualrun.job_store",
-                "dualrun.funcs")
-# A plugin's driver half reads the config and names its servers' command lines (serving.commands), and may import
+WORKER_SIDE = ("dualrun.rank", "dualrun.plugins.workers", "dualrun.weightsync.trainer", "dualrun.weightsync.engine")
+WORKER_READS = (*WORKER_SIDE, "dualrun.contract.protocol", "dualrun.light", "dualrun.weightsync.wire",
+                "dualrun.contract.job_store", "dualrun.contract.calls")
+# A plugin's driver half reads the config and names its servers' command lines (methods.commands), and may import
 # its own worker half; it never reaches the server programs themselves, the plan or the lifecycle.
-PLUGIN_READS = (*CONFIG_READS, "dualrun.engine_shape", "dualrun.serving.commands", "dualrun.gloo_wire",
-                "dualrun.light", "dualrun.plugin", "dualrun.plugins", *WORKER_READS)
+PLUGIN_READS = (*CONFIG_READS, "dualrun.plan.engines", "dualrun.methods.commands", "dualrun.weightsync.wire",
+                "dualrun.light", "dualrun.methods.plugin", "dualrun.plugins", *WORKER_READS)
 # What the driver shares with the workers lives in the protocol or light/, not in the worker side itself.
-SHARED_WITH_WORKERS = ("dualrun.protocol", "dualrun.light")
+SHARED_WITH_WORKERS = ("dualrun.contract.protocol", "dualrun.light")
 
 
 def test_the_worker_side_reaches_no_driver_side_module():
@@ -225,13 +277,13 @@ def test_the_worker_side_reaches_no_driver_side_module():
 
 
 def test_plugins_reach_only_the_config_and_the_command_lines():
-    """A method plugin's driver half (dualrun/plugin.py, plugins/*.py): the config, the engines' shape, the catalogue
-    of command lines (dualrun.serving.commands) and its own worker half; not the plan, the servers' lifecycle,
+    """A method plugin's driver half (dualrun/methods/plugin.py, plugins/*.py): the config, the engines' shape, the catalogue
+    of command lines (dualrun.methods.commands) and its own worker half; not the plan, the servers' lifecycle,
     a server program or a launcher."""
     graph = _graph()
-    plugins = {name for name in graph if _in(name, ("dualrun.plugin", "dualrun.plugins"))
+    plugins = {name for name in graph if _in(name, ("dualrun.methods.plugin", "dualrun.plugins"))
                and not _in(name, WORKER_SIDE)}
-    assert {"dualrun.plugin", "dualrun.plugins.grpo", "dualrun.plugins.gkd"} <= plugins, "the scan is broken"
+    assert {"dualrun.methods.plugin", "dualrun.plugins.grpo", "dualrun.plugins.gkd"} <= plugins, "the scan is broken"
     assert graph["dualrun.plugins.grpo"], "the import scan found nothing: it is broken"
     outside = sorted(f"{name} -> {dep}" for name in sorted(plugins) for dep in _reached(graph, {name})
                      if dep != "dualrun" and not _in(dep, PLUGIN_READS))
@@ -242,7 +294,7 @@ def test_the_driver_side_imports_nothing_of_the_worker_side():
     """Launchers, servers, the server programs, the plan and the config import no module of rank/: what both sides
     need (an env name, a port) lives in the protocol or light/ (e.g. `protocol.group_port_env`)."""
     graph = _graph()
-    driver = {name for name in graph if not _in(name, (*WORKER_SIDE, "dualrun.plugins", "dualrun.plugin"))
+    driver = {name for name in graph if not _in(name, (*WORKER_SIDE, "dualrun.plugins", "dualrun.methods.plugin"))
               and not _in(name, SHARED_WITH_WORKERS) and name != "dualrun"}
     assert "dualrun.launchers.ray" in driver and graph["dualrun.launchers.ray"], "the scan is broken"
     into = sorted(f"{name} -> {dep}" for name in sorted(driver) for dep in graph[name] if _in(dep, WORKER_SIDE))

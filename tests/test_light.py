@@ -42,9 +42,9 @@ def test_a_worker_activates_a_plugin_without_its_driver_half():
     """rank/bootstrap.py's path: the worker half of gkd (which imports grpo's) and nothing of the config, the
     driver halves or the servers' command lines."""
     loaded = _imported_by(["dualrun.rank.method", "dualrun.plugins.workers.gkd"])
-    driver = [m for m in loaded if m.startswith(("dualrun.config", "dualrun.serving",
-                                                 "dualrun.servers", "dualrun.plan", "dualrun.launchers"))
-              or m in ("dualrun.plugin", "dualrun.plugins.gkd", "dualrun.plugins.grpo")]
+    driver = [m for m in loaded if m.startswith(("dualrun.config", "dualrun.programs",
+                                                 "dualrun.servers", "dualrun.plan.processes", "dualrun.launchers"))
+              or m in ("dualrun.methods.plugin", "dualrun.plugins.gkd", "dualrun.plugins.grpo")]
     assert driver == []
     assert sorted(m for m in loaded if m.split(".")[0] in HEAVY) == []
 

@@ -25,9 +25,9 @@ MUST_HAVE = ["dualrun/__init__.py", "dualrun/cli.py", "dualrun/rank/bootstrap.py
              "dualrun/plugins/__init__.py", "dualrun/plugins/sft.py", "dualrun/plugins/grpo.py",
              "dualrun/plugins/gkd.py", "dualrun/plugins/sampling.py", "dualrun/plugins/workers/grpo.py",
              "dualrun/plugins/workers/gkd.py", "dualrun/launchers/ray.py",
-             "dualrun/launchers/ray_worker.py", "dualrun/launchers/torchrun.py"]
-MUST_HAVE_DIRS = ["dualrun/servers/", "dualrun/serving/", "dualrun/light/", "dualrun/roles/", "dualrun/launchers/",
-                  "dualrun/config/", "dualrun/plugins/"]
+             "dualrun/actors/rank.py", "dualrun/launchers/torchrun.py"]
+MUST_HAVE_DIRS = ["dualrun/servers/", "dualrun/programs/", "dualrun/light/", "dualrun/roles/", "dualrun/launchers/",
+                  "dualrun/config/", "dualrun/plugins/", "dualrun/weightsync/engine/", "dualrun/actors/"]
 
 
 def _pyproject() -> dict:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from dualrun.config import build_config
-from dualrun.placement import RayPlacement, TorchrunPlacement, placement_for
-from dualrun.plan import make_plan
+from dualrun.plan.placement import RayPlacement, TorchrunPlacement, placement_for
+from dualrun.plan.processes import make_plan
 
 GPU2 = {"roles": {"train": {"gpus": 2}}}
 

@@ -7,9 +7,9 @@ import time
 import pytest
 
 from dualrun.config import build_config
-from dualrun.envspec import TORCHRUN_NAMES
-from dualrun.errors import ConfigError
-from dualrun.plan import Cluster, make_plan
+from dualrun.env.worker import TORCHRUN_NAMES
+from dualrun.contract.errors import ConfigError
+from dualrun.plan.processes import Cluster, make_plan
 
 
 def test_torchrun_single_node_gpu_layout():

@@ -1,4 +1,4 @@
-"""The driver-worker protocol: every DUALRUN_* name lives in dualrun/protocol.py; settings survive the trip."""
+"""The driver-worker protocol: every DUALRUN_* name lives in dualrun/contract/protocol.py; settings survive the trip."""
 from __future__ import annotations
 
 import ast
@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from dualrun import protocol
+from dualrun.contract import protocol
 from dualrun.config import build_config
-from dualrun.plan import make_plan
+from dualrun.plan.processes import make_plan
 from dualrun.rank.method import worker_settings
 from helpers import REPO
 
@@ -37,10 +37,10 @@ def test_address_names():
 
 
 def test_no_dualrun_env_name_spelled_outside_the_protocol_module():
-    """A `"DUALRUN_..."` string literal anywhere but protocol.py is a second copy of a protocol name."""
+    """A `"DUALRUN_..."` string literal anywhere but contract/protocol.py is a second copy of a protocol name."""
     found = []
     for path in sorted([*(REPO / "dualrun").rglob("*.py"), *(REPO / "plugins").rglob("*.py")]):
-        if path.name == "protocol.py":
+        if path == REPO / "dualrun" / "contract" / "protocol.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
@@ -52,7 +52,7 @@ def test_no_dualrun_env_name_spelled_outside_the_protocol_module():
 
 def test_protocol_imports_only_the_standard_library():
     """Ray workers import it before torch (and without dualrun's other modules)."""
-    code = ("import sys; import dualrun.protocol; "
+    code = ("import sys; import dualrun.contract.protocol; "
             "bad = [m for m in ('torch', 'ray', 'yaml', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -62,7 +62,7 @@ def test_actor_replies_cross_a_process_boundary_intact():
     """What the Ray actors answer are small frozen dataclasses: pickled (as Ray does) they come back equal."""
     import pickle
 
-    from dualrun.protocol import ActorPlace, RankExit, ServerStart, WorkerStats
+    from dualrun.contract.protocol import ActorPlace, RankExit, ServerStart, WorkerStats
 
     replies = [ActorPlace("10.0.0.2", "n1", ("0", "1"), 42, 29500, 29501, tmp="/tmp/x"),
                RankExit(7, 1.5, "ValueError: bad", b"\x80"), ServerStart(False, error="x", port_in_use=True),

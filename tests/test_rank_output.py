@@ -1,5 +1,5 @@
-"""A Ray rank's actor reading its program's output (dualrun/launchers/ray_worker.py, the class itself, without Ray):
-a trainer that logs every step is read in a few batches, not a wake-up per line (issue 26: that was ~0.01 cores
+"""A Ray rank's actor reading its program's output (dualrun/actors/rank.py, the class itself, without Ray):
+a trainer that logs every step is read in a few batches, not a wake-up per line (a wake-up per line costs ~0.01 cores
 of a rank's actor), and a program that writes fast is not held up by the pauses between reads."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 import threading
 import time
 
-from dualrun.launchers import ray_worker
-from dualrun.launchers.ray_worker import RankWorker
+from dualrun.actors import rank as rank_actor
+from dualrun.actors.rank import RankWorker
 
 _EVERY_20_MS = "import time\nfor i in range(50):\n    print(f'step {i}', flush=True)\n    time.sleep(0.02)\n"
 _FOUR_MIB = "import sys\nsys.stdout.write(('x' * 1023 + '\\n') * 4096)\nsys.stdout.flush()\n"
@@ -36,12 +36,12 @@ def _run(tmp_path, code: str) -> tuple[list[list[str]], float, float]:
 def test_a_line_every_20_ms_is_read_and_handed_over_in_a_few_batches_in_order(tmp_path, monkeypatch):
     reads: list[int] = []
 
-    class Counting(ray_worker.Collapser):   # the reader feeds it once per read of the pipe
+    class Counting(rank_actor.Collapser):   # the reader feeds it once per read of the pipe
         def feed(self, text, raw=None):
             reads.append(len(text))
             return super().feed(text, raw)
 
-    monkeypatch.setattr(ray_worker, "Collapser", Counting)
+    monkeypatch.setattr(rank_actor, "Collapser", Counting)
     batches, _, _ = _run(tmp_path, _EVERY_20_MS)
     lines = [t for b in batches for t in b]
     assert lines == [f"step {i}" for i in range(50)]

@@ -1,4 +1,4 @@
-"""The embedded cluster dualrun starts is lean (issue 26): what the job does not use is not running (log monitor,
+"""The embedded cluster dualrun starts is lean: what the job does not use is not running (log monitor,
 autoscaler monitor), what it uses is (GCS, raylet, runtime-env agent, the dashboard agent the raylet needs), and a
 `runtime_env` (working_dir, env_vars) and placement groups still work on it."""
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The trainer's side of a changed rollout membership (dualrun/rank/regroup.py): when TRL's weight-sync group is formed
+"""The trainer's side of a changed rollout membership (dualrun/weightsync/trainer/regroup.py): when TRL's weight-sync group is formed
 again before a sync. The rule is pure; the steps are checked on a stand-in for TRL's client that records them (the
 real client against real vLLM replicas, one killed and restarted: test_vllm_replicas.py)."""
 from __future__ import annotations
 
 import pytest
 
-from dualrun.protocol import ROUTER_MEMBERSHIP_PATH
-from dualrun.rank import regroup
-from dualrun.rank.regroup import needs_reform
+from dualrun.contract.protocol import ROUTER_MEMBERSHIP_PATH
+from dualrun.weightsync.trainer import regroup
+from dualrun.weightsync.trainer.regroup import needs_reform
 
 
 def test_the_group_is_formed_again_only_when_the_routers_membership_changed_outside_an_update():

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from dualrun.config import build_config
-from dualrun.errors import ConfigError
-from dualrun.plan import make_plan
-from dualrun.plugin import get_plugin
+from dualrun.contract.errors import ConfigError
+from dualrun.plan.processes import make_plan
+from dualrun.methods.plugin import get_plugin
 from dualrun.servers.replacing import (back_line, held_line, hung, hung_line, restart_budget, restarting_line,
                                       router_of, survivable, takes_weights)
 
@@ -59,7 +59,7 @@ def test_a_death_is_survived_while_restarts_are_left_and_another_replica_serves(
     assert not survivable(plan, 3, left, down=set())          # the router
     assert not survivable(plan, None, left, down=set())       # not one server
     assert survivable(plan, 2, left, down={0})                # replica 1 still serves
-    assert not survivable(plan, 2, left, down={0, 1})         # the last one: the job ends as before
+    assert not survivable(plan, 2, left, down={0, 1})         # the last one: the job ends
 
 
 def test_event_lines_say_which_why_and_when_back():

@@ -12,8 +12,8 @@ import pytest
 
 from helpers import REPO, dualrun
 from dualrun.config import build_config
-from dualrun.errors import ConfigError
-from dualrun.plan import ROUTER, Cluster, make_plan
+from dualrun.contract.errors import ConfigError
+from dualrun.plan.processes import ROUTER, Cluster, make_plan
 from dualrun.servers.planned import addresses, log_name, phases, replica_addresses, server_command
 
 
@@ -66,7 +66,7 @@ def test_ray_places_each_replica_on_any_node():
 def test_layouts_that_do_not_split_into_engines_are_config_errors(teacher, key, expected):
     with pytest.raises(ConfigError) as e:
         cfg = _cfg(teacher)
-        from dualrun.plugin import get_plugin
+        from dualrun.methods.plugin import get_plugin
 
         get_plugin(cfg.method).validate(cfg)
     assert e.value.key == key and expected in str(e.value)
@@ -86,7 +86,7 @@ def test_router_command_and_the_trainers_address():
     started = {0: "127.0.0.1:9001", 1: "127.0.0.1:9002"}
     assert replica_addresses(plan, started, 2) == ["127.0.0.1:9001", "127.0.0.1:9002"]
     argv = server_command(cfg, None, router, "127.0.0.1", 9000, replica_addresses(plan, started, 2))
-    assert argv[1:] == ["-m", "dualrun.serving.router", "--host", "127.0.0.1", "--port", "9000",
+    assert argv[1:] == ["-m", "dualrun.programs.router", "--host", "127.0.0.1", "--port", "9000",
                         "--replica", "127.0.0.1:9001", "--replica", "127.0.0.1:9002", "--request-timeout-s", "1800"]
     argv = server_command(_cfg({"gpus": 2, "request_timeout_s": 90.5}), None, router, "127.0.0.1", 9000, ["a:1"])
     assert argv[-2:] == ["--request-timeout-s", "90.5"]              # the role's request_timeout_s
@@ -98,7 +98,7 @@ def test_router_command_and_the_trainers_address():
 def test_a_four_engine_rollout_is_four_cpu_engines_behind_one_router(backend):
     """The issue's layout, `roles.rollout: {gpus: 4, tensor_parallel_size: 1}`, on the CPU engine: four replicas
     of the rollout model, a router in front of all four, and the trainers wired to the router only."""
-    from dualrun.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin
 
     cfg = build_config({"backend": backend, "method": "grpo", "use_cpu": True, "roles": {
         "train": {"gpus": 1},
@@ -111,7 +111,7 @@ def test_a_four_engine_rollout_is_four_cpu_engines_behind_one_router(backend):
     started = {i: f"127.0.0.1:{9001 + i}" for i in range(4)}
     for i, p in enumerate(plan.servers[:4]):
         argv = server_command(cfg, plugin, p, "127.0.0.1", 9001 + i)
-        assert argv[1:5] == ["-m", "dualrun.serving.transformers_server", "--model", "m/m"]
+        assert argv[1:5] == ["-m", "dualrun.programs.cpu_engine", "--model", "m/m"]
     router = server_command(cfg, plugin, plan.servers[4], "127.0.0.1", 9000, replica_addresses(plan, started, 4))
     assert router[router.index("--replica"):-2] == [w for a in started.values() for w in ("--replica", a)]
     assert addresses(plan, {**started, 4: "127.0.0.1:9000"}) == {"rollout": "127.0.0.1:9000"}
@@ -133,7 +133,7 @@ def test_dry_run_shows_each_replica_and_the_router(tmp_path, backend):
     out = proc.stdout
     assert "teacher server 0" in out and "teacher server 1" in out and "teacher router" in out, out
     if backend == "torchrun":
-        assert "dualrun.serving.router --host 127.0.0.1 --port '<auto>' --replica '<auto>' --replica '<auto>'" in out
+        assert "dualrun.programs.router --host 127.0.0.1 --port '<auto>' --replica '<auto>' --replica '<auto>'" in out
 
 
 def test_gpus_not_a_multiple_is_one_line_and_exit_2(tmp_path):
@@ -172,7 +172,7 @@ def test_local_servers_start_replicas_then_router_and_watch_the_router(tmp_path,
     import os
     import signal
 
-    from dualrun.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin
     from dualrun.servers.local import LocalServers
     from dualrun.servers.process import http_ok
 
@@ -202,8 +202,8 @@ def test_local_servers_restart_a_dead_replica_until_its_restarts_are_spent(tmp_p
     import os
     import signal
 
-    from dualrun.plugin import get_plugin
-    from dualrun.serving import router_client
+    from dualrun.methods.plugin import get_plugin
+    from dualrun.servers import router_client
     from dualrun.servers.local import LocalServers
     from dualrun.servers.process import http_ok
     from helpers import eventually
@@ -229,7 +229,7 @@ def test_local_servers_restart_a_dead_replica_until_its_restarts_are_spent(tmp_p
         table = router_client.replicas(address)
         assert table["in_rotation"] == [0, 1] and table["replicas"][1]["address"] == second.address
         assert servers.addresses["teacher"] == address and http_ok(f"http://{address}/health")
-        os.kill(second.proc.pid, signal.SIGKILL)   # restarts spent: the job's failure, as before
+        os.kill(second.proc.pid, signal.SIGKILL)   # restarts spent: the job's failure
         death = servers.next_death(timeout=10)
         assert death is not None and death.index == 1 and servers.failure is death
         assert death.one_line().startswith("teacher server 1 exited with code -9 (killed by SIGKILL)")

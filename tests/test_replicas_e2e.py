@@ -1,7 +1,7 @@
 """Engine replicas behind one router, end to end on CPU with the built-in engine: 2 and 3 replicas on both backends
 serve real TRL GKD's teacher, and a 4-engine GRPO rollout serves TRL's own client built from the unchanged
 GRPOConfig; every replica gets requests (counted in each replica's own log or stats). With `replica_restarts: 0` a
-replica killed mid-training ends the job within 10 s naming it, as before (both backends; the rollout's on Ray),
+replica killed mid-training ends the job within 10 s naming it (both backends; the rollout's on Ray),
 and so does the last replica serving (both killed) with the default; with max_failures: 1 the job restarts with
 fresh replicas and a fresh router and finishes. By default a killed teacher replica is restarted while GKD goes on
 (on Ray a fresh actor and placement group); one SIGSTOPped after it (hung, alive) is routed around by the router,
@@ -90,7 +90,7 @@ def test_replicas_serve_the_teacher(tmp_path, module_tiny, ray_cluster_if_ray, b
 # -- a replica dies ----------------------------------------------------------------------------------------------
 def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster,
            teacher: str = "replica_restarts: 0, ") -> subprocess.Popen:
-    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures, teacher=teacher))  # 0: as before #25
+    (tmp_path / "job.yaml").write_text(_yaml(tiny, 2, max_failures, teacher=teacher))  # 0: no replica restarts
     (tmp_path / "out").mkdir()
     env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if cluster else ""))
     return subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
@@ -112,18 +112,18 @@ def _kill_replica_mid_training(tmp_path: Path, driver: subprocess.Popen, replica
 
 
 def _engines(tiny: Path) -> list[int]:
-    return [p for p in pids_matching(str(tiny / "teacher")) if "transformers_server" in cmdline(p)]
+    return [p for p in pids_matching(str(tiny / "teacher")) if "cpu_engine" in cmdline(p)]
 
 
 def _router_pids(tmp_path: Path, attempt: int = 0) -> list[int]:
     host, _, port = json.loads((tmp_path / "out" / f"address_{attempt}_0.json").read_text()).rpartition(":")
-    return pids_matching(f"dualrun.serving.router --host {host} --port {port} ")
+    return pids_matching(f"dualrun.programs.router --host {host} --port {port} ")
 
 
 @pytest.mark.parametrize("backend, last", [("torchrun", False), ("ray", False), ("torchrun", True), ("ray", True)])
 def test_a_dead_replica_ends_the_job_within_10_s_naming_it(tmp_path, module_tiny, ray_cluster_if_ray, backend, last):
-    """`replica_restarts: 0` keeps the behaviour from before #25: one dead replica ends the job. `last`: the default
-    budget, but both replicas killed at once: the one left to serve is gone, so the job ends as before too."""
+    """`replica_restarts: 0`: one dead replica ends the job. `last`: the default
+    budget, but both replicas killed at once: the one left to serve is gone, so the job ends too."""
     cluster = ray_cluster_if_ray
     driver = _start(tmp_path, module_tiny, backend, 0, cluster, teacher="" if last else "replica_restarts: 0, ")
     killed = _kill_replica_mid_training(tmp_path, driver, 1)
@@ -210,7 +210,7 @@ def test_a_dead_then_a_hung_teacher_replica_are_restarted_and_gkd_finishes(tmp_p
             (logs / f"teacher-server-{i}.log").exists() and '"POST /v1/completions' in
             (logs / f"teacher-server-{i}.log").read_text() for i in (0, 1)), timeout=200, every=0.05)
         assert driver.poll() is None, stderr()[-3000:]
-        assert pids_matching("dualrun.serving.router", "--request-timeout-s 10")   # the role's key, passed on
+        assert pids_matching("dualrun.programs.router", "--request-timeout-s 10")   # the role's key, passed on
         killed = _replica_pid(tmp_path, 1)
         os.kill(killed, signal.SIGKILL)
         assert _back(tmp_path, driver, 1, timeout=120), stderr()[-3000:]
@@ -316,8 +316,8 @@ def _assert_four_engines_served(tmp_path: Path, err: str) -> str:
 def _nothing_left(tmp_path: Path, tiny: Path, address: str, cluster) -> None:
     host, _, port = address.rpartition(":")
     assert eventually(lambda: not pids_matching(str(tmp_path / "out")))            # the trainer
-    assert eventually(lambda: not pids_matching(f"dualrun.serving.router --host {host} --port {port} "))
-    assert eventually(lambda: not pids_matching(str(tiny / "model"), "transformers_server"))
+    assert eventually(lambda: not pids_matching(f"dualrun.programs.router --host {host} --port {port} "))
+    assert eventually(lambda: not pids_matching(str(tiny / "model"), "cpu_engine"))
     if cluster:
         assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
 
@@ -335,7 +335,7 @@ def test_a_four_engine_rollout_on_ray_and_a_dead_replica_ends_the_job_within_10_
     """The same load on Ray (an actor and placement group per replica, the router in a CPU actor); then one
     replica is SIGKILLed while the trainer still runs: the job ends within 10 s naming it, nothing left."""
     proc, err = _rollout_job(tmp_path, rollout_tiny, "ray", cluster, "--then-wait",
-                             role_extra=", replica_restarts: 0")   # a dead replica ends the job, as before #25
+                             role_extra=", replica_restarts: 0")   # a dead replica ends the job
     try:
         assert eventually(lambda: (tmp_path / "out" / "generated").exists() or proc.poll() is not None,
                           timeout=200)

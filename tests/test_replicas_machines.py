@@ -21,8 +21,8 @@ import pytest
 
 from helpers import ASSETS, dualrun, eventually, link_tiny, pids_matching
 from dualrun.config import build_config
-from dualrun.errors import ConfigError
-from dualrun.plan import ROUTER, make_plan
+from dualrun.contract.errors import ConfigError
+from dualrun.plan.processes import ROUTER, make_plan
 
 
 
@@ -88,7 +88,7 @@ def _cpu_cfg(teacher_processes: int, rank: int = 0) -> object:
 
 
 def test_each_machine_restarts_the_replicas_it_runs():
-    from dualrun.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin
     from dualrun.servers.local import LocalServers
 
     for rank in (0, 1):
@@ -222,12 +222,12 @@ def test_both_machines_restart_for_machine_1s_replica_then_end_naming_machine_0s
 
     assert eventually(lambda: steps() >= 2, 200, 0.5), _ended(tmp_path, procs, 0)
     replica = port_in(tmp_path / "logs1" / "teacher-server-1.log", r"on http://0\.0\.0\.0:(\d+) ")
-    os.kill(*pids_matching(str(tiny / "teacher"), "transformers_server", f"--port {replica}"), signal.SIGKILL)
+    os.kill(*pids_matching(str(tiny / "teacher"), "cpu_engine", f"--port {replica}"), signal.SIGKILL)
     assert eventually(lambda: (out / "address_1_1.json").exists(), 200, 0.5), _ended(tmp_path, procs, 0)
     before = steps()
     assert eventually(lambda: steps() >= before + 2, 60, 0.5), _ended(tmp_path, procs, 0)   # attempt 1 trains
     router = port_in(tmp_path / "logs0" / "teacher-router.log", r"serving http://0\.0\.0\.0:(\d+) ")
-    [pid] = pids_matching("dualrun.serving.router", f"--port {router}")
+    [pid] = pids_matching("dualrun.programs.router", f"--port {router}")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     outs = _ended(tmp_path, procs, 60)
@@ -264,7 +264,7 @@ def test_machine_1_restarts_its_dead_replica_and_the_job_goes_on(tmp_path, tiny)
     assert eventually(lambda: steps() >= 2, 200, 0.5), _ended(tmp_path, procs, 0)
     log = tmp_path / "logs1" / "teacher-server-1.log"
     [replica] = re.findall(r"on http://0\.0\.0\.0:(\d+) ", log.read_text())
-    os.kill(*pids_matching(str(tiny / "teacher"), "transformers_server", f"--port {replica}"), signal.SIGKILL)
+    os.kill(*pids_matching(str(tiny / "teacher"), "cpu_engine", f"--port {replica}"), signal.SIGKILL)
     outs = _ended(tmp_path, procs, 240)
     assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
     assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\).*; restarting it on the "
@@ -332,7 +332,7 @@ def test_machine_0_names_another_machines_replica_that_stops_answering(quick_pro
     """A real HTTP server stands in for machine 1's replica (its own launcher watches its process): machine 0's
     LocalServers health-checks it every PROBE_EVERY_S and, two misses after it stops, names it; once machine 1 has
     said its ranks finished (the store's key), the same silence is no failure."""
-    from dualrun.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin
     from dualrun.servers.local import LocalServers
     from dualrun.servers.machines import Machines
 
@@ -360,7 +360,7 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
     ends its job with it instead of waiting for an address that never comes."""
     from torch.distributed import TCPStore
 
-    from dualrun.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin
     from dualrun.light.ports import free_port
     from dualrun.servers.local import LocalServers
     from dualrun.servers.machines import Machines
@@ -388,8 +388,8 @@ def test_machine_1_names_machine_0s_router_that_stops_answering(quick_probes):
 
     from torch.distributed import TCPStore
 
-    from dualrun import job_store
-    from dualrun.plugin import get_plugin
+    from dualrun.contract import job_store
+    from dualrun.methods.plugin import get_plugin
     from dualrun.light.ports import free_port
     from dualrun.servers.local import LocalServers
     from dualrun.servers.machines import Machines
@@ -430,7 +430,7 @@ def test_machine_1_restarts_only_once_the_ending_attempts_store_is_gone_or_repla
 
     from torch.distributed import TCPStore
 
-    from dualrun import job_store
+    from dualrun.contract import job_store
     from dualrun.light.ports import free_port
     from dualrun.servers.machines import await_attempt
 

@@ -5,7 +5,7 @@ launchers' e2e tests (test_server_watch.py, test_restarts.py) run the same polic
 from __future__ import annotations
 
 from dualrun.config import build_config
-from dualrun.errors import LaunchError
+from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, Program
 from dualrun.servers.serverset import ServerDeath, ServerSet
 

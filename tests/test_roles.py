@@ -216,7 +216,7 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(local_ray):
     """16 GPUs asked of an 8-GPU cluster: after placement_timeout_s, one line naming the roles (exit code 2)."""
     import ray
 
-    from dualrun.errors import LaunchError
+    from dualrun.contract.errors import LaunchError
     from dualrun.raycluster import Gang
     from dualrun.roles.ray_backend import make_placement
     from dualrun.roles.spec import GroupSpec

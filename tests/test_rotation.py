@@ -1,12 +1,12 @@
-"""The router's rotation table (dualrun/serving/rotation.py): which replicas take requests after which failures,
+"""The router's rotation table (dualrun/programs/rotation.py): which replicas take requests after which failures,
 what brings them back, the launcher's replace / restore / remove. Pure: the clock is passed in."""
 from __future__ import annotations
 
 import pytest
 
-from dualrun.serving import rotation as rot
-from dualrun.serving import routing
-from dualrun.serving.rotation import Rotation
+from dualrun.programs import rotation as rot
+from dualrun.programs import routing
+from dualrun.programs.rotation import Rotation
 
 A, B, C = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
 
@@ -124,7 +124,7 @@ def test_control_paths():
             routing.control("POST", bad)
 
 
-# -- the weight-transfer members and a held replacement (issue #25: no stale weights) ------------------------------
+# -- the weight-transfer members and a held replacement (no replica serves stale weights) ------------------------------
 def _sync(table: Rotation, now: float, finished: bool = True) -> list:
     """One weight update as the router sees it: every member answers /update_weights, then /finish_weight_update."""
     for i in table.members():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dualrun.serving import routing
+from dualrun.programs import routing
 from helpers import ASSETS, eventually, free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -89,7 +89,7 @@ def _start_all(servers):
 
 
 def _router(replicas, log):
-    from dualrun.serving.router import router_argv
+    from dualrun.programs.router import router_argv
 
     return _start_all([_server("router", router_argv("127.0.0.1", free_port(), replicas), log)])[0]
 
@@ -98,7 +98,7 @@ def _router(replicas, log):
 def engines(tmp_path_factory, tiny):
     """Three CPU-engine replicas of the tiny model, each logging every request it serves."""
     from dualrun.config.model import RoleSpec
-    from dualrun.serving.commands import cpu_engine
+    from dualrun.methods.commands import cpu_engine
 
     logs = tmp_path_factory.mktemp("engines")
     role = RoleSpec("rollout", 1, 1, server_args=("--verbose",))

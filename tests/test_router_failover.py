@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dualrun.serving import router_client
+from dualrun.servers import router_client
 from helpers import eventually, free_port
 from helpers import ASSETS
 from test_router import _recorded, _server, _start_all
@@ -35,7 +35,7 @@ def _stubs(tmp_path: Path, count: int, first: int = 0) -> list:
 
 
 def _router(tmp_path: Path, replicas, *flags: str):
-    from dualrun.serving.router import router_argv
+    from dualrun.programs.router import router_argv
 
     argv = router_argv("127.0.0.1", free_port(), [r.address for r in replicas]) + list(flags)
     return _start_all([_server("router", argv, tmp_path / "router.log")])[0]
@@ -205,12 +205,12 @@ def test_probes_take_a_stopped_replica_out_and_back_and_a_new_engine_is_held_unt
 
 
 def test_the_weight_transfer_follows_the_members_and_a_held_replacement_serves_after_its_first_update(tmp_path):
-    """Issue #25's "no stale weights", as the router sees it: the launcher removes a dead replica (the membership
+    """No replica serves stale weights, as the router sees it: the launcher removes a dead replica (the membership
     grows, the weight-transfer calls and the world size leave it out), replaces it held (the membership grows
     again: the trainer re-forms its group), and the router restores it once it received and finished an update."""
     import requests
 
-    from dualrun.protocol import ROUTER_MEMBERSHIP_PATH
+    from dualrun.contract.protocol import ROUTER_MEMBERSHIP_PATH
 
     rec = tmp_path / "rec"
     rec.mkdir()

@@ -30,12 +30,12 @@ def local_ray():
 
 def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     from dualrun.config import build_config
-    from dualrun.envspec import forwarded_env
+    from dualrun.env.worker import forwarded_env
     from dualrun import raycluster as rc
     from dualrun.launchers.base import Program
     from dualrun.launchers.ray import RayLauncher
-    from dualrun.plan import make_plan
-    from dualrun.plugin import get_plugin
+    from dualrun.plan.processes import make_plan
+    from dualrun.methods.plugin import get_plugin
     from dualrun.servers.ray_server import RayServers
 
     spec = {"gpus": 1, "model": str(tiny / "teacher"), "top_k": 5, "engine": "transformers", "health_timeout_s": 90}
@@ -86,7 +86,7 @@ def test_teacher_server_in_its_own_placement_group(local_ray, module_tiny, capfd
 
 
 def test_never_healthy_on_ray_fails_with_log_tail_and_cleans_up(local_ray, module_tiny):
-    from dualrun.errors import LaunchError
+    from dualrun.contract.errors import LaunchError
 
     _, servers = _servers(module_tiny, health_timeout_s=2, server_args=["--startup-delay", "60"])
     t0 = time.monotonic()
@@ -109,7 +109,7 @@ def test_a_server_ray_cannot_place_fails_like_the_trainers_exit_2(local_ray, mod
     from ray.util import placement_group_table
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from dualrun.errors import LaunchError
+    from dualrun.contract.errors import LaunchError
 
     _, servers = _servers(module_tiny, ray_opts={"placement_timeout_s": 1})
     blocker = placement_group([{"GPU": 3}])   # every GPU taken for now

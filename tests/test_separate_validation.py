@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from dualrun.config import build_config
-from dualrun.errors import ConfigError
-from dualrun.plan import make_plan
-from dualrun.plugin import get_plugin
+from dualrun.contract.errors import ConfigError
+from dualrun.plan.processes import make_plan
+from dualrun.methods.plugin import get_plugin
 
 T = {"gpus": 1, "model": "m/teacher", "top_k": 8}
 R = {"gpus": 1, "model": "m/student"}
@@ -141,7 +141,7 @@ def test_server_commands_per_engine():
     assert "--weight-transfer-config" in roll
     cpu = build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": R}}, "c.yaml")
     assert get_plugin("grpo").server_command(cpu, cpu.role("rollout"), "127.0.0.1", 1)[1:3] == [
-        "-m", "dualrun.serving.transformers_server"]
+        "-m", "dualrun.programs.cpu_engine"]
     assert plugin.server_command(cfg, cfg.role("train"), "h", 1) is None
     assert plugin.health_path(teacher) == "/health"
 

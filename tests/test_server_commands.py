@@ -10,9 +10,9 @@ import pytest
 
 from dualrun.config import build_config
 from dualrun.light.interpreter import PYTHON, resolve
-from dualrun.plan import make_plan
-from dualrun.plugin import get_plugin
-from dualrun.serving import commands
+from dualrun.plan.processes import make_plan
+from dualrun.methods.plugin import get_plugin
+from dualrun.methods import commands
 from dualrun.servers.local import LocalServers
 from dualrun.servers.ray_server import ServerActor
 

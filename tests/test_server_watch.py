@@ -28,7 +28,7 @@ def cluster(ray_cluster_if_ray):
 
 
 def _server_pids(tiny: Path) -> list[int]:
-    return pids_matching(str(tiny / "teacher"), "transformers_server")
+    return pids_matching(str(tiny / "teacher"), "cpu_engine")
 
 
 def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster) -> subprocess.Popen:

@@ -127,7 +127,7 @@ def test_missing_command_is_a_server_error(tmp_path):
 # -- the CPU engine ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(tiny):
-    from dualrun.serving.transformers_server import Engine, make_handler
+    from dualrun.programs.cpu_engine import Engine, make_handler
 
     eng = Engine(str(tiny / "teacher"))
     srv = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(eng))
@@ -189,7 +189,7 @@ def test_engine_stats_count_what_it_served(engine):
     import json
     import urllib.request
 
-    from dualrun.serving.transformers_server import STATS_PATH
+    from dualrun.programs.cpu_engine import STATS_PATH
     from dualrun.rank.teacher import teacher_client
 
     _, address = engine

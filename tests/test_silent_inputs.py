@@ -1,4 +1,4 @@
-"""Issue 27, the cases the YAML corpus cannot hold: secret flags found by argparse's prefix rule, linear time on big
+"""Bad input the YAML corpus cannot hold: secret flags found by argparse's prefix rule, linear time on big
 environment values and long DUALRUN_FORWARD_ENV lists, the Python API's unknown overrides, owned flags in every
 spelling, and a clean-up or notice that must not depend on who started dualrun."""
 from __future__ import annotations
@@ -8,10 +8,11 @@ import time
 import pytest
 
 from dualrun.config import build_config
-from dualrun.envcheck import check_environment
-from dualrun.envspec import REDACTED, forwarded_env, redact_argv, redact_text, redact_value
-from dualrun.errors import ConfigError
-from dualrun.serving.commands import own_flag
+from dualrun.config.environment import check_environment
+from dualrun.env.worker import forwarded_env
+from dualrun.contract.redact import REDACTED, redact_argv, redact_text, redact_value
+from dualrun.contract.errors import ConfigError
+from dualrun.methods.commands import own_flag
 
 
 @pytest.mark.parametrize("argv", [["--api-k", "sk-1"], ["--api_key", "sk-1"], ["--api-ke=sk-1"], ["--hf-tok", "sk-1"],
@@ -96,7 +97,7 @@ def test_the_python_api_refuses_an_unknown_override_with_the_nearest_name(tmp_pa
 def test_honest_layouts_still_pass():
     """What the refusals must leave alone: a colocated vLLM rollout's tensor parallel size and sleep mode, a
     separate server's sizes, an external server with only its address (and top_k)."""
-    from dualrun.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin
 
     for method, raw in [
         ("grpo", {"offload_model": True, "roles": {"train": {"gpus": 2}, "rollout": {
@@ -163,7 +164,7 @@ def test_tmpdir_is_forwarded_only_to_a_node_where_it_exists(tmp_path):
     import os
     import sys
 
-    from dualrun.launchers.ray_worker import RankWorker
+    from dualrun.actors.rank import RankWorker
 
     def run(tmpdir: str) -> tuple[str, list[str]]:
         worker = RankWorker("dualrun-test-tmpdir", "rank 0")

@@ -1,4 +1,4 @@
-"""What a launch pays before the first rank starts (issue 26): the Ray worker side imports nothing of the driver's,
+"""What a launch pays before the first rank starts: the Ray worker side imports nothing of the driver's,
 and a torchrun launch with accelerate's env cached imports no accelerate in the driver (its agent needs torch,
 as bare torchrun's does, but nothing more)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO
 
-_DRIVER_SIDE = ("dualrun.launchers.base", "dualrun.config", "dualrun.plan", "dualrun.servers", "torch", "accelerate")
+_DRIVER_SIDE = ("dualrun.launchers.base", "dualrun.config", "dualrun.plan.processes", "dualrun.servers", "torch", "accelerate")
 
 
 def _modules_after(code: str, env: dict | None = None, cwd=None) -> set[str]:
@@ -23,9 +23,9 @@ def _modules_after(code: str, env: dict | None = None, cwd=None) -> set[str]:
 
 
 def test_a_rank_actor_imports_nothing_of_the_driver():
-    """Every rank actor's Ray worker imports dualrun.launchers.ray_worker: the package must not pull the launcher
+    """Every rank actor's Ray worker imports dualrun.actors.rank: the package must not pull the launcher
     base (config, plan, servers: about 0.25 s a process on 2 cores)."""
-    mods = _modules_after("import dualrun.launchers.ray_worker")
+    mods = _modules_after("import dualrun.actors.rank")
     assert not [m for m in mods if m.startswith(_DRIVER_SIDE)]
 
 
@@ -84,7 +84,7 @@ def test_a_torchrun_launch_with_a_cached_env_imports_no_accelerate(tmp_path):
 
 
 def test_the_launch_path_reads_no_package_metadata_and_imports_no_role_api(tmp_path):
-    """What session 11 took off the path to torchrun's agent (issue 26: 0.30 -> 0.13 s): package metadata
+    """What stays off the path to torchrun's agent: package metadata
     (importlib.metadata, ~17 ms to import), urllib (~14 ms), the role-splitting API (~15 ms). A dry run with the
     config's accelerate env cached takes the same path up to the agent."""
     (tmp_path / "rank.py").write_text("import os\n")
@@ -102,6 +102,6 @@ def test_the_launch_path_reads_no_package_metadata_and_imports_no_role_api(tmp_p
                        timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
     mods = set(json.loads((tmp_path / "mods.json").read_text()))
-    assert "dualrun.plan" in mods and "dualrun.roles.driver" in mods   # the path was taken
+    assert "dualrun.plan.processes" in mods and "dualrun.roles.driver" in mods   # the path was taken
     assert not mods & {"importlib.metadata", "urllib.request", "dualrun.roles.decorators", "dualrun.roles.group",
                        "torch", "accelerate"}, sorted(mods & {"importlib.metadata", "urllib.request"})

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from dualrun.config import build_config, load_config
-from dualrun.errors import ConfigError
-from dualrun.plugin import get_plugin
+from dualrun.contract.errors import ConfigError
+from dualrun.methods.plugin import get_plugin
 
 CASES = [
     ({"nmu_processes": 2}, "nmu_processes", "did you mean 'num_processes'"),
@@ -47,7 +47,7 @@ CASES = [
      "device_groups.g.ranks", "device ids"),
     ({"roles": {"train": {"gpus": 1}}, "device_groups": {"g": {"ranks": 1, "workers": ["x"]}}}, "device_groups",
      "not both"),
-    # issue 12: bounds, finite numbers, ports
+    # bounds, finite numbers, ports
     ({"roles": {"train": {"gpus": 300_000_000}}}, "roles.train.gpus", "<= 65536"),
     ({"num_processes": 10**11}, "num_processes", "<= 65536"),
     ({"ray": {"placement_timeout_s": float("nan")}}, "ray.placement_timeout_s", "a finite number"),
@@ -62,7 +62,7 @@ CASES = [
      "device_groups.g.ranks", "device ids in [0, 1023]"),
     ({"device_groups": {"nproc_per_node": 2, "g": {"ranks": [1, 2], "workers": ["train"]}}},
      "device_groups.g.ranks", "below nproc_per_node * nnodes = 2"),
-    # issue 12: accepted before, but ranks would land on the wrong GPUs or address
+    # values that would put ranks on the wrong GPUs or address
     ({"env": {"RANK": 1}}, "env.RANK", "does not set itself"),
     ({"roles": {"train": {"gpus": 1, "env": {"CUDA_VISIBLE_DEVICES": "1"}}}}, "roles.train.env.CUDA_VISIBLE_DEVICES",
      "does not set itself"),

@@ -75,8 +75,8 @@ def test_vllm_loads_the_gloo_engine_and_cuts_packed_chunks_as_dualrun_does():
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
     from vllm.plugins import load_general_plugins
 
-    from dualrun.gloo_wire import chunk_bounds
-    from dualrun.serving.gloo_transfer import GlooWeightTransferEngine
+    from dualrun.weightsync.wire import chunk_bounds
+    from dualrun.weightsync.engine.transfer import GlooWeightTransferEngine
 
     load_general_plugins()
     assert WeightTransferEngineFactory._registry["gloo"]() is GlooWeightTransferEngine

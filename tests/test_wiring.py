@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dualrun.config import build_config
-from dualrun.plan import make_plan
+from dualrun.plan.processes import make_plan
 from dualrun.plugins.workers.grpo import colocate_fields
 
 PROBE = """

@@ -10,7 +10,7 @@ from pathlib import Path
 def bench_planner(reps: int) -> str:
     """A Markdown table: the median of `reps` timings of each case (SFT and GKD on Ray, SFT on torchrun)."""
     from dualrun.config import build_config
-    from dualrun.plan import Cluster, make_plan
+    from dualrun.plan.processes import Cluster, make_plan
 
     cases = [
         ("sft, ray, 1,024 GPUs on 128 nodes x 8", {"backend": "ray", "roles": {"train": {"gpus": 1024}}},
@@ -48,7 +48,7 @@ def write_planner(out_dir: Path, reps: int, info: dict) -> str:
     body = bench_planner(reps)
     (out_dir / "planner.md").write_text(
         "# Planner benchmark: 1,024 GPUs on 128 nodes\n\n"
-        "`dualrun.plan.make_plan` + `Plan.to_json` (what `dualrun plan --json` prints), timed in-process.\n\n"
+        "`dualrun.plan.processes.make_plan` + `Plan.to_json` (what `dualrun plan --json` prints), timed in-process.\n\n"
         f"{body}\n\nMachine: {info.get('cpus')} CPUs ({info.get('cpu', '?')}), Python {info.get('python')}, "
         f"load average before {', '.join(f'{x:.2f}' for x in info.get('load_before', ()))}. "
         f"Written {time.strftime('%Y-%m-%d %H:%M')} by `python benchmarks/launch_bench.py`.\n")

@@ -13,7 +13,7 @@ from .job import BASE, SHORT, VARIANTS
 from .measure import Run
 
 # The overhead dualrun allows itself against bare torchrun, as (variant, metric, limit, kind):
-# kind "max" -> ratio <= limit, "min" -> ratio >= limit, "cores" -> the median itself <= limit (issue 26, point 4)
+# kind "max" -> ratio <= limit, "min" -> ratio >= limit, "cores" -> the median itself <= limit
 TARGETS = [
     ("dualrun-torchrun", "wall", 1.05, "max"),
     ("dualrun-ray", "wall", 1.05, "max"),

@@ -39,7 +39,7 @@ def start_router(replicas: list, stack: list, health_timeout_s: float = 120):
     """dualrun's router on a free loopback port in front of `replicas` (started `ServerProcess`es), healthy;
     appended to `stack`, which the caller stops."""
     from dualrun.light.ports import free_port
-    from dualrun.serving.router import router_argv
+    from dualrun.programs.router import router_argv
 
     port = free_port()
     r = _start("router", router_argv("127.0.0.1", port, [s.address for s in replicas]), port, stack,
@@ -73,11 +73,11 @@ def start_vllm_router(replicas: list, stack: list, health_timeout_s: float = 120
 
 
 def start_cpu_engines(model: str, n: int, stack: list, health_timeout_s: float = 120) -> list:
-    """`n` of dualrun's CPU engines (dualrun/serving/transformers_server.py, one torch thread each, as dualrun
+    """`n` of dualrun's CPU engines (dualrun/programs/cpu_engine.py, one torch thread each, as dualrun
     starts them) serving `model`, healthy; appended to `stack`."""
     from dualrun.config.model import RoleSpec
     from dualrun.light.ports import free_port
-    from dualrun.serving.commands import cpu_engine
+    from dualrun.methods.commands import cpu_engine
 
     role = RoleSpec("rollout", 0, 1)
     out = []

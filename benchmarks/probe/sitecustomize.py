@@ -130,7 +130,7 @@ def activate() -> None:
 # Wrapping, not editing dualrun: the same probe measures every revision.
 _DRIVER_STEPS = (  # (module, attribute path, step name): the step's start and end are recorded
     ("dualrun.api", "run_job", "run_job"),
-    ("dualrun.accelerate_env", "cached_accelerate_env", "accelerate_env"),
+    ("dualrun.env.accelerate", "cached_accelerate_env", "accelerate_env"),
     ("dualrun.raycluster.connect", "connect", "ray_connect"),
     ("dualrun.launchers.base", "Launcher.launch", "launch"),
     ("dualrun.launchers.ray", "RayLauncher._place", "place"),
@@ -206,4 +206,4 @@ elif os.environ.get(_DIR_ENV):
 
     _record["side_probe"] = time.time()
     when_imported("dualrun.cli", _on_cli)
-    when_imported("dualrun.launchers.ray_worker", _on_rank_worker)
+    when_imported("dualrun.actors.rank", _on_rank_worker)

@@ -5,14 +5,18 @@ import datetime
 import re
 from typing import Any, Mapping
 
-from dualrun.config import checks, honest, schema
+from dualrun.config import schema
+
+from dualrun.config import cross_keys
+
+from dualrun.config import refusals
 from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
 from dualrun.config.yamlfile import read_yaml
-from dualrun.envspec import reserved
-from dualrun.errors import ConfigError
+from dualrun.env.worker import reserved
+from dualrun.contract.errors import ConfigError
 
 CLI_SOURCE = "<command line>"
 # accelerate's flag names that may override the file, as `accelerate launch` spells them.
@@ -91,18 +95,18 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         roles = _roles(source, raw_roles, acc, overrides)
         groups = _groups(source, raw_groups, roles)
         _check_layout(source, roles, groups)
-        honest.external_roles(source, raw_roles or {}, roles, groups)
-        honest.server_sizes(source, roles, roles[0].name, groups)
+        refusals.external_roles(source, raw_roles or {}, roles, groups)
+        refusals.server_sizes(source, roles, roles[0].name, groups)
     except ConfigError as e:
         raise as_written(e, origin) from None
 
     env = _env(source, "env", values.pop("env", {}))
     ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
     tr_opts = TorchrunOptions(**_section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS))
-    checks.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
+    cross_keys.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
     for key, path in (("log_dir", values.get("log_dir")), ("torchrun.log_dir", tr_opts.log_dir)):
-        honest.log_dir(source, key, path)
-    honest.runtime_env(source, ray_opts.runtime_env)
+        refusals.log_dir(source, key, path)
+    refusals.runtime_env(source, ray_opts.runtime_env)
 
     if acc.get("num_processes") is None or "num_processes" in overrides:
         acc["num_processes"] = roles[0].processes
@@ -153,7 +157,7 @@ def _env(source: str, key: str, raw: Mapping[Any, Any]) -> Mapping[str, str]:
         if not isinstance(value, (str, int, float, datetime.date)):   # (bool is an int) no list, set or binary
             raise ConfigError(source, f"{key}.{name}", "a string, number or boolean", value)
         out[name] = str(value).lower() if isinstance(value, bool) else str(value)
-        honest.env_entry(source, f"{key}.{name}", name, out[name])
+        refusals.env_entry(source, f"{key}.{name}", name, out[name])
     return frozen_map(out)
 
 
@@ -227,9 +231,9 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
             raise ConfigError(source, f"roles.{name}.tensor_parallel_size", f"a divisor of roles.{name}.gpus={gpus}",
                               tp)
         addr = vals.get("address")
-        if addr is not None and not checks.host_port(addr):
+        if addr is not None and not cross_keys.host_port(addr):
             raise ConfigError(source, f"roles.{name}.address", "host:port with a port in [1, 65535]", addr)
-        server_args = honest.server_args(source, f"roles.{name}.server_args", vals.pop("server_args", []))
+        server_args = refusals.server_args(source, f"roles.{name}.server_args", vals.pop("server_args", []))
         env = _env(source, f"roles.{name}.env", vals.pop("env", {}))
         vals.pop("gpus", None)
         vals.pop("processes", None)

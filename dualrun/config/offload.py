@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from dualrun.errors import ConfigError
+from dualrun.contract.errors import ConfigError
 
 DEVICE_KEY = "offload_optimizer_device"
 

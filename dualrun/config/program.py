@@ -7,7 +7,7 @@ import re
 import sys
 from typing import Any
 
-from dualrun.errors import ConfigError
+from dualrun.contract.errors import ConfigError
 
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 CLI_SOURCE = "<command line>"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dualrun import protocol
+from dualrun.contract import protocol
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ LIMITS: tuple[tuple[str, Any, str], ...] = (
      "spelling, abbreviation or packing (`--po 9000`, `-tp2`, `\"--port 9000\"`)"),
 )
 
-# The variables a user sets for dualrun itself (names in dualrun/protocol.py, plus Ray's RAY_ADDRESS): checked like
-# config keys before anything starts (dualrun/envcheck.py), listed in the reference.
+# The variables a user sets for dualrun itself (names in dualrun/contract/protocol.py, plus Ray's RAY_ADDRESS): checked like
+# config keys before anything starts (dualrun/config/environment.py), listed in the reference.
 ENV_VARS: tuple[tuple[str, str, str], ...] = (
     (protocol.PROGRESS, "rank0, all or none", "whose progress bars the console shows (Ray backend); default rank0"),
     (protocol.EXIT_TIMEOUT_S, f"a number of seconds in (0, {MAX_SECONDS:g}]",

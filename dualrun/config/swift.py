@@ -14,7 +14,7 @@ from typing import Any
 
 from dualrun.config.schema import MAX_DEVICE_ID, MAX_MACHINES, MAX_PROCESSES
 from dualrun.config.values import check, parse_ids
-from dualrun.errors import ConfigError
+from dualrun.contract.errors import ConfigError
 
 _GROUP_KEYS = ("device", "ranks", "workers")
 

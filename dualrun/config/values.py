@@ -7,7 +7,7 @@ import re
 from typing import Any, Iterable
 
 from dualrun.config.schema import MAX_DEVICE_ID, MAX_PROCESSES
-from dualrun.errors import ConfigError
+from dualrun.contract.errors import ConfigError
 
 _RANGE = re.compile(r"^\s*list\(\s*range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)\s*$")
 _TYPE_WORDS = {

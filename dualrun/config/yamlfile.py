@@ -12,7 +12,7 @@ import stat
 from typing import Any
 
 from dualrun.config import schema
-from dualrun.errors import ConfigError
+from dualrun.contract.errors import ConfigError
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))

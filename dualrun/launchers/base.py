@@ -10,11 +10,12 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from dualrun import protocol
+from dualrun.contract import protocol
 from dualrun.config.model import JobConfig
-from dualrun.envspec import forwarded_env, redact_argv
-from dualrun.errors import LaunchError, killed_by
-from dualrun.plan import AUTO, Cluster, Plan
+from dualrun.env.worker import forwarded_env
+from dualrun.contract.redact import redact_argv
+from dualrun.contract.errors import LaunchError, killed_by
+from dualrun.plan.processes import AUTO, Cluster, Plan
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
 

@@ -18,15 +18,17 @@ import threading
 import time
 from typing import Any, Iterator, Mapping
 
-from dualrun.envspec import forwarded_env, redact
-from dualrun.errors import LaunchError
+from dualrun.env.worker import forwarded_env
+
+from dualrun.contract.redact import redact
+from dualrun.contract.errors import LaunchError
 from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
 from dualrun.launchers.ray_results import first_line
 from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
-from dualrun.plan import AUTO, Cluster, Plan, Process, units
-from dualrun.protocol import ActorPlace, group_port_env
+from dualrun.plan.processes import AUTO, Cluster, Plan, Process, units
+from dualrun.contract.protocol import ActorPlace, group_port_env
 from dualrun.servers.planned import server_previews
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
@@ -221,7 +223,7 @@ class RayLauncher(Launcher):
 
     def _place(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
         """One placement group per unit, one actor per rank in it (rank order: rank 0's actor first)."""
-        from dualrun.launchers.ray_worker import RankWorker
+        from dualrun.actors.rank import RankWorker
 
         ranks: list[Rank] = []
         by_unit: dict[str, list[Process]] = {}
@@ -252,7 +254,7 @@ class RayLauncher(Launcher):
         argv = list(prepared.argv)
         call = None
         if self.program.call_file:   # Python API: the pickled call travels to each node through its actor
-            from dualrun.launchers.ray_worker import CALL
+            from dualrun.actors.rank import CALL
 
             with open(self.program.call_file, "rb") as f:
                 call = f.read()

@@ -8,7 +8,7 @@ import pickle
 from typing import Any, Sequence
 
 from dualrun.launchers.base import JobResult, RankResult, failed_job
-from dualrun.protocol import RankExit
+from dualrun.contract.protocol import RankExit
 
 
 def failure(ranks: Sequence[Any], first: int, stop_time: float | None) -> JobResult:

@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 from dualrun.launchers.base import JobResult, RankResult
 from dualrun.launchers.ray_results import failure, first_line, rank_results, value
-from dualrun.plan import Process
-from dualrun.protocol import ActorPlace, RankExit
+from dualrun.plan.processes import Process
+from dualrun.contract.protocol import ActorPlace, RankExit
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
 SHUTDOWN_S = 8.0        # stop + drain budget (a driver signal must end the job within 10 s)

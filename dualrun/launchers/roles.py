@@ -13,10 +13,10 @@ import sys
 import time
 from typing import Any
 
-from dualrun.envspec import redact_value
+from dualrun.contract.redact import redact_value
 from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
-from dualrun.plan import Plan
-from dualrun.protocol import ROLES_MODE, ROLES_SPEC
+from dualrun.plan.processes import Plan
+from dualrun.contract.protocol import ROLES_MODE, ROLES_SPEC
 from dualrun.roles.driver import driver_env
 from dualrun.roles.spec import groups_table, spec_from_config
 

@@ -15,12 +15,13 @@ import threading
 import time
 from typing import Any, Iterator
 
-from dualrun import protocol
-from dualrun.envspec import TORCHRUN_NAMES, redact
-from dualrun.errors import LaunchError
+from dualrun.contract import protocol
+from dualrun.env.worker import TORCHRUN_NAMES
+from dualrun.contract.redact import redact
+from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
-from dualrun.plan import AUTO, Plan
+from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.ports import free_port
 from dualrun.servers.local import LocalServers
 from dualrun.servers.machines import Machines, await_attempt

@@ -48,7 +48,7 @@ def _activate_plugin() -> None:
 
     activate_resume()
     activate_defaults()
-    from dualrun.protocol import METHOD
+    from dualrun.contract.protocol import METHOD
 
     method = os.environ.get(METHOD)
     if not method:
@@ -60,7 +60,7 @@ def _activate_plugin() -> None:
 
 def _call(path: str) -> object:
     """Python API: call a pickled function and leave its return value next to it for the driver."""
-    from dualrun.funcs import load_call, save_result
+    from dualrun.contract.calls import load_call, save_result
 
     fn, args, kwargs = load_call(path)
     value = fn(*args, **kwargs)

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Callable, NoReturn
 
-from dualrun.protocol import EXIT_TIMEOUT_S
+from dualrun.contract.protocol import EXIT_TIMEOUT_S
 
 _FALLBACK_S = 15.0
 

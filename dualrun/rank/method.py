@@ -1,7 +1,7 @@
 """The worker half of a method plugin: what every worker activates before the user's script runs.
 
-Why apart from `dualrun.plugin` (the driver half): a plugin's driver half validates the config and names its
-servers' command lines (dualrun.serving.commands); a worker only installs import hooks. Resolving the worker half
+Why apart from `dualrun.methods.plugin` (the driver half): a plugin's driver half validates the config and names its
+servers' command lines (dualrun.methods.commands); a worker only installs import hooks. Resolving the worker half
 here keeps a rank from importing the config, the plan or anything that starts a server.
 
 A built-in method's worker half is the module `dualrun.plugins.workers.<method>` (its `activate(settings)`); a
@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 from typing import Any, Mapping
 
-from dualrun.protocol import PLUGIN_ENTRY_POINTS, Settings
+from dualrun.contract.protocol import PLUGIN_ENTRY_POINTS, Settings
 
 WORKER_PACKAGE = "dualrun.plugins.workers"
 

@@ -10,7 +10,7 @@ import os
 import sys
 
 from dualrun.rank.hooks import when_imported
-from dualrun.protocol import JOB_RESTARTS
+from dualrun.contract.protocol import JOB_RESTARTS
 
 
 def restart_count() -> int:

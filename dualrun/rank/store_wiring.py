@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-from dualrun import job_store
-from dualrun.protocol import WIRING_FETCH
+from dualrun.contract import job_store
+from dualrun.contract.protocol import WIRING_FETCH
 
 
 def share() -> None:

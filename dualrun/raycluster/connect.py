@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from dualrun.config.model import RayOptions
-from dualrun.errors import ConfigError, LaunchError
-from dualrun.plan import Cluster, Node
+from dualrun.contract.errors import ConfigError, LaunchError
+from dualrun.plan.processes import Cluster, Node
 
 _PROBE_S = 2.0
 _QUIET_LOGGERS = ("ray._private.authentication.authentication_token_setup",)

@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from dualrun.config.model import RayOptions
-from dualrun.errors import ConfigError, LaunchError
+from dualrun.contract.errors import ConfigError, LaunchError
 from dualrun.raycluster.connect import alive_nodes
 
 PLACEMENT_EXIT = 2   # a layout or resource problem the user must fix, like any other bad input

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 # name -> its module; imported on first use (PEP 562), so the launch path's `dualrun.roles.driver` (is this a role
-# program?) does not import the whole API (~15 ms of every launch, issue 26)
+# program?) does not import the whole API (~15 ms of every launch)
 _WHERE = {
     "UnknownGroupError": "context", "WorkerContext": "context", "WorkerError": "context", "current": "context",
     "RoleProxy": "decorators", "function": "decorators", "worker": "decorators",

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from dualrun.errors import DualrunError
+from dualrun.contract.errors import DualrunError
 
 
 @dataclass(frozen=True)

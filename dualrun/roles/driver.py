@@ -13,7 +13,7 @@ import ast
 import os
 from typing import Any
 
-from dualrun.protocol import ROLES_MODE, ROLES_SPEC
+from dualrun.contract.protocol import ROLES_MODE, ROLES_SPEC
 from dualrun.roles.spec import spec_from_config
 
 _CALLS = {"init", "WorkerGroup"}
@@ -65,7 +65,7 @@ def roles_mode(cfg: Any) -> str:
 def check_role_job(cfg: Any) -> None:
     """Layouts a role program cannot run: local groups are processes of this machine, so torchrun on several."""
     if roles_mode(cfg) == "local" and cfg.num_machines > 1:
-        from dualrun.errors import ConfigError
+        from dualrun.contract.errors import ConfigError
 
         raise ConfigError(cfg.source, "num_machines", "1 for a role program under torchrun (it runs once; its "
                           "groups are processes of this machine)", cfg.num_machines,
@@ -74,7 +74,7 @@ def check_role_job(cfg: Any) -> None:
 
 def driver_env(cfg: Any, run_id: str) -> dict[str, str]:
     """The driver's env: ours, the plan's common env (DUALRUN_BACKEND, _METHOD, _SETTINGS, `env:`), the groups."""
-    from dualrun.plan import AUTO, make_plan
+    from dualrun.plan.processes import AUTO, make_plan
 
     env = dict(os.environ)
     env.update({k: (run_id if v == AUTO else v) for k, v in make_plan(cfg, environ=os.environ).env.items()})

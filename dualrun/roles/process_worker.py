@@ -11,7 +11,7 @@ import os
 import pickle
 from typing import Any
 
-from dualrun import protocol
+from dualrun.contract import protocol
 from dualrun.light.parent_death import exit_with_process
 from dualrun.roles.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
 from dualrun.roles.workers import bind
@@ -28,7 +28,7 @@ def _dumps(value: Any) -> bytes:
     try:
         return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - pickle refuses with PicklingError, TypeError or AttributeError
-        from dualrun.funcs import pickler
+        from dualrun.contract.calls import pickler
 
         return pickler().dumps(value)
 

@@ -25,7 +25,7 @@ import types
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn
 
-from dualrun.errors import killed_by
+from dualrun.contract.errors import killed_by
 from dualrun.roles.context import RemoteFailure, WorkerError, method_name
 from dualrun.roles.dispatch import CollectFn
 from dualrun.roles.rendezvous import member_env
@@ -73,7 +73,7 @@ class ProcessWorkers(Workers):
                  kwargs: dict) -> None:
         import multiprocessing
 
-        from dualrun.funcs import pickler
+        from dualrun.contract.calls import pickler
         from dualrun.light.ports import free_port
         from dualrun.roles.process_worker import serve
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from dualrun import protocol
+from dualrun.contract import protocol
 from dualrun.light.ports import free_port
 from dualrun.roles.spec import GroupSpec
 

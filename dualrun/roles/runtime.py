@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from dualrun.protocol import ROLES_MODE, SETTINGS, Settings
+from dualrun.contract.protocol import ROLES_MODE, SETTINGS, Settings
 from dualrun.roles.context import UnknownGroupError
 from dualrun.roles.spec import GroupSpec, RolesSpec, load_spec
 

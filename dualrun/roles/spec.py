@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-from dualrun import protocol
+from dualrun.contract import protocol
 from dualrun.config.model import RayOptions, frozen_map
 
 
@@ -68,8 +68,8 @@ def planned_devices(cfg: Any) -> dict[str, tuple[int, ...]]:
     `gpu_ids`, or by count), so a role program's local group workers sit on their role's GPUs as on Ray."""
     if cfg.backend != "torchrun" or cfg.use_cpu or not any(r.gpus for r in cfg.roles):
         return {}
-    from dualrun.errors import DualrunError
-    from dualrun.plan import make_plan
+    from dualrun.contract.errors import DualrunError
+    from dualrun.plan.processes import make_plan
 
     try:
         plan = make_plan(cfg, environ=os.environ)

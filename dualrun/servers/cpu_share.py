@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, Sequence
 
-from dualrun.protocol import CPU_SHARE
+from dualrun.contract.protocol import CPU_SHARE
 
 OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"   # '0': vLLM's model worker runs inside its engine-core process

@@ -16,10 +16,10 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping, TextIO
 
-from dualrun import protocol
+from dualrun.contract import protocol
 from dualrun.config.model import JobConfig
-from dualrun.errors import LaunchError
-from dualrun.plan import ROUTER, Plan, Process
+from dualrun.contract.errors import LaunchError
+from dualrun.plan.processes import ROUTER, Plan, Process
 from dualrun.servers.planned import (addresses, log_name, phases, replica_addresses, server_command,
                                      server_health_path, server_role, wiring_env)
 from dualrun.servers.process import ServerError, ServerProcess
@@ -181,7 +181,7 @@ class LocalServers(ServerSet):
         free weight-sync port on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's
         value is used)."""
         from dualrun.light.ports import free_port
-        from dualrun.weight_sync import port_host
+        from dualrun.weightsync.group import port_host
 
         env = wiring_env(self.cfg, self.plugin, self.addresses)
         env.update(protocol.group_port_env(env, free_port(port_host(self.cfg))))
@@ -202,14 +202,14 @@ class LocalServers(ServerSet):
     def _others_serving(self, index: int) -> bool:
         """Several machines: the last-replica rule needs the router's view (machine 0's; machine K learns its address
         from the store, `Machines`): another replica of the role is in rotation there."""
-        from dualrun.serving import router_client
+        from dualrun.servers import router_client
         from dualrun.servers.replacing import router_of
 
         if self.cfg.num_machines == 1:
             return True
         router, slot = router_of(self.plan, index)
         if router not in self.started:
-            return False   # died before its router answered: the job ends as before
+            return False   # died before its router answered: the job ends
         try:
             return any(i != slot for i in router_client.replicas(self.started[router], timeout_s=2.0)["in_rotation"])
         except (OSError, ValueError, KeyError):

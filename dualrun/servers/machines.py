@@ -27,8 +27,8 @@ import sys
 import threading
 import time
 
-from dualrun import job_store
-from dualrun.plan import ROUTER, Plan
+from dualrun.contract import job_store
+from dualrun.plan.processes import ROUTER, Plan
 from dualrun.servers.local import LocalServers
 from dualrun.servers.planned import server_health_path, server_role
 from dualrun.servers.process import ServerError
@@ -149,8 +149,8 @@ class Machines:
         """Machine 0: whether another machine's replica that missed a health check is being restarted by its own
         machine (`replica_restarts`): its router here has it out for the launcher (`remove`) or joining at a fresh
         address, which is watched from then on. A replica its machine does not restart stays a death."""
-        from dualrun.serving import router_client
-        from dualrun.serving.rotation import JOINING, LAUNCHER
+        from dualrun.servers import router_client
+        from dualrun.programs.rotation import JOINING, LAUNCHER
         from dualrun.servers.replacing import router_of
 
         if index not in self.servers.restartable:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
-from dualrun.errors import LaunchError
-from dualrun.plan import AUTO, ROUTER, Plan, Process
+from dualrun.contract.errors import LaunchError
+from dualrun.plan.processes import AUTO, ROUTER, Plan, Process
 
 
 def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
@@ -24,7 +24,7 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
     router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
     if proc.kind == ROUTER:
-        from dualrun.serving.router import router_argv
+        from dualrun.programs.router import router_argv
 
         return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,
                            server_role(cfg, proc).request_timeout_s)
@@ -42,7 +42,7 @@ def server_previews(cfg: JobConfig, plugin: Any, plan: Plan, host: str, node: in
     `server_command` and the env it adds. Its port (picked free at launch) is `<auto>`, like `host` and `devices`
     where only the launch knows them (Ray: the actor's node IP and GPUs, for a server that has any); else the
     plan's devices."""
-    from dualrun.engine_shape import ROLLOUT_SERVER_ENV
+    from dualrun.plan.engines import ROLLOUT_SERVER_ENV
 
     out = []
     for p in plan.servers:
@@ -56,7 +56,7 @@ def server_previews(cfg: JobConfig, plugin: Any, plan: Plan, host: str, node: in
 
 
 def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
-    from dualrun.serving.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
+    from dualrun.methods.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
 
     return HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
 

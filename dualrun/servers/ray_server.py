@@ -27,9 +27,9 @@ import threading
 import time
 from typing import Any, Callable, Collection, Mapping
 
-from dualrun.protocol import ActorPlace
+from dualrun.contract.protocol import ActorPlace
 from dualrun.servers.process import ServerError
-from dualrun.servers.ray_actor import ServerActor
+from dualrun.actors.server import ServerActor
 from dualrun.servers.serverset import HUNG_EVERY_S, START_TRIES, ServerDeath, ServerSet
 
 
@@ -64,7 +64,7 @@ class RayServers(ServerSet):
 
     def start(self) -> dict[str, str]:
         """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
-        from dualrun.errors import LaunchError
+        from dualrun.contract.errors import LaunchError
 
         if not self.plan.servers:
             return self.addresses
@@ -166,7 +166,7 @@ class RayServers(ServerSet):
                      check: Callable[[], None] | None = None) -> dict[int, str]:
         """Start the servers `todo` (their actors placed), each on a free port of its node; index -> address.
         A port taken between picking and binding it is picked again; any other failure: LaunchError."""
-        from dualrun.errors import LaunchError
+        from dualrun.contract.errors import LaunchError
         from dualrun.raycluster import wait_refs
         from dualrun.servers.planned import server_role
 
@@ -263,7 +263,7 @@ class RayServers(ServerSet):
         """A fresh actor in a fresh placement group on the dead replica's node (its old group removed first, so
         the node's resources it held are free: Ray gives the new one the same shape there), the server on a fresh
         port, healthy. ServerError naming the replica when any step fails."""
-        from dualrun.errors import LaunchError
+        from dualrun.contract.errors import LaunchError
         from dualrun.raycluster import Gang
         from dualrun.servers.planned import server_role
 

@@ -1,22 +1,22 @@
 """Which dead engine replicas a job survives: the pure rules behind `roles.<r>.replica_restarts`.
 
-Why a module of its own: the server sets (processes here, later Ray actors) restart a dead replica and the router
-takes it back (dualrun/serving/rotation.py); whether a death is survivable at all, and the one line each event prints, are the same
+Why a module of its own: the server sets (processes or Ray actors) restart a dead replica and the router
+takes it back (dualrun/programs/rotation.py); whether a death is survivable at all, and the one line each event prints, are the same
 rules for every backend and unit-testable without a process.
 
 A replica may be restarted when it stands behind a router (its role has several engines), restarts of it are left,
-and another replica of its role is still serving (the last one gone ends the job as before). A replica whose engine
+and another replica of its role is still serving (the last one gone ends the job). A replica whose engine
 takes the trainer's weights (a `rollout` on vLLM) is held out of rotation until it has them (`takes_weights`; both
 backends, through ServerSet._restart): the launcher `remove`s the dead one at its router (the next sync re-forms the weight-sync group without it), `replace`s it with `hold` once healthy, and the router restores it after
-its first completed weight update (serving/rotation.py; the trainer's side: dualrun/rank/regroup.py). A teacher or reward
+its first completed weight update (programs/rotation.py; the trainer's side: dualrun/weightsync/trainer/regroup.py). A teacher or reward
 model keeps static weights: back in rotation once healthy.
 """
 from __future__ import annotations
 
 from typing import Any, Collection, Mapping
 
-from dualrun.engine_shape import role_takes_weights
-from dualrun.plan import ROUTER, Plan, Process
+from dualrun.plan.engines import role_takes_weights
+from dualrun.plan.processes import ROUTER, Plan, Process
 
 HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
 
@@ -54,7 +54,7 @@ def hung(row: Mapping[str, Any], out_for_s: float, request_timeout_s: float) -> 
     """Whether the router's row (`router_client.replicas`) shows a hung replica: out for `timeout` (a request got
     no answer within `request_timeout_s`), or its health probes failing for that long (`out_for_s`, as the launcher
     saw it) while the process lives (a stopped one answers nothing)."""
-    from dualrun.serving.rotation import PROBE, TIMEOUT
+    from dualrun.programs.rotation import PROBE, TIMEOUT
 
     if row.get("in_rotation"):
         return False

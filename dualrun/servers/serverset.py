@@ -207,7 +207,7 @@ class ServerSet(ABC):
         """`_replace`'s steps: `remove` at the router (out of the weight-sync group: the next sync goes on without
         it), respawn, `replace` at the router (held until its first weight update when it takes the trainer's
         weights: `replacing.takes_weights`), wait for rotation, the line that it is back."""
-        from dualrun.serving import router_client
+        from dualrun.servers import router_client
         from dualrun.servers.replacing import back_line, held_line, router_of, takes_weights
 
         router, slot = router_of(self.plan, index)
@@ -237,7 +237,7 @@ class ServerSet(ABC):
         """Ask each router with restartable replicas for its table: a replica it found hung (`replacing.hung`) is
         stopped and its death reported as being hung, so it is restarted; without a restart left (or no other
         replica serving) it stays out of rotation, routed around. The set's watcher calls it about once a second."""
-        from dualrun.serving import router_client
+        from dualrun.servers import router_client
         from dualrun.servers.planned import server_role
         from dualrun.servers.replacing import hung, hung_line, router_of, survivable
 

@@ -16,8 +16,8 @@ import os
 from typing import Any, Mapping
 
 from dualrun.plugins.workers.grpo import wire_rollout
-from dualrun.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
-from dualrun.rank.gloo_client import install as install_gloo_client
+from dualrun.contract.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
+from dualrun.weightsync.trainer.vllm_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
 from dualrun.rank.wiring import fill_defaults, say
 

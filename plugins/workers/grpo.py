@@ -4,8 +4,8 @@ plugins/grpo.py).
 A separate rollout: the unchanged GRPOConfig is pointed at its server (`use_vllm`, `vllm_mode="server"`,
 `vllm_server_host/port` and a free `vllm_group_port`, each only where the user left it at its default); TRL's
 AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`, and TRL's VLLMClient the gloo
-weight-sync path for a rollout on vLLM's CPU build (dualrun.rank.gloo_client), as does AsyncGRPOTrainer's default
-`weight_transfer` (dualrun.rank.gloo_async). A colocated vLLM rollout: TRL's
+weight-sync path for a rollout on vLLM's CPU build (dualrun.weightsync.trainer.vllm_client), as does AsyncGRPOTrainer's default
+`weight_transfer` (dualrun.weightsync.trainer.async_client). A colocated vLLM rollout: TRL's
 colocate mode, sleep mode from `offload_model`.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from dualrun.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
-from dualrun.rank.gloo_client import install as install_gloo_client
+from dualrun.contract.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
+from dualrun.weightsync.trainer.vllm_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
 from dualrun.rank.wiring import fill_defaults, left_at_default, rollout_fields, say
 
@@ -40,7 +40,7 @@ def activate(settings: Mapping[str, Any]) -> None:
 def install_async_gloo(module: Any) -> None:
     """AsyncGRPOTrainer's module: its default weight transfer takes the gloo path for a gloo server (imports TRL's
     async weight-transfer module, hence here and not at the top)."""
-    from dualrun.rank.gloo_async import install
+    from dualrun.weightsync.trainer.async_client import install
 
     install(module)
 

@@ -22,8 +22,8 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig
 from trl.generation import vllm_client
 
-from dualrun.serving.transformers_server import STATS_PATH as ENGINE_STATS
-from dualrun.serving.routing import STATS_PATH as ROUTER_STATS
+from dualrun.programs.cpu_engine import STATS_PATH as ENGINE_STATS
+from dualrun.programs.routing import STATS_PATH as ROUTER_STATS
 
 model, data, out = sys.argv[1:4]
 config = GRPOConfig(output_dir=os.path.join(out, "grpo"), per_device_train_batch_size=2, num_generations=2,

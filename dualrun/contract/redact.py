@@ -1,0 +1,161 @@
+"""The one redaction rule: what counts as a secret and how it is hidden, for env names, config keys, server flags
+(`--api-key X`) and URLs with credentials. Every message, log line, dry run and plan that shows a value goes through
+here. Standard library only."""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import re
+from typing import Any, Mapping, Sequence
+
+
+def abbreviates(arg: str, flags: Sequence[str]) -> str | None:
+    """Pure: the one long flag of `flags` that the option `arg` names for argparse (allow_abbrev, the default of
+    vLLM's, TRL's and dualrun's parsers): itself, with `_` for `-`, or a unique prefix (`--api-k` is `--api-key`).
+    None when it names none or several."""
+    if not arg.startswith("--") or len(arg) <= 3:
+        return None
+    flag = "--" + arg[2:].replace("_", "-")
+    if flag in flags:
+        return flag
+    longer = [f for f in flags if f.startswith(flag)]
+    return longer[0] if len(longer) == 1 else None
+
+
+
+# The one redaction rule: what counts as a secret and how it is hidden, for env names, config keys, server flags
+# (`--api-key X`) and URLs with credentials. Names are split into words (`DB_PASSWD` -> DB, PASSWD; `apiKey` ->
+# APIKEY), so `TOKENIZERS_PARALLELISM` or `--max-num-batched-tokens` stay visible.
+_SECRET_WORDS = frozenset({"TOKEN", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS", "PASSWD", "PASS", "PWD",
+                           "PASSPHRASE", "CREDENTIAL", "CREDENTIALS", "CREDS", "APIKEY", "ACCESSKEY", "SECRETKEY",
+                           "PRIVATEKEY", "KEY", "AUTHORIZATION", "COOKIE", "SIGNATURE"})
+_NOT_SECRET = frozenset({"PWD", "OLDPWD"})        # the shell's working directories
+REDACTED = "***"
+# Cloud credentials for checkpoint storage: forwarded, never printed, whatever their words (AWS_REGION too).
+_CREDENTIAL_NAMES = ("AWS_*", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+# Server flags whose value is a secret under any spelling argparse takes, abbreviations included (`--api-k X`):
+# vLLM's and TRL's servers' own. A flag name with a secret word (`--hf-token`) is one whatever the server.
+SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile")
+
+
+def secret_flag(flag: str) -> bool:
+    """Does the option `flag` (`--api-key`, `--api-k`, `--api_key`) take a secret value?"""
+    return is_secret(flag) or abbreviates(flag, SECRET_FLAGS) is not None
+
+
+@functools.lru_cache(maxsize=4096)
+def is_secret(name: str) -> bool:
+    """Does a variable, config key or flag name (`HF_TOKEN`, `env.DB_PASSWD`, `--api-key`) hold a secret?"""
+    last = str(name).rsplit(".", 1)[-1].lstrip("-").upper()
+    if last in _NOT_SECRET:
+        return False
+    if any(fnmatch.fnmatchcase(last, p) for p in _CREDENTIAL_NAMES):
+        return True
+    return any(word in _SECRET_WORDS for word in re.split(r"[^A-Z0-9]+", last))
+
+
+# a flag starts a word: without the look-behind every `-` inside `a-b-c-...` started a scan to the end (quadratic)
+_FLAG_VALUE = re.compile(r"(?<![A-Za-z0-9_.-])(--?[A-Za-z][A-Za-z0-9_.-]*)([ =]+)([^\s]+)")
+
+
+def _hide_url_passwords(text: str) -> str:
+    """`user:password@` -> `user:***@`, in one pass (a regex scanning back from every position was quadratic: a
+    100 KiB value took minutes). The credentials are the run of characters before an `@` up to `/`, a quote,
+    whitespace or another `@`; its first `:` ends the user."""
+    if "@" not in text or ":" not in text:
+        return text
+    out: list[str] = []
+    done = 0
+    at = text.find("@")
+    while at >= 0:
+        start = at
+        while start > done and not (text[start - 1] in "/@'\"" or text[start - 1].isspace()):
+            start -= 1
+        colon = text.find(":", start, at)
+        if 0 <= colon < at - 1:
+            out += [text[done:colon + 1], REDACTED]
+            done = at
+        out.append(text[done:at + 1])
+        done = at + 1
+        at = text.find("@", done)
+    out.append(text[done:])
+    return "".join(out)
+
+
+def redact_text(text: str) -> str:
+    """`text` with the password of any `scheme://user:password@host` and the value after a secret flag
+    (`--api-key X`) hidden. Linear in the length of `text`."""
+    text = _hide_url_passwords(text)
+    return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if secret_flag(m.group(1)) else m.group(0),
+                           text)
+
+
+def redact_value(name: str, value: str) -> str:
+    """A variable's value safe to print: hidden for a secret name; for JSON (DUALRUN_SETTINGS, a roles spec),
+    every secret-named key inside hidden; URL passwords and secret flags hidden everywhere."""
+    if is_secret(name) and value:
+        return REDACTED
+    if value[:1] in ("{", "[") and len(value) < 1_000_000:
+        import json
+
+        try:
+            data = json.loads(value)
+        except ValueError:
+            return redact_text(value)
+        return json.dumps(_redact_tree(data), separators=(",", ":"))
+    return redact_text(value)
+
+
+def _redact_tree(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: REDACTED if is_secret(str(k)) and v not in ("", None) else _redact_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        strings = [a if isinstance(a, str) else "" for a in value]
+        return [b if isinstance(a, str) else _redact_tree(a) for a, b in zip(value, redact_argv(strings))]
+    return redact_text(value) if isinstance(value, str) else value
+
+
+def redact(env: Mapping[str, str]) -> dict[str, str]:
+    """A copy safe to print: secret-looking names keep their key, lose their value."""
+    return {k: redact_value(k, v) for k, v in env.items()}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """A command line safe to print: `--api-key X` / `--api-key=X` / `--hf_token X` lose their value."""
+    out: list[str] = []
+    hide_next = False
+    for arg in map(str, argv):
+        if hide_next and not arg.startswith("--"):
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        hide_next = False
+        flag, eq, value = arg.partition("=")
+        if arg.startswith("-") and secret_flag(flag):
+            if eq:
+                out.append(f"{flag}={REDACTED}")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(redact_text(arg))
+    return out
+
+
+def redact_data(value: Any, depth: int = 3) -> Any:
+    """A (shortened) copy of a config value safe to print: secret-named mapping keys and secret flags lose their
+    values, URLs their passwords. Looks at no more than 20 items per level, `depth` levels deep."""
+    if isinstance(value, str):
+        return redact_text(value[:2000])
+    if depth <= 0:
+        return "..." if isinstance(value, (dict, list, tuple)) else value
+    if isinstance(value, dict):
+        return {k: (REDACTED if is_secret(str(k)) else redact_data(v, depth - 1))
+                for k, v in list(value.items())[:20]}
+    if isinstance(value, (list, tuple)):
+        items = list(value[:20])
+        flat = redact_argv([a if isinstance(a, str) else "" for a in items])
+        return [redact_data(a, depth - 1) if not isinstance(a, str) else b for a, b in zip(items, flat)]
+    return value

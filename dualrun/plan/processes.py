@@ -1,0 +1,264 @@
+"""Plan: a function from (config, cluster, the shell's CUDA_VISIBLE_DEVICES) to every process, where it runs and with
+which env.
+
+No Ray, no torch, no environment of its own: `dualrun plan` prints it and both launchers consume it; where the
+launching shell's variables count (CUDA_VISIBLE_DEVICES, RAY_ADDRESS), the caller passes them in. What differs
+between the backends is the placement policy's (dualrun/plan/placement.py). Values only known at launch time (the
+master port, a server's address, the run id) appear as `<auto>` until the launcher fills them in.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from dualrun.contract import protocol
+from dualrun.config.model import JobConfig, RoleSpec, frozen_map
+from dualrun.plan.engines import engine_of, engine_size, replica_count, server_env
+from dualrun.env.worker import rank_env
+from dualrun.contract.redact import redact
+from dualrun.contract.errors import ConfigError, escaped
+from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
+
+__all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
+
+ROUTER = "router"   # the kind of the process that puts a separate role's engine replicas behind one address
+
+
+@dataclass(frozen=True)
+class Process:
+    unit: str                     # placement unit: a role, or colocated roles joined by '+'
+    roles: tuple[str, ...]        # roles living in this process
+    kind: str                     # 'worker' runs the user's program; 'server' serves a role (one engine replica,
+                                  # `rank` of `world_size`); 'router' puts a role's replicas behind one address
+    rank: int
+    world_size: int
+    node: int
+    local_rank: int
+    local_world_size: int
+    devices: tuple[int, ...]
+    env: Mapping[str, str] = field(default_factory=frozen_map)
+
+    @property
+    def label(self) -> str:
+        if self.kind == ROUTER:
+            return f"{self.unit} router"
+        return f"{self.unit} rank {self.rank}" if self.kind == "worker" else f"{self.unit} server {self.rank}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str
+    method: str
+    source: str
+    cluster: Cluster
+    processes: tuple[Process, ...]
+    env: Mapping[str, str]
+    external: Mapping[str, str] = field(default_factory=frozen_map)  # role -> address of a user-run server
+    machine_rank: int | None = None    # torchrun: the node this launch is for
+
+    @property
+    def workers(self) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.kind == "worker")
+
+    @property
+    def servers(self) -> tuple[Process, ...]:
+        """What the launchers start before the trainers: every engine replica, then (after a role's replicas)
+        the router in front of them."""
+        return tuple(p for p in self.processes if p.kind in ("server", ROUTER))
+
+    def on_node(self, node: int) -> tuple[Process, ...]:
+        return tuple(p for p in self.processes if p.node == node)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "method": self.method,
+            "config": self.source,
+            "machine_rank": self.machine_rank,
+            "cluster": {"source": self.cluster.source,
+                        "nodes": [{"index": n.index, "address": n.address, "gpus": n.gpus, "cpus": n.cpus}
+                                  for n in self.cluster.nodes]},
+            "env": redact(self.env),
+            "external_servers": dict(self.external),
+            "processes": [
+                {"unit": p.unit, "roles": list(p.roles), "kind": p.kind, "rank": p.rank,
+                 "world_size": p.world_size, "node": p.node, "local_rank": p.local_rank,
+                 "devices": list(p.devices), "env": redact(p.env)}
+                for p in self.processes
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self) -> str:
+        """Per node: which GPU runs which role and rank."""
+        lines = [f"plan: backend={self.backend} method={self.method} config={escaped(self.source)} "
+                 f"cluster={self.cluster.source} ({len(self.cluster.nodes)} node(s))"]
+        by_node: dict[int, list[Process]] = {}
+        for p in self.processes:   # once, not per node: 65536 ranks on 8192 nodes stay fast
+            by_node.setdefault(p.node, []).append(p)
+        for node in self.cluster.nodes:
+            procs = by_node.get(node.index)
+            if not procs:
+                continue
+            mark = " (this machine)" if self.machine_rank == node.index else ""
+            lines.append(f"node {node.index} {node.address}{mark}: {node.gpus} GPU(s)")
+            for p in procs:
+                dev = "GPU " + ",".join(map(str, p.devices)) if p.devices else "CPU"
+                lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
+                                                          if p.kind == "worker" else ""))
+        for role, addr in self.external.items():
+            lines.append(f"external {role} server at {addr}")
+        return "\n".join(lines)
+
+
+def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping[str, str] | None = None,
+              environ: Mapping[str, str] | None = None) -> Plan:
+    """Place every process of `cfg` on `cluster` (default: the cluster the config implies, on the GPUs the
+    launching shell's `environ` makes visible; pass os.environ where the shell counts, None: it sets nothing)."""
+    policy = placement_for(cfg)
+    cluster = cluster or policy.assumed_cluster({} if environ is None else environ)
+    common = _common_env(cfg, extra_env)
+    free = policy.free_devices(cluster)
+    procs: list[Process] = []
+    external: dict[str, str] = {}
+    for i, (group, role) in enumerate(units(cfg)):
+        unit = "+".join(group)
+        if i == 0:
+            procs += _place_workers(cfg, policy, cluster, free, group, role, unit, common)
+            if policy.processes_take_slots:
+                for p in procs:   # on CPU a machine's slots are processes: each trainer rank takes one
+                    if not p.devices and free[p.node]:
+                        free[p.node].pop(0)
+            continue
+        if role.address:
+            for name in group:
+                external[name] = role.address
+            continue
+        procs += _place_server(cfg, policy, cluster, free, group, role, unit, common)
+    return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_share_cpus(cfg, procs)), frozen_map(common),
+                frozen_map(external), policy.machine_rank)
+
+
+def _share_cpus(cfg: JobConfig, procs: list[Process]) -> list[Process]:
+    """Several vLLM CPU engines on one machine: each marked with its share of the machine's cores ('j/k'), which
+    it binds its OpenMP threads to where it starts (dualrun/servers/cpu_share.py); vLLM alone binds them all to
+    the same cores."""
+    if not cfg.use_cpu:
+        return procs
+    on_node: dict[int, list[int]] = {}
+    for i, p in enumerate(procs):
+        role = cfg.role(p.roles[0])
+        if p.kind == "server" and role is not None and engine_of(cfg, role) == "vllm":
+            on_node.setdefault(p.node, []).append(i)
+    out = list(procs)
+    for engines in on_node.values():
+        for j, i in enumerate(engines if len(engines) > 1 else ()):
+            out[i] = replace(out[i], env=frozen_map({**out[i].env, protocol.CPU_SHARE: f"{j}/{len(engines)}"}))
+    return out
+
+
+def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:
+    settings = protocol.Settings(
+        offload_model=cfg.offload_model, offload_optimizer=cfg.offload_optimizer, max_failures=cfg.max_failures,
+        collective_timeout_s=cfg.collective_timeout_s,
+        roles={r.name: protocol.RoleSettings(
+            gpus=r.gpus, processes=r.processes, engine=r.engine, tensor_parallel_size=r.tensor_parallel_size,
+            data_parallel_size=r.data_parallel_size, model=r.model, top_k=r.top_k, separate=cfg.is_separate(r.name))
+            for r in cfg.roles})
+    env = {protocol.BACKEND: cfg.backend, protocol.METHOD: cfg.method, protocol.RUN_ID: AUTO, **settings.to_env()}
+    env.update(cfg.env)
+    env.update(extra or {})
+    return env
+
+
+def _take(free: Free, node: int, count: int, fixed: tuple[int, ...] | None) -> tuple[int, ...]:
+    if fixed is not None:
+        for gid in fixed:
+            if gid in free[node]:
+                free[node].remove(gid)
+        return tuple(fixed)  # torchrun: held back from `free` by its policy already
+    got, free[node][:] = free[node][:count], free[node][count:]
+    return tuple(got)
+
+
+def _place_workers(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Free, group: tuple[str, ...],
+                   role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
+    world = role.processes
+    slots = policy.worker_slots(cluster, free, role)
+    procs: list[Process] = []
+    rank = 0
+    node_ranks = {idx: r for r, (idx, _) in enumerate(slots)}
+    for node_index, count in slots:
+        if role.gpus:   # one GPU per rank
+            if role.gpu_ids is not None and len(slots) == 1:
+                devices = _take(free, node_index, count, role.gpu_ids)
+            else:
+                if len(free[node_index]) < count:
+                    node = cluster.nodes[node_index]
+                    raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
+                                      f"at most {len(free[node_index])} free GPUs on node {node.index}"
+                                      + _visible_note(node), count)
+                devices = _take(free, node_index, count, None)
+        else:
+            devices = ()
+        for local in range(count):
+            view = policy.rank_view(local, count, devices)
+            env = rank_env(rank=rank, world_size=world, local_rank=view.local_rank,
+                           local_world_size=view.local_world_size, node_rank=node_ranks[node_index],
+                           num_nodes=len(slots), master_addr=policy.master_addr,
+                           master_port=cfg.main_process_port or AUTO, max_restarts=cfg.max_failures, run_id=AUTO)
+            env.update(common)
+            env.update(role.env)
+            env.update({"NODE_RANK": str(node_ranks[node_index]),
+                        "CUDA_VISIBLE_DEVICES": ",".join(map(str, view.visible)),
+                        protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
+            procs.append(Process(unit, group, "worker", rank, world, node_index, view.local_rank,
+                                 view.local_world_size, view.devices, frozen_map(env)))
+            rank += 1
+    return procs
+
+
+def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Free, group: tuple[str, ...],
+                  role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
+    """A separate role's engines: one replica of `engine_size` GPUs each, each on the first node with that many
+    free GPUs left by the trainers (fixed `gpu_ids`: those), and with several a router (CPU only) on the node
+    the placement policy says, whose address the trainers get."""
+    count = replica_count(cfg, role)
+    size = engine_size(cfg, role) if role.gpus else 0
+    slots = size or (1 if policy.processes_take_slots else 0)   # CPU: a process
+    fixed = role.gpu_ids
+    candidates: Iterable[Node] = cluster.nodes
+    env = dict(common)
+    env.update(server_env(cfg, role))
+    env.update(role.env)
+    env.update({protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
+    procs = []
+    for replica in range(count):
+        mine = tuple(fixed[replica * size:(replica + 1) * size]) if fixed is not None else None
+        node = next((n for n in candidates if len(free[n.index]) >= slots or mine is not None), None)
+        if node is None:
+            have = max((len(free[n.index]) for n in candidates), default=0)
+            what = "GPUs" if size else "process slots (torchrun.gpus_per_machine)"
+            what = f"{slots} free {what} on one node for each of its {count} engines" if count > 1 else \
+                f"at most {have} free {what} on one node for a separate role"
+            raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
+                              (f"{what} (engine {replica} finds at most {have})" if count > 1 else what)
+                              + _visible_note(next(iter(candidates), None)), role.gpus)
+        taken = _take(free, node.index, slots, mine) if slots else ()
+        devices = taken if size else ()
+        procs.append(Process(unit, group, "server", replica, count, node.index, 0, 1, devices,
+                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))})))
+    if count > 1:
+        home = policy.router_node(cluster, [p.node for p in procs])
+        procs.append(Process(unit, group, ROUTER, 0, count, home, 0, 1, (),
+                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""})))
+    return procs
+
+
+def _visible_note(node: Node | None) -> str:
+    if node is None or not node.device_ids:
+        return ""
+    return f" (the launching shell's CUDA_VISIBLE_DEVICES={','.join(map(str, node.device_ids))})"

@@ -1,0 +1,239 @@
+"""Which engine replicas behind the router take requests: pure state, no sockets (`router.py` drives it).
+
+Why a table apart from the router: when a replica fails, what happens to it, to the requests on it and to the next
+ones is the whole of the router's fault tolerance; kept here as plain data with the clock passed in, every rule is
+unit-tested in milliseconds.
+
+The rules. A replica is *in rotation* (it gets generation and scoring requests) or *out* of it, with the reason.
+- It leaves at once when a request to it fails — the connection is refused or reset (`UNREACHABLE`), it answers a
+  5xx (`STATUS`), it gives no answer within the role's `request_timeout_s` (`TIMEOUT`: a hung engine accepts and
+  never answers) — or when its health probe fails (`PROBE`). The request goes to another replica.
+- The router probes every replica's `/health` about once a second, in rotation or not. An out replica whose failure said it was down or sick
+  (`UNREACHABLE`, `STATUS`, `PROBE`) is back after `RECOVER_PROBES` passing probes in a row. One out for `TIMEOUT`
+  stays out until the launcher restores or replaces it: a hung engine may still answer `/health` (vLLM's API process
+  answers it while its engine core hangs), so a passing probe proves nothing. So does one the launcher took out.
+- The launcher (through the router's control endpoints) can `replace` a replica by a new engine at a new address
+  (optionally *held*: kept out of rotation, even when healthy, until restored or until it completes its first
+  weight update — a rollout replica that does not yet hold the trainer's weights), `restore` one (it is back once
+  healthy) or `remove` one (out until restored).
+- The weight-transfer *members* (every replica a weight-transfer call goes to) are the replicas not removed: a
+  removed one (dead, about to be restarted) leaves, a replacement joins. Each change grows `membership`, the number
+  the trainer's side compares before a sync: changed, it re-forms its weight-sync group with the members of now
+  (dualrun/weightsync/trainer/vllm_client.py). A held replica is restored by the router once it has received an update and
+  completed it (`weights_received`, `weights_finished`): from then on it serves the trainer's current weights.
+- A 5xx from the only replica in rotation leaves it in: it is alive, and the answer reaches the client as one
+  engine's would (so does a request's second 5xx: the request is at fault, not the replicas; `router.forward`).
+  Nothing else is spared: the last replica unreachable or hung is an error, as with one engine.
+- Leaving rotation for `TIMEOUT`, `PROBE`, `LAUNCHER` or a replacement aborts the requests in flight on it (they
+  would never be answered, or are answered by an engine about to go); they are retried elsewhere. For
+  `UNREACHABLE` they fail on their own, and for `STATUS` the engine is alive and may still answer them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+UNREACHABLE = "unreachable"  # connection refused or reset: the engine is down
+STATUS = "status"            # it answered a 5xx: alive, sick
+TIMEOUT = "timeout"          # no answer within request_timeout_s: hung
+PROBE = "probe"              # its health probe failed (refused, an error status, or no answer in time)
+LAUNCHER = "launcher"        # taken out by the launcher
+JOINING = "joining"          # swapped in by the launcher, not yet healthy (or held)
+
+STICKY = frozenset({TIMEOUT, LAUNCHER})          # out until restored: passing probes do not bring it back
+ABORTS = frozenset({TIMEOUT, PROBE, LAUNCHER})   # leaving rotation aborts the requests in flight on it
+RECOVER_PROBES = 2
+
+
+@dataclass
+class Replica:
+    """One slot behind the router. The counters belong to the slot (they go on across a replacement);
+    `incarnation` grows with each replacement, so a failure of a request to the old engine spares the new one."""
+
+    address: str
+    in_rotation: bool = True
+    kind: str | None = None        # why it is out (one of the kinds above)
+    reason: str | None = None      # the same in words
+    out_since: float | None = None
+    hold: bool = False             # kept out until restored (or its first completed weight update), even when healthy
+    member: bool = True            # in the weight-transfer group: gets every weight-transfer call
+    received: bool = False         # a weight update reached this engine (since its replacement)
+    passes: int = 0                # passing health probes in a row while out
+    incarnation: int = 0
+    requests: int = 0              # every forwarded call
+    served: int = 0                # generation, scoring and weight-transfer calls (what the replica is there for)
+    in_flight: int = 0
+    errors: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+@dataclass(frozen=True)
+class Event:
+    """A change of rotation: one line for the router's log, and whether the requests in flight on the replica are
+    to be aborted and retried elsewhere."""
+
+    index: int
+    line: str
+    abort: bool = False
+
+
+class Rotation:
+    """The replicas behind one router and which of them take requests."""
+
+    def __init__(self, addresses: Iterable[str]) -> None:
+        self.replicas = [Replica(a) for a in addresses]
+        if not self.replicas:
+            raise ValueError("the router needs at least one replica address")
+        self.membership = 0    # grows with each replacement: the weight-transfer group's members changed
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def __getitem__(self, index: int) -> Replica:
+        return self.replicas[index]
+
+    def in_rotation(self) -> list[int]:
+        return [i for i, r in enumerate(self.replicas) if r.in_rotation]
+
+    def members(self) -> list[int]:
+        """The replicas every weight-transfer call goes to: all but the removed ones, in rotation or not (a dead
+        one not yet removed makes the call fail, as with one engine; a held one is there to receive the weights)."""
+        return [i for i, r in enumerate(self.replicas) if r.member]
+
+    def pick(self, exclude: Iterable[int] = (), prefer: int | None = None) -> int | None:
+        """The replica for the next attempt of a request: `prefer` when it is in rotation and not excluded, else the
+        least busy one in rotation, ties round-robin (sequential requests still visit every replica); None when
+        none is left."""
+        exclude = set(exclude)
+        usable = [i for i in self.in_rotation() if i not in exclude]
+        if not usable:
+            return None
+        if prefer in usable:
+            return prefer
+        n = len(self.replicas)
+        start, self._next = self._next, (self._next + 1) % n
+        return min(usable, key=lambda i: (self.replicas[i].in_flight, (i - start) % n))
+
+    # -- what happened -------------------------------------------------------------------------------------------
+    def fail(self, index: int, kind: str, detail: str, now: float, incarnation: int | None = None) -> Event | None:
+        """A request to the replica failed (`UNREACHABLE`, `STATUS`, `TIMEOUT`). The event when it leaves rotation
+        now; None when it was out already, the failure was its predecessor's, or it is the last one in rotation
+        and answered a 5xx (it stays)."""
+        r = self.replicas[index]
+        if incarnation is not None and incarnation != r.incarnation:
+            return None
+        if not r.in_rotation:
+            if kind in STICKY and r.kind not in STICKY:   # out for a probe, then found hung: now for good
+                r.kind, r.reason, r.passes = kind, detail, 0
+            return None
+        if kind == STATUS and self.in_rotation() == [index]:
+            return None
+        return self._out(index, kind, detail, now)
+
+    def probed(self, index: int, ok: bool, detail: str, now: float, incarnation: int | None = None) -> Event | None:
+        """A health probe's result: a failed one takes the replica out; passing ones bring an out one back unless
+        it is held or out for good."""
+        r = self.replicas[index]
+        if incarnation is not None and incarnation != r.incarnation:
+            return None
+        if not ok:
+            r.passes = 0
+            if r.in_rotation:
+                return self._out(index, PROBE, detail, now)
+            if r.kind not in STICKY:
+                r.kind, r.reason = PROBE, detail
+            return None
+        if r.in_rotation:
+            return None
+        r.passes += 1
+        return self._maybe_back(index, now)
+
+    # -- the launcher's decisions --------------------------------------------------------------------------------
+    def replace(self, index: int, address: str, now: float, hold: bool = False) -> Event:
+        """A new engine at `address` takes the slot: out until it passes its probes, and, when `hold`, until
+        restored. The membership grows (the weight-transfer group needs re-forming)."""
+        r = self.replicas[index]
+        old = r.address
+        r.address, r.incarnation, r.hold, r.passes = address, r.incarnation + 1, hold, 0
+        r.in_rotation, r.kind, r.out_since = False, JOINING, now
+        r.member, r.received = True, False
+        r.reason = "replaced, waiting for its health" + (" and its first weight update" if hold else "")
+        self.membership += 1
+        return Event(index, f"replica {index} replaced: {old} -> {address} ({r.reason}); "
+                            f"{self._left()}", abort=True)
+
+    def remove(self, index: int, reason: str, now: float) -> Event | None:
+        """Out until restored or replaced (it died and is being restarted, say), and out of the weight-transfer
+        group: the next sync goes to the others."""
+        r = self.replicas[index]
+        if r.member:
+            r.member = False
+            self.membership += 1
+        if not r.in_rotation:
+            r.kind, r.reason, r.passes = LAUNCHER, reason, 0
+            return None
+        return self._out(index, LAUNCHER, reason, now)
+
+    def restore(self, index: int, now: float) -> Event | None:
+        """Back in rotation once healthy (at once when its last probes passed): ends a hold and a stay for good; a
+        removed replica is a weight-transfer member again."""
+        r = self.replicas[index]
+        r.hold = False
+        if not r.member:
+            r.member = True
+            self.membership += 1
+        if r.in_rotation:
+            return None
+        if r.kind in STICKY:
+            r.kind = PROBE
+            r.reason = (r.reason or "") + "; restored, waiting for its health"
+        return self._maybe_back(index, now)
+
+    # -- the weight transfer ---------------------------------------------------------------------------------------
+    def weights_received(self, index: int) -> None:
+        """The replica answered an `/update_weights`: it holds the weights of that update once it finishes it."""
+        self.replicas[index].received = True
+
+    def weights_finished(self, index: int, now: float) -> Event | None:
+        """The replica answered `/finish_weight_update`: a replica held for its weights that received this update
+        is restored (back in rotation once healthy: it serves the trainer's current weights)."""
+        r = self.replicas[index]
+        if not (r.hold and r.received and r.member):
+            return None
+        r.hold = False
+        r.reason = "holds the trainer's weights, waiting for its health"
+        line = f"replica {index} ({r.address}) holds the trainer's weights (its first update completed)"
+        event = self._maybe_back(index, now)
+        return Event(index, line + "; " + (event.line if event else "in rotation once healthy"))
+
+    # -- views ---------------------------------------------------------------------------------------------------
+    def unavailable(self, exclude: Iterable[int] = ()) -> str:
+        """Why the replicas out of rotation (but those in `exclude`) take no requests: each one's reason."""
+        exclude = set(exclude)
+        return "; ".join(f"replica {i} ({r.address}) out of rotation: {r.reason}" for i, r in enumerate(self.replicas)
+                         if not r.in_rotation and i not in exclude)
+
+    def rows(self) -> list[dict]:
+        return [asdict(r) for r in self.replicas]
+
+    # -- internals -----------------------------------------------------------------------------------------------
+    def _out(self, index: int, kind: str, detail: str, now: float) -> Event:
+        r = self.replicas[index]
+        r.in_rotation, r.kind, r.reason, r.out_since, r.passes = False, kind, detail, now, 0
+        return Event(index, f"replica {index} ({r.address}) out of rotation: {detail}; {self._left()}",
+                     abort=kind in ABORTS)
+
+    def _maybe_back(self, index: int, now: float) -> Event | None:
+        r = self.replicas[index]
+        if r.hold or r.kind in STICKY or r.passes < RECOVER_PROBES:
+            return None
+        out_for = now - (r.out_since if r.out_since is not None else now)
+        r.in_rotation, r.kind, r.reason, r.out_since = True, None, None, None
+        return Event(index, f"replica {index} ({r.address}) back in rotation after {out_for:.1f} s; {self._left()}")
+
+    def _left(self) -> str:
+        return f"{len(self.in_rotation())} of {len(self.replicas)} in rotation"

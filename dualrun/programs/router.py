@@ -1,0 +1,406 @@
+"""Several engine replicas behind one host:port, for TRL's server protocol.
+
+    python -m dualrun.programs.router --host 127.0.0.1 --port 8000 --replica 127.0.0.1:8001 --replica 127.0.0.1:8002
+
+Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data parallelism for dense models inside one
+server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
+What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp, one kept-alive
+connection pool to the replicas). Both launchers start it (a ServerProcess like any server: health-checked,
+logged, watched, stopped with the servers) in front of a separate role's replicas once they are healthy; its
+`host:port` is the one the trainers get.
+
+A replica that fails — connection refused or reset, a 5xx, no answer within `--request-timeout-s` (the role's
+`request_timeout_s`), a failed health probe (every replica is probed about once a second) — leaves the rotation at
+once and the request in flight goes to another replica (generation and scoring are safe to repeat: the same body);
+`rotation.py` holds the rules, and the launcher's say over them (`routing.CONTROL_PATH`). The weight-transfer
+fan-out is not retried: a replica failing there is the call's error. It goes to the weight-transfer members
+(`rotation.members`): a replica the launcher removed (dead, being restarted) is left out, and a replacement held
+until it has the trainer's weights is restored once it completes its first update; the trainer's side re-forms its
+group when `protocol.ROUTER_MEMBERSHIP_PATH` reports a new membership.
+
+Known differences from one engine: a split request with sampling and a `seed` gives each part the same seed, so
+sampled completions differ from one engine's (greedy ones are identical); `/server_info` and `/v1/models` are
+the first replica's; a `stream: true` completion goes to one replica whole.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any, Sequence
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+
+from dualrun.contract import protocol
+from dualrun.config.cross_keys import host_port
+from dualrun.light.interpreter import PYTHON
+from dualrun.programs import rotation
+from dualrun.programs import routing
+from dualrun.programs.rotation import Replica
+
+PROBE_INTERVAL_S = 1.0   # between two health probes of one replica
+PROBE_TIMEOUT_S = 5.0    # a probe not answered by then fails (a busy engine still answers /health within it)
+
+
+class RouterError(Exception):
+    """A request the router cannot answer: the HTTP status to answer with, and why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class ReplicaError(RouterError):
+    """A replica failed a request the router needed: the answer names it. `kind`: a failure kind of rotation.py,
+    or None when the replica had left the rotation while the request was on it; `detail`: what happened, for the
+    rotation's log line."""
+
+    def __init__(self, index: int, replica: Replica, status: int, text: str, kind: str | None = rotation.STATUS,
+                 detail: str | None = None) -> None:
+        self.index, self.kind = index, kind
+        self.detail = detail or f"answered {status}: {text[:500]}"
+        super().__init__(status if status >= 400 else 502, f"replica {index} ({replica.address}) {self.detail}")
+
+
+class Router:
+    """The aiohttp app: one handler that looks the request up in `routing.ROUTES` and treats it accordingly."""
+
+    def __init__(self, replicas: Sequence[str], request_timeout_s: float | None = None,
+                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+        self.table = rotation.Rotation(replicas)
+        self.replicas = self.table.replicas   # the slots (a replacement changes a slot in place)
+        self.timeout = ClientTimeout(total=request_timeout_s)
+        self.probe_interval_s = probe_interval_s
+        self.session: ClientSession | None = None
+        self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # its requests in flight, to abort
+        self._aborted: set[asyncio.Task] = set()   # cancelled by an abort: retried on another replica
+        self._probes: list[asyncio.Task] = []
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1024 ** 3)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _: web.Application) -> None:
+        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout)
+        if self.probe_interval_s > 0:
+            self._probes = [asyncio.ensure_future(self._probe_loop(i)) for i in range(len(self.replicas))]
+
+    async def _close(self, _: web.Application) -> None:
+        for task in self._probes:
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+        # the last line of its log: how the work was spread (the launcher stops the router with the servers)
+        print(f"dualrun router: served per replica: {[r.served for r in self.replicas]}", file=sys.stderr, flush=True)
+
+    # -- talking to replicas ------------------------------------------------------------------------------
+    async def call(self, index: int, method: str, path_qs: str, body: bytes | None = None,
+                   headers: dict | None = None, timeout: ClientTimeout | None = None) -> tuple[int, bytes, str]:
+        replica = self.replicas[index]
+        replica.requests += 1
+        if routing.route(method, path_qs) not in (routing.HEALTH, routing.WORLD_SIZE, routing.FIRST):
+            replica.served += 1
+        replica.in_flight += 1
+        try:
+            assert self.session is not None
+            async with self.session.request(method, replica.url + path_qs, data=body, headers=headers,
+                                            timeout=timeout or self.timeout) as resp:
+                data = await resp.read()
+                if resp.status >= 400:
+                    replica.errors += 1
+                return resp.status, data, resp.content_type
+        except asyncio.TimeoutError:  # (before OSError: TimeoutError is one) accepted, no answer: hung
+            replica.errors += 1
+            limit = (timeout or self.timeout).total
+            raise ReplicaError(index, replica, 504, "", rotation.TIMEOUT,
+                               f"gave no answer within {limit:g} s (request_timeout_s)") from None
+        except (ClientError, OSError) as e:  # the replica is unreachable: a 502
+            replica.errors += 1
+            raise ReplicaError(index, replica, 502, "", rotation.UNREACHABLE,
+                               f"is unreachable: {type(e).__name__}: {e}") from None
+        finally:
+            replica.in_flight -= 1
+
+    async def call_json(self, index: int, method: str, path_qs: str, payload: Any = None) -> Any:
+        body = None if payload is None else json.dumps(payload).encode()
+        status, data, _ = await self.call(index, method, path_qs, body, {"Content-Type": "application/json"})
+        if status != 200:
+            raise ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
+        return json.loads(data or b"null")
+
+    # -- the rotation: requests that go to one replica, retried on another when it fails ---------------------------
+    async def forward(self, method: str, path_qs: str, body: bytes | None, headers: dict | None = None,
+                      prefer: int | None = None) -> tuple[int, bytes, str]:
+        """One replica's answer: `prefer`'s (when in rotation) or the least busy one's; a replica that fails leaves
+        the rotation and the request goes to the next, until none is left (the error names every failure). A 4xx
+        is the request's fault and goes back as it is; so does a 5xx repeated by a second replica."""
+        failures: list[ReplicaError] = []
+        tried: set[int] = set()
+        index = self.table.pick(prefer=prefer)
+        while index is not None:
+            tried.add(index)
+            incarnation = self.replicas[index].incarnation   # a failure of this engine spares its replacement
+            try:
+                status, data, content_type = await self.attempt(index, method, path_qs, body, headers)
+            except ReplicaError as e:
+                failures.append(e)
+                self._failed(index, e, incarnation)
+            else:
+                if status < 500 or any(f.kind == rotation.STATUS for f in failures):
+                    return status, data, content_type
+                error = ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
+                if not self._failed(index, error, incarnation):   # kept, the last in rotation: as one engine
+                    return status, data, content_type
+                failures.append(error)
+            index = self.table.pick(exclude=tried)
+        untried = self.table.unavailable(exclude=tried)
+        raise RouterError(502 if failures else 503, "no replica could answer: "
+                          + "; ".join([str(f) for f in failures] + ([untried] if untried else [])))
+
+    async def attempt(self, index: int, method: str, path_qs: str, body: bytes | None,
+                      headers: dict | None) -> tuple[int, bytes, str]:
+        """`call`, ended early (ReplicaError, kind None) when the replica leaves the rotation meanwhile for a reason
+        that means no answer will come."""
+        replica, flying = self.replicas[index], self._abort[index]
+        request = asyncio.ensure_future(self.call(index, method, path_qs, body, headers))
+        flying.add(request)   # (a task of its own: an abort cancels it, not the handler; no waiter task per request)
+        try:
+            return await request
+        except asyncio.CancelledError:
+            if request not in self._aborted:
+                raise   # the handler itself was cancelled (the client went away)
+            raise ReplicaError(index, replica, 502, "", None,
+                               f"left the rotation while this request was on it ({replica.reason})") from None
+        finally:
+            flying.discard(request)
+            self._aborted.discard(request)
+
+    def _failed(self, index: int, error: ReplicaError, incarnation: int) -> bool:
+        """Tell the table; True when the replica is out of rotation now (it may have been already)."""
+        if error.kind is not None:
+            self._apply(self.table.fail(index, error.kind, error.detail, time.monotonic(), incarnation))
+        return not self.replicas[index].in_rotation
+
+    def _apply(self, event: rotation.Event | None) -> None:
+        """Log a change of rotation; abort the requests in flight on the replica when it says so."""
+        if event is None:
+            return
+        print(f"dualrun router: {event.line}", file=sys.stderr, flush=True)
+        if event.abort:
+            flying, self._abort[event.index] = self._abort[event.index], set()
+            for request in flying:   # (they end on the loop's next turns, their in_flight counts with them)
+                self._aborted.add(request)
+                request.cancel()
+
+    async def _probe_loop(self, index: int) -> None:
+        timeout = ClientTimeout(total=PROBE_TIMEOUT_S)
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            replica = self.replicas[index]
+            incarnation, ok, detail = replica.incarnation, False, ""
+            try:
+                assert self.session is not None
+                async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
+                    await resp.read()
+                    ok, detail = resp.status == 200, f"health probe answered {resp.status}"
+            except asyncio.TimeoutError:
+                detail = f"health probe not answered within {PROBE_TIMEOUT_S:g} s"
+            except Exception as e:  # noqa: BLE001 - whatever keeps a probe from passing fails it
+                detail = f"health probe: {type(e).__name__}: {e}"
+            self._apply(self.table.probed(index, ok, detail, time.monotonic(), incarnation))
+
+    def control(self, index: int, action: str, payload: dict) -> web.Response:
+        """The launcher's say: replace a replica by a new engine (held out of rotation until restored, when asked),
+        restore one, remove one."""
+        if index >= len(self.replicas):
+            raise ValueError(f"no replica {index}: this router has {len(self.replicas)}")
+        now = time.monotonic()
+        if action == "replace":
+            address = payload.get("address")
+            if not isinstance(address, str) or not host_port(address):
+                raise ValueError(f"replace needs {{'address': 'host:port'}}, got {payload.get('address')!r}")
+            event = self.table.replace(index, address, now, hold=bool(payload.get("hold")))
+        elif action == "remove":
+            event = self.table.remove(index, str(payload.get("reason") or "removed by the launcher"), now)
+        else:
+            event = self.table.restore(index, now)
+        self._apply(event)
+        return web.json_response({"replica": self.table.rows()[index], "membership": self.table.membership})
+
+    async def forward_json(self, path_qs: str, payload: Any, prefer: int) -> Any:
+        status, data, _ = await self.forward("POST", path_qs, json.dumps(payload).encode(),
+                                             {"Content-Type": "application/json"}, prefer)
+        if status != 200:
+            raise RouterError(status, f"a replica answered {status}: {data.decode(errors='replace')[:500]}")
+        return json.loads(data or b"null")
+
+    async def world_sizes(self, members: Sequence[int]) -> list[int]:
+        answers = await asyncio.gather(*(self.call_json(i, "GET", "/get_world_size") for i in members))
+        return [int(a["world_size"]) for a in answers]
+
+    # -- the handler ----------------------------------------------------------------------------------------
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if request.method == "GET" and path.rstrip("/") == routing.STATS_PATH:
+            return web.json_response({"replicas": self.table.rows(), "in_rotation": self.table.in_rotation(),
+                                      "membership": self.table.membership})
+        if request.method == "GET" and path.rstrip("/") == protocol.ROUTER_MEMBERSHIP_PATH:
+            return web.json_response({"membership": self.table.membership, "members": self.table.members()})
+        try:
+            control = routing.control(request.method, path)
+            if control is not None:
+                return self.control(*control, _json(await request.read()))
+        except ValueError as e:
+            return _error(400, str(e))
+        treatment = routing.route(request.method, path)
+        if treatment is None:
+            return _error(404, routing.unknown_endpoint(request.method, path))
+        body = await request.read()
+        try:
+            if treatment == routing.HEALTH:
+                return self.health()
+            if treatment == routing.WORLD_SIZE:   # the weight-sync group's engines: the members'
+                return web.json_response({"world_size": sum(await self.world_sizes(self.table.members()))})
+            if treatment == routing.FIRST:
+                first = next(iter(self.table.in_rotation()), None)
+                return _passthrough(*await self.forward(request.method, request.path_qs, body or None, prefer=first))
+            if treatment == routing.SPLIT:
+                return await self.completions(request, body)
+            if treatment == routing.ONE:
+                return _passthrough(*await self.forward(request.method, request.path_qs, body,
+                                                        _content_type(request)))
+            members = self.table.members()   # (taken once: a change meanwhile is the next sync's)
+            if treatment == routing.INIT_WEIGHTS:
+                bodies = routing.init_bodies(_json(body), await self.world_sizes(members))
+                return await self.to_all(request.path_qs, members, [json.dumps(b).encode() for b in bodies])
+            return await self.to_all(request.path_qs, members, [body] * len(members))
+        except RouterError as e:
+            return _error(e.status, str(e))
+        except ValueError as e:
+            return _error(400, str(e))
+
+    def health(self) -> web.Response:
+        """Healthy while a replica is in rotation (the probes keep the table current); the others are listed."""
+        problems = [f"replica {i} ({r.address}) out of rotation: {r.reason}" for i, r in enumerate(self.replicas)
+                    if not r.in_rotation]
+        if not self.table.in_rotation():
+            return web.json_response({"status": "unhealthy", "problems": problems}, status=503)
+        return web.json_response({"status": "ok", "replicas": len(self.replicas),
+                                  "in_rotation": len(self.table.in_rotation()), "problems": problems})
+
+    async def completions(self, request: web.Request, body: bytes) -> web.Response:
+        payload = _json(body)
+        prompts = routing.prompts_of(payload)
+        usable = self.table.in_rotation()
+        if prompts is None or len(prompts) == 1 or len(usable) <= 1 or payload.get("stream"):
+            return _passthrough(*await self.forward("POST", request.path_qs, body, _content_type(request)))
+        parts = routing.split_completion(payload, prompts, len(usable))
+        first = usable.index(self.table.pick())
+        targets = [usable[(first + i) % len(usable)] for i in range(len(parts))]
+        answers = await asyncio.gather(*(self.forward_json(request.path_qs, part, t)
+                                         for t, (_, part) in zip(targets, parts)))
+        merged = routing.merge_completions([(start, a) for (start, _), a in zip(parts, answers)],
+                                           int(payload.get("n") or 1))
+        return web.json_response(merged, dumps=_dumps)
+
+    async def to_all(self, path_qs: str, members: Sequence[int], bodies: list[bytes]) -> web.Response:
+        """Every weight-transfer member at once (a collective blocks until all members join); all must answer 200.
+        A member that received and finished an update is told to the table (a held one is restored)."""
+        if not members:
+            return _error(503, "no replica is in the weight-transfer group: " + self.table.unavailable())
+        headers = {"Content-Type": "application/json"}
+        results = await asyncio.gather(*(self.call(i, "POST", path_qs, b or None, headers)
+                                         for i, b in zip(members, bodies)), return_exceptions=True)
+        problems = []
+        for i, result in zip(members, results):
+            if isinstance(result, BaseException):
+                problems.append(str(result))
+            elif result[0] != 200:
+                problems.append(str(ReplicaError(i, self.replicas[i], result[0], result[1].decode(errors="replace"))))
+            else:
+                self._weights_step(i, path_qs)
+        if problems:
+            return _error(502, "; ".join(problems))
+        return _passthrough(*results[0])  # type: ignore[misc]
+
+    def _weights_step(self, index: int, path_qs: str) -> None:
+        """A weight-transfer call the replica answered 200: an update it received, or one it finished."""
+        path = path_qs.split("?")[0].rstrip("/")
+        if path == routing.UPDATE_WEIGHTS_PATH:
+            self.table.weights_received(index)
+        elif path == routing.FINISH_UPDATE_PATH:
+            self._apply(self.table.weights_finished(index, time.monotonic()))
+
+
+def _json(body: bytes) -> dict:
+    try:
+        payload = json.loads(body or b"{}")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the request body is not JSON: {e}") from None
+    if not isinstance(payload, dict):
+        raise ValueError("the request body must be a JSON object")
+    return payload
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, allow_nan=True)  # logprobs may be -inf, as the engines send them
+
+
+def _content_type(request: web.Request) -> dict:
+    return {"Content-Type": request.headers.get("Content-Type", "application/json")}
+
+
+def _passthrough(status: int, data: bytes, content_type: str) -> web.Response:
+    return web.Response(status=status, body=data, content_type=content_type or "application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s: float | None = None) -> list[str]:
+    """The router's command line (for a ServerProcess; health at `/health`)."""
+    argv = [PYTHON, "-m", "dualrun.programs.router", "--host", host, "--port", str(port)]
+    for address in replicas:
+        argv += ["--replica", address]
+    return argv + ([] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"])
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (it comes with vLLM): the router's time is the loop's and the sockets'."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dualrun.programs.router", description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--replica", action="append", default=[], help="host:port of a replica (repeat)")
+    parser.add_argument("--request-timeout-s", type=float, default=None,
+                        help="a replica that has not answered a request by then is hung: out of rotation, the "
+                             "request retried on another (default: none)")
+    parser.add_argument("--probe-interval-s", type=float, default=PROBE_INTERVAL_S,
+                        help="seconds between health probes of each replica (0: none)")
+    args = parser.parse_args(argv)
+    if not args.replica:
+        parser.error("at least one --replica host:port")
+    router = Router(args.replica, args.request_timeout_s, args.probe_interval_s)
+    print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
+          f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
+    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
+                handle_signals=True, loop=_event_loop(), backlog=1024)   # a connection per request in flight
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The trainer's weight-sync group as a job forms it: who joins, where, at which address (pure, but for reading
+this host's address on its route out).
+
+Why: TRL's trainer pushes its weights to the rollout engines over one torch.distributed group (NCCL on GPUs, gloo
+on CPU) - rank 0 the trainer (the rendezvous master: a TCPStore on trainer rank 0's node, at the address vLLM's
+`get_ip()` gives and the job's `vllm_group_port`), then each engine replica's workers from its rank offset on.
+Across nodes this group is the commonest place a job hangs (a firewalled port, a wrong interface), and only after
+every model has loaded: `dualrun check` forms the same group first (`rehearsal.py`), from this description.
+
+Standard library only: the Ray tasks of the check import it without torch.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from dualrun.config.model import JobConfig
+from dualrun.plan.processes import Plan
+from dualrun.plan.engines import engine_of, engine_size
+from dualrun.programs.routing import rank_offsets
+
+# The variables that decide which interface and address the group uses (torch's gloo and NCCL, vLLM's get_ip).
+NET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "VLLM_HOST_IP", "HOST_IP")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One process of the group as the job runs it: the trainer's rank 0, or one engine replica (its workers)."""
+
+    label: str
+    node: int
+    ranks: tuple[int, ...]
+    env: Mapping[str, str] = field(default_factory=dict)   # its interface variables (NET_VARS) in the job
+
+    @property
+    def name(self) -> str:
+        if self.ranks == (0,):
+            return self.label
+        if len(self.ranks) == 1:
+            return f"{self.label} (rank {self.ranks[0]})"
+        return f"{self.label} (ranks {self.ranks[0]}-{self.ranks[-1]})"
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """The trainer's weight-sync group: `members[0]` is trainer rank 0, the master; NCCL when the engines have
+    GPUs (and trainer rank 0's node has CUDA: the master decides, as TRL's trainer does from its device)."""
+
+    members: tuple[Member, ...]
+    world_size: int
+    gpus: bool
+
+    @property
+    def master(self) -> Member:
+        return self.members[0]
+
+
+def syncs_weights(cfg: JobConfig) -> bool:
+    """Pure: whether the job has a weight-sync group: a separate rollout that dualrun starts on vLLM (a server you
+    run yourself is not placed by dualrun; the transformers CPU engine has no weight-transfer endpoints)."""
+    role = cfg.role("rollout")
+    return (role is not None and cfg.is_separate("rollout") and not role.address
+            and engine_of(cfg, role) == "vllm")
+
+
+def sync_group(cfg: JobConfig, plan: Plan) -> SyncGroup | None:
+    """Pure: the group the job would form on `plan`, or None where it has none."""
+    if not syncs_weights(cfg):
+        return None
+    role = cfg.role("rollout")
+    assert role is not None
+    rank0 = next((p for p in plan.workers if p.rank == 0), None)
+    replicas = [p for p in plan.processes if p.kind == "server" and "rollout" in p.roles]
+    if rank0 is None or not replicas:
+        return None
+    size = engine_size(cfg, role)
+    offsets = rank_offsets([size] * len(replicas), 1)
+    gpus = role.gpus > 0
+    # torchrun: the plan's devices are the process's own; on Ray the member's task is given its GPUs by Ray
+    own_devices = gpus and cfg.backend == "torchrun"
+    members = [Member("trainer rank 0", rank0.node, (0,), net_env(rank0.env, own_devices))]
+    members += [Member(f"rollout server {p.rank}", p.node, tuple(range(first, first + size)),
+                       net_env(p.env, own_devices)) for p, first in zip(replicas, offsets)]
+    return SyncGroup(tuple(members), 1 + size * len(replicas), gpus)
+
+
+def net_env(env: Mapping[str, str], devices: bool = False) -> dict[str, str]:
+    """The variables of a process's env the group depends on: its interface ones, and its GPUs where asked."""
+    return {k: v for k, v in env.items() if k in NET_VARS or (devices and k == "CUDA_VISIBLE_DEVICES")}
+
+
+def port_host(cfg: JobConfig) -> str:
+    """Where the job picks its free weight-sync port on trainer rank 0's node: loopback for one torchrun machine,
+    every address otherwise (the Ray rank 0 actor picks on all of them too)."""
+    return "127.0.0.1" if cfg.backend == "torchrun" and cfg.num_machines == 1 else "0.0.0.0"
+
+
+def advertised_address(env: Mapping[str, str] | None = None) -> str:
+    """The address trainer rank 0 gives the engines as `master_address`: TRL passes vLLM's `get_ip()`, which is
+    VLLM_HOST_IP (or HOST_IP) when set, else this host's address on its route out (no packet is sent), else
+    0.0.0.0 (vLLM warns; only this machine can then reach it)."""
+    env = os.environ if env is None else env
+    if env.get("VLLM_HOST_IP") or env.get("HOST_IP"):
+        return env.get("VLLM_HOST_IP") or env["HOST_IP"]
+    for family, peer in ((socket.AF_INET, "8.8.8.8"), (socket.AF_INET6, "2001:4860:4860::8888")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((peer, 80))
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return "0.0.0.0"

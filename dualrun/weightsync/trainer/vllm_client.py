@@ -1,0 +1,125 @@
+"""The trainer's side of the gloo weight transfer (`dualrun.weightsync.engine.transfer`), given to TRL's `VLLMClient`;
+the wire both sides agree on is `dualrun.weightsync.wire`.
+
+Why: TRL 1.16's `VLLMClient` opens vLLM's NCCL endpoint in `init_communicator` (and refuses a non-CUDA device),
+broadcasts through `packed_nccl_broadcast_producer` (CUDA streams) in `update_named_params`, and closes the NCCL
+group's socket in `close_communicator`. When the server it talks to reports `{"backend": "gloo"}` (dualrun starts
+vLLM's CPU build that way), those three methods take the gloo path here instead; against any other server they
+are TRL's own. GRPOPlugin installs this from the rank's import hook, so the user's script is unchanged. On both
+paths, before each sync, the group is formed again when the rollout router's members changed (`regroup`).
+
+The protocol is TRL's: the same `init_info` (the trainer is rank 0, the workers from `rank_offset` 1), the same
+`/start_weight_update`, `/update_weights` (posted while the trainer broadcasts), `/finish_weight_update` calls.
+"""
+from __future__ import annotations
+
+import atexit
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+from dualrun.weightsync.wire import GLOO_BACKEND, PACKED_BUFFER_BYTES
+from dualrun.weightsync.trainer import regroup
+
+_INSTALLED = "_dualrun_gloo"
+
+
+class GlooEndpoint:
+    """Rank 0 of the weight-sync group: broadcasts the trainer's tensors, packed into chunks as vLLM packs them."""
+
+    def __init__(self, group: Any, buffer_bytes: int) -> None:
+        self.group, self.buffer_bytes = group, buffer_bytes
+
+    def send(self, named: Iterator[tuple[str, Any]]) -> None:
+        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+        while (chunk := pack_tensors(named, lambda item: item[1].detach().cpu(), self.buffer_bytes)) is not None:
+            self.group.broadcast(chunk.packed_tensor, 0).wait()
+
+    def close(self) -> None:
+        from dualrun.weightsync.wire import close_group
+
+        group, self.group = self.group, None
+        if group is not None:
+            close_group(group)
+
+
+def server_backend(client: Any) -> str | None:
+    """The weight-transfer backend the server reports (None: it has none)."""
+    config = client.get_server_info().get("weight_transfer_config")
+    return config.get("backend") if isinstance(config, dict) else None
+
+
+def open_endpoint(port: int, server_world_size: int, join: Callable[[dict], Any]) -> GlooEndpoint:
+    """The trainer's end of a gloo weight-sync group (rank 0, the server's workers from `rank_offset` 1): `join`
+    posts TRL's init_info to the server, which joins while this process opens the group. TRL's VLLMClient and
+    AsyncGRPOTrainer's client (dualrun/weightsync/trainer/async_client.py) differ only in how they post it."""
+    from vllm.utils.network_utils import get_ip
+
+    from dualrun.weightsync.wire import open_group
+
+    init_info = {"master_address": get_ip(), "master_port": port, "rank_offset": 1,
+                 "world_size": server_world_size + 1, "packed": True,
+                 "packed_buffer_size_bytes": PACKED_BUFFER_BYTES}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        joined = pool.submit(join, init_info)
+        group = open_group(init_info["master_address"], init_info["master_port"], 0, init_info["world_size"])
+        joined.result()
+    return GlooEndpoint(group, PACKED_BUFFER_BYTES)
+
+
+def init_gloo(client: Any) -> None:
+    """TRL's `init_communicator`, over gloo: the server joins while this process opens the group as rank 0."""
+    client.communicator = open_endpoint(
+        client.group_port, client.get_world_size(),
+        lambda info: client._post(f"{client.base_url}/init_weight_transfer_engine", json={"init_info": info}))
+    atexit.register(client.close_communicator)
+
+
+def send_gloo(client: Any, metadata: list[tuple[str, str, list[int]]], named: Iterator[tuple[str, Any]]) -> None:
+    """TRL's `update_named_params`, over gloo: announce the tensors, then broadcast them while the server receives."""
+    names, dtype_names, shapes = (list(field) for field in zip(*metadata, strict=True))
+    update_info = {"names": names, "dtype_names": dtype_names, "shapes": shapes}
+    if not client._updating_weights:
+        client._start_weight_update()
+    pool = ThreadPoolExecutor(max_workers=1)
+    try:
+        received = pool.submit(client._post, f"{client.base_url}/update_weights", json={"update_info": update_info})
+        client.communicator.send(named)
+        received.result()
+    finally:
+        pool.shutdown(wait=False)   # after a failed broadcast the post may never return; don't wait for it here
+    if not client._updating_weights:
+        client._finish_weight_update()
+
+
+def install(module: Any) -> None:
+    """Give `module.VLLMClient` (trl.generation.vllm_client) the gloo path for servers that report gloo, and (either
+    path) a weight-sync group that follows the rollout router's members (dualrun/weightsync/trainer/regroup.py)."""
+    cls = module.VLLMClient
+    if getattr(cls, _INSTALLED, False):
+        return
+    trl_init, trl_update, trl_close = cls.init_communicator, cls.update_named_params, cls.close_communicator
+
+    def init_communicator(self, device: Any = 0) -> None:
+        regroup.remember(self, device)   # the router's membership this group is formed under
+        if server_backend(self) != GLOO_BACKEND:
+            return trl_init(self, device)
+        init_gloo(self)
+
+    def update_named_params(self, metadata, named_params) -> None:  # noqa: ANN001 - TRL's signature
+        regroup.reform_if_changed(self)   # a replica left or joined behind the router: the group of now
+        if not isinstance(self.communicator, GlooEndpoint):
+            return trl_update(self, metadata, named_params)
+        send_gloo(self, metadata, named_params)
+
+    def close_communicator(self) -> None:
+        if not isinstance(self.communicator, GlooEndpoint):
+            return trl_close(self)
+        endpoint, self.communicator = self.communicator, None
+        endpoint.close()
+
+    for fn, trl_fn in ((init_communicator, trl_init), (update_named_params, trl_update),
+                       (close_communicator, trl_close)):
+        fn.__doc__ = f"{trl_fn.__doc__ or ''}\n\n(dualrun: over gloo when the server reports the gloo backend.)"
+        setattr(cls, trl_fn.__name__, fn)
+    setattr(cls, _INSTALLED, True)
