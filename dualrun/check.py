@@ -22,7 +22,7 @@ from typing import Any
 
 from dualrun.config.model import JobConfig
 from dualrun.errors import DualrunError
-from dualrun.node_facts import CHECKED_PACKAGES, can_bind, facts, routes_to
+from dualrun.node_facts import CHECKED_PACKAGES, can_bind, facts
 from dualrun.plan import Cluster, Plan, make_plan
 from dualrun.weight_sync import (SyncGroup, is_hard, limit_s, master_endpoint, member_spec, port_host, run_local,
                                  run_member, sync_group, unanswered, verdict)
@@ -42,16 +42,22 @@ class NodeReport:
     ports: dict[int, str] = field(default_factory=dict)   # the ports the plan fixes there -> who needs them
 
 
-def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
-    """Pure: every way `node` differs from the driver or cannot serve the plan, one phrase each."""
+def version_differences(driver: dict[str, Any], f: dict[str, Any], other: str = "the driver") -> list[str]:
+    """Pure: python and each checked package where the facts `f` differ from `driver`'s, one phrase each."""
     out = []
-    f = node.facts
     if f["python"] != driver["python"]:
-        out.append(f"python {f['python']}, the driver has {driver['python']}")
+        out.append(f"python {f['python']}, {other} has {driver['python']}")
     for name in CHECKED_PACKAGES:
         mine, theirs = f["versions"].get(name), driver["versions"].get(name)
         if mine != theirs:
-            out.append(f"{name} {mine or 'not installed'}, the driver has {theirs or 'not installed'}")
+            out.append(f"{name} {mine or 'not installed'}, {other} has {theirs or 'not installed'}")
+    return out
+
+
+def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
+    """Pure: every way `node` differs from the driver or cannot serve the plan, one phrase each."""
+    f = node.facts
+    out = version_differences(driver, f)
     if not f["directory_ok"]:
         out.append(f"the launching directory {f['directory']} does not exist there (use a shared filesystem or "
                    "ray.runtime_env: {working_dir: .})")
@@ -210,8 +216,9 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str],
                                               "(the node busy, or its GPUs taken)"), names, address, port)
 
 
-def check_torchrun(cfg: JobConfig) -> Outcome:
-    """This machine (machine_rank) against the plan, and the master address from here."""
+def check_torchrun(cfg: JobConfig, wait_s: float | None = None) -> Outcome:
+    """This machine (machine_rank) against the plan; on several machines, then the meeting with the others
+    (dualrun.check_machines), else the rendezvous port and the weight-sync group here."""
     problems: list[str] = []
     plan = _plan(cfg, None, problems)
     here = facts(os.getcwd())
@@ -221,20 +228,18 @@ def check_torchrun(cfg: JobConfig) -> Outcome:
     gpus = 0 if cfg.use_cpu else _local_gpus()
     node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here)
     problems += compare(here, node)
+    if cfg.num_machines > 1:
+        from dualrun.check_machines import WAIT_S, meet
+
+        return meet(cfg, plan, node, problems, WAIT_S if wait_s is None else wait_s)
     master = cfg.main_process_ip or "127.0.0.1"
-    if cfg.machine_rank == 0 and (cfg.main_process_port or cfg.num_machines > 1):
-        port = cfg.main_process_port or 29500
-        why = can_bind(master if cfg.main_process_ip else "0.0.0.0", port)
+    if cfg.main_process_port:
+        why = can_bind(master if cfg.main_process_ip else "0.0.0.0", cfg.main_process_port)
         if why:
-            problems.append(f"main_process_port: {master}:{port} cannot be listened on here ({why})")
-    if cfg.machine_rank > 0:
-        why = routes_to(master)
-        if why:
-            problems.append(f"main_process_ip: no route to {master} from this machine ({why})")
+            problems.append(f"main_process_port: {master}:{cfg.main_process_port} cannot be listened on here ({why})")
     group = sync_group(cfg, plan) if plan else None
     notes: list[str] = []
-    if group is not None and here["versions"]["torch"] and all(m.node == cfg.machine_rank == 0
-                                                                for m in group.members):
+    if group is not None and here["versions"]["torch"]:
         address, port = master_endpoint(port_host(cfg), group.master.env)
         found, note = run_local(group, address, port, {0: node.name})
         problems += found
@@ -254,10 +259,11 @@ def range_notes(nodes: list[NodeReport]) -> list[str]:
     return [f"{n.name}: {phrase}" for n in nodes for phrase in n.facts.get("ranges", [])]
 
 
-def run_check(cfg: JobConfig) -> int:
+def run_check(cfg: JobConfig, wait_s: float | None = None) -> int:
     """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0); version ranges that
-    TRL or vLLM declare and this install is outside of are named as notes either way."""
-    problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg)
+    TRL or vLLM declare and this install is outside of are named as notes either way. `wait_s`: how long several
+    torchrun machines wait for each other."""
+    problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg, wait_s)
     for note in range_notes(nodes):
         print(f"dualrun check: note: {note}")
     if problems:
