@@ -1,6 +1,6 @@
 """torchrun by hand across two machines of the virtual cluster (tests/vcluster.py), each with its own address:
 the accelerate recipe of examples/multi-node/torchrun-by-hand, `dualrun launch --num_machines 2 --machine_rank K
---main_process_ip 10.77.0.1` on each machine. TRL's own scripts/sft.py, unchanged, gives the losses of one machine
+--main_process_ip 192.168.77.1` on each machine. TRL's own scripts/sft.py, unchanged, gives the losses of one machine
 with the same world size; a GKD job whose teacher has a CPU-engine replica on each machine serves through machine 0's
 router, which reaches machine 1's replica at machine 1's address. Only the output directory and the tiny assets are
 shared between the machines (their /tmp is their own), as on machines with a shared filesystem."""
@@ -38,7 +38,7 @@ def vc(shared, tiny):
 
 
 def on_machines(vc: VCluster, work: Path, config: str, argv: list[str], timeout_s: float) -> list[str]:
-    """`dualrun launch --config_file job.yaml --num_machines 2 --machine_rank K --main_process_ip 10.77.0.1 ARGV` on
+    """`dualrun launch --config_file job.yaml --num_machines 2 --machine_rank K --main_process_ip 192.168.77.1 ARGV` on
     each machine K, in work/mK (its job.yaml: `config` with MACHINE replaced by K, e.g. a log_dir of its own; its
     output in work/mK/out); each one's output once both have ended (what is left after `timeout_s` is killed: a hung
     machine must not outlive the test)."""

@@ -10,12 +10,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from helpers import eventually, loopback_only, pids_matching
-from vcluster import GATEWAY, VCluster, held
+from vcluster import GATEWAY, VCluster, address, held
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -79,14 +78,14 @@ def connect(vc, machine: int, host: str, port: int = 7000, timeout: float = 3.0,
 def test_each_machine_has_its_own_address_name_and_interfaces(vc):
     for k in (0, 1):
         assert vc.run(k, "hostname").stdout == f"vc{k}\n"
-        assert f"eth0    inet 10.77.0.{k + 1}/24" in vc.run(k, "ip -o -4 addr show").stdout
+        assert f"eth0    inet {address(k)}/24" in vc.run(k, "ip -o -4 addr show").stdout
         assert vc.run(k, "ip route show default").stdout.split() == ["default", "via", GATEWAY, "dev", "eth0"]
         assert vc.run(k, "ls /sys/class/net").stdout.split() == ["eth0", "lo"]
         assert "UP" in vc.run(k, "ip -o link show lo").stdout.split("<")[1].split(">")[0].split(",")
         # the names of the cluster resolve to their addresses there (as gloo resolves its host name)
         names = vc.run(k, [sys.executable, "-c", "import socket; print(socket.gethostbyname(socket.gethostname()),"
                                                  " socket.gethostbyname('vc0'), socket.gethostbyname('vc1'))"])
-        assert names.stdout.split() == [f"10.77.0.{k + 1}", "10.77.0.1", "10.77.0.2"], names
+        assert names.stdout.split() == [address(k), address(0), address(1)], names
     assert loopback_only()   # the test's own namespace got nothing
 
 
@@ -101,7 +100,7 @@ def test_tmp_is_each_machines_own_and_shared_directories_are_shared(vc):
 
 
 def test_machines_reach_each_other_and_nothing_else(vc, listener):
-    assert connect(vc, 0, "10.77.0.2")["ok"]
+    assert connect(vc, 0, address(1))["ok"]
     assert connect(vc, 0, "vc1")["ok"]
     assert not connect(vc, 0, "127.0.0.1")["ok"]   # machine 0's loopback is its own: machine 1's server is not there
     assert not connect(vc, 0, "192.0.2.1", timeout=1.0)["ok"]   # TEST-NET-1: the switch drops it
@@ -113,32 +112,32 @@ def test_machines_reach_each_other_and_nothing_else(vc, listener):
 
 
 def test_a_cut_link_drops_traffic_silently_and_restore_brings_it_back(vc, listener):
-    assert connect(vc, 0, "10.77.0.2")["ok"]
+    assert connect(vc, 0, address(1))["ok"]
     vc.cut(1)
     try:
-        got = connect(vc, 0, "10.77.0.2", timeout=2.0)
+        got = connect(vc, 0, address(1), timeout=2.0)
         assert got == {"ok": False, "error": "TimeoutError", "s": got["s"]} and got["s"] >= 1.9, got   # no refusal
         assert "state UP" in vc.run(1, "ip -o link show eth0").stdout     # machine 1 sees nothing wrong
     finally:
         vc.restore(1)
-    assert connect(vc, 0, "10.77.0.2")["ok"]
+    assert connect(vc, 0, address(1))["ok"]
 
 
 def test_a_link_taken_down_has_no_carrier(vc, listener):
     vc.link_down(1)
     try:
         assert eventually(lambda: "NO-CARRIER" in vc.run(1, "ip -o link show eth0").stdout, 10)
-        assert not connect(vc, 0, "10.77.0.2", timeout=2.0)["ok"]
+        assert not connect(vc, 0, address(1), timeout=2.0)["ok"]
     finally:
         vc.restore(1)
-    assert eventually(lambda: connect(vc, 0, "10.77.0.2")["ok"], 15)
+    assert eventually(lambda: connect(vc, 0, address(1))["ok"], 15)
 
 
 def test_a_slow_link_is_slow(vc, listener):
     """4 Mbit/s: 2 MB take at least 4 s (a lower bound holds on any loaded machine)."""
     vc.slow(1, "4mbit")
     try:
-        got = connect(vc, 0, "10.77.0.2", timeout=60, size=2_000_000)
+        got = connect(vc, 0, address(1), timeout=60, size=2_000_000)
         assert got["ok"] and got["s"] >= 3.5, got
     finally:
         vc.restore(1)
@@ -177,7 +176,7 @@ def test_a_killed_machine_loses_every_process_and_comes_back_fresh():
         assert survivor.poll() is None
         vc.start(1)
         assert vc.run(1, "ls /tmp").stdout == ""   # a fresh machine: its /tmp is empty
-        refused = vc.run(0, [sys.executable, "-c", "import socket; socket.create_connection(('10.77.0.2', 9), 5)"])
+        refused = vc.run(0, [sys.executable, "-c", f"import socket; socket.create_connection(('{address(1)}', 9), 5)"])
         assert "ConnectionRefusedError" in refused.stderr   # machine 1 answers at its address again
         survivor.kill()
         survivor.wait()

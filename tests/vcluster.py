@@ -4,14 +4,16 @@ Why: a job across machines decides what its servers bind, which address each mac
 gloo uses and where the weight-sync group meets; on 127.0.0.1 every wrong answer still works. Here each machine has
 its own network, so a wrong address fails as it would between real machines.
 
-Layout (subnet 10.77.0.0/24):
+Layout (subnet 192.168.77.0/24: above 127.0.0.0 on purpose: of two gloo ranks the one with the higher address
+dials the other, so a machine that advertises a loopback address (127.0.1.1 from Debian's /etc/hosts) fails here as
+on any network above 127, where a 10.x network would hide it while one machine makes that mistake):
 - machine K: a process made with `unshare` holding its own network, mount, PID and UTS namespaces. `eth0` has
-  10.77.0.(K+1)/24, `lo` is up, the default route goes to the switch (10.77.0.254), the host name is `vcK`, and
-  its /etc/hosts names every machine (vc0 10.77.0.1, vc1 10.77.0.2, ...). /tmp and /dev/shm are private tmpfs
+  192.168.77.(K+1)/24, `lo` is up, the default route goes to the switch (192.168.77.254), the host name is `vcK`,
+  and its /etc/hosts names every machine (vc0 192.168.77.1, vc1 192.168.77.2, ...). /tmp and /dev/shm are private tmpfs
   mounts (Ray keeps its session under /tmp: nothing is shared through them that two real machines would not
   share); the directories given as `shared` that lie under them are bound in at the same path, like a shared
   filesystem. /sys shows the machine's own interfaces. Everything else (the repository, the venv, $HOME) is the host's, as on machines with one image.
-- the switch: a process with a network namespace of its own holding the bridge `br0` (10.77.0.254/24) and one
+- the switch: a process with a network namespace of its own holding the bridge `br0` (192.168.77.254/24) and one
   veth port per machine, `port{K}`, whose other end is the machine's `eth0`. It has no other interface and does not
   forward: a packet for any other address ends there. Nothing is created in the namespace of the process that
   makes the cluster (a test keeps its loopback-only namespace).
@@ -48,8 +50,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-SUBNET = "10.77.0.0/24"
-GATEWAY = "10.77.0.254"    # the bridge's address, in the switch's namespace: the machines' default route
+SUBNET = "192.168.77.0/24"
+GATEWAY = "192.168.77.254"    # the bridge's address, in the switch's namespace: the machines' default route
 PRIVATE = ("/tmp", "/dev/shm")
 KINDS = ("net", "mnt", "pid", "uts")
 _START_S = 60.0            # a holder's set-up on a loaded machine (a fresh interpreter, a few mounts)
@@ -61,7 +63,7 @@ _PR_SET_PDEATHSIG = 1
 
 def address(machine: int) -> str:
     """Machine K's address on the cluster's subnet."""
-    return f"10.77.0.{machine + 1}"
+    return f"192.168.77.{machine + 1}"
 
 
 def hostname(machine: int) -> str:
