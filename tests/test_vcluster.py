@@ -187,7 +187,7 @@ def sleepers(marker: str) -> list[str]:
     from helpers import cmdline
 
     cmds = [cmdline(p).split() for p in pids_matching(marker)]
-    return sorted(c[-1].rpartition("-")[2] for c in cmds if c and not any("vcluster.py" in w for w in c))
+    return sorted(c[-1].rpartition("-")[2] for c in cmds if c and not any("vcluster_ns.py" in w for w in c))
 
 
 MAKER = textwrap.dedent("""

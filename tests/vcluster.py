@@ -35,12 +35,12 @@ By hand (as root):
     python tests/vcluster.py --machines 2 [--share DIR]... -- bash
         # in that shell: python tests/vcluster.py on 1 -- bash        (a shell on machine 1)
         #                python tests/vcluster.py net 1 cut|restore|down|slow RATE
-Both need the cluster's pids, which the first command puts in VCLUSTER_PIDS and VCLUSTER_SWITCH.
+Both need the cluster's pids, which the first command puts in VCLUSTER_PIDS and VCLUSTER_SWITCH. What runs inside the
+namespaces (the holders, the entry shim) is tests/vcluster_ns.py.
 """
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import select
 import signal
@@ -50,15 +50,13 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import vcluster_ns
+from vcluster_ns import PRIVATE
+
 SUBNET = "192.168.77.0/24"
 GATEWAY = "192.168.77.254"    # the bridge's address, in the switch's namespace: the machines' default route
-PRIVATE = ("/tmp", "/dev/shm")
 KINDS = ("net", "mnt", "pid", "uts")
 _START_S = 60.0            # a holder's set-up on a loaded machine (a fresh interpreter, a few mounts)
-
-_CLONE = {"mnt": 0x00020000, "uts": 0x04000000, "pid": 0x20000000, "net": 0x40000000}
-_MS_NOSUID, _MS_NODEV, _MS_BIND, _MS_REC = 0x2, 0x4, 0x1000, 0x4000
-_PR_SET_PDEATHSIG = 1
 
 
 def address(machine: int) -> str:
@@ -90,103 +88,12 @@ def under_private(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in PRIVATE)
 
 
-# -- the kernel calls (ctypes: the holders and the entry shim run with `python -I -S`, no third-party code) --------
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc().mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
-                         data.encode() if data else None), f"mount {source} on {target}")
-
-
-def _die_with_parent(sig: int = signal.SIGKILL) -> None:
-    _libc().prctl(_PR_SET_PDEATHSIG, sig)
-
-
-# -- inside a holder (the process `unshare` starts: PID 1 of a machine, or the switch) ------------------------------
-def hold(host: str | None, shares: Sequence[str], hosts: str | None) -> None:
-    """Set the machine up (private /tmp and /dev/shm, the shared directories bound back in, its host name and
-    /etc/hosts), say `ready`, then reap orphans until killed. The switch (no `host`) only waits."""
-    if host is not None:
-        fds = {d: os.open(d, os.O_RDONLY | os.O_DIRECTORY) for d in shares}   # before the tmpfs hides them
-        for where in PRIVATE:
-            _mount("tmpfs", where, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=1777")
-        # /sys as this network namespace shows it (/sys/class/net: its own interfaces), the cgroups bound back
-        cgroup = os.open("/sys/fs/cgroup", os.O_RDONLY | os.O_DIRECTORY) if os.path.isdir("/sys/fs/cgroup") else None
-        _mount("sysfs", "/sys", "sysfs", _MS_NOSUID | _MS_NODEV)
-        if cgroup is not None:
-            _mount(f"/proc/self/fd/{cgroup}", "/sys/fs/cgroup", None, _MS_BIND | _MS_REC)
-            os.close(cgroup)
-        for d in sorted(shares, key=len):
-            os.makedirs(d, exist_ok=True)
-            _mount(f"/proc/self/fd/{fds[d]}", d, None, _MS_BIND | _MS_REC)
-            os.close(fds[d])
-        import socket
-
-        socket.sethostname(host)
-        os.makedirs("/tmp/.vcluster", exist_ok=True)
-        Path("/tmp/.vcluster/hosts").write_text(hosts or "")
-        _mount("/tmp/.vcluster/hosts", "/etc/hosts", None, _MS_BIND)
-    print("ready", flush=True)
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
-    while True:   # PID 1 of the machine: orphans (daemons) are re-parented here
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
-        except ChildProcessError:
-            pass
-        signal.sigtimedwait([signal.SIGCHLD], 5.0)
-
-
-def enter(pid: int, cwd: str, argv: list[str]) -> None:
-    """The entry shim: join holder `pid`'s namespaces, run `argv` there as a child (the first process of the
-    machine's PID namespace sees only the machine), pass on every signal it gets, and end as the child ended (its
-    exit code, or killed by the same signal). The child is SIGKILLed if the shim is."""
-    fds = [(os.open(f"/proc/{pid}/ns/{kind}", os.O_RDONLY), _CLONE[kind]) for kind in ("uts", "net", "pid", "mnt")]
-    for fd, flag in fds:
-        _check(_libc().setns(fd, flag), f"setns {flag:#x} of pid {pid}")
-        os.close(fd)
-    child = os.fork()
-    if child == 0:
-        try:
-            _die_with_parent()
-            os.chdir(cwd if os.path.isdir(cwd) else "/")
-            os.execvp(argv[0], argv)
-        except OSError as e:
-            print(f"vcluster: {argv[0]}: {e.strerror}", file=sys.stderr, flush=True)
-        os._exit(127)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-                signal.SIGWINCH, signal.SIGCONT):
-        signal.signal(sig, lambda s, _f: os.kill(child, s))
-    _, status = os.waitpid(child, 0)
-    if os.WIFSIGNALED(status):
-        import resource
-
-        sig = os.WTERMSIG(status)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(sig, signal.SIG_DFL)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
-        os.kill(os.getpid(), sig)
-    sys.exit(os.waitstatus_to_exitcode(status))
-
-
 # -- the cluster, from the outside --------------------------------------------------------------------------------
-HERE = str(Path(__file__).resolve())
+INSIDE = str(Path(__file__).resolve().parent / "vcluster_ns.py")
 
 
 def _shim(*args: str) -> list[str]:
-    return [sys.executable, "-I", "-S", HERE, *args]
+    return [sys.executable, "-I", "-S", INSIDE, *args]
 
 
 def _child_of(parent: int) -> int | None:
@@ -204,7 +111,7 @@ def _holder(unshare: list[str], hold_args: list[str]) -> tuple[subprocess.Popen,
     """`unshare ... python vcluster.py _hold ...`: its process and the holder's pid, once the holder is ready."""
     proc = subprocess.Popen([*unshare, "--fork", "--kill-child=SIGKILL", "--", *_shim("_hold", *hold_args)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_die_with_parent)
+                            preexec_fn=vcluster_ns.die_with_parent)
     assert proc.stdout is not None
     deadline, said = time.monotonic() + _START_S, b""
     while b"ready\n" not in said and time.monotonic() < deadline and proc.poll() is None:
@@ -384,38 +291,16 @@ def held(namespaces: Iterable[str]) -> set[str]:
 
 
 # -- command line -------------------------------------------------------------------------------------------------
-def _pids() -> tuple[list[int], int]:
-    pids, switch = os.environ.get("VCLUSTER_PIDS"), os.environ.get("VCLUSTER_SWITCH")
-    if not pids or not switch:
-        sys.exit("vcluster: no cluster here: start one with `python tests/vcluster.py --machines N -- CMD`")
-    return [int(p) for p in pids.split(",")], int(switch)
-
-
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["_hold"]:
-        p = argparse.ArgumentParser()
-        p.add_argument("--host")
-        p.add_argument("--hosts")
-        p.add_argument("shares", nargs="*")
-        a = p.parse_args(argv[1:])
-        hold(a.host, a.shares, a.hosts)
-        return 0
-    if argv[:1] == ["on"]:   # on K [--pid PID] [--cwd DIR] -- CMD...
-        head, cmd = (argv[1:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv[1:], [])
-        p = argparse.ArgumentParser(prog="vcluster.py on")
-        p.add_argument("machine", type=int)
-        p.add_argument("--pid", type=int)
-        p.add_argument("--cwd", default=os.getcwd())
-        a = p.parse_args(head)
-        enter(a.pid or _pids()[0][a.machine], a.cwd, cmd or ["sh"])
-        return 0
+    if argv[:1] == ["on"]:
+        return vcluster_ns.main(argv)
     if argv[:1] == ["net"]:
         p = argparse.ArgumentParser(prog="vcluster.py net")
         p.add_argument("machine", type=int)
         p.add_argument("action", choices=["cut", "restore", "down", "slow"])
         p.add_argument("rate", nargs="?", default="8mbit")
         a = p.parse_args(argv[1:])
-        pids, switch = _pids()
+        pids, switch = vcluster_ns.pids_from_env()
         vc = VCluster(len(pids))
         vc.switch = (None, switch)  # type: ignore[assignment]
         vc.machines = {k: (None, pid) for k, pid in enumerate(pids)}  # type: ignore[misc]
