@@ -122,3 +122,25 @@ def test_gkd_teacher_replicas_on_both_machines_behind_machine_0s_router(vc, shar
     assert all(n >= 1 for n in served), served
     assert all(len(r["losses"]) == 2 for r in ranks)
     assert eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny / "teacher"))
+
+
+def test_the_recipes_virtual_cluster_lines_run_as_written(vc, shared, tiny):
+    """examples/multi-node/torchrun-by-hand/README.md, "Try it on a virtual cluster": its lines after the cluster's
+    start, in a shell beside this test's cluster (its pids in VCLUSTER_PIDS, as the README's first command sets
+    them), only the paths changed to this test's own: both checks pass, then both machines train."""
+    from test_recipes import one_machine_block, run_block, substitute
+
+    work = shared / "readme"
+    work.mkdir()
+    lines = one_machine_block("torchrun-by-hand", "## Try it on a virtual cluster")
+    assert lines[0].startswith("python examples/make_tiny_model.py --out /tmp/tiny")
+    assert lines[1].startswith("python tests/vcluster.py --machines 2 --share /tmp/tiny -- bash")
+    link = work / "tiny"
+    link.symlink_to(tiny, target_is_directory=True)
+    cmds = substitute(lines[2:], {"/tmp/tiny/out": str(work / "out"), "/tmp/tiny": str(link)})
+    proc = run_block(cmds, timeout=280, env={"VCLUSTER_PIDS": f"{vc.pid(0)},{vc.pid(1)}",
+                                             "VCLUSTER_SWITCH": str(vc.switch[1]), **ENV})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("dualrun check: 2 node(s) ready for backend=torchrun") == 2, proc.stdout[-3000:]
+    state = json.loads((work / "out" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and proc.stderr.count("job succeeded") == 2, proc.stderr[-3000:]
