@@ -17,41 +17,16 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from dualrun.config.model import JobConfig
 from dualrun.errors import DualrunError
-from dualrun.node_facts import CHECKED_PACKAGES, can_bind, facts
+from dualrun.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
 from dualrun.plan import Cluster, Plan, make_plan
 from dualrun.weight_sync import (SyncGroup, is_hard, limit_s, master_endpoint, member_spec, port_host, run_local,
                                  run_member, sync_group, unanswered, verdict)
 
 _PROBE_TIMEOUT_S = 60.0
-
-
-@dataclass
-class NodeReport:
-    """One machine: where it is, its GPUs, what the plan puts there, and its facts (node_facts.facts)."""
-
-    name: str
-    gpus: int
-    planned_gpus: int
-    facts: dict[str, Any]
-    problems: list[str] = field(default_factory=list)
-    ports: dict[int, str] = field(default_factory=dict)   # the ports the plan fixes there -> who needs them
-
-
-def version_differences(driver: dict[str, Any], f: dict[str, Any], other: str = "the driver") -> list[str]:
-    """Pure: python and each checked package where the facts `f` differ from `driver`'s, one phrase each."""
-    out = []
-    if f["python"] != driver["python"]:
-        out.append(f"python {f['python']}, {other} has {driver['python']}")
-    for name in CHECKED_PACKAGES:
-        mine, theirs = f["versions"].get(name), driver["versions"].get(name)
-        if mine != theirs:
-            out.append(f"{name} {mine or 'not installed'}, {other} has {theirs or 'not installed'}")
-    return out
 
 
 def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
@@ -113,7 +88,6 @@ def _directory(cfg: JobConfig) -> str | None:
     return None if cfg.ray.runtime_env.get("working_dir") else os.getcwd()
 
 
-Outcome = tuple[list[str], list[NodeReport], list[str]]   # problems, nodes, notes (lines said on success)
 
 
 def check_ray(cfg: JobConfig) -> Outcome:
@@ -229,7 +203,8 @@ def check_torchrun(cfg: JobConfig, wait_s: float | None = None) -> Outcome:
     node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here)
     problems += compare(here, node)
     if cfg.num_machines > 1:
-        from dualrun.check_machines import WAIT_S, meet
+        from dualrun.check_host import meet
+        from dualrun.check_machines import WAIT_S
 
         return meet(cfg, plan, node, problems, WAIT_S if wait_s is None else wait_s)
     master = cfg.main_process_ip or "127.0.0.1"

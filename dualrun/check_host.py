@@ -1,5 +1,6 @@
-"""The two sides of `dualrun check`'s meeting on several torchrun machines (dualrun/check_machines.py says why and
-how): machine 0 hosts it at `main_process_port`, every other machine joins it at `main_process_ip`."""
+"""The meeting of `dualrun check` on several torchrun machines (dualrun/check_machines.py says why and how, and holds
+its parts): `meet`, then machine 0 hosts it at `main_process_port` and every other machine joins it at
+`main_process_ip`."""
 from __future__ import annotations
 
 import os
@@ -8,15 +9,48 @@ import threading
 import time
 from typing import Any
 
-from dualrun.check import NodeReport, Outcome, version_differences
-from dualrun.check_machines import (GREETING, Wire, deadline_after, probe_all, report_of, rendezvous_port,
-                                    sync_here, sync_plan, sync_verdict)
+from dualrun.check_machines import (GREETING, WAIT_S, ProbeListener, Wire, advertised, deadline_after, local_problems,
+                                    name_of, probe_all, report_of, rendezvous_port, sync_here, sync_plan, sync_verdict,
+                                    view)
 from dualrun.config.model import JobConfig
-from dualrun.interfaces import Interface, listing, owner, route
-from dualrun.node_facts import can_bind
-from dualrun.weight_sync import SyncGroup, limit_s
+from dualrun.interfaces import Interface, interfaces, listing, owner, route
+from dualrun.node_facts import NodeReport, Outcome, can_bind, version_differences
+from dualrun.plan import Plan
+from dualrun.weight_sync import SyncGroup, limit_s, sync_group
 
 _REPLY_S = 30.0   # a machine's answer to one request (its probes: a few seconds each)
+
+
+def renamed(problem: str, old: tuple[str, ...], name: str) -> str:
+    """A problem of this machine's own checks, under the machine's name ('machine 1 vc1: ...')."""
+    for prefix in old:
+        if problem.startswith(prefix + ":"):
+            return name + problem[len(prefix):]
+    return f"{name}: {problem}"
+
+
+def meet(cfg: JobConfig, plan: Plan | None, here: NodeReport, problems: list[str],
+         wait_s: float = WAIT_S) -> Outcome:
+    """This machine's side of the meeting (dualrun/check_machines.py); `here` and `problems` are its own checks."""
+    ifaces = interfaces()
+    machine = cfg.machine_rank
+    before, here.name = here.name, name_of(machine, socket.gethostname())
+    problems = [renamed(p, (before, "this machine"), here.name) for p in problems]
+    problems += local_problems(cfg, plan, machine, here.name, ifaces)
+    group = sync_group(cfg, plan) if plan else None
+    items = advertised(cfg, plan, machine, ifaces, group)
+    listener = ProbeListener(machine)
+    for item in items:
+        item.update(port=listener.port, expected=listener.line.decode())
+    address, _ = route(cfg.main_process_ip or "127.0.0.1")
+    iface = owner(address, ifaces) if address else None
+    mine = view(machine, here, problems, items, ifaces, f"{iface.name} {address}" if iface else None)
+    try:
+        if machine == 0:
+            return host(cfg, group, mine, here, ifaces, wait_s)
+        return guest(cfg, mine, here, ifaces, wait_s)
+    finally:
+        listener.close()
 
 
 def _final(wires: dict[int, Wire], problems: list[str], views: list[dict[str, Any]], notes: list[str]) -> None:

@@ -26,12 +26,12 @@ import threading
 import time
 from typing import Any, Callable
 
-from dualrun.check import NodeReport, Outcome
 from dualrun.config.model import JobConfig
-from dualrun.interfaces import Interface, gloo_address, ifname_problems, interfaces, listing, owner, route
+from dualrun.node_facts import NodeReport
+from dualrun.interfaces import Interface, gloo_address, ifname_problems, listing, owner, route
 from dualrun.plan import Plan
 from dualrun.weight_sync import (NET_VARS, SyncGroup, advertised_address, limit_s, master_endpoint, member_spec,
-                                 port_host, run_specs, sync_group, unanswered, verdict)
+                                 port_host, run_specs, unanswered, verdict)
 
 GREETING = "dualrun-check/1"
 PROBE_S = 5.0          # one probe of an advertised address
@@ -198,42 +198,6 @@ def local_problems(cfg: JobConfig, plan: Plan | None, machine: int, name: str,
         out.append(f"{name}: main_process_ip {main} is this machine's own address ({mine.name}); it must be machine "
                    f"0's, where torchrun's rendezvous listens on port {port}")
     return out
-
-
-def renamed(problem: str, old: tuple[str, ...], name: str) -> str:
-    """A problem of this machine's own checks, under the machine's name ('machine 1 vc1: ...')."""
-    for prefix in old:
-        if problem.startswith(prefix + ":"):
-            return name + problem[len(prefix):]
-    return f"{name}: {problem}"
-
-
-def meet(cfg: JobConfig, plan: Plan | None, here: NodeReport, problems: list[str],
-         wait_s: float = WAIT_S) -> Outcome:
-    """This machine's side of the meeting (module docstring); `here` and `problems` are its own checks."""
-    ifaces = interfaces()
-    machine = cfg.machine_rank
-    before, here.name = here.name, name_of(machine, socket.gethostname())
-    problems = [renamed(p, (before, "this machine"), here.name) for p in problems]
-    problems += local_problems(cfg, plan, machine, here.name, ifaces)
-    group = sync_group(cfg, plan) if plan else None
-    items = advertised(cfg, plan, machine, ifaces, group)
-    listener = ProbeListener(machine)
-    for item in items:
-        item.update(port=listener.port, expected=listener.line.decode())
-    address, _ = route(cfg.main_process_ip or "127.0.0.1")
-    iface = owner(address, ifaces) if address else None
-    mine = view(machine, here, problems, items, ifaces, f"{iface.name} {address}" if iface else None)
-    try:
-        if machine == 0:
-            from dualrun.check_host import host
-
-            return host(cfg, group, mine, here, ifaces, wait_s)
-        from dualrun.check_host import guest
-
-        return guest(cfg, mine, here, ifaces, wait_s)
-    finally:
-        listener.close()
 
 
 def sync_here(specs: list[list[Any]]) -> list[list[Any]]:
