@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="pre-flight: every node's versions, directory, GPUs, ports, addresses, and "
                            "the trainer's weight-sync group")
     _job_flags(check)
+    check.add_argument("--wait_s", "--wait-s", dest="wait_s", type=float, default=None,
+                       help="several torchrun machines: how long each waits for the others to run the check too "
+                            "(default 120)")
 
     sub.add_parser("env", help="versions, devices and whether a Ray cluster is reachable")
     return parser
@@ -179,7 +182,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
     from dualrun.check.preflight import run_check
 
     cfg, _ = _load(ns)
-    return run_check(cfg)
+    if ns.wait_s is not None and not 0 < ns.wait_s <= 3600:
+        raise ConfigError("<command line>", "--wait_s", "a number of seconds in (0, 3600]", str(ns.wait_s))
+    return run_check(cfg, ns.wait_s)
 
 
 def cmd_env(ns: argparse.Namespace) -> int:

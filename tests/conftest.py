@@ -64,6 +64,20 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
 
+def skip_cluster(items) -> None:
+    """The cluster tier (marker `cluster`: tests on tests/vcluster.py's machines) runs on its own, beside the main
+    suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); elsewhere, and where no cluster can be made,
+    its tests are skipped with the reason."""
+    import vcluster
+
+    why = None if os.environ.get("DUALRUN_CLUSTER_TIER") == "1" else "the cluster tier: bash scripts/test-cluster.sh"
+    why = why or vcluster.available()
+    if why:
+        for item in items:
+            if item.get_closest_marker("cluster") is not None:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (its hook turns them into node ids)
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests that start a Ray cluster of
@@ -75,6 +89,7 @@ def pytest_collection_modifyitems(config, items):
         mark_ray(item)
         if "e2e" in item.keywords and "slow" in item.keywords and starts_own_ray(item):
             item.add_marker(pytest.mark.xdist_group("slow-ray"))
+    skip_cluster(items)
     if helpers.loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
         return
     skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see README)")

@@ -29,10 +29,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # -- helpers ------------------------------------------------------------------------------------------------------
 
-def one_machine_block(recipe: str) -> list[str]:
-    """The commands of the README's "Try it on one machine" bash block: continuations joined, comments dropped."""
+def one_machine_block(recipe: str, heading: str = "## Try it on one machine") -> list[str]:
+    """The commands of the README's "Try it on one machine" bash block (or the first one under `heading`):
+    continuations joined, comments dropped."""
     text = (RECIPES / recipe / "README.md").read_text()
-    section = text.split("## Try it on one machine", 1)[1]
+    section = text.split(heading, 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     commands, current = [], ""
     for line in block.splitlines():
@@ -77,11 +78,11 @@ def stop_cluster(temp_dir: str, grace: float = 3.0) -> None:
     assert not pids_matching(temp_dir, open_files=True), f"Ray processes of {temp_dir} left running: {pids_matching(temp_dir, open_files=True)}"
 
 
-def run_block(commands: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_block(commands: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run the commands as one bash session (so `export` carries over), stopping at the first failure."""
     script = "set -e\n" + "\n".join(commands) + "\n"
-    return subprocess.run(["bash", "-c", script], cwd=REPO, env=shell_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(["bash", "-c", script], cwd=REPO, env=shell_env(**(env or {})), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 PROBE_NODES = """

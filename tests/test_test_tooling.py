@@ -45,6 +45,27 @@ def test_test_sh_runs_xdist_workers_as_dualrun_test_workers_says(recording_venv,
         assert f" {expected} " in argv, argv
 
 
+@pytest.mark.parametrize("skip", ["", "DUALRUN_SKIP_CLUSTER"])
+def test_test_sh_runs_the_cluster_tier_beside_the_main_suite(recording_venv, skip):
+    """No argument: scripts/test.sh also runs scripts/test-cluster.sh (the `cluster` marker on the virtual cluster's
+    test files, DUALRUN_CLUSTER_TIER=1), its output after the main suite's; DUALRUN_SKIP_CLUSTER=1 leaves it out."""
+    venv, log = recording_venv
+    env = {k: v for k, v in os.environ.items() if k not in ("DUALRUN_TEST_WORKERS", "DUALRUN_SKIP_CLUSTER")}
+    env.update(DUALRUN_VENV=str(venv), DUALRUN_SKIP_VLLM="1", **({skip: "1"} if skip else {}))
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nprintf "%s %s\\n" "${{DUALRUN_CLUSTER_TIER:-0}}" "$*" >> {log}\n')
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "test.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    runs = sorted(log.read_text().splitlines())
+    assert runs[0] == "0 -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup", runs
+    if skip:
+        assert len(runs) == 1 and "cluster tier" not in proc.stdout
+    else:
+        assert runs[1] == "1 -m pytest -q -p no:cacheprovider -m cluster tests/test_vcluster.py " + " ".join(
+            sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_cluster_*.py"))), runs
+        assert proc.stdout.endswith("=== cluster tier (scripts/test-cluster.sh) ===\n"), proc.stdout
+
+
 def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_path, monkeypatch):
     builder = tmp_path / "builder.py"   # a stand-in for examples/make_tiny_model.py: what tiny_assets waits for
     builder.write_text("import pathlib, sys\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 import socket
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from dualrun.env.installed import version
@@ -118,3 +119,31 @@ def facts(directory: str | None = None, reach: Iterable[tuple[str, int]] = (),
         "ports": {int(p): can_bind("0.0.0.0", p) for p in ports},
         "ranges": range_mismatches(),
     }
+
+
+@dataclass
+class NodeReport:
+    """One machine: where it is, its GPUs, what the plan puts there, and its facts (`facts`)."""
+
+    name: str
+    gpus: int
+    planned_gpus: int
+    facts: dict[str, Any]
+    problems: list[str] = field(default_factory=list)
+    ports: dict[int, str] = field(default_factory=dict)   # the ports the plan fixes there -> who needs them
+
+
+
+Outcome = tuple[list[str], list[NodeReport], list[str]]   # a check's problems, nodes, notes (said on success)
+
+
+def version_differences(driver: dict[str, Any], f: dict[str, Any], other: str = "the driver") -> list[str]:
+    """Pure: python and each checked package where the facts `f` differ from `driver`'s, one phrase each."""
+    out = []
+    if f["python"] != driver["python"]:
+        out.append(f"python {f['python']}, {other} has {driver['python']}")
+    for name in CHECKED_PACKAGES:
+        mine, theirs = f["versions"].get(name), driver["versions"].get(name)
+        if mine != theirs:
+            out.append(f"{name} {mine or 'not installed'}, {other} has {theirs or 'not installed'}")
+    return out

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
-from dualrun.check.node_facts import CHECKED_PACKAGES, can_bind, facts, routes_to
+from dualrun.check.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
 from dualrun.plan.processes import Cluster, Plan, make_plan
 from dualrun.weightsync.group import SyncGroup, port_host, sync_group
 from dualrun.weightsync.rehearsal import (is_hard, limit_s, master_endpoint, member_spec, run_local, run_member,
@@ -31,28 +30,10 @@ from dualrun.weightsync.rehearsal import (is_hard, limit_s, master_endpoint, mem
 _PROBE_TIMEOUT_S = 60.0
 
 
-@dataclass
-class NodeReport:
-    """One machine: where it is, its GPUs, what the plan puts there, and its facts (node_facts.facts)."""
-
-    name: str
-    gpus: int
-    planned_gpus: int
-    facts: dict[str, Any]
-    problems: list[str] = field(default_factory=list)
-    ports: dict[int, str] = field(default_factory=dict)   # the ports the plan fixes there -> who needs them
-
-
 def compare(driver: dict[str, Any], node: NodeReport) -> list[str]:
     """Pure: every way `node` differs from the driver or cannot serve the plan, one phrase each."""
-    out = []
     f = node.facts
-    if f["python"] != driver["python"]:
-        out.append(f"python {f['python']}, the driver has {driver['python']}")
-    for name in CHECKED_PACKAGES:
-        mine, theirs = f["versions"].get(name), driver["versions"].get(name)
-        if mine != theirs:
-            out.append(f"{name} {mine or 'not installed'}, the driver has {theirs or 'not installed'}")
+    out = version_differences(driver, f)
     if not f["directory_ok"]:
         out.append(f"the launching directory {f['directory']} does not exist there (use a shared filesystem or "
                    "ray.runtime_env: {working_dir: .})")
@@ -108,7 +89,6 @@ def _directory(cfg: JobConfig) -> str | None:
     return None if cfg.ray.runtime_env.get("working_dir") else os.getcwd()
 
 
-Outcome = tuple[list[str], list[NodeReport], list[str]]   # problems, nodes, notes (lines said on success)
 
 
 def check_ray(cfg: JobConfig) -> Outcome:
@@ -211,8 +191,9 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str],
                                               "(the node busy, or its GPUs taken)"), names, address, port)
 
 
-def check_torchrun(cfg: JobConfig) -> Outcome:
-    """This machine (machine_rank) against the plan, and the master address from here."""
+def check_torchrun(cfg: JobConfig, wait_s: float | None = None) -> Outcome:
+    """This machine (machine_rank) against the plan; on several machines, then the meeting with the others
+    (dualrun.check.machines), else the rendezvous port and the weight-sync group here."""
     problems: list[str] = []
     plan = _plan(cfg, None, problems)
     here = facts(os.getcwd())
@@ -222,20 +203,19 @@ def check_torchrun(cfg: JobConfig) -> Outcome:
     gpus = 0 if cfg.use_cpu else _local_gpus()
     node = NodeReport(f"node {cfg.machine_rank} (this machine)", gpus, _planned_gpus(plan, cfg.machine_rank), here)
     problems += compare(here, node)
+    if cfg.num_machines > 1:
+        from dualrun.check.meeting import meet
+        from dualrun.check.machines import WAIT_S
+
+        return meet(cfg, plan, node, problems, WAIT_S if wait_s is None else wait_s)
     master = cfg.main_process_ip or "127.0.0.1"
-    if cfg.machine_rank == 0 and (cfg.main_process_port or cfg.num_machines > 1):
-        port = cfg.main_process_port or 29500
-        why = can_bind(master if cfg.main_process_ip else "0.0.0.0", port)
+    if cfg.main_process_port:
+        why = can_bind(master if cfg.main_process_ip else "0.0.0.0", cfg.main_process_port)
         if why:
-            problems.append(f"main_process_port: {master}:{port} cannot be listened on here ({why})")
-    if cfg.machine_rank > 0:
-        why = routes_to(master)
-        if why:
-            problems.append(f"main_process_ip: no route to {master} from this machine ({why})")
+            problems.append(f"main_process_port: {master}:{cfg.main_process_port} cannot be listened on here ({why})")
     group = sync_group(cfg, plan) if plan else None
     notes: list[str] = []
-    if group is not None and here["versions"]["torch"] and all(m.node == cfg.machine_rank == 0
-                                                                for m in group.members):
+    if group is not None and here["versions"]["torch"]:
         address, port = master_endpoint(port_host(cfg), group.master.env)
         found, note = run_local(group, address, port, {0: node.name})
         problems += found
@@ -255,10 +235,11 @@ def range_notes(nodes: list[NodeReport]) -> list[str]:
     return [f"{n.name}: {phrase}" for n in nodes for phrase in n.facts.get("ranges", [])]
 
 
-def run_check(cfg: JobConfig) -> int:
+def run_check(cfg: JobConfig, wait_s: float | None = None) -> int:
     """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0); version ranges that
-    TRL or vLLM declare and this install is outside of are named as notes either way."""
-    problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg)
+    TRL or vLLM declare and this install is outside of are named as notes either way. `wait_s`: how long several
+    torchrun machines wait for each other."""
+    problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg, wait_s)
     for note in range_notes(nodes):
         print(f"dualrun check: note: {note}")
     if problems:

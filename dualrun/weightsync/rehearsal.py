@@ -118,13 +118,12 @@ def _hint(group: SyncGroup, member: Member, result: Mapping[str, Any], address: 
             "in roles.train.env to the address the engines reach it at")
 
 
-def run_local(group: SyncGroup, address: str, port: int, node_names: Mapping[int, str],
-              timeout_s: float = TIMEOUT_S) -> tuple[list[str], str | None]:
-    """Every member on this machine (torchrun, or a Ray job on an embedded cluster): one child each, stopped at
-    the first member that fails on its own."""
-    procs = [start_member(member_spec(group, m, address, port, timeout_s)) for m in group.members]
+def run_specs(specs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | None]:
+    """Members on this machine, one child each, all at once: each one's result (None: still silent when the check
+    stopped waiting, at the limit or at the first member that failed on its own)."""
+    procs = [start_member(spec) for spec in specs]
     results: list[dict[str, Any] | None] = [None] * len(procs)
-    deadline = time.monotonic() + limit_s(timeout_s)
+    deadline = time.monotonic() + max((limit_s(float(s["timeout_s"])) for s in specs), default=0.0)
     try:
         while any(r is None for r in results) and time.monotonic() < deadline:
             for i, p in enumerate(procs):
@@ -139,5 +138,13 @@ def run_local(group: SyncGroup, address: str, port: int, node_names: Mapping[int
                 p.kill()
                 p.communicate()
             p.err_file.close()  # type: ignore[attr-defined]
+    return results
+
+
+def run_local(group: SyncGroup, address: str, port: int, node_names: Mapping[int, str],
+              timeout_s: float = TIMEOUT_S) -> tuple[list[str], str | None]:
+    """Every member on this machine (torchrun, or a Ray job on an embedded cluster): one child each, stopped at
+    the first member that fails on its own."""
+    results = run_specs([member_spec(group, m, address, port, timeout_s) for m in group.members])
     return verdict(group, unanswered(results, f"no answer within {limit_s(timeout_s):g} s"), node_names, address,
                    port)

@@ -1,0 +1,146 @@
+"""torchrun by hand across two machines of the virtual cluster (tests/vcluster.py), each with its own address:
+the accelerate recipe of examples/multi-node/torchrun-by-hand, `dualrun launch --num_machines 2 --machine_rank K
+--main_process_ip 192.168.77.1` on each machine. TRL's own scripts/sft.py, unchanged, gives the losses of one machine
+with the same world size; a GKD job whose teacher has a CPU-engine replica on each machine serves through machine 0's
+router, which reaches machine 1's replica at machine 1's address. Only the output directory and the tiny assets are
+shared between the machines (their /tmp is their own), as on machines with a shared filesystem."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import ASSETS, dualrun, eventually, pids_matching
+from vcluster import VCluster, address
+
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
+
+MAIN = address(0)
+ENV = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shared")
+
+
+@pytest.fixture(scope="module")
+def vc(shared, tiny):
+    with VCluster(2, shared=[shared, tiny.parent]) as cluster:
+        yield cluster
+
+
+def on_machines(vc: VCluster, work: Path, config: str, argv: list[str], timeout_s: float) -> list[str]:
+    """`dualrun launch --config_file job.yaml --num_machines 2 --machine_rank K --main_process_ip 192.168.77.1 ARGV` on
+    each machine K, in work/mK (its job.yaml: `config` with MACHINE replaced by K, e.g. a log_dir of its own; its
+    output in work/mK/out); each one's output once both have ended (what is left after `timeout_s` is killed: a hung
+    machine must not outlive the test)."""
+    procs = []
+    for k in (0, 1):
+        here = work / f"m{k}"
+        here.mkdir()
+        (here / "job.yaml").write_text(config.replace("MACHINE", str(k)))
+        with open(here / "out", "w") as out:
+            procs.append(vc.popen(k, [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
+                                      "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip", MAIN,
+                                      "--main_process_port", "29500", *argv],
+                                  cwd=here, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [(work / f"m{k}" / "out").read_text() for k in (0, 1)]
+    assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    return outs
+
+
+def sft_script() -> str:
+    import trl
+
+    return str(Path(trl.__file__).parent / "scripts" / "sft.py")
+
+
+def losses(out: Path) -> list[float]:
+    """Every logged loss, at full precision (the console rounds them): the last checkpoint's trainer state."""
+    [last] = sorted(out.glob("checkpoint-*"))
+    return [h["loss"] for h in json.loads((last / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+
+
+def test_trl_sft_across_two_machines_gives_the_losses_of_one(vc, shared, tiny):
+    work = shared / "sft"
+    (work / "data").mkdir(parents=True)
+    shutil.copy(tiny / "data" / "sft.jsonl", work / "data" / "train.jsonl")
+    (work / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    script = lambda out: [sft_script(), "--model_name_or_path", str(tiny / "model"),  # noqa: E731
+                          "--dataset_name", str(work / "data"), "--output_dir", str(work / out), "--max_steps", "3",
+                          "--per_device_train_batch_size", "2", "--use_cpu", "true", "--report_to", "none",
+                          "--logging_steps", "1", "--seed", "0"]
+    one = dualrun("launch", "--config_file", "cpu2.yaml", *script("one"), cwd=work, env=ENV, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    outs = on_machines(vc, work, "use_cpu: true\nroles: {train: {gpus: 2}}\n", script("two"), 300)
+    assert f"node 0 {MAIN} (this machine)" in outs[0] and "job succeeded" in outs[1]
+    expected = losses(work / "one")
+    assert len(expected) == 3 and losses(work / "two") == expected
+    assert (work / "two" / "model.safetensors").exists()
+
+
+def test_gkd_teacher_replicas_on_both_machines_behind_machine_0s_router(vc, shared, tiny):
+    """Both machines' ranks get the router's address (machine 0's), the router reaches machine 1's replica at
+    machine 1's address, each replica answers scoring requests, and nothing is left on either machine."""
+    work = shared / "gkd"
+    work.mkdir()
+    config = ("use_cpu: true\nmethod: gkd\ntorchrun: {gpus_per_machine: 2}\nroles:\n  train: {gpus: 2}\n"
+              f"  teacher: {{gpus: 2, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
+              f"server_args: [--verbose]}}\nlog_dir: {work / 'logsMACHINE'}\n")
+    program = [str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
+               "--teacher_model_name_or_path", str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"),
+               "--output_dir", str(work / "out")]
+    outs = on_machines(vc, work, config, program, 300)
+    ranks = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    router = ranks[0]["teacher_address"]
+    assert router == ranks[1]["teacher_address"] and router.startswith(f"{MAIN}:"), ranks
+    assert re.search(rf"dualrun: teacher server 1: server healthy at {re.escape(address(1))}:\d+ \(machine 1\)",
+                     outs[1]), outs[1][-2000:]
+    router_log = (work / "logs0" / "teacher-router.log").read_text()
+    replicas = re.search(r"serving http://0\.0\.0\.0:\d+ for 2 replicas: (\S+) (\S+)\n", router_log)
+    assert replicas and [a.rpartition(":")[0] for a in replicas.groups()] == [MAIN, address(1)], router_log
+    spread = re.search(r"served per replica: \[(\d+), (\d+)\]", router_log)
+    assert spread and all(int(n) >= 1 for n in spread.groups()), router_log[-500:]
+    served = [(work / f"logs{m}" / f"teacher-server-{m}.log").read_text().count('"POST /v1/completions') for m in (0, 1)]
+    assert all(n >= 1 for n in served), served
+    assert all(len(r["losses"]) == 2 for r in ranks)
+    assert eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny / "teacher"))
+
+
+def test_the_recipes_virtual_cluster_lines_run_as_written(vc, shared, tiny):
+    """examples/multi-node/torchrun-by-hand/README.md, "Try it on a virtual cluster": its lines after the cluster's
+    start, in a shell beside this test's cluster (its pids in VCLUSTER_PIDS, as the README's first command sets
+    them), only the paths changed to this test's own: both checks pass, then both machines train."""
+    from test_recipes import one_machine_block, run_block, substitute
+
+    work = shared / "readme"
+    work.mkdir()
+    lines = one_machine_block("torchrun-by-hand", "## Try it on a virtual cluster")
+    assert lines[0].startswith("python examples/make_tiny_model.py --out /tmp/tiny")
+    assert lines[1].startswith("python tests/vcluster.py --machines 2 --share /tmp/tiny -- bash")
+    link = work / "tiny"
+    link.symlink_to(tiny, target_is_directory=True)
+    cmds = substitute(lines[2:], {"/tmp/tiny/out": str(work / "out"), "/tmp/tiny": str(link)})
+    proc = run_block(cmds, timeout=280, env={"VCLUSTER_PIDS": f"{vc.pid(0)},{vc.pid(1)}",
+                                             "VCLUSTER_SWITCH": str(vc.switch[1]), **ENV})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("dualrun check: 2 node(s) ready for backend=torchrun") == 2, proc.stdout[-3000:]
+    state = json.loads((work / "out" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and proc.stderr.count("job succeeded") == 2, proc.stderr[-3000:]

@@ -1,0 +1,77 @@
+"""What `dualrun check` on several torchrun machines reads from each machine and compares (pure parts; the
+meeting itself runs on the virtual cluster, tests/test_cluster_check.py): which interface variables a machine
+cannot honour, the address gloo would advertise there, and what each machine advertises to the others."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import dualrun
+from dualrun.config import build_config
+from dualrun.light.interfaces import Interface, gloo_address, ifname_problems, listing, owner
+from dualrun.plan.processes import make_plan
+
+ETH = {"lo": Interface("lo", "127.0.0.1", "unknown"), "eth0": Interface("eth0", "192.168.77.2", "up"),
+       "ib0": Interface("ib0", None, "down")}
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, []),
+    ({"GLOO_SOCKET_IFNAME": "eth0"}, []),
+    ({"GLOO_SOCKET_IFNAME": "eth0,ens5"}, ["GLOO_SOCKET_IFNAME=eth0,ens5 names ens5, which this machine does not have"]),
+    ({"GLOO_SOCKET_IFNAME": "ib0"}, ["GLOO_SOCKET_IFNAME=ib0 names ib0, which has no IPv4 address here"]),
+    ({"NCCL_SOCKET_IFNAME": "eth"}, []),                        # NCCL: a prefix
+    ({"NCCL_SOCKET_IFNAME": "=eth"}, ["NCCL_SOCKET_IFNAME==eth matches no interface of this machine with an "
+                                      "address"]),             # `=`: exact names only
+    ({"NCCL_SOCKET_IFNAME": "ib"}, ["NCCL_SOCKET_IFNAME=ib matches no interface of this machine with an address"]),
+    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, []),                 # an exclusion list: nothing to break here
+    ({"TP_SOCKET_IFNAME": "ens5"}, ["TP_SOCKET_IFNAME=ens5 names ens5, which this machine does not have"]),
+])
+def test_interface_variables_a_machine_cannot_honour(env, expected):
+    assert ifname_problems(env, ETH) == expected
+
+
+def test_gloo_advertises_its_interface_else_what_the_host_name_resolves_to_else_loopback():
+    assert gloo_address({"GLOO_SOCKET_IFNAME": "eth0,lo"}, ETH) == ("192.168.77.2", "GLOO_SOCKET_IFNAME=eth0")
+    assert gloo_address({"GLOO_SOCKET_IFNAME": "ens5"}, ETH) == (None, "GLOO_SOCKET_IFNAME=ens5")
+    assert gloo_address({}, ETH, hostname="localhost") == (
+        "127.0.0.1", "the host name localhost resolves to it; GLOO_SOCKET_IFNAME is unset")
+    # a name that resolves to no address of this machine (here: none at all): torch falls back to loopback
+    assert gloo_address({}, ETH, hostname="no-such-host.invalid") == (
+        "127.0.0.1", "the host name no-such-host.invalid resolves to no address of this machine, so gloo falls back "
+                     "to loopback; GLOO_SOCKET_IFNAME is unset")
+
+
+def test_interfaces_are_listed_addresses_first_and_found_by_address():
+    assert listing(ETH) == "eth0 192.168.77.2, lo 127.0.0.1, ib0 without an IPv4 address (down)"
+    assert owner("192.168.77.2", ETH).name == "eth0" and owner("127.0.1.1", ETH).name == "lo"
+    assert owner("192.168.77.9", ETH) is None
+
+
+def _cfg(rank: int, **more):
+    spec = {"use_cpu": True, "method": "gkd", "num_machines": 2, "machine_rank": rank, "main_process_ip": "127.0.0.1",
+            "torchrun": {"gpus_per_machine": 2}, "env": {"GLOO_SOCKET_IFNAME": "lo"},
+            "roles": {"train": {"gpus": 2}, "teacher": {"gpus": 2, "model": "m/m", "top_k": 5,
+                                                         "env": {"GLOO_SOCKET_IFNAME": "ens5"}}}}
+    spec.update(more)
+    return build_config(spec, "job.yaml")
+
+
+def test_each_machine_advertises_gloos_address_per_process_env_and_its_servers_route_address():
+    from dualrun.check.machines import advertised, process_envs
+
+    cfg = _cfg(1)
+    plan = make_plan(cfg)
+    assert process_envs(cfg, plan, 1) == [{"GLOO_SOCKET_IFNAME": "lo"}, {"GLOO_SOCKET_IFNAME": "ens5"}]
+    ifaces = {"lo": Interface("lo", "127.0.0.1", "unknown")}
+    items = advertised(cfg, plan, 1, ifaces, None)
+    assert [(i["what"], i["address"], i["interface"]) for i in items] == [
+        ("gloo's address", "127.0.0.1", "lo"),                 # ens5 is missing: a problem of its own, no address
+        ("its servers' address", "127.0.0.1", "lo")]           # its route to main_process_ip
+
+
+def test_wait_s_of_the_check_is_a_number_of_seconds(tmp_path):
+    (tmp_path / "job.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    for bad in ("0", "nan", "-3", "x"):
+        proc = dualrun("check", "--config_file", "job.yaml", "--wait_s", bad, cwd=tmp_path)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "--wait_s" in proc.stderr
