@@ -81,7 +81,7 @@ def install(module: Any, say: Any = None) -> None:
         if say is not None and not said:
             said.append(True)
             say("rollout sampling: each prompt seeded from the trainer's seed, its generation call and its index "
-                "(GRPOConfig.generation_kwargs={'seed': ...} sends TRL's one request with that seed instead)")
+                "(a seed in the trainer config's generation_kwargs sends TRL's one request with that seed instead)")
         return seeded_generate(trl_generate, bound.arguments, call)
 
     setattr(cls, "generate", generate)

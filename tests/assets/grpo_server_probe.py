@@ -89,8 +89,8 @@ def replicas() -> list[str]:
 
 def served(url: str) -> dict:
     name = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": name, "prompt": PROMPT, "max_tokens": GREEDY_TOKENS, "temperature": 0, "prompt_logprobs": 0,
-            "return_token_ids": True}
+    body = {"model": name, "prompt": PROMPT, "max_tokens": GREEDY_TOKENS, "min_tokens": GREEDY_TOKENS,  # as the
+            "temperature": 0, "prompt_logprobs": 0, "return_token_ids": True}   # trainer's: no early end of text
     choice = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     logprobs = [None if d is None else d[str(t)]["logprob"] for d, t in zip(choice["prompt_logprobs"], PROMPT)]
     return {"logprobs": logprobs, "greedy": choice["token_ids"]}
