@@ -111,6 +111,7 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
     assert new.find('"POST /finish_weight_update') > 0
     assert '"POST /v1/completions' not in new[:new.find('"POST /finish_weight_update')], new[-3000:]
     assert '"POST /v1/completions' in new   # and it served once restored
+    assert "rollout sampling: each prompt seeded" not in text   # the script's own seed: TRL's request, untouched
     KILLED[backend] = rec
     if len(KILLED) == 2:   # the other backend ran too: the same training, whichever replicas served
         assert KILLED["torchrun"]["generations"] == KILLED["ray"]["generations"]
