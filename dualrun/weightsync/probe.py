@@ -96,7 +96,7 @@ def _gloo_payload(pg: Any, rank: int, world_size: int, nbytes: int) -> float:
     if rank == 0:
         Sender(pg).send([data])
     else:
-        Receiver(pg, rank, world_size).receive([nbytes], lambda _, chunk: check_payload(chunk))
+        Receiver(pg, rank, world_size).receive([[nbytes]], lambda _, chunk: check_payload(chunk))
     return time.perf_counter() - start
 
 

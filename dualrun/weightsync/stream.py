@@ -1,24 +1,26 @@
-"""The weight stream through the sync group: the trainer (rank 0) packs its tensors into chunks
-(`wire.cut_chunks`) and sends them down a chain of the group's ranks, 0 -> 1 -> ... -> world_size - 1, in segments
+"""The weight stream through the sync group: the trainer (rank 0) sends its tensors, chunked as vLLM packs them
+(`wire.cut_chunks`), down a chain of the group's ranks, 0 -> 1 -> ... -> world_size - 1, in segments
 (`wire.segment_bounds`) that each rank passes on as soon as it has them.
 
 Why a chain and not the group's broadcast: gloo's broadcast (gloo/broadcast.cc) is a binomial tree over whole
 messages: the root posts the full chunk to each of its ceil(log2(world_size)) children at once, and a rank forwards
 only once it holds the whole chunk. The trainer's own link then carries 1, 2 and 3 copies of the model for 1, 2 and
 4 replicas. A chain of segments puts one copy on every link and adds one segment's time per hop, so a sync to four
-replicas takes about the time of one (the pipelined ring NCCL uses for a large broadcast).
+replicas takes about the time of one (the pipelined broadcast NCCL uses for large messages).
 
-Why two buffers: the trainer packs chunk k+1 into one while chunk k leaves from the other (gloo's sends run on its
-own threads), and both stay from sync to sync (no fresh memory, no page faults, per chunk). A chunk that is one
-contiguous tensor is sent from the tensor itself, not packed. A receiving rank takes each chunk into one of two
-reused buffers on a relay thread, which passes every segment on as it arrives, while the caller loads the chunk
-before from views of its buffer; a buffer something still holds a view of (vLLM's layerwise reload keeps a layer's
-weights until the layer is complete) is left to its holder and a new one taken.
+No needless copies: a segment inside one tensor (every segment of a big tensor) is sent from the tensor itself; only
+runs of small tensors are packed, into one of two buffers kept from sync to sync (chunk k+1's while chunk k's are on
+the wire; gloo's sends run on its own threads). A receiving rank takes each chunk into one of two reused buffers on
+a relay thread, which has every segment's receive posted and passes each segment on as it arrives, while the caller
+loads the chunk before from views of its buffer; a buffer something still holds a view of (vLLM's layerwise reload
+keeps a layer's weights until the layer is complete) is left to its holder and a new one taken.
 
 torch only (no vLLM): the trainer, the engine, `dualrun check`'s probe and the benchmark use it alike.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import queue
 import threading
 import time
@@ -26,7 +28,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from dualrun.weightsync.wire import PACKED_BUFFER_BYTES, SEGMENT_BYTES, chain_neighbours, cut_chunks, segment_bounds
+from dualrun.weightsync.wire import (ALONE_BYTES, PACKED_BUFFER_BYTES, SEGMENT_BYTES, chain_neighbours, cut_chunks,
+                                    segment_bounds)
 
 BUFFERS = 2   # chunks in hand at once on every rank: one on the wire, one being packed (or loaded)
 
@@ -75,13 +78,15 @@ _ALONE = _use_count(torch.empty(1))   # the count of a tensor that shares its me
 
 
 class Sender:
-    """Rank 0 of the chain: packs the trainer's tensors into two reused buffers, chunk k+1 while chunk k is on the
-    wire, and sends each chunk's segments to the next rank, each as soon as it is packed. `stats`: the last send's
-    bytes, chunks, the seconds spent packing and waiting for the wire."""
+    """Rank 0 of the chain: sends each chunk's segments to the next rank, a segment inside one tensor from the tensor
+    itself, a segment of small tensors packed into one of two buffers kept from sync to sync (chunk k+1's while
+    chunk k's are on the wire). `stats`: the last send's bytes, chunks, the seconds spent packing and waiting for
+    the wire."""
 
     def __init__(self, group: Any, buffer_bytes: int = PACKED_BUFFER_BYTES, segment_bytes: int = SEGMENT_BYTES,
-                 to_rank: int = 1) -> None:
+                 to_rank: int = 1, alone_bytes: int = ALONE_BYTES) -> None:
         self.group, self.buffer_bytes, self.segment_bytes, self.to_rank = group, buffer_bytes, segment_bytes, to_rank
+        self.alone_bytes = alone_bytes
         self.buffers: list[torch.Tensor | None] = [None] * BUFFERS
         self.stats: dict[str, float] = {}
 
@@ -89,28 +94,32 @@ class Sender:
         """Every tensor's bytes, in order, chunked as `wire.cut_chunks`; returns when all have left. The bytes sent."""
         stats = {"bytes": 0, "chunks": 0, "pack_s": 0.0, "wait_s": 0.0}
         self.stats = stats
-        in_flight: list[list[Any]] = [[] for _ in range(BUFFERS)]   # per buffer: the sends of the chunk in it
-        direct: list[Any] = []                                      # sends straight from a tensor
+        in_flight: list[list[Any]] = [[] for _ in range(BUFFERS)]   # per buffer: the sends of the chunk packed in it
+        direct: list[Any] = []                                      # sends from the tensors themselves
         slot, tag = 0, 0
         try:
             for chunk in cut_chunks((as_bytes(t) for t in tensors), torch.Tensor.numel, self.buffer_bytes):
-                size = sum(t.numel() for t in chunk)
-                if len(chunk) == 1:
-                    payload, works = chunk[0], direct
-                else:
-                    stats["wait_s"] += _wait(in_flight[slot])   # the buffer's previous chunk has left
-                    payload, works = self._buffer(slot, size), in_flight[slot]
-                    slot = (slot + 1) % BUFFERS
-                for start, stop in segment_bounds(size, self.segment_bytes):
-                    if len(chunk) > 1:   # packed a segment at a time: the first leaves before the rest is packed
+                sizes = [t.numel() for t in chunk]
+                starts = list(itertools.accumulate([0, *sizes[:-1]]))
+                buffer = None
+                for start, stop in segment_bounds(sizes, self.segment_bytes, self.alone_bytes):
+                    i = bisect.bisect_right(starts, start) - 1   # the tensor the segment starts in
+                    if stop <= starts[i] + sizes[i]:
+                        direct.append(self.group.send([chunk[i][start - starts[i]:stop - starts[i]]], self.to_rank,
+                                                      tag))
+                    else:
+                        if buffer is None:   # the chunk's first packed segment: the buffer's last chunk has left
+                            stats["wait_s"] += _wait(in_flight[slot])
+                            buffer, works = self._buffer(slot, sum(sizes)), in_flight[slot]
+                            slot = (slot + 1) % BUFFERS
                         t0 = time.perf_counter()
-                        self._pack(payload, chunk, start, stop)
+                        self._pack(buffer, chunk, start, stop)
                         stats["pack_s"] += time.perf_counter() - t0
-                    works.append(self.group.send([payload[start:stop]], self.to_rank, tag))
+                        works.append(self.group.send([buffer[start:stop]], self.to_rank, tag))
                     tag += 1
-                del chunk
-                stats["bytes"] += size
+                stats["bytes"] += sum(sizes)
                 stats["chunks"] += 1
+                del chunk, buffer
             for i in range(BUFFERS):   # the older chunk first
                 stats["wait_s"] += _wait(in_flight[(slot + i) % BUFFERS])
             stats["wait_s"] += _wait(direct)
@@ -143,7 +152,7 @@ class Sender:
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst[:] = src` (uint8, contiguous) on this thread alone: numpy's memcpy, not torch's copy, which splits a
     large copy over the intra-op threads; on a busy CPU those threads wait for each other (411 MB: 0.2 s on one
-    thread, 0.8-1.2 s on two under a load of 12 on 2 cores), and the cores are better left to gloo's sending thread."""
+    thread, 0.8-1.2 s on two under a load of 12 on 2 cores), and the cores are better left to gloo's threads."""
     try:
         numpy_dst, numpy_src = dst.numpy(), src.numpy()
     except RuntimeError:   # no numpy in this environment
@@ -180,8 +189,9 @@ class Receiver:
     rank's answer instead of waiting out the group's timeout; `receive` raises the first failure at the end."""
 
     def __init__(self, group: Any, rank: int, world_size: int, buffer_bytes: int = PACKED_BUFFER_BYTES,
-                 segment_bytes: int = SEGMENT_BYTES) -> None:
+                 segment_bytes: int = SEGMENT_BYTES, alone_bytes: int = ALONE_BYTES) -> None:
         self.group, self.buffer_bytes, self.segment_bytes = group, buffer_bytes, segment_bytes
+        self.alone_bytes = alone_bytes
         self.prev, self.next = chain_neighbours(rank, world_size)
         if self.prev is None:
             raise ValueError("rank 0 sends (Sender); a Receiver is a rank after it")
@@ -189,22 +199,22 @@ class Receiver:
         self._free_lock = threading.Lock()    # the relay thread takes from `free`, the caller's gives back
         self.stats: dict[str, float] = {}
 
-    def receive(self, chunk_sizes: list[int], load: Callable[[int, torch.Tensor], None]) -> int:
-        """Each chunk of `chunk_sizes` bytes, in order: `load(index, chunk)` once it is here (and on its way to the
-        next rank). The chunk is a view of a buffer reused after `load` returns, unless something kept a view of
+    def receive(self, chunks: list[list[int]], load: Callable[[int, torch.Tensor], None]) -> int:
+        """Each chunk, given as its tensors' sizes in bytes, in order: `load(index, chunk)` once it is here (and on
+        its way to the next rank). The chunk is a view of a buffer reused after `load` returns, unless something kept a view of
         it. Returns when every chunk is loaded and passed on; the bytes received."""
         self.stats = stats = {"bytes": 0, "chunks": 0, "recv_s": 0.0, "load_s": 0.0, "wait_s": 0.0}
         arrived: queue.Queue = queue.Queue()
         permits = threading.Semaphore(BUFFERS)
         stop, forward = threading.Event(), threading.Event()
         forward.set()   # cleared once the next rank is gone
-        relay = threading.Thread(target=self._relay, args=(chunk_sizes, arrived, permits, stop, forward),
+        relay = threading.Thread(target=self._relay, args=(chunks, arrived, permits, stop, forward),
                                  daemon=True, name="dualrun-weight-relay")
         relay.start()
         failed: Exception | None = None
         loading = True   # until a load fails: the chunks after it are taken (and passed on), not loaded
         try:
-            for index in range(len(chunk_sizes)):
+            for index in range(len(chunks)):
                 item = arrived.get()
                 if isinstance(item, BaseException):   # the rank before is gone: nothing more arrives
                     raise item
@@ -234,30 +244,37 @@ class Receiver:
             raise failed
         return int(stats["bytes"])
 
-    def _relay(self, chunk_sizes: list[int], arrived: queue.Queue, permits: threading.Semaphore,
+    def _relay(self, chunks: list[list[int]], arrived: queue.Queue, permits: threading.Semaphore,
                stop: threading.Event, forward: threading.Event) -> None:
         """The relay thread: every segment from the rank before, on to the rank after, one chunk ahead of `load`."""
         tag = 0
         try:
-            for size in chunk_sizes:
+            for sizes in chunks:
                 permits.acquire()
                 if stop.is_set():
                     return
+                size = sum(sizes)
                 buffer = self._take(size)
+                bounds = segment_bounds(sizes, self.segment_bytes, self.alone_bytes)
+                # every segment's receive posted at once: the bytes flow in while this thread waits for a core
+                recvs = [self.group.recv([buffer[a:b]], self.prev, tag + i) for i, (a, b) in enumerate(bounds)]
                 sends: list[Any] = []
-                for start, stop_at in segment_bounds(size, self.segment_bytes):
+                work = None
+                for i, ((start, stop_at), work) in enumerate(zip(bounds, recvs)):
                     t0 = time.perf_counter()
-                    self.group.recv([buffer[start:stop_at]], self.prev, tag).wait()
+                    work.wait()
                     self.stats["recv_s"] += time.perf_counter() - t0
                     if self.next is not None and forward.is_set():
                         try:
-                            sends.append(self.group.send([buffer[start:stop_at]], self.next, tag))
+                            sends.append(self.group.send([buffer[start:stop_at]], self.next, tag + i))
                         except Exception as e:  # noqa: BLE001 - the next rank is gone: said where it is waited for
                             forward.clear()
                             sends.append(_Failed(e))
-                    tag += 1
-                arrived.put((buffer, size, sends))
-                del buffer, sends
+                tag += len(bounds)
+                item = (buffer, size, sends)
+                del buffer, sends, recvs, work   # no view of the buffer left here once the caller has it
+                arrived.put(item)
+                del item
         except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             arrived.put(e)
 

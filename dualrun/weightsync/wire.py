@@ -19,6 +19,9 @@ PACKED_BUFFER_BYTES = 64 * 1024 * 1024
 # The unit each rank passes on down the chain: small enough that a relay adds little delay per hop (4 MiB: 34 ms at
 # 1 Gbit/s), large enough that gloo's per-message cost stays small beside the bytes.
 SEGMENT_BYTES = 4 * 1024 * 1024
+# A tensor this big travels in segments of its own, sent from the trainer's tensor itself (no copy); the smaller
+# ones (norms, biases) are packed together.
+ALONE_BYTES = 1024 * 1024
 GROUP_TIMEOUT_S = 600   # one collective of the weight-sync group (a chunk); a vanished peer fails within it
 
 
@@ -44,10 +47,29 @@ def chunk_bounds(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int]]:
     return [(chunk[0], chunk[-1] + 1) for chunk in cut_chunks(range(len(sizes)), sizes.__getitem__, buffer_bytes)]
 
 
-def segment_bounds(nbytes: int, segment_bytes: int = SEGMENT_BYTES) -> list[tuple[int, int]]:
-    """Pure: (start, stop) of each segment of a chunk of `nbytes`: the unit every rank receives and passes on, so a
-    rank forwards the first segment of a chunk while the next is still arriving."""
-    return [(start, min(start + segment_bytes, nbytes)) for start in range(0, nbytes, segment_bytes)]
+def segment_bounds(sizes: list[int], segment_bytes: int = SEGMENT_BYTES,
+                   alone_bytes: int = ALONE_BYTES) -> list[tuple[int, int]]:
+    """Pure: (start, stop) of each segment of a chunk whose tensors are `sizes` bytes, laid end to end: the unit
+    every rank receives and passes on, so a rank forwards a segment while the next is still arriving. A tensor of
+    `alone_bytes` or more is cut into segments of its own (`segment_bytes` each, the last shorter), which the
+    trainer sends from the tensor itself; smaller tensors are grouped, up to `segment_bytes`, into segments it packs."""
+    bounds: list[tuple[int, int]] = []
+    run, offset = None, 0   # run: where the open group of small tensors starts
+    for size in sizes:
+        if size >= alone_bytes:
+            if run is not None and offset > run:
+                bounds.append((run, offset))
+            run = None
+            bounds += [(a, min(a + segment_bytes, offset + size)) for a in range(offset, offset + size, segment_bytes)]
+        else:
+            if run is not None and offset + size - run > segment_bytes:
+                bounds.append((run, offset))
+                run = None
+            run = offset if run is None else run
+        offset += size
+    if run is not None and offset > run:
+        bounds.append((run, offset))
+    return bounds
 
 
 def chain_neighbours(rank: int, world_size: int) -> tuple[int | None, int | None]:

@@ -122,7 +122,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             start, stop = bounds[index]
             self.model.load_weights(list(zip(names[start:stop], unpack(chunk, dtypes[start:stop],
                                                                        shapes[start:stop]))))
-        self.receiver.receive([sum(sizes[start:stop]) for start, stop in bounds], load)
+        self.receiver.receive([sizes[start:stop] for start, stop in bounds], load)
 
     def shutdown(self) -> None:
         self.receiver = None
