@@ -1,22 +1,25 @@
 """Seconds per full weight sync (GRPO's, over dualrun's gloo path) to 1 and 2 real vLLM CPU replicas behind the
 router, against a plain gloo broadcast of the same bytes measured in the same run (the limit).
 
-    bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py   # ~10 min on 2 shared cores
-    python benchmarks/weight_sync_bench.py --fake --out /tmp/ws.md                       # the report, synthetic numbers
+    bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py   # ~15 min on 2 shared cores
+    python benchmarks/weight_sync_bench.py --fake --out /tmp/ws.md --chart /tmp/ws.png  # synthetic numbers
 
 Per model (the tiny vLLM model of examples/make_tiny_model.py --vllm, and a ~100M-parameter Llama built here from a
-config, random weights, the tiny tokenizer; nothing downloaded) two vLLM CPU servers start as dualrun starts a
-rollout (`dualrun.methods.commands.rollout_vllm`: TRL's flags, `--weight-transfer-config {"backend": "gloo"}`), and
-two routers (`dualrun.programs.router`) stand in front of them: one over the first server, one over both. For each
-router, TRL 1.16's unchanged `VLLMClient` with dualrun's gloo path installed (as GRPO's rank hook installs it)
-opens the weight-sync group (`init_communicator`), syncs once untimed, then `--reps` times does what GRPOTrainer's
-`sync_weights` does (`update_named_params` of every parameter, packed, then `reset_prefix_cache`), each time right
-after a plain torch.distributed gloo broadcast of the same packed chunks from this process to 1 or 2 receiver
-processes (one per replica; the same 64 MiB chunking, the same fan-out).
+config, random weights, the tiny tokenizer; nothing downloaded) and layout (1, then 2 replicas), vLLM CPU servers
+start as dualrun starts a rollout (`dualrun.methods.commands.rollout_vllm`: TRL's flags, `--weight-transfer-config
+{"backend": "gloo"}`; each its share of the cores, as dualrun/servers/cpu_share.py gives it) behind dualrun's
+router (`dualrun.programs.router`). TRL 1.16's unchanged `VLLMClient` with dualrun's gloo path installed (as GRPO's
+rank hook installs it) opens the weight-sync group (`init_communicator`), syncs once untimed, then `--reps` times
+does what GRPOTrainer's `sync_weights` does (`update_named_params` of every parameter, then `reset_prefix_cache`),
+each time right after a plain torch.distributed gloo broadcast of the same packed chunks from this process to one
+receiver process per replica. Then every parameter is perturbed and synced once more, and each replica's
+log-probabilities of a fixed prompt are compared with this model's (the weights landed).
 
-Where the time goes: this process times the HTTP calls, packing and its broadcasts; inside each vLLM worker,
-benchmarks/weight_sync_timing.py (a `--worker-extension-cls`) times the engine's broadcast waits, vLLM's
-`load_weights`, and the layerwise-reload start/finish, from the server logs. Writes results/weight_sync.md.
+Where the time goes: this process times the HTTP calls and reads the trainer's stream stats (packing, waiting for
+the wire); inside each vLLM worker, benchmarks/weight_sync_timing.py (a `--worker-extension-cls`) reads the
+engine's receiver stats and times the layerwise-reload start/finish, from the server logs. `--wire-json` adds
+benchmarks/weight_sync_wire.py's tables (the wire alone, loopback and shaped links). Writes results/weight_sync.md
+and results/weight_sync.png.
 """
 from __future__ import annotations
 

@@ -152,10 +152,10 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
              "### Where the sync's time goes", "",
              "Seconds, median over the repetitions. Trainer side (this process's clock, its one thread): **start**, "
              "**finish**, **reset**: the `/start_weight_update`, `/finish_weight_update`, `/reset_prefix_cache` "
-             "round trips through the router; **pack**: copying parameters into the two reused chunk buffers, a "
-             "segment at a time (the wire carries the segments before meanwhile); **wire**: waiting for a buffer's "
-             "sends to leave before packing into it again, and for the last ones; **other**: cutting chunks, "
-             "posting sends; **tail**: from the last send until `/update_weights` returns (the workers load the "
+             "round trips through the router; **pack**: copying the small tensors (norms) into their segments in "
+             "one of the two reused chunk buffers (a big tensor's segments go from the parameter itself); **wire**: "
+             "waiting for a buffer's sends to leave before packing into it again, and for the last sends; **other**: "
+             "cutting chunks and posting sends (a send's first bytes may be copied to the socket then); **tail**: from the last send until `/update_weights` returns (the workers load the "
              "last chunk). Worker side (the slowest replica, benchmarks/weight_sync_timing.py): **recv** (the relay "
              "thread waiting for segments; it overlaps **load**), **load** (views of the chunk into vLLM's "
              "`load_weights`, while the next chunk arrives), **relay** (waiting for the segments passed on to the "
@@ -167,7 +167,7 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
         lines += ["## The wire alone on loopback: gloo's broadcast against dualrun's chain", "",
                   f"`{w['command']}` ({w['when']}; load {_loads(w)}). Plain processes, no vLLM: the trainer's "
                   "Sender (packing included) and relaying Receivers that load nothing, against gloo's broadcast of "
-                  "the packed chunks, both in the same group, alternating which goes first. On one machine every "
+                  "the same packed chunks, both in the same group, alternating which goes first. On one machine every "
                   "hop is a copy on the same 2 cores, so no algorithm can make 4 receivers as fast as 1 here: this "
                   "table says only that the chain costs no more than the tree where the wire is the CPU.", "",
                   *wire_loopback_table(w["rows"]), ""]

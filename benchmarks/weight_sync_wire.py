@@ -53,8 +53,8 @@ def member(spec: dict) -> dict:
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(s, generator=gen) for s in shapes] if rank == 0 else []
     sizes = [4 * _numel(s) for s in shapes]
-    chunk_sizes = [sum(sizes[a:b]) for a, b in chunk_bounds(sizes, PACKED_BUFFER_BYTES)]
-    chunks = [torch.empty(n, dtype=torch.uint8) for n in chunk_sizes]
+    per_chunk = [sizes[a:b] for a, b in chunk_bounds(sizes, PACKED_BUFFER_BYTES)]
+    chunks = [torch.empty(sum(n), dtype=torch.uint8) for n in per_chunk]
     if rank == 0:
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
         offset = 0
@@ -84,14 +84,14 @@ def member(spec: dict) -> dict:
                 sender.send(tensors)
                 record["pack_s"], record["send_wait_s"] = sender.stats["pack_s"], sender.stats["wait_s"]
             else:
-                receiver.receive(chunk_sizes, load)
+                receiver.receive(per_chunk, load)
                 record["recv_s"] = receiver.stats["recv_s"]
             group.barrier().wait()
             record[mode] = time.perf_counter() - t0
         if rep:
             runs.append(record)
     expected = int(tensors[0].reshape(-1).view(torch.uint8)[:4096].sum()) if rank == 0 else checksum[0]
-    return {"rank": rank, "runs": runs, "bytes": sum(sizes), "chunks": len(chunk_sizes), "checksum": checksum[0],
+    return {"rank": rank, "runs": runs, "bytes": sum(sizes), "chunks": len(per_chunk), "checksum": checksum[0],
             "expected": expected}
 
 
