@@ -53,7 +53,7 @@ def chart(rows: list[dict], wire: dict | None, path: Path) -> bool:
         ax.set_ylabel("seconds per sync of the ~100M model")
         ax.set_title("The wire alone, every link tbf-shaped\n(dashed: bytes at the link's rate; dash-dot: "
                      f"{LINK_TARGET} of it)")
-        ax.set_yscale("log")
+        ax.set_ylim(0, None)
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -120,7 +120,7 @@ def shaped_rows(rows: list[dict]) -> list[dict]:
 def wire_shaped_table(rows: list[dict]) -> list[str]:
     lines = ["| link (each machine) | receivers | MB | limit s (bytes at the link's rate) | dualrun stream s | "
              "stream / link rate | time / 1 receiver's | gloo broadcast s | trainer: packing s | waiting s | "
-             "receivers: waiting for the wire s | targets |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "receivers: waiting for the wire s | targets |", "|---|" + "---:|" * 10 + "---|"]
     for r in shaped_rows(rows):
         runs = r["runs"]
         fan = f"{r['fan']:.2f}x" if r["fan"] is not None else "-"
@@ -130,6 +130,19 @@ def wire_shaped_table(rows: list[dict]) -> list[str]:
                      f"{_spread([x['send_wait_s'] for x in runs])} | {_spread([x['recv_s'] for x in runs])} | "
                      f"{'; '.join(r['verdicts']) or '-'} |")
     return lines
+
+
+def tree_lines(rows: list[dict]) -> list[str]:
+    """Pure: per link rate, gloo's broadcast and dualrun's chain against the number of receivers, as multiples of
+    one receiver's time (the tree's copies on the trainer's link show as 1, 2, 3)."""
+    out = []
+    for link in dict.fromkeys(r["link"] for r in rows):
+        these = sorted((r for r in rows if r["link"] == link), key=lambda r: r["receivers"])
+        for key, name in (("broadcast", "gloo's broadcast"), ("stream", "dualrun's chain")):
+            med = [_med([x[key] for x in r["runs"]]) for r in these]
+            said = ", ".join(f"{r['receivers']}: {m:.2f} s ({m / med[0]:.2f}x)" for r, m in zip(these, med))
+            out.append(f"- {link}, {name}, receivers {said}")
+    return out
 
 
 # -- the whole report -------------------------------------------------------------------------------------------
@@ -155,7 +168,8 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
              "round trips through the router; **pack**: copying the small tensors (norms) into their segments in "
              "one of the two reused chunk buffers (a big tensor's segments go from the parameter itself); **wire**: "
              "waiting for a buffer's sends to leave before packing into it again, and for the last sends; **other**: "
-             "cutting chunks and posting sends (a send's first bytes may be copied to the socket then); **tail**: from the last send until `/update_weights` returns (the workers load the "
+             "cutting chunks and posting sends (a send's first bytes may be copied to the socket then); **tail**: "
+             "from the last send until `/update_weights` returns (the workers load the "
              "last chunk). Worker side (the slowest replica, benchmarks/weight_sync_timing.py): **recv** (the relay "
              "thread waiting for segments; it overlaps **load**), **load** (views of the chunk into vLLM's "
              "`load_weights`, while the next chunk arrives), **relay** (waiting for the segments passed on to the "
@@ -182,7 +196,7 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
                   f"model's bytes at the link's rate; targets: 1 receiver >= {LINK_TARGET} of the link's rate, 4 "
                   f"receivers <= {FAN_TARGET}x the time of 1. Beside it, gloo's own broadcast of the same chunks "
                   "(its binomial tree: the trainer's link carries 1, 2, 3 copies for 1, 2, 4 receivers).", "",
-                  *wire_shaped_table(w["rows"]), ""]
+                  *wire_shaped_table(w["rows"]), "", *tree_lines(w["rows"]), ""]
     lines += ["## Machine", "", f"- {platform.platform()}, {os.cpu_count()} cores, shared with other engineers' jobs.",
               f"- Python {platform.python_version()}, {meta['versions']}.", ""]
     return "\n".join(lines)

@@ -162,10 +162,13 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _wait(works: list[Any]) -> float:
-    """Wait for `works` (emptied), in order; the seconds it took."""
+    """Wait for `works` in order, then empty the list (also when one fails); the seconds it took."""
     t0 = time.perf_counter()
-    while works:
-        works.pop(0).wait()
+    try:
+        for work in works:
+            work.wait()
+    finally:
+        works.clear()
     return time.perf_counter() - t0
 
 
@@ -201,8 +204,8 @@ class Receiver:
 
     def receive(self, chunks: list[list[int]], load: Callable[[int, torch.Tensor], None]) -> int:
         """Each chunk, given as its tensors' sizes in bytes, in order: `load(index, chunk)` once it is here (and on
-        its way to the next rank). The chunk is a view of a buffer reused after `load` returns, unless something kept a view of
-        it. Returns when every chunk is loaded and passed on; the bytes received."""
+        its way to the next rank). The chunk is a view of a buffer reused after `load` returns, unless something kept
+        a view of it. Returns when every chunk is loaded and passed on; the bytes received."""
         self.stats = stats = {"bytes": 0, "chunks": 0, "recv_s": 0.0, "load_s": 0.0, "wait_s": 0.0}
         arrived: queue.Queue = queue.Queue()
         permits = threading.Semaphore(BUFFERS)
