@@ -89,9 +89,11 @@ def test_each_replica_s_rate_is_printed_beside_its_link_and_the_model_s_sync_tim
         "(weights the trainer holds in a wider dtype than its files move more)"]
     results[2] = {"ok": True, "payload_bytes": mib64, "payload_s": 0.0}   # no payload figure: no line, no estimate
     results[1]["link"] = None
-    _, notes = verdict(group, results, names, "10.0.0.1", 4242)
+    _, notes = verdict(group, results, names, "10.0.0.1", 4242, model_bytes=5_000_000)
     assert notes[1:] == ["weight sync: 64 MiB down the chain to rollout server 0 (rank 1) on node 1 10.0.0.2 in "
-                         "0.60 s: 112 MB/s (its link not found)"]
+                         "0.60 s: 112 MB/s (its link not found)",
+                         "weight sync: the rollout model's files hold 5.0 MB: about 0.04 s a sync at the slowest "
+                         "replica's 112 MB/s (weights the trainer holds in a wider dtype than its files move more)"]
 
 
 def test_the_link_speed_is_read_where_linux_reports_one(tmp_path):

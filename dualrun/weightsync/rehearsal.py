@@ -117,9 +117,12 @@ def verdict(group: SyncGroup, results: Sequence[Mapping[str, Any] | None], node_
         notes += [line] if line else []
         rates += [rate] if rate else []
     if rates and model_bytes:
-        notes.append(f"weight sync: the rollout model's files hold {model_bytes / 1e9:.2f} GB: about "
-                     f"{model_bytes / min(rates):.1f} s a sync at the slowest replica's {min(rates) / 1e6:.0f} MB/s "
-                     "(weights the trainer holds in a wider dtype than its files move more)")
+        size = f"{model_bytes / 1e9:.2f} GB" if model_bytes >= 1e9 else f"{model_bytes / 1e6:.1f} MB"
+        seconds = model_bytes / min(rates)
+        notes.append(f"weight sync: the rollout model's files hold {size}: about "
+                     f"{seconds:.{1 if seconds >= 1 else 2}f} s a sync at the slowest replica's "
+                     f"{min(rates) / 1e6:.0f} MB/s (weights the trainer holds in a wider dtype than its files move "
+                     "more)")
     return [], notes
 
 
