@@ -375,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
 
         rows = fake_rows(args.reps)
     else:
-        work = tempfile.mkdtemp(prefix="dualrun-wsync-")
-        log_dir = args.keep_logs or work
-        os.makedirs(log_dir, exist_ok=True)
-        models = build_models(work, which)
-        rows = [row for name in which for row in measure_model(name, models[name], args.reps, log_dir)]
+        with tempfile.TemporaryDirectory(prefix="dualrun-wsync-") as work:   # the models (~400 MB): removed after
+            log_dir = args.keep_logs or work
+            os.makedirs(log_dir, exist_ok=True)
+            models = build_models(work, which)
+            rows = [row for name in which for row in measure_model(name, models[name], args.reps, log_dir)]
     load = os.getloadavg()
     meta = {"command": "bash scripts/in-loopback.sh .venv-vllm/bin/python benchmarks/weight_sync_bench.py"
             + (f" --models {args.models}" if args.models != "tiny,100M" else "")
