@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Iterator, Mapping
 
+from dualrun import protocol
 from dualrun.envspec import forwarded_env, redact
 from dualrun.errors import LaunchError
 from dualrun.light.interpreter import PYTHON
@@ -73,6 +74,7 @@ class RayLauncher(Launcher):
         env["TORCHELASTIC_RUN_ID"] = self.run_id
         env["CUDA_VISIBLE_DEVICES"] = AUTO if p.devices else ""
         env["TORCHELASTIC_USE_AGENT_STORE"] = "False"   # rank 0 hosts the TCPStore itself
+        env.pop(protocol.LOG_DIR, None)   # the rank's actor writes log_dir/<role>_<rank>.log
         env["TORCHELASTIC_ERROR_FILE"] = AUTO
         env["TORCHELASTIC_RESTART_COUNT"] = "0"
         omp = self.omp_threads(len(plan.workers) // max(1, self.cfg.num_machines))

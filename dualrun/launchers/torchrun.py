@@ -83,6 +83,9 @@ class TorchrunLauncher(Launcher):
         omp = self.omp_threads(len(self.node_workers(plan)))
         if omp is not None:
             env["OMP_NUM_THREADS"] = omp
+        env.pop(protocol.LOG_DIR, None)
+        if self.cfg.log_dir:   # each rank also appends its output to log_dir/<role>_<rank>.log (rank/log_tee.py)
+            env[protocol.LOG_DIR] = os.path.abspath(os.path.expanduser(self.cfg.log_dir))
         return {k: v for k, v in env.items() if v != AUTO}
 
     def prepare(self, plan: Plan | None) -> Prepared:

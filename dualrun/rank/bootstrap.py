@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     if not argv:
         sys.exit("usage: python -m dualrun.rank.bootstrap (script.py | -m module) [args...]")
-    from dualrun.rank import exit_guard, keep_groups
+    from dualrun.rank import exit_guard, keep_groups, log_tee
+
+    log_tee.start()   # torchrun with log_dir: the rank's output also goes to log_dir/<role>_<rank>.log
 
     from dualrun.rank.store_wiring import share
 
