@@ -18,7 +18,7 @@ import time
 from typing import Any, Iterator, Mapping
 
 from dualrun import protocol
-from dualrun.envspec import forwarded_env, redact
+from dualrun.envspec import forwarded_env, redact, redact_argv
 from dualrun.errors import LaunchError
 from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
@@ -119,7 +119,7 @@ class RayLauncher(Launcher):
                  f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
                  f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank",
                  f"# every worker runs, in {prepared.cwd}:",
-                 "#   " + join_cmd(prepared.argv),
+                 "#   " + join_cmd(redact_argv(prepared.argv)),
                  "# env shared by every worker:"]
         lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(prepared.env).items())]
         for p in plan.workers:

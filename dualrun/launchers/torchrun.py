@@ -16,7 +16,7 @@ import time
 from typing import Any, Iterator
 
 from dualrun import protocol
-from dualrun.envspec import TORCHRUN_NAMES, redact
+from dualrun.envspec import TORCHRUN_NAMES, redact, redact_argv
 from dualrun.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
@@ -103,7 +103,7 @@ class TorchrunLauncher(Launcher):
             lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
         lines.append("env -i \\")
         lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(redact(prepared.env).items())]
-        lines.append("  " + join_cmd(prepared.argv))
+        lines.append("  " + join_cmd(redact_argv(prepared.argv)))
         return "\n".join(lines)
 
     # -- launch: a server that dies ends the job (or, with max_failures, restarts it with fresh servers on fresh

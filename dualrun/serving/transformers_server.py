@@ -275,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--startup-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow start
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        print(f"dualrun engine: ignoring arguments it does not use: {' '.join(unknown)}", file=sys.stderr)
+        from dualrun.envspec import redact_argv
+
+        print(f"dualrun engine: ignoring arguments it does not use: {' '.join(redact_argv(unknown))}", file=sys.stderr)
     print(f"dualrun engine: loading {args.model} (pid {os.getpid()})", file=sys.stderr, flush=True)
     time.sleep(args.startup_delay)
     import torch
