@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 import time
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from dualrun import protocol
 from dualrun.config.checks import host_port
 from dualrun.light.interpreter import PYTHON
+from dualrun.light.noise import DROPPED, DROPPED_ERRORS, FAILED, MALFORMED, Noise
 from dualrun.serving import rotation, routing
 from dualrun.serving.rotation import Replica
 
@@ -372,6 +374,33 @@ def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s
     return argv + ([] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"])
 
 
+class _ClientTrouble(logging.Handler):
+    """aiohttp's "Error handling request" records (a malformed request, a client gone mid-answer, a handler's
+    error), one line per kind (dualrun/light/noise.py) instead of a traceback each."""
+
+    def __init__(self, noise: Noise) -> None:
+        super().__init__(logging.ERROR)
+        self.noise = noise
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            self.noise.report(FAILED, record.getMessage()[:80])
+            return
+        what = MALFORMED if isinstance(error, HttpProcessingError) else (
+            DROPPED if isinstance(error, DROPPED_ERRORS) else FAILED)
+        self.noise.report(what, error, record.getMessage())
+
+
+def quiet_client_trouble(noise: Noise) -> None:
+    """Route aiohttp's per-request error records to `noise` (and nowhere else)."""
+    logger = logging.getLogger("aiohttp.server")
+    logger.addHandler(_ClientTrouble(noise))
+    logger.propagate = False
+
+
 def _event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's loop where it is installed (it comes with vLLM): the router's time is the loop's and the sockets'."""
     try:
@@ -395,6 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.replica:
         parser.error("at least one --replica host:port")
     router = Router(args.replica, args.request_timeout_s, args.probe_interval_s)
+    quiet_client_trouble(Noise("dualrun router"))
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
     web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
