@@ -4,12 +4,11 @@ Why: a router or an engine that any process on the machine can reach gets malfor
 connections (a port scanner, a client killed mid-request, slowloris). The libraries print a traceback for each
 (aiohttp's "Error handling request", socketserver's "Exception occurred during processing of request"); hundreds
 of them bury the job's own lines and fill `log_dir`. Each kind (what happened, the exception's type) is said once,
-then counted, and said again with its count at most once per `every_s` seconds. `DUALRUN_DEBUG=1` in the server's
-environment keeps the tracebacks as well.
+then counted, and said again with its count at most once per `every_s` seconds. With `debug` (the servers pass
+`DUALRUN_DEBUG=1` of their environment) the tracebacks are printed as well.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -38,10 +37,9 @@ class Noise:
     """One line per (what, exception type); thread-safe (a threaded server reports from its handler threads)."""
 
     def __init__(self, prefix: str, every_s: float = 60.0, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, debug: bool = False) -> None:
         self.prefix, self.every_s, self.clock = prefix, every_s, clock
-        self.stream = stream
-        self.debug = os.environ.get("DUALRUN_DEBUG") == "1"
+        self.stream, self.debug = stream, debug
         self._lock = threading.Lock()
         self._kinds: dict[tuple[str, str], list[float]] = {}   # kind -> [when last said, count since]
 

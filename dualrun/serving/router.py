@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.replica:
         parser.error("at least one --replica host:port")
     router = Router(args.replica, args.request_timeout_s, args.probe_interval_s)
-    quiet_client_trouble(Noise("dualrun router"))
+    quiet_client_trouble(Noise("dualrun router", debug=os.environ.get(protocol.DEBUG) == "1"))
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
     web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,

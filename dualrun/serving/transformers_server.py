@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from dualrun.light.noise import DROPPED, DROPPED_ERRORS, FAILED, MALFORMED, Noise
+from dualrun.protocol import DEBUG
 
 STATS_PATH = "/engine/stats"
 
@@ -265,7 +266,7 @@ class Server(ThreadingHTTPServer):
     back-off (seconds, then minutes) before the request even reaches the queue."""
 
     request_queue_size = 1024
-    noise = Noise("dualrun engine")
+    noise = Noise("dualrun engine", debug=os.environ.get(DEBUG) == "1")
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A request that raised (a client gone mid-answer: BrokenPipe, reset): one line per kind, not a
