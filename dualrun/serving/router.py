@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 import time
@@ -38,8 +37,9 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from dualrun import protocol
 from dualrun.config.checks import host_port
 from dualrun.light.interpreter import PYTHON
-from dualrun.light.noise import DROPPED, DROPPED_ERRORS, FAILED, MALFORMED, Noise
+from dualrun.light.noise import Noise
 from dualrun.serving import rotation, routing
+from dualrun.serving.client_noise import quiet_client_trouble
 from dualrun.serving.rotation import Replica
 
 PROBE_INTERVAL_S = 1.0   # between two health probes of one replica
@@ -373,33 +373,6 @@ def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s
     for address in replicas:
         argv += ["--replica", address]
     return argv + ([] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"])
-
-
-class _ClientTrouble(logging.Handler):
-    """aiohttp's "Error handling request" records (a malformed request, a client gone mid-answer, a handler's
-    error), one line per kind (dualrun/light/noise.py) instead of a traceback each."""
-
-    def __init__(self, noise: Noise) -> None:
-        super().__init__(logging.ERROR)
-        self.noise = noise
-
-    def emit(self, record: logging.LogRecord) -> None:
-        from aiohttp.http_exceptions import HttpProcessingError
-
-        error = record.exc_info[1] if record.exc_info else None
-        if error is None:
-            self.noise.report(FAILED, record.getMessage()[:80])
-            return
-        what = MALFORMED if isinstance(error, HttpProcessingError) else (
-            DROPPED if isinstance(error, DROPPED_ERRORS) else FAILED)
-        self.noise.report(what, error, record.getMessage())
-
-
-def quiet_client_trouble(noise: Noise) -> None:
-    """Route aiohttp's per-request error records to `noise` (and nowhere else)."""
-    logger = logging.getLogger("aiohttp.server")
-    logger.addHandler(_ClientTrouble(noise))
-    logger.propagate = False
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
