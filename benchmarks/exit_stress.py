@@ -2,15 +2,17 @@
 counts hangs (a run past --timeout; its stuck processes are stack-dumped with py-spy when installed) and the
 runs where dualrun's exit guard had to step in (its one line names the spot and the stack shows where).
 
-    bash scripts/in-loopback.sh .venv/bin/python benchmarks/exit_stress.py --runs 20 --out-dir benchmarks/results
+    nice -n 19 bash scripts/in-loopback.sh .venv/bin/python benchmarks/exit_stress.py --runs 100
 
-Writes exit_stress.md and exit_stress.json to --out-dir; exit code 1 when any run hung or failed.
+Writes exit_stress.md (its header: the command, the commit, the versions) and exit_stress.json to --out-dir
+(default benchmarks/results); exit code 1 when any run hung or failed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -88,10 +90,31 @@ def one_run(backend: str, tiny: Path, work: Path, timeout: float, ray_address: s
             "tail": "\n".join(text.splitlines()[-15:]) if (hung or proc.returncode) else ""}
 
 
+def command() -> str:
+    """How this run was started, as far as the process can tell: its niceness, the loopback-only namespace, argv."""
+    try:
+        with open("/proc/net/dev") as f:
+            loopback = {line.split(":")[0].strip() for line in f.readlines()[2:]} <= {"lo"}
+    except OSError:
+        loopback = False
+    niceness = os.nice(0)
+    return ((f"nice -n {niceness} " if niceness else "") + ("bash scripts/in-loopback.sh " if loopback else "")
+            + "python " + shlex.join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]))
+
+
+def provenance() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    from importlib import metadata
+
+    versions = ", ".join(f"{d} {metadata.version(d)}" for d in ("torch", "transformers", "trl", "ray"))
+    return f"commit {commit.stdout.strip() or '?'}; {versions}"
+
+
 def write(results: list[dict], out_dir: Path, runs: int) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "exit_stress.json").write_text(json.dumps(results, indent=1))
     lines = ["# Exit stress: TRL's scripts/sft.py (ends with trainer.end()), 2 CPU processes (gloo)", "",
+             f"Command: `{command()}` ({provenance()}).", "",
              f"{runs} run(s) per backend on {os.cpu_count()} core(s); load average {os.getloadavg()[0]:.1f} at the end.",
              "A hang is a run still going after the time limit. 'guard stepped in' counts the runs where a rank's",
              "teardown did not finish in time and dualrun's exit guard ended it with the program's own exit code.", "",

@@ -32,6 +32,7 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
 
     if is_role_job(program, plugin):  # a role program (docs/roles.md): once, as the driver of its groups
         return _run_role_driver(cfg, program, plugin, dry_run)
+    plugin.check_program(cfg, program)   # what the program cannot do with this layout (read, never run)
     launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
     # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address

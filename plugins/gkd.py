@@ -8,11 +8,13 @@ and points DistillationConfig at the servers.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from dualrun.config.refusals import local_model
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError
 from dualrun.methods.plugin import MethodPlugin
-from dualrun.plugins.grpo import ROLLOUT_SERVES, require_vllm
+from dualrun.plugins.grpo import ROLLOUT_SERVES, refuse_cpu_engine_training, require_vllm
 from dualrun.plugins.workers.gkd import FULL_VOCAB_HINT
 from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
 
@@ -37,6 +39,12 @@ class GKDPlugin(MethodPlugin):
         rollout = cfg.role("rollout")
         if rollout is not None and cfg.is_separate("rollout"):
             validate_server_role(cfg, rollout, ROLLOUT_SERVES)
+
+    def check_program(self, cfg: JobConfig, program: Any) -> None:
+        """DistillationTrainer sends its weights to a separate rollout before generating, as GRPOTrainer does."""
+        rollout = cfg.role("rollout")
+        if rollout is not None and cfg.is_separate("rollout") and not rollout.address:
+            refuse_cpu_engine_training(cfg, rollout, program, ("DistillationTrainer",))
 
     def preflight(self, cfg: JobConfig) -> None:
         """A separate rollout is reached through TRL's vLLM client (DistillationTrainer's server mode), as GRPO's."""

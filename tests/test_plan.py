@@ -96,3 +96,25 @@ def test_table_names_every_process():
     cfg = build_config({"roles": {"train": {"gpus": 2}, "teacher": {"gpus": 1}}, "method": "gkd"}, "x.yaml")
     table = make_plan(cfg).table()
     assert "GPU 0        train rank 0" in table and "GPU 2        teacher server 0" in table
+
+
+def _cpu_gkd(slots: int, teacher: int) -> dict:
+    return {"use_cpu": True, "method": "gkd", "torchrun": {"gpus_per_machine": slots},
+            "roles": {"train": {"gpus": 2}, "teacher": {"gpus": teacher, "model": "m/t", "top_k": 5}}}
+
+
+def test_a_cpu_plan_counts_process_slots_not_gpus():
+    table = make_plan(build_config(_cpu_gkd(3, 1), "x.yaml")).table()
+    assert "node 0 127.0.0.1 (this machine): 3 process slot(s)" in table and "GPU" not in table
+    gpu = make_plan(build_config({"roles": {"train": {"gpus": 2}}, "torchrun": {"gpus_per_machine": 4}}, "g.yaml"))
+    assert "node 0 127.0.0.1 (this machine): 4 GPU(s)" in gpu.table()
+
+
+@pytest.mark.parametrize("teacher, expected", [
+    (1, "expected at most 0 free process slots (torchrun.gpus_per_machine) on one node for a separate role, got 1"),
+    (2, "expected 1 free process slots (torchrun.gpus_per_machine) on one node for each of its 2 engines (engine 0 "
+        "finds at most 0), got 2")])
+def test_a_cpu_role_too_big_for_its_slots_shows_the_count_asked(teacher, expected):
+    with pytest.raises(ConfigError) as refused:
+        make_plan(build_config(_cpu_gkd(2, teacher), "x.yaml"))
+    assert str(refused.value) == f"x.yaml: roles.teacher.gpus: {expected}"

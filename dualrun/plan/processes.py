@@ -56,6 +56,7 @@ class Plan:
     env: Mapping[str, str]
     external: Mapping[str, str] = field(default_factory=frozen_map)  # role -> address of a user-run server
     machine_rank: int | None = None    # torchrun: the node this launch is for
+    slot: str = "GPU"                  # what a node's count counts: GPUs, or process slots on a CPU plan
 
     @property
     def workers(self) -> tuple[Process, ...]:
@@ -104,7 +105,7 @@ class Plan:
             if not procs:
                 continue
             mark = " (this machine)" if self.machine_rank == node.index else ""
-            lines.append(f"node {node.index} {node.address}{mark}: {node.gpus} GPU(s)")
+            lines.append(f"node {node.index} {node.address}{mark}: {node.gpus} {self.slot}(s)")
             for p in procs:
                 dev = "GPU " + ",".join(map(str, p.devices)) if p.devices else "CPU"
                 lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
@@ -138,8 +139,9 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
                 external[name] = role.address
             continue
         procs += _place_server(cfg, policy, cluster, free, group, role, unit, common)
+    slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_share_cpus(cfg, procs)), frozen_map(common),
-                frozen_map(external), policy.machine_rank)
+                frozen_map(external), policy.machine_rank, slot)
 
 
 def _share_cpus(cfg: JobConfig, procs: list[Process]) -> list[Process]:
@@ -246,7 +248,7 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
                 f"at most {have} free {what} on one node for a separate role"
             raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
                               (f"{what} (engine {replica} finds at most {have})" if count > 1 else what)
-                              + _visible_note(next(iter(candidates), None)), role.gpus)
+                              + _visible_note(next(iter(candidates), None)), role.gpus or role.processes)
         taken = _take(free, node.index, slots, mine) if slots else ()
         devices = taken if size else ()
         procs.append(Process(unit, group, "server", replica, count, node.index, 0, 1, devices,

@@ -22,6 +22,9 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from dualrun.light.noise import DROPPED, DROPPED_ERRORS, FAILED, MALFORMED, Noise
+from dualrun.contract.protocol import DEBUG
+
 STATS_PATH = "/engine/stats"
 
 
@@ -209,6 +212,10 @@ def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestH
             if verbose:
                 sys.stderr.write("%s %s\n" % (self.address_string(), fmt % args))
 
+        def log_error(self, fmt: str, *args: Any) -> None:   # a request it could not read (400, 414, a timeout)
+            kind = f"HTTP {args[0]}" if fmt.startswith("code") and args else fmt.split(":")[0].split("%")[0].strip()
+            self.server.noise.report(MALFORMED, kind, f"from {self.client_address[0]}: {fmt % args}")
+
         def _send(self, code: int, payload: dict) -> None:
             data = json.dumps(payload, allow_nan=True).replace("NaN", "null").encode()
             self.send_response(code)
@@ -258,6 +265,16 @@ class Server(ThreadingHTTPServer):
     back-off (seconds, then minutes) before the request even reaches the queue."""
 
     request_queue_size = 1024
+    noise = Noise("dualrun engine", debug=os.environ.get(DEBUG) == "1")
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A request that raised (a client gone mid-answer: BrokenPipe, reset): one line per kind, not a
+        traceback each (socketserver's default)."""
+        error = sys.exc_info()[1]
+        if error is None:
+            return
+        self.noise.report(DROPPED if isinstance(error, DROPPED_ERRORS) else FAILED, error,
+                          f"from {client_address[0] if client_address else '?'}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -274,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--startup-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow start
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        print(f"dualrun engine: ignoring arguments it does not use: {' '.join(unknown)}", file=sys.stderr)
+        from dualrun.contract.redact import redact_argv
+
+        print(f"dualrun engine: ignoring arguments it does not use: {' '.join(redact_argv(unknown))}", file=sys.stderr)
     print(f"dualrun engine: loading {args.model} (pid {os.getpid()})", file=sys.stderr, flush=True)
     time.sleep(args.startup_delay)
     import torch

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -36,8 +37,10 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from dualrun.contract import protocol
 from dualrun.config.cross_keys import host_port
 from dualrun.light.interpreter import PYTHON
+from dualrun.light.noise import Noise
 from dualrun.programs import rotation
 from dualrun.programs import routing
+from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import Replica
 
 PROBE_INTERVAL_S = 1.0   # between two health probes of one replica
@@ -396,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.replica:
         parser.error("at least one --replica host:port")
     router = Router(args.replica, args.request_timeout_s, args.probe_interval_s)
+    quiet_client_trouble(Noise("dualrun router", debug=os.environ.get(protocol.DEBUG) == "1"))
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
     web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,

@@ -6,8 +6,9 @@
 The environment is already set when this starts (by torchrun or by the Ray worker actor). It activates the
 method plugin's hooks, then runs the user's program unchanged as `__main__` with its own argv. An uncaught
 exception is recorded in TORCHELASTIC_ERROR_FILE (torch's format) so the launcher can name the failing rank
-and its error, whichever backend ran it. Once the program has ended, the rank exits with the program's own code even
-when the process-group teardown hangs (dualrun/rank/exit_guard.py).
+and its error, whichever backend ran it. No process group is destroyed while the program runs
+(dualrun/rank/keep_groups.py), and once the program has ended the rank exits with the program's own code even when
+the process-group teardown hangs (dualrun/rank/exit_guard.py).
 """
 from __future__ import annotations
 
@@ -94,12 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     if not argv:
         sys.exit("usage: python -m dualrun.rank.bootstrap (script.py | -m module) [args...]")
-    from dualrun.rank import exit_guard
+    from dualrun.rank import exit_guard, keep_groups, log_tee
+
+    log_tee.start()   # torchrun with log_dir: the rank's output also goes to log_dir/<role>_<rank>.log
 
     from dualrun.rank.store_wiring import share
 
     share()   # multi-node torchrun: the servers' addresses, from the machine that started them
     _activate_plugin()
+    keep_groups.activate()   # no process group is destroyed before the rank's exit (dualrun/rank/keep_groups.py)
     exit_guard.activate()
     ended: BaseException | None = None
     kept = None

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Mapping, Sequence, TextIO
 
+from dualrun.contract.redact import hide_values, secret_values
 from dualrun.light.child_process import ChildProcess
 from dualrun.light.interpreter import resolve
 from dualrun.light.parent_death import terminate_with_parent
@@ -88,6 +89,7 @@ class ServerProcess:
         # a server bound to 0.0.0.0 is checked on loopback: the check runs on the server's own node
         self.check_host = check_host or ("127.0.0.1" if host in ("0.0.0.0", "") else host)
         self.child = ChildProcess()   # its own process group: stopped as one
+        self._secrets = secret_values(self.argv)   # its secret flags' values: masked in every line it prints
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._reader: threading.Thread | None = None
 
@@ -143,6 +145,8 @@ class ServerProcess:
     def _pump(self, pipe, log) -> None:
         try:
             for line in pipe:
+                if self._secrets:
+                    line = hide_values(line, self._secrets)
                 self._tail.append(line.rstrip("\n"))
                 self._write(line, log)
         finally:
