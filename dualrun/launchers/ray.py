@@ -205,8 +205,8 @@ class RayLauncher(Launcher):
         ranks: list[Rank] = []
         try:
             try:
-                ranks = self._place(prepared.plan, attempt, gang)
-                self._start(prepared, ranks, attempt, servers.wiring_env() if servers is not None else {})
+                ranks = self.place_ranks(prepared.plan, attempt, gang)
+                self.start_ranks(prepared, ranks, attempt, servers.wiring_env() if servers is not None else {})
                 watch = Supervision(ranks, servers, lambda: self._stop_all(ranks, wait=False),
                                     self._check_signal).run()
                 dead = (watch.server_failure,) if watch.server_failure is not None else ()
@@ -221,7 +221,7 @@ class RayLauncher(Launcher):
             gang.call_all("cleanup", timeout=2.0)
             gang.stop()
 
-    def _place(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
+    def place_ranks(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
         """One placement group per unit, one actor per rank in it (rank order: rank 0's actor first)."""
         from dualrun.actors.rank import RankWorker
 
@@ -238,7 +238,7 @@ class RayLauncher(Launcher):
                     max_concurrency=4, max_restarts=0, name=f"{self.run_id}-{p.unit}-{p.rank}-{attempt}")))
         return ranks
 
-    def _start(self, prepared: Prepared, ranks: list[Rank], attempt: int, wiring: Mapping[str, str]) -> None:
+    def start_ranks(self, prepared: Prepared, ranks: list[Rank], attempt: int, wiring: Mapping[str, str]) -> None:
         """Phase 1: where did each actor land (rank 0 picks the port); phase 2: start every program."""
         infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.cfg.main_process_port) for r in ranks],
                           "start their actors")
