@@ -164,7 +164,7 @@ def test_the_floor_checker_sees_an_import_upward():
 
 
 # The plan is pure: placement and env from the config and a cluster, below everything that starts a process.
-PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines"}
+PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines", "dualrun.plan.servers"}
 # ... and it reads values only: the config's model, the protocol's names, the env builders, the errors.
 PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.contract.protocol", "dualrun.env.worker", "dualrun.contract.errors",
                            "dualrun.contract.redact"}

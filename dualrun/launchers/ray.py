@@ -29,7 +29,7 @@ from dualrun.launchers.ray_results import first_line
 from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process, units
 from dualrun.contract.protocol import ActorPlace, group_port_env
-from dualrun.servers.planned import server_previews
+from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
@@ -106,11 +106,12 @@ class RayLauncher(Launcher):
     def prepare(self, plan: Plan | None) -> Prepared:
         """Every rank's command and env (redacted only when shown); connects to nothing."""
         assert plan is not None
+        plan = with_method(plan, self.cfg, self.plugin)
         base = forwarded_env()
         envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
         first = next(iter(envs.values()), {})
         shared = {k: v for k, v in first.items() if all(e.get(k) == v for e in envs.values())}
-        servers = server_previews(self.cfg, self.plugin, plan, AUTO, devices=AUTO)   # Ray picks node and GPUs
+        servers = server_previews(plan, AUTO, devices=AUTO)   # Ray picks node and GPUs
         return Prepared(plan, tuple(bootstrap_cmd(self.program, PYTHON)), shared, os.getcwd(), rank_envs=envs,
                         servers=servers)
 
@@ -149,11 +150,14 @@ class RayLauncher(Launcher):
 
     def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> ServerSet:
         """Separate roles: each server in its own placement group and actor (servers/ray_server.py)."""
+        from dualrun.raycluster import Gang
         from dualrun.servers.ray_server import RayServers
 
-        return RayServers(self.cfg, self.plugin, plan, self.run_id,
-                          env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle,
-                          check=self._check_signal, attempt=attempt, avoid=avoid)
+        return RayServers(plan, self.run_id, env_for=lambda p: self.worker_env(p.env, base=forwarded_env()),
+                          wiring=lambda addresses: wiring_env(self.cfg, self.plugin, addresses), bundle=self.bundle,
+                          gang=lambda check: Gang(self.cfg.ray, self.cfg.source, check),
+                          wait_s=max(60.0, self.cfg.ray.placement_timeout_s), check=self._check_signal,
+                          attempt=attempt, avoid=avoid)
 
     def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
         """Healthy before any trainer starts; the trainers get the plugin's wiring of their addresses (also for

@@ -83,6 +83,10 @@ class Placement(Protocol):
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         """The node of a role's router, given the nodes of its engine replicas."""
 
+    @property
+    def server_log_dir(self) -> str | None:
+        """Where the servers' logs go (None: the backend decides at launch)."""
+
 
 def placement_for(cfg: JobConfig) -> Placement:
     """The placement policy of `cfg.backend`."""
@@ -211,6 +215,10 @@ class TorchrunPlacement:
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         return cluster.nodes[0].index   # machine 0's launcher starts it, beside trainer rank 0
 
+    @property
+    def server_log_dir(self) -> str | None:
+        return self.cfg.torchrun.log_dir or self.cfg.log_dir   # beside torchrun's own logs of the ranks
+
 
 @dataclass(frozen=True)
 class RayPlacement:
@@ -279,6 +287,10 @@ class RayPlacement:
 
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         return replicas[0]
+
+    @property
+    def server_log_dir(self) -> str | None:
+        return self.cfg.log_dir
 
 
 _POLICIES: dict[str, Callable[[JobConfig], Placement]] = {"torchrun": TorchrunPlacement, "ray": RayPlacement}
