@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
@@ -255,10 +255,11 @@ def range_notes(nodes: list[NodeReport]) -> list[str]:
     return [f"{n.name}: {phrase}" for n in nodes for phrase in n.facts.get("ranges", [])]
 
 
-def run_check(cfg: JobConfig) -> int:
+def run_check(cfg: JobConfig, nodes_of: Callable[[JobConfig], Outcome]) -> int:
     """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0); version ranges that
-    TRL or vLLM declare and this install is outside of are named as notes either way."""
-    problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg)
+    TRL or vLLM declare and this install is outside of are named as notes either way. `nodes_of`: the backend's
+    look at its nodes (`check_torchrun`, `check_ray`)."""
+    problems, nodes, notes = nodes_of(cfg)
     for note in range_notes(nodes):
         print(f"dualrun check: note: {note}")
     if problems:

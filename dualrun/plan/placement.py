@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol, Sequence
 
+from dualrun.config.backends import RAY, TORCHRUN, BackendKind
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError
 
@@ -89,8 +90,8 @@ class Placement(Protocol):
 
 
 def placement_for(cfg: JobConfig) -> Placement:
-    """The placement policy of `cfg.backend`."""
-    return _POLICIES[cfg.backend](cfg)
+    """The placement policy of the job's backend."""
+    return _POLICIES[cfg.backend_kind](cfg)
 
 
 def visible_devices(cfg: JobConfig, environ: Mapping[str, str]) -> tuple[int, ...] | None:
@@ -293,4 +294,4 @@ class RayPlacement:
         return self.cfg.log_dir
 
 
-_POLICIES: dict[str, Callable[[JobConfig], Placement]] = {"torchrun": TorchrunPlacement, "ray": RayPlacement}
+_POLICIES: dict[BackendKind, Callable[[JobConfig], Placement]] = {TORCHRUN: TorchrunPlacement, RAY: RayPlacement}
