@@ -115,5 +115,14 @@ def test_the_plans_command_is_the_methods_with_the_runs_host_port_and_replicas_f
     assert router.serving.argv("0.0.0.0", 9000, replicas) == server_command(cfg, plugin, router, "0.0.0.0", 9000,
                                                                            replicas)
     assert router.serving.health_path == "/health"
+    grpo = build_config({"method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": {"gpus": 2, "model": "m/m"}}},
+                        "j.yaml")
+    rollout = get_plugin("grpo")
+    rollout.validate(grpo)
+    for p in with_method(make_plan(grpo), grpo, rollout).servers:   # vLLM's command, TRL's build_command's flags
+        mine = replicas[:2] if p.kind == "router" else []
+        assert p.serving.argv("10.0.0.2", 4242, mine) == server_command(grpo, rollout, p, "10.0.0.2", 4242, mine)
     templated = Serving(1.0, 1.0, command=("x", f"--url=http://{HOST}:{PORT}/v1", replica_slot(0)))
     assert templated.argv("h", 7, ["r:1"]) == ["x", "--url=http://h:7/v1", "r:1"]
+    with pytest.raises(ValueError, match="2 replica address"):
+        templated.argv("h", 7, ["r:1", "r:2"])                   # a router's replicas are the plan's, all of them

@@ -51,6 +51,9 @@ class Serving:
         if not self.command:
             raise ValueError("the plan was made without the method's server commands (with_commands)")
         slots = {replica_slot(i): address for i, address in enumerate(replicas)}
+        if len(slots) != sum(a.startswith("<replica ") for a in self.command):
+            raise ValueError(f"{len(slots)} replica address(es) for a command with "
+                             f"{sum(a.startswith('<replica ') for a in self.command)} replica slot(s)")
         return [slots.get(a) or a.replace(HOST, host).replace(PORT, str(port)) for a in self.command]
 
 
