@@ -26,9 +26,9 @@ imported = time.time()
 if lean:
     import logging
 
-    from dualrun.raycluster.connect import _lean_node
+    from dualrun.raycluster.connect import lean_node
 
-    with _lean_node() as settings:   # as dualrun's embedded start (connect()) does it
+    with lean_node() as settings:   # as dualrun's embedded start (connect()) does it
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=False, logging_level=logging.WARNING, **settings)
 else:

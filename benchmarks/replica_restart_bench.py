@@ -58,22 +58,20 @@ def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
     plugin.validate(cfg)
     if backend == "torchrun":
         from dualrun.servers.local import LocalServers
+        from dualrun.servers.planned import with_method
 
-        return LocalServers(cfg, plugin, make_plan(cfg), lambda p: dict(os.environ, **p.env), stream=None), \
-            lambda: None
+        return LocalServers(with_method(make_plan(cfg), cfg, plugin), lambda p: dict(os.environ, **p.env),
+                            stream=None), lambda: None
     import ray
 
     from dualrun import raycluster as rc
-    from dualrun.env.worker import forwarded_env
     from dualrun.launchers.base import Program
     from dualrun.launchers.ray import RayLauncher
-    from dualrun.servers.ray_server import RayServers
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     launcher = RayLauncher(cfg, Program("bench.py"), {}, plugin=plugin)
-    plan = make_plan(cfg, rc.cluster_of(rc.alive_nodes()))
-    return RayServers(cfg, plugin, plan, launcher.run_id, bundle=launcher.bundle,
-                      env_for=lambda p: launcher.worker_env(p.env, base=forwarded_env())), ray.shutdown
+    plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()))).plan
+    return launcher.server_set(plan, 0, frozenset()), ray.shutdown
 
 
 class Trainer:

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from benchlib import RESULTS  # noqa: E402
 from benchlib.load import closed_loop  # noqa: E402
-from benchlib.measure import _proc_stats  # noqa: E402
+from benchlib.measure import proc_stats  # noqa: E402
 from benchlib.noise import machine  # noqa: E402
 from benchlib.servers import (VLLM_ROUTER_INSTALL, start_cpu_engines, start_router, start_stubs,  # noqa: E402
                               start_vllm_router, vllm_router_bin)
@@ -51,7 +51,7 @@ def bodies(max_tokens: int) -> dict[str, bytes]:
 
 
 def _cpu(server) -> float:
-    return _proc_stats(server.proc.pid)[1] or 0.0
+    return proc_stats(server.proc.pid)[1] or 0.0
 
 
 def run_backend(replicas: list, stack: list, kinds: dict[str, bytes], inflight: list[int], reps: int,

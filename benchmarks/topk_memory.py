@@ -89,7 +89,7 @@ def make_case(batch: int, seq: int, vocab: int, k: int, seed: int = 0) -> tuple[
         del lp
     config = type("Config", (), {"get_text_config": lambda self: type("T", (), {"vocab_size": vocab})()})()
     teacher = RemoteTeacher("canned:0", k, config)
-    teacher._client = CannedClient({"logprobs": logprobs, "logprob_token_ids": ids})
+    teacher.client = CannedClient({"logprobs": logprobs, "logprob_token_ids": ids})
     inputs = {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g),
               "attention_mask": torch.ones(batch, seq, dtype=torch.long)}
     labels = inputs["input_ids"].clone()

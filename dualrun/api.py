@@ -8,7 +8,8 @@ from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import ConfigError, killed_by, mark_started
-from dualrun.launchers import JobResult, Program, RankResult, launcher_class
+from dualrun.backends import backend_of
+from dualrun.launchers import JobResult, Program, RankResult
 from dualrun.plan.processes import make_plan
 from dualrun.methods.plugin import MethodPlugin
 
@@ -33,16 +34,15 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
     if is_role_job(program, plugin):  # a role program (docs/roles.md): once, as the driver of its groups
         return _run_role_driver(cfg, program, plugin, dry_run)
     plugin.check_program(cfg, program)   # what the program cannot do with this layout (read, never run)
-    launcher = launcher_class(cfg.backend)(cfg, program, None, plugin=plugin)
+    backend = backend_of(cfg)
+    launcher = backend.launcher(cfg, program, plugin)
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
-    # config implies (torchrun and dry runs plan on nothing else), and an unreachable Ray address
-    early = make_plan(cfg, environ=os.environ) if dry_run or cfg.backend == "torchrun" else None
+    # config implies (dry runs, and a backend that does not plan onto a live cluster, plan on nothing else), and
+    # what the backend checks first (an unreachable Ray address)
+    early = make_plan(cfg, environ=os.environ) if dry_run or not backend.plans_live else None
     if not dry_run:
         plugin.preflight(cfg)   # what this environment lacks (e.g. vLLM for GRPO's rollout), before anything starts
-    if cfg.backend == "ray" and not dry_run:
-        from dualrun.raycluster import check_reachable
-
-        check_reachable(cfg.ray.address, cfg.source)
+        backend.before_launch(cfg)
     if dry_run:
         launcher.accelerate_env = _accelerate_env(cfg)
         cluster = None
@@ -122,8 +122,8 @@ def _startup_line(cfg: JobConfig, plan: Any) -> str:
         key = f"{p.unit} {p.kind}"   # worker, server (an engine replica) or router
         units[key] = units.get(key, 0) + 1
     what = ", ".join(f"{n} {u}{'s' if n > 1 else ''}" for u, n in units.items())
-    logs = f"output prefixed per rank, also in {cfg.log_dir}/<role>_<rank>.log" if cfg.log_dir else (
-        "output prefixed per rank" if cfg.backend == "ray" else "output of every rank on this terminal")
+    logs = f"output prefixed per rank, also in {cfg.log_dir}/<role>_<rank>.log" if cfg.log_dir else \
+        backend_of(cfg).output
     return f"starting {what} on {cfg.backend}; {logs}"
 
 

@@ -105,15 +105,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     cfg, plugin = _load(ns)
     if getattr(plugin, "single_controller", False):   # what runs is the driver and its groups, not ranks
         return _plan_role_program(cfg, ns.json)
-    cluster = None
-    if cfg.backend == "ray":
-        from dualrun.raycluster import live_cluster
+    from dualrun.backends import backend_of
 
-        cluster = live_cluster(cfg.ray, cfg.source)
-        if cluster is None and cfg.ray.address not in (None, "auto", "local"):
-            raise ConfigError(cfg.source, "ray.address", "a Ray cluster reachable from here (checked for 2 s)",
-                              cfg.ray.address)
-    plan = make_plan(cfg, cluster, environ=os.environ)
+    plan = make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ)
     print(plan.to_json() if ns.json else plan.table())
     return 0
 
@@ -124,7 +118,8 @@ def _plan_role_program(cfg: Any, as_json: bool) -> int:
     from dataclasses import asdict
 
     from dualrun.roles.driver import check_role_job, roles_mode
-    from dualrun.roles.spec import groups_table, spec_from_config
+    from dualrun.roles.modes import groups_table
+    from dualrun.roles.spec import spec_from_config
 
     check_role_job(cfg)
     spec = spec_from_config(cfg)
@@ -133,7 +128,7 @@ def _plan_role_program(cfg: Any, as_json: bool) -> int:
             "runs": "once, as the driver", "groups_mode": roles_mode(cfg),
             "groups": [asdict(g) for g in spec.groups]}}, indent=2))
     else:
-        print(groups_table(spec, cfg.backend))
+        print(groups_table(spec, roles_mode(cfg)))
     return 0
 
 
@@ -179,12 +174,14 @@ def cmd_config_default(ns: argparse.Namespace) -> int:
 
 
 def cmd_check(ns: argparse.Namespace) -> int:
+    from dualrun.backends import backend_of
     from dualrun.check.preflight import run_check
 
     cfg, _ = _load(ns)
     if ns.wait_s is not None and not 0 < ns.wait_s <= 3600:
         raise ConfigError("<command line>", "--wait_s", "a number of seconds in (0, 3600]", str(ns.wait_s))
-    return run_check(cfg, ns.wait_s)
+    backend = backend_of(cfg)
+    return run_check(cfg, lambda c: backend.check(c, ns.wait_s))
 
 
 def cmd_env(ns: argparse.Namespace) -> int:

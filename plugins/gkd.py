@@ -34,8 +34,7 @@ class GKDPlugin(MethodPlugin):
                                   FULL_VOCAB_HINT)
             validate_server_role(cfg, teacher, "the teacher model")
         elif teacher is not None and teacher.model:   # GKDConfig loads it in every trainer process
-            local_model(cfg.source, "roles.teacher.model", teacher.model,
-                        here=cfg.backend == "torchrun" or cfg.ray.address == "local")
+            local_model(cfg.source, "roles.teacher.model", teacher.model, here=cfg.backend_kind.files_here(cfg))
         rollout = cfg.role("rollout")
         if rollout is not None and cfg.is_separate("rollout"):
             validate_server_role(cfg, rollout, ROLLOUT_SERVES)

@@ -16,7 +16,8 @@ with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w")
 
 def _launcher(backend: str, tmp_path, script: str = "job.py", args: tuple[str, ...] = ()):
     from dualrun.config import build_config
-    from dualrun.launchers import Program, launcher_class
+    from dualrun.backends import backend_of
+    from dualrun.launchers import Program
     from dualrun.plan.processes import make_plan
     from dualrun.methods.plugin import get_plugin
 
@@ -24,7 +25,7 @@ def _launcher(backend: str, tmp_path, script: str = "job.py", args: tuple[str, .
                         "env": {"MY_FLAG": "on", "HF_TOKEN": "hf_secret"}}, str(tmp_path / "c.yaml"))
     plugin = get_plugin(cfg.method)
     plugin.validate(cfg)
-    launcher = launcher_class(backend)(cfg, Program(str(tmp_path / script), args), {}, plugin=plugin)
+    launcher = backend_of(cfg).launcher(cfg, Program(str(tmp_path / script), args), plugin, {})
     return launcher, make_plan(cfg)
 
 
@@ -75,7 +76,8 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
     the command the launch builds once the host, the port and the replicas' addresses are known, with `<auto>`
     in their place."""
     from dualrun.config import build_config
-    from dualrun.launchers import Program, launcher_class
+    from dualrun.backends import backend_of
+    from dualrun.launchers import Program
     from dualrun.launchers.base import join_cmd
     from dualrun.plan.processes import AUTO, make_plan
     from dualrun.methods.plugin import get_plugin
@@ -85,7 +87,7 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
         "gpus": 2, "model": "m/teacher", "top_k": 20}}}, str(tmp_path / "c.yaml"))
     plugin = get_plugin("gkd")
     plugin.validate(cfg)
-    launcher = launcher_class(backend)(cfg, Program(str(tmp_path / "t.py")), {}, plugin=plugin)
+    launcher = backend_of(cfg).launcher(cfg, Program(str(tmp_path / "t.py")), plugin, {})
     plan = make_plan(cfg)
     prepared = launcher.prepare(plan)
     text = launcher.describe(prepared)

@@ -126,8 +126,10 @@ FLOORS = {
     "dualrun.servers": 5, "dualrun.roles": 5, "dualrun.actors": 5,
     # the launchers and `dualrun check`
     "dualrun.launchers": 6, "dualrun.check": 6,
+    # one object per backend, handing out its launcher and its check
+    "dualrun.backends": 7,
     # the entry points: the API, the command line
-    "dualrun.api": 7, "dualrun.cli": 8, "dualrun.__main__": 9,
+    "dualrun.api": 8, "dualrun.cli": 9, "dualrun.__main__": 10,
 }
 ROOT_MODULES = {"dualrun", "dualrun.api", "dualrun.cli", "dualrun.__main__"}   # everything else lives in a package
 
@@ -165,10 +167,11 @@ def test_the_floor_checker_sees_an_import_upward():
 
 
 # The plan is pure: placement and env from the config and a cluster, below everything that starts a process.
-PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines"}
-# ... and it reads values only: the config's model, the protocol's names, the env builders, the errors.
-PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.contract.protocol", "dualrun.env.worker", "dualrun.contract.errors",
-                           "dualrun.contract.redact"}
+PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines", "dualrun.plan.servers"}
+# ... and it reads values only: the config's model and the backends' records, the protocol's names, the env
+# builders, the errors.
+PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.config.backends", "dualrun.contract.protocol",
+                           "dualrun.env.worker", "dualrun.contract.errors", "dualrun.contract.redact"}
 # The config sits below the plan: it reads the file and checks values, and imports nothing that uses it.
 CONFIG_READS = ("dualrun.config", "dualrun.contract.errors", "dualrun.contract.redact", "dualrun.env.worker",
                 "dualrun.env.installed", "dualrun.contract.protocol", "dualrun.light.progress")

@@ -81,7 +81,7 @@ def test_lean_node_params_apply_only_inside_the_init_and_the_env_comes_back(monk
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")   # the user's choice wins over the lean default
     original = parameter.RayParams
     with pytest.raises(RuntimeError):
-        with rc._lean_node() as kwargs:
+        with rc.lean_node() as kwargs:
             assert kwargs == {"_system_config": rc.LEAN_SYSTEM_CONFIG}
             params = parameter.RayParams()
             assert (params.include_log_monitor, params.no_monitor) == (False, True)

@@ -1,6 +1,7 @@
-"""`roles.<r>.replica_restarts`: which dead replicas a job survives (pure rules, milliseconds) and the config's
-refusals where the key would restart nothing. The restart itself (a real CPU engine killed and taken back by its
-router) is test_replicas.py's; a whole GKD job surviving a kill is test_replicas_e2e.py's."""
+"""`roles.<r>.replica_restarts`: which dead replicas a job survives (pure rules, milliseconds: the plan's budget,
+the supervision table with the clock passed in) and the config's refusals where the key would restart nothing. The
+restart itself (a real CPU engine killed and taken back by its router) is test_replicas.py's; a whole GKD job
+surviving a kill is test_replicas_e2e.py's."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,8 @@ from dualrun.config import build_config
 from dualrun.contract.errors import ConfigError
 from dualrun.plan.processes import make_plan
 from dualrun.methods.plugin import get_plugin
-from dualrun.servers.replacing import (back_line, held_line, hung, hung_line, restart_budget, restarting_line,
-                                      router_of, survivable, takes_weights)
+from dualrun.servers.supervision import (back_line, held_line, hung, hung_line, restart_budget, restarting_line,
+                                        router_of, survivable)
 
 
 def _cfg(role: str = "teacher", backend: str = "torchrun", **spec) -> object:
@@ -30,9 +31,9 @@ def test_each_teacher_replica_gets_the_default_budget_the_router_none():
     plan = make_plan(_cfg())
     assert [p.label for p in plan.servers] == ["teacher server 0", "teacher server 1", "teacher server 2",
                                                "teacher router"]
-    assert restart_budget(_cfg(), plan) == {0: 3, 1: 3, 2: 3}
-    assert restart_budget(_cfg(replica_restarts=1), plan) == {0: 1, 1: 1, 2: 1}
-    assert restart_budget(_cfg(replica_restarts=0), plan) == {}
+    assert restart_budget(plan) == {0: 3, 1: 3, 2: 3}
+    assert restart_budget(make_plan(_cfg(replica_restarts=1))) == {0: 1, 1: 1, 2: 1}
+    assert restart_budget(make_plan(_cfg(replica_restarts=0))) == {}
     assert router_of(plan, 2) == (3, 2)
 
 
@@ -40,15 +41,15 @@ def test_each_teacher_replica_gets_the_default_budget_the_router_none():
 def test_a_vllm_rollout_is_restarted_held_until_it_has_the_weights_and_a_single_engine_never(backend):
     vllm = _cfg("rollout", backend=backend, engine="vllm")
     plan = make_plan(vllm)
-    assert [takes_weights(vllm, p) for p in plan.servers[:3]] == [True] * 3   # held until its first sync
-    assert restart_budget(vllm, plan) == {0: 3, 1: 3, 2: 3}
+    assert [p.serving.takes_weights for p in plan.servers[:3]] == [True] * 3   # held until its first sync
+    assert restart_budget(plan) == {0: 3, 1: 3, 2: 3}
     cpu = _cfg("rollout")                                           # dualrun's CPU engine takes no weights
-    assert not takes_weights(cpu, make_plan(cpu).servers[0])
-    assert restart_budget(cpu, make_plan(cpu)) == {0: 3, 1: 3, 2: 3}
+    assert not make_plan(cpu).servers[0].serving.takes_weights
+    assert restart_budget(make_plan(cpu)) == {0: 3, 1: 3, 2: 3}
     teacher = _cfg()
-    assert not takes_weights(teacher, make_plan(teacher).servers[0])
+    assert not make_plan(teacher).servers[0].serving.takes_weights
     one = _cfg(gpus=1)
-    assert restart_budget(one, make_plan(one)) == {}   # no router to take it back
+    assert restart_budget(make_plan(one)) == {}   # no router to take it back
 
 
 def test_a_death_is_survived_while_restarts_are_left_and_another_replica_serves():
@@ -85,12 +86,12 @@ def test_replica_restarts_that_would_restart_nothing_are_refused(role, backend, 
 
 def test_teacher_replicas_are_restarted_on_ray_too():
     cfg = _cfg(backend="ray", replica_restarts=5)   # RayServers restarts them (a fresh actor and group)
-    assert restart_budget(cfg, make_plan(cfg)) == {0: 5, 1: 5, 2: 5}
+    assert restart_budget(make_plan(cfg)) == {0: 5, 1: 5, 2: 5}
 
 
 def test_teacher_replicas_are_restarted_on_several_torchrun_machines_too():
     cfg = _cfg(replica_restarts=5, num_machines=2, main_process_ip="10.0.0.1")   # each by its own machine
-    assert restart_budget(cfg, make_plan(cfg)) == {0: 5, 1: 5, 2: 5}
+    assert restart_budget(make_plan(cfg)) == {0: 5, 1: 5, 2: 5}
 
 
 def test_replica_restarts_beside_an_address_is_refused():

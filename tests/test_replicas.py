@@ -14,7 +14,7 @@ from helpers import REPO, dualrun
 from dualrun.config import build_config
 from dualrun.contract.errors import ConfigError
 from dualrun.plan.processes import ROUTER, Cluster, make_plan
-from dualrun.servers.planned import addresses, log_name, phases, replica_addresses, server_command
+from dualrun.servers.planned import addresses, phases, replica_addresses, server_command, with_method
 
 
 def _cfg(teacher: dict, backend: str = "torchrun", **top) -> object:
@@ -91,7 +91,8 @@ def test_router_command_and_the_trainers_address():
     argv = server_command(_cfg({"gpus": 2, "request_timeout_s": 90.5}), None, router, "127.0.0.1", 9000, ["a:1"])
     assert argv[-2:] == ["--request-timeout-s", "90.5"]              # the role's request_timeout_s
     assert addresses(plan, {**started, 2: "127.0.0.1:9000"}) == {"teacher": "127.0.0.1:9000"}
-    assert [log_name(p) for p in plan.servers] == ["teacher-server-0.log", "teacher-server-1.log", "teacher-router.log"]
+    assert [p.serving.log_name for p in plan.servers] == [
+        "teacher-server-0.log", "teacher-server-1.log", "teacher-router.log"]
 
 
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
@@ -176,10 +177,10 @@ def test_local_servers_start_replicas_then_router_and_watch_the_router(tmp_path,
     from dualrun.servers.local import LocalServers
     from dualrun.servers.process import http_ok
 
-    cfg = _cfg({"gpus": 2, "model": str(tiny / "teacher"), "health_timeout_s": 120}, use_cpu=True)
-    plan = make_plan(cfg)
-    servers = LocalServers(cfg, get_plugin("gkd"), plan, lambda p: dict(os.environ, **p.env),
-                           log_dir=str(tmp_path), stream=None)
+    cfg = _cfg({"gpus": 2, "model": str(tiny / "teacher"), "health_timeout_s": 120}, use_cpu=True,
+               log_dir=str(tmp_path))
+    plan = with_method(make_plan(cfg), cfg, get_plugin("gkd"))
+    servers = LocalServers(plan, lambda p: dict(os.environ, **p.env), stream=None)
     with servers:
         address = servers.start()["teacher"]
         router = servers.running[2]
@@ -209,9 +210,9 @@ def test_local_servers_restart_a_dead_replica_until_its_restarts_are_spent(tmp_p
     from helpers import eventually
 
     cfg = _cfg({"gpus": 2, "model": str(tiny / "teacher"), "health_timeout_s": 120, "replica_restarts": 1},
-               use_cpu=True)
-    servers = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), lambda p: dict(os.environ, **p.env),
-                           log_dir=str(tmp_path), stream=None)
+               use_cpu=True, log_dir=str(tmp_path))
+    servers = LocalServers(with_method(make_plan(cfg), cfg, get_plugin("gkd")), lambda p: dict(os.environ, **p.env),
+                           stream=None)
     with servers:
         address = servers.start()["teacher"]
         first = servers.running[1]

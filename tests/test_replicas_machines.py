@@ -23,6 +23,8 @@ from helpers import ASSETS, dualrun, eventually, link_tiny, pids_matching
 from dualrun.config import build_config
 from dualrun.contract.errors import ConfigError
 from dualrun.plan.processes import ROUTER, make_plan
+from dualrun.servers.planned import with_method
+from dualrun.servers.supervision import restartable
 
 
 
@@ -93,8 +95,9 @@ def test_each_machine_restarts_the_replicas_it_runs():
 
     for rank in (0, 1):
         cfg = _cpu_cfg(2, rank)
-        servers = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), dict, stream=None)
-        assert servers.restarts_left == {rank: 3} and servers.restartable == {0, 1}
+        plan = with_method(make_plan(cfg), cfg, get_plugin("gkd"))
+        servers = LocalServers(plan, dict, stream=None)
+        assert servers.supervisor.table.left == {rank: 3} and restartable(plan) == {0, 1}
 
 
 def test_cpu_replicas_take_process_slots():
@@ -340,7 +343,7 @@ def test_machine_0_names_another_machines_replica_that_stops_answering(quick_pro
     plan = make_plan(cfg)
     for finished in (False, True):
         server = _answering()
-        servers = LocalServers(cfg, get_plugin("gkd"), plan, dict, stream=None)
+        servers = LocalServers(with_method(plan, cfg, get_plugin("gkd")), dict, stream=None)
         machines = Machines(servers, "127.0.0.1", 1)
         machines.watched[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
         machines.finished_elsewhere = lambda machine: finished and machine == 1
@@ -367,8 +370,8 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
 
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)   # noqa: F841 - serves the test
-    machine = [LocalServers(_cpu_cfg(2, r), get_plugin("gkd"), make_plan(_cpu_cfg(2, r)), dict, stream=None)
-               for r in (0, 1)]
+    machine = [LocalServers(with_method(make_plan(_cpu_cfg(2, r)), _cpu_cfg(2, r), get_plugin("gkd")), dict,
+                            stream=None) for r in (0, 1)]
     Machines(machine[0], "127.0.0.1", port).share()
     Machines(machine[1], "127.0.0.1", port).not_started(
         "teacher server 1 exited with code 1 before it became healthy\n--- last lines of its log ---\nOSError: no model")
@@ -402,7 +405,7 @@ def test_machine_1_names_machine_0s_router_that_stops_answering(quick_probes):
         server = _answering()
         address = f"127.0.0.1:{server.server_address[1]}"
         store.set(job_store.server_key(router), address)          # what machine 0 published
-        machine1 = LocalServers(cfg, get_plugin("gkd"), make_plan(cfg), dict, stream=None)
+        machine1 = LocalServers(with_method(make_plan(cfg), cfg, get_plugin("gkd")), dict, stream=None)
         machines = Machines(machine1, "127.0.0.1", port)
         machines.share()
         try:

@@ -1,16 +1,16 @@
 """Launcher.launch's one restart policy, in milliseconds: an attempt's outcome is a value (result, restart cause,
 dead servers); a set whose server died is replaced by a fresh one that avoids its endpoints; servers that never
-started end the job; the budget is max_failures. The server set here is a real (in-memory) ServerSet: the
+started end the job; the budget is max_failures. The server set here is a real (in-memory) one on the sets' base: the
 launchers' e2e tests (test_server_watch.py, test_restarts.py) run the same policy with real servers."""
 from __future__ import annotations
 
 from dualrun.config import build_config
 from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, Program
-from dualrun.servers.serverset import ServerDeath, ServerSet
+from dualrun.servers.serverset import ServerDeath, ServerSet, ServerSetBase
 
 
-class _Set(ServerSet):
+class _Set(ServerSetBase):
     """Servers that bind `host:<n>` endpoints (never one in `avoid`), or fail to start."""
 
     def __init__(self, plan, avoid: frozenset[str], fail: bool) -> None:

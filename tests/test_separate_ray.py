@@ -30,7 +30,6 @@ def local_ray():
 
 def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     from dualrun.config import build_config
-    from dualrun.env.worker import forwarded_env
     from dualrun import raycluster as rc
     from dualrun.launchers.base import Program
     from dualrun.launchers.ray import RayLauncher
@@ -44,10 +43,10 @@ def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
                         "ray": ray_opts or {}}, "t.yaml")
     plugin = get_plugin("gkd")
     plugin.validate(cfg)
-    plan = make_plan(cfg, rc.cluster_of(rc.alive_nodes()))
     launcher = RayLauncher(cfg, Program("t.py"), {}, plugin=plugin)
-    servers = RayServers(cfg, plugin, plan, launcher.run_id, env_for=lambda p: launcher.worker_env(
-        p.env, base=forwarded_env()), bundle=launcher.bundle)
+    plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()))).plan   # the method's commands in it
+    servers = launcher.server_set(plan, 0, frozenset())
+    assert isinstance(servers, RayServers)
     return plan, servers
 
 

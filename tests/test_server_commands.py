@@ -14,6 +14,7 @@ from dualrun.plan.processes import make_plan
 from dualrun.methods.plugin import get_plugin
 from dualrun.methods import commands
 from dualrun.servers.local import LocalServers
+from dualrun.servers.planned import with_method
 from dualrun.servers.ray_server import ServerActor
 
 GRPO = {"method": "grpo", "roles": {"train": {"gpus": 2},
@@ -103,7 +104,7 @@ class _HTTPPlugin:
 def test_local_launcher_and_ray_actor_run_the_placeholder_with_their_python(tmp_path):
     cfg = build_config({**GRPO, "use_cpu": True, "roles": {"train": {"gpus": 1}, "rollout": {"model": "/m", "gpus": 1}},
                         "log_dir": str(tmp_path)}, "c.yaml")
-    with LocalServers(cfg, _HTTPPlugin(), make_plan(cfg), lambda p: dict(p.env), stream=None) as servers:
+    with LocalServers(with_method(make_plan(cfg), cfg, _HTTPPlugin()), lambda p: dict(p.env), stream=None) as servers:
         assert set(servers.start()) == {"rollout"}
         (proc,) = servers.running.values()
         assert proc.proc.args[0] == sys.executable

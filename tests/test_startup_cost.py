@@ -30,12 +30,14 @@ def test_a_rank_actor_imports_nothing_of_the_driver():
 
 
 def test_the_launchers_package_still_exports_its_names():
-    from dualrun.launchers import JobResult, Launcher, Program, RankResult, launcher_class
+    from dualrun.backends import backend_of
+    from dualrun.launchers import JobResult, Launcher, Program, RankResult
     from dualrun.launchers import base
 
     assert (JobResult, Launcher, Program, RankResult) == (base.JobResult, base.Launcher, base.Program,
                                                           base.RankResult)
-    assert launcher_class("torchrun").name == "torchrun" and launcher_class("ray").name == "ray"
+    assert backend_of("torchrun").launcher_class().name == "torchrun"   # each backend hands out its launcher
+    assert backend_of("ray").launcher_class().name == "ray"
     with pytest.raises(AttributeError):
         import dualrun.launchers as pkg
 

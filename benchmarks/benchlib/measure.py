@@ -50,7 +50,7 @@ class Run:
     own_cores: float | None = None             # ... of it, dualrun's: all of it, but a running cluster's daemons
 
 
-def _proc_stats(pid: int) -> tuple[float | None, float | None]:
+def proc_stats(pid: int) -> tuple[float | None, float | None]:
     """(VmHWM MiB, utime+stime s) of one process, or None where it is gone."""
     hwm = cpu = None
     try:
@@ -153,7 +153,7 @@ def measure(run: Run, cmd: list[str], env: dict[str, str], cwd: Path, log: Path,
     def sample() -> None:
         i = 0
         while proc.poll() is None:
-            hwm, cpu = _proc_stats(proc.pid)
+            hwm, cpu = proc_stats(proc.pid)
             if hwm is not None:
                 stats["hwm"] = hwm
             if cpu is not None:

@@ -133,8 +133,8 @@ _DRIVER_STEPS = (  # (module, attribute path, step name): the step's start and e
     ("dualrun.env.accelerate", "cached_accelerate_env", "accelerate_env"),
     ("dualrun.raycluster.connect", "connect", "ray_connect"),
     ("dualrun.launchers.base", "Launcher.launch", "launch"),
-    ("dualrun.launchers.ray", "RayLauncher._place", "place"),
-    ("dualrun.launchers.ray", "RayLauncher._start", "start"),
+    ("dualrun.launchers.ray", "RayLauncher.place_ranks", "place"),
+    ("dualrun.launchers.ray", "RayLauncher.start_ranks", "start"),
     ("torch.distributed.run", "run", "agent"),
     ("dualrun.raycluster.connect", "Connection.close", "ray_shutdown"),
 )

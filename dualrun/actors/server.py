@@ -1,7 +1,7 @@
 """The actor that runs one of a job's servers on its Ray node (servers/ray_server.py places and drives it).
 
 Why a module of its own: Ray worker processes import it, so it needs only the standard library (and ray), while
-the driver's side (`RayServers`) imports the plan, the plugins and the restart rules.
+the driver's side (`RayServers`) imports the plan and the replicas' supervisor.
 """
 from __future__ import annotations
 

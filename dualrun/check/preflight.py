@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
@@ -250,11 +250,11 @@ def range_notes(nodes: list[NodeReport]) -> list[str]:
     return [f"{n.name}: {phrase}" for n in nodes for phrase in n.facts.get("ranges", [])]
 
 
-def run_check(cfg: JobConfig, wait_s: float | None = None) -> int:
+def run_check(cfg: JobConfig, nodes_of: Callable[[JobConfig], Outcome]) -> int:
     """Print the problems (one line each; exit code 1) or the table of nodes (exit code 0); version ranges that
-    TRL or vLLM declare and this install is outside of are named as notes either way. `wait_s`: how long several
-    torchrun machines wait for each other."""
-    problems, nodes, notes = check_ray(cfg) if cfg.backend == "ray" else check_torchrun(cfg, wait_s)
+    TRL or vLLM declare and this install is outside of are named as notes either way. `nodes_of`: the backend's
+    look at its nodes (`check_torchrun`, `check_ray`)."""
+    problems, nodes, notes = nodes_of(cfg)
     for note in range_notes(nodes):
         print(f"dualrun check: note: {note}")
     if problems:

@@ -7,6 +7,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
+from dualrun.config.backends import TORCHRUN, kind_of
 from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions
 from dualrun.env.installed import vllm_cpu_only
 from dualrun.env.worker import reserved
@@ -38,12 +39,12 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
               groups: Sequence[Sequence[str]], ray: RayOptions, torchrun: TorchrunOptions,
               from_flags: bool = False) -> None:
     """`from_flags`: the primary role's size came from `--num_processes`."""
-    backend = values.get("backend", "torchrun")
+    per_machine = kind_of(values.get("backend", TORCHRUN.name)).per_machine   # every machine launched by hand
     machines = int(acc.get("num_machines") or 1)
-    if backend == "torchrun" and roles:
+    if per_machine and roles:
         _check_machine_size(source, roles, groups, machines, from_flags, torchrun.gpus_per_machine)
     rank = int(acc.get("machine_rank") or 0)
-    if backend == "torchrun" and machines > 1 and rank >= 1 and not acc.get("main_process_ip"):
+    if per_machine and machines > 1 and rank >= 1 and not acc.get("main_process_ip"):
         raise ConfigError(source, "main_process_ip", f"the address of machine 0 (num_machines={machines}, "
                           f"machine_rank={rank}: without it this machine would wait for itself)")
     cpu = bool(acc.get("use_cpu")) or acc.get("distributed_type") == "MULTI_CPU"

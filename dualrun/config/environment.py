@@ -11,6 +11,7 @@ import os
 import re
 from typing import Mapping
 
+from dualrun.config.backends import kind_of
 from dualrun.contract import protocol
 from dualrun.config.cross_keys import host_port
 from dualrun.config.schema import MAX_SECONDS
@@ -39,7 +40,7 @@ def check_environment(environ: Mapping[str, str] | None = None, backend: str | N
     forward = environ.get(protocol.FORWARD_ENV)
     if forward is not None:
         _forward(forward)
-    if backend == "ray":
+    if backend is not None and kind_of(backend).ray:
         ray_address(environ.get("RAY_ADDRESS"))
         if not ray_installed():
             raise ConfigError(SOURCE, "ray", 'the ray package for the Ray backend: pip install "ray[default]" '

@@ -10,6 +10,7 @@ from dualrun.config import schema
 from dualrun.config import cross_keys
 
 from dualrun.config import refusals
+from dualrun.config.backends import KINDS, RAY, TORCHRUN, kind_of
 from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.swift import convert_device_groups
@@ -77,9 +78,9 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     if values.get("offload_optimizer"):
         acc = offload_optimizer(source, acc)
     if values.pop("use_ray", False) and "backend" not in values:
-        values["backend"] = "ray"
+        values["backend"] = RAY.name
     if backend is not None:
-        values["backend"] = check(CLI_SOURCE, "--backend", "str", backend, ("torchrun", "ray"))
+        values["backend"] = check(CLI_SOURCE, "--backend", "str", backend, tuple(KINDS))
     if "method" in values and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", values["method"]):
         raise ConfigError(source, "method", "a plugin name (letters, digits, _)", values["method"])
 
@@ -116,7 +117,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         cpu = bool(acc.get("use_cpu"))
         acc["distributed_type"] = "NO" if acc["num_processes"] <= 1 and acc["num_machines"] <= 1 else (
             "MULTI_CPU" if cpu else "MULTI_GPU")
-    if values.get("backend", "torchrun") == "torchrun" and acc["num_processes"] % acc["num_machines"]:
+    if kind_of(values.get("backend", TORCHRUN.name)).per_machine and acc["num_processes"] % acc["num_machines"]:
         raise ConfigError(source, "num_processes", f"a multiple of num_machines={acc['num_machines']}",
                           acc["num_processes"])
     return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from dualrun.config.backends import BackendKind
 
 
 def frozen_map(d: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
@@ -67,6 +70,13 @@ class JobConfig:
     log_dir: str | None = None
     ray: RayOptions = field(default_factory=RayOptions)
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
+
+    @property
+    def backend_kind(self) -> "BackendKind":
+        """What the backend is like (config/backends.py): the layers below the launchers ask this, not its name."""
+        from dualrun.config.backends import kind_of
+
+        return kind_of(self.backend)
 
     # -- accelerate facts dualrun needs ------------------------------------------------------------
     @property

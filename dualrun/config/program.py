@@ -86,7 +86,7 @@ def check_module(cfg: Any, name: str) -> None:
     """A one-line error for `-m name` that no worker could run."""
     if not _MODULE.fullmatch(name):
         raise ConfigError(CLI_SOURCE, "training_script", "a module name like pkg.module (with -m)", name)
-    if cfg.backend == "ray" and cfg.ray.runtime_env:
+    if cfg.backend_kind.ray and cfg.ray.runtime_env:
         return   # the workers' runtime_env (working_dir, pip, py_modules) may bring it
     if not module_exists(name):
         raise ConfigError(CLI_SOURCE, "training_script", "a module python -m can find here (-m: the launching "

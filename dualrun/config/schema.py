@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dualrun.config.backends import KINDS
 from dualrun.contract import protocol
 
 
@@ -73,7 +74,7 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
 
 
 TOP_KEYS: tuple[Key, ...] = (
-    Key("backend", "str", "torchrun", "Where workers run; `--backend` overrides.", choices=("torchrun", "ray")),
+    Key("backend", "str", "torchrun", "Where workers run; `--backend` overrides.", choices=tuple(KINDS)),
     Key("use_ray", "bool", False, "ms-swift's spelling: `use_ray: true` means `backend: ray` (when `backend` is "
         "not set)."),
     Key("method", "str", "sft", "Method plugin: which roles exist and how the trainer is wired "

@@ -29,7 +29,7 @@ from dualrun.launchers.ray_sizing import bundle_of, check_fits, embedded_cpus
 from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_port_env
-from dualrun.servers.planned import server_previews
+from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
@@ -102,13 +102,14 @@ class RayLauncher(Launcher):
         """Every rank's command and env (redacted only when shown); connects to nothing. A plan made on the live
         cluster is refused here (exit 2) when the cluster cannot hold all its actors at once."""
         assert plan is not None
-        if plan.cluster.source == "ray":
+        if plan.cluster.live:
             check_fits(self.cfg, plan)
+        plan = with_method(plan, self.cfg, self.plugin)
         base = forwarded_env()
         envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
         first = next(iter(envs.values()), {})
         shared = {k: v for k, v in first.items() if all(e.get(k) == v for e in envs.values())}
-        servers = server_previews(self.cfg, self.plugin, plan, AUTO, devices=AUTO)   # Ray picks node and GPUs
+        servers = server_previews(plan, AUTO, devices=AUTO)   # Ray picks node and GPUs
         return Prepared(plan, tuple(bootstrap_cmd(self.program, PYTHON)), shared, os.getcwd(), rank_envs=envs,
                         servers=servers)
 
@@ -147,11 +148,14 @@ class RayLauncher(Launcher):
 
     def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> ServerSet:
         """Separate roles: each server in its own placement group and actor (servers/ray_server.py)."""
+        from dualrun.raycluster import Gang
         from dualrun.servers.ray_server import RayServers
 
-        return RayServers(self.cfg, self.plugin, plan, self.run_id,
-                          env_for=lambda p: self.worker_env(p.env, base=forwarded_env()), bundle=self.bundle,
-                          check=self._check_signal, attempt=attempt, avoid=avoid)
+        return RayServers(plan, self.run_id, env_for=lambda p: self.worker_env(p.env, base=forwarded_env()),
+                          wiring=lambda addresses: wiring_env(self.cfg, self.plugin, addresses), bundle=self.bundle,
+                          gang=lambda check: Gang(self.cfg.ray, self.cfg.source, check),
+                          wait_s=max(60.0, self.cfg.ray.placement_timeout_s), check=self._check_signal,
+                          attempt=attempt, avoid=avoid)
 
     def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
         """Healthy before any trainer starts; the trainers get the plugin's wiring of their addresses (also for
@@ -203,8 +207,8 @@ class RayLauncher(Launcher):
         ranks: list[Rank] = []
         try:
             try:
-                ranks = self._place(prepared.plan, attempt, gang)
-                self._start(prepared, ranks, attempt, servers.wiring_env() if servers is not None else {})
+                ranks = self.place_ranks(prepared.plan, attempt, gang)
+                self.start_ranks(prepared, ranks, attempt, servers.wiring_env() if servers is not None else {})
                 watch = Supervision(ranks, servers, lambda: self._stop_all(ranks, wait=False),
                                     self._check_signal).run()
                 dead = (watch.server_failure,) if watch.server_failure is not None else ()
@@ -219,7 +223,7 @@ class RayLauncher(Launcher):
             gang.call_all("cleanup", timeout=2.0)
             gang.stop()
 
-    def _place(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
+    def place_ranks(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
         """One placement group per unit, one actor per rank in it (rank order: rank 0's actor first)."""
         from dualrun.actors.rank import RankWorker
 
@@ -236,7 +240,7 @@ class RayLauncher(Launcher):
                     max_concurrency=4, max_restarts=0, name=f"{self.run_id}-{p.unit}-{p.rank}-{attempt}")))
         return ranks
 
-    def _start(self, prepared: Prepared, ranks: list[Rank], attempt: int, wiring: Mapping[str, str]) -> None:
+    def start_ranks(self, prepared: Prepared, ranks: list[Rank], attempt: int, wiring: Mapping[str, str]) -> None:
         """Phase 1: where did each actor land (rank 0 picks the port); phase 2: start every program."""
         infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.cfg.main_process_port) for r in ranks],
                           "start their actors")

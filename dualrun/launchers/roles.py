@@ -17,8 +17,9 @@ from dualrun.contract.redact import redact_argv, redact_value
 from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
 from dualrun.plan.processes import Plan
 from dualrun.contract.protocol import ROLES_MODE, ROLES_SPEC
-from dualrun.roles.driver import driver_env
-from dualrun.roles.spec import groups_table, spec_from_config
+from dualrun.roles.driver import driver_env, roles_mode
+from dualrun.roles.modes import groups_table
+from dualrun.roles.spec import spec_from_config
 
 
 class RoleDriverLauncher(Launcher):
@@ -32,7 +33,7 @@ class RoleDriverLauncher(Launcher):
 
     def table(self) -> str:
         """What runs: the driver and its groups (the first line of a launch; `dualrun plan` prints the same)."""
-        return groups_table(spec_from_config(self.cfg), self.cfg.backend)
+        return groups_table(spec_from_config(self.cfg), roles_mode(self.cfg))
 
     def describe(self, prepared: Prepared) -> str:
         return (f"{self.table()}\n"

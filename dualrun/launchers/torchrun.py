@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from dualrun.contract import protocol
 from dualrun.env.worker import TORCHRUN_NAMES
@@ -25,8 +25,8 @@ from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.ports import free_port
 from dualrun.servers.local import LocalServers
 from dualrun.servers.machines import Machines, await_attempt
-from dualrun.servers.planned import server_previews
-from dualrun.servers.serverset import ServerDeath
+from dualrun.servers.planned import server_previews, wiring_env, with_method
+from dualrun.servers.serverset import ServerDeath, ServerSet
 
 
 class TorchrunLauncher(Launcher):
@@ -93,7 +93,8 @@ class TorchrunLauncher(Launcher):
         """This node's torchrun command and env, and the servers it starts first (their port is picked free at
         launch)."""
         assert plan is not None
-        servers = server_previews(self.cfg, self.plugin, plan, "127.0.0.1", node=self.cfg.machine_rank)
+        plan = with_method(plan, self.cfg, self.plugin)
+        servers = server_previews(plan, "127.0.0.1", node=self.cfg.machine_rank)
         argv = [sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)
         return Prepared(plan, tuple(argv), self.agent_env(plan), os.getcwd(), servers=servers)
 
@@ -109,21 +110,28 @@ class TorchrunLauncher(Launcher):
 
     # -- launch: a server that dies ends the job (or, with max_failures, restarts it with fresh servers on fresh
     # ports: Launcher.launch); torchrun restarts the workers itself ----------------------------------------------
-    def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> LocalServers:
-        """Separate roles: their servers start first (on their own devices), the trainers get their addresses."""
+    def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> "LocalServers | Machines":
+        """Separate roles: their servers start first (on their own devices), the trainers get their addresses;
+        several machines with servers meet in torchrun's store (machines.py)."""
         assert plan is not None
-        return LocalServers(self.cfg, self.plugin, plan, lambda p: self.worker_env(p.env), avoid=avoid)
+        local = LocalServers(plan, lambda p: self.worker_env(p.env), self._wiring, avoid=avoid)
+        if self.cfg.num_machines > 1 and plan.servers:
+            return Machines(local, self._addr(), self._port(), attempt)
+        return local
 
-    def _machines(self, servers: LocalServers, attempt: int = 0) -> Machines | None:
-        """Several machines with servers: this machine's side of their exchange through torchrun's store."""
-        if self.cfg.num_machines > 1 and servers.plan.servers:
-            return Machines(servers, self._addr(), self._port(), attempt)
-        return None
+    def _wiring(self, addresses: Mapping[str, str]) -> dict[str, str]:
+        """The trainers' env (the same on every machine): the method's wiring of the servers' addresses and a free
+        weight-sync port on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's
+        value is used)."""
+        from dualrun.weightsync.group import port_host
+
+        env = wiring_env(self.cfg, self.plugin, addresses)
+        env.update(protocol.group_port_env(env, free_port(port_host(self.cfg))))
+        return env
 
     def servers_not_started(self, servers: Any, error: LaunchError) -> None:
-        machines = self._machines(servers)
-        if machines is not None:
-            machines.not_started(str(error))   # machine K >= 1: machine 0 ends too
+        if isinstance(servers, Machines):
+            servers.not_started(str(error))   # machine K >= 1: machine 0 ends too
 
     def run_attempt(self, prepared: Prepared, attempt: int, servers: Any) -> Outcome:
         result = self._run_agent(prepared, attempt, servers)
@@ -154,13 +162,13 @@ class TorchrunLauncher(Launcher):
         args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
         return args
 
-    def _job_env(self, prepared: Prepared, attempt: int, servers: LocalServers) -> dict[str, str]:
-        extra = servers.wiring_env(f"{self._addr()}:{self._port()}")
+    def _job_env(self, prepared: Prepared, attempt: int, servers: ServerSet) -> dict[str, str]:
+        extra = servers.wiring_env()
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         return {**prepared.env, **extra}
 
-    def _run_agent(self, prepared: Prepared, attempt: int, servers: LocalServers) -> JobResult:
+    def _run_agent(self, prepared: Prepared, attempt: int, servers: "LocalServers | Machines") -> JobResult:
         """torchrun's agent for this machine, beside the running servers, to its end."""
         from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -169,7 +177,9 @@ class TorchrunLauncher(Launcher):
         start = time.monotonic()
         args = self._agent_args(prepared, attempt)
         env = self._job_env(prepared, attempt, servers)
-        machines = self._machines(servers, attempt)
+        machines = servers if isinstance(servers, Machines) else None
+        if machines is not None:
+            machines.attempt = attempt
         with _only_env(env):   # the agent and its workers see exactly the job's env; ours comes back after
             if threading.current_thread() is threading.main_thread():
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
@@ -188,7 +198,7 @@ class TorchrunLauncher(Launcher):
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(prepared.plan)]
         return JobResult(0, ranks, time.monotonic() - start)
 
-    def _ended(self, e: Exception, servers: LocalServers, machines: Machines | None, plan: Plan,
+    def _ended(self, e: Exception, servers: "LocalServers | Machines", machines: Machines | None, plan: Plan,
                start: float) -> JobResult:
         """The result of an agent that raised `e`: the server whose death it was, else the ranks' failure."""
         from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -225,7 +235,7 @@ def _only_env(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _end_job_on_death(servers: LocalServers, agent_handler: Any) -> threading.Thread:
+def _end_job_on_death(servers: ServerSet, agent_handler: Any) -> threading.Thread:
     """A thread that ends this attempt at the first server death reported while the servers are watched."""
 
     def run() -> None:
@@ -240,7 +250,7 @@ def _end_job_on_death(servers: LocalServers, agent_handler: Any) -> threading.Th
     return thread
 
 
-def _end_job(servers: LocalServers, failure: ServerDeath, agent_handler: Any) -> None:
+def _end_job(servers: ServerSet, failure: ServerDeath, agent_handler: Any) -> None:
     """From a watcher thread: end this attempt because of `failure`. Once the workers run, torchrun's agent turns
     SIGTERM into SignalException and stops them (the launch then names `servers.failure`). Before, its rendezvous
     may wait in C++ for another machine (no Python signal handler runs there): the error is printed, the servers
@@ -253,7 +263,7 @@ def _end_job(servers: LocalServers, failure: ServerDeath, agent_handler: Any) ->
     os._exit(1)
 
 
-def _server_died(servers: LocalServers, start: float) -> JobResult:
+def _server_died(servers: ServerSet, start: float) -> JobResult:
     """The job ended because a server died: name it, its exit code and its log's last lines."""
     return JobResult(1, wall_time_s=time.monotonic() - start, message=str(servers.failure))
 

@@ -171,4 +171,4 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     from dualrun.config.refusals import local_model
 
     # a local path is checked where the server starts on a machine like this one; a URL is refused everywhere
-    local_model(cfg.source, f"{key}.model", role.model, here=cfg.backend == "torchrun" or cfg.ray.address == "local")
+    local_model(cfg.source, f"{key}.model", role.model, here=cfg.backend_kind.files_here(cfg))

@@ -86,7 +86,7 @@ def router_keys(cfg: JobConfig) -> None:
 
 
 def restarts_do_nothing(cfg: JobConfig, role: RoleSpec, replicas: int) -> str | None:
-    """Why `replica_restarts` would restart nothing for `role` (None: it takes effect; servers/replacing.py)."""
+    """Why `replica_restarts` would restart nothing for `role` (None: it takes effect; servers/supervision.py)."""
     if replicas == 1:
         return "one engine has no router to take a restarted one back"
     return None

@@ -11,7 +11,7 @@ from dualrun.config.model import JobConfig, RoleSpec
 # The endpoints TRL's VLLMClient uses (weight transfer, /server_info, prefix-cache reset) live behind dev mode.
 ROLLOUT_SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 # Roles whose engines take the trainer's weights (when on vLLM): a restarted replica of one is held out of rotation
-# until its first weight update (dualrun/servers/replacing.py).
+# until its first weight update (dualrun/servers/supervision.py).
 SYNCED_ROLES = frozenset({"rollout"})
 
 

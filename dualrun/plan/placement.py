@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol, Sequence
 
+from dualrun.config.backends import RAY, TORCHRUN, BackendKind
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError
 
@@ -33,6 +34,11 @@ class Cluster:
 
     nodes: tuple[Node, ...]
     source: str = "planned"
+
+    @property
+    def live(self) -> bool:
+        """Read from a running cluster (its nodes' real sizes), not assumed from the config."""
+        return self.source != "planned"
 
     @staticmethod
     def uniform(num_nodes: int, gpus_per_node: int, cpus_per_node: float = 0.0) -> "Cluster":
@@ -83,10 +89,14 @@ class Placement(Protocol):
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         """The node of a role's router, given the nodes of its engine replicas."""
 
+    @property
+    def server_log_dir(self) -> str | None:
+        """Where the servers' logs go (None: the backend decides at launch)."""
+
 
 def placement_for(cfg: JobConfig) -> Placement:
-    """The placement policy of `cfg.backend`."""
-    return _POLICIES[cfg.backend](cfg)
+    """The placement policy of the job's backend."""
+    return _POLICIES[cfg.backend_kind](cfg)
 
 
 def visible_devices(cfg: JobConfig, environ: Mapping[str, str]) -> tuple[int, ...] | None:
@@ -211,6 +221,10 @@ class TorchrunPlacement:
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         return cluster.nodes[0].index   # machine 0's launcher starts it, beside trainer rank 0
 
+    @property
+    def server_log_dir(self) -> str | None:
+        return self.cfg.torchrun.log_dir or self.cfg.log_dir   # beside torchrun's own logs of the ranks
+
 
 @dataclass(frozen=True)
 class RayPlacement:
@@ -280,5 +294,9 @@ class RayPlacement:
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         return replicas[0]
 
+    @property
+    def server_log_dir(self) -> str | None:
+        return self.cfg.log_dir
 
-_POLICIES: dict[str, Callable[[JobConfig], Placement]] = {"torchrun": TorchrunPlacement, "ray": RayPlacement}
+
+_POLICIES: dict[BackendKind, Callable[[JobConfig], Placement]] = {TORCHRUN: TorchrunPlacement, RAY: RayPlacement}

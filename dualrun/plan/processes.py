@@ -14,11 +14,12 @@ from typing import Any, Iterable, Mapping
 
 from dualrun.contract import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
-from dualrun.plan.engines import engine_of, engine_size, replica_count, server_env
+from dualrun.plan.engines import engine_of, engine_size, replica_count, role_takes_weights, server_env
 from dualrun.env.worker import rank_env
 from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
 from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
+from dualrun.plan.servers import Serving
 
 __all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
 
@@ -38,6 +39,7 @@ class Process:
     local_world_size: int
     devices: tuple[int, ...]
     env: Mapping[str, str] = field(default_factory=frozen_map)
+    serving: Serving | None = None   # a server's command, health, timeouts, restarts, log (plan/servers.py)
 
     @property
     def label(self) -> str:
@@ -237,6 +239,10 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
     env.update(server_env(cfg, role))
     env.update(role.env)
     env.update({protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
+    first = cfg.role(group[0]) or role   # whose settings the unit's servers use
+    serving = Serving(first.health_timeout_s, first.request_timeout_s,
+                      restarts=first.replica_restarts if count > 1 else 0,
+                      takes_weights=role_takes_weights(cfg, first), log_dir=policy.server_log_dir)
     procs = []
     for replica in range(count):
         mine = tuple(fixed[replica * size:(replica + 1) * size]) if fixed is not None else None
@@ -252,11 +258,13 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
         taken = _take(free, node.index, slots, mine) if slots else ()
         devices = taken if size else ()
         procs.append(Process(unit, group, "server", replica, count, node.index, 0, 1, devices,
-                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))})))
+                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}),
+                             replace(serving, log_name=f"{unit}-server-{replica}.log")))
     if count > 1:
         home = policy.router_node(cluster, [p.node for p in procs])
         procs.append(Process(unit, group, ROUTER, 0, count, home, 0, 1, (),
-                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""})))
+                             frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""}),
+                             replace(serving, restarts=0, takes_weights=False, log_name=f"{unit}-router.log")))
     return procs
 
 

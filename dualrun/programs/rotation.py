@@ -31,7 +31,7 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 UNREACHABLE = "unreachable"  # connection refused or reset: the engine is down
 STATUS = "status"            # it answered a 5xx: alive, sick
@@ -43,6 +43,29 @@ JOINING = "joining"          # swapped in by the launcher, not yet healthy (or h
 STICKY = frozenset({TIMEOUT, LAUNCHER})          # out until restored: passing probes do not bring it back
 ABORTS = frozenset({TIMEOUT, PROBE, LAUNCHER})   # leaving rotation aborts the requests in flight on it
 RECOVER_PROBES = 2
+
+# What a row of the table says of a replica's health, for those outside the router (`judge`)
+SERVING = "serving"          # in rotation
+OUT = "out"                  # out of rotation: down or sick; its probes may bring it back
+HUNG = "hung"                # accepts requests and never answers: only a restart brings it back
+RESTARTING = "restarting"    # its launcher took it out, or swapped in a new engine not yet in rotation
+
+
+def judge(row: "Replica | Mapping[str, Any]", out_for_s: float, request_timeout_s: float) -> str:
+    """The one reading of a replica's health from its row (a `Replica`, or its `rows()` dict over HTTP), shared by
+    the router's table and the launchers that watch it: `HUNG` when a request to it timed out, or its health
+    probes have failed for `request_timeout_s` (`out_for_s`, as the watcher saw it; a stopped process answers
+    nothing, an engine core can hang while its API answers). A failed probe alone is `OUT`: a busy engine may
+    miss one or two."""
+    get = row.get if isinstance(row, Mapping) else lambda key: getattr(row, key)
+    if get("in_rotation"):
+        return SERVING
+    kind = get("kind")
+    if kind in (LAUNCHER, JOINING):
+        return RESTARTING
+    if kind == TIMEOUT or (kind == PROBE and out_for_s >= request_timeout_s):
+        return HUNG
+    return OUT
 
 
 @dataclass

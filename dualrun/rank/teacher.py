@@ -82,9 +82,14 @@ class RemoteTeacher(nn.Module):
 
     @property
     def client(self) -> Any:
+        """TRL's client of the teacher server, made on first use; a caller may set one of its own (canned answers)."""
         if self._client is None:
             self._client = teacher_client(f"http://{self.address}")
         return self._client
+
+    @client.setter
+    def client(self, value: Any) -> None:
+        self._client = value
 
     def topk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TopK:
         """(batch, sequence, k) log-probabilities (-inf where the server sent none: padding, the last token) and

@@ -189,7 +189,7 @@ def _refresh_config() -> None:
 
 
 @contextmanager
-def _lean_node() -> Iterator[dict[str, Any]]:
+def lean_node() -> Iterator[dict[str, Any]]:
     """For the `ray.init` that starts an embedded cluster: `LEAN_ENV` as defaults while Ray spawns its processes
     (which keep them; this process gets its own back after), `LEAN_NODE_PARAMS` on the node. Yields init kwargs.
 
@@ -245,7 +245,7 @@ def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, _node_ip_address="127.0.0.1",
                      **kwargs)
         elif address is None:
-            with _lean_node() as lean:   # this job's alone: only what the job uses runs
+            with lean_node() as lean:   # this job's alone: only what the job uses runs
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                          **kwargs, **lean)
         else:

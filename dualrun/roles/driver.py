@@ -58,13 +58,16 @@ def is_role_job(program: Any, plugin: Any) -> bool:
 
 
 def roles_mode(cfg: Any) -> str:
-    """`ray` on the Ray backend, else `local` (torchrun, python): what `DUALRUN_ROLES_MODE` the driver gets."""
-    return "ray" if cfg.backend == "ray" else "local"
+    """The mode the backend runs a role program's groups in (`ray`, or `local` under torchrun): what
+    `DUALRUN_ROLES_MODE` the driver gets."""
+    return cfg.backend_kind.groups
 
 
 def check_role_job(cfg: Any) -> None:
     """Layouts a role program cannot run: local groups are processes of this machine, so torchrun on several."""
-    if roles_mode(cfg) == "local" and cfg.num_machines > 1:
+    from dualrun.roles.modes import mode_of
+
+    if not mode_of(roles_mode(cfg)).spread and cfg.num_machines > 1:
         from dualrun.contract.errors import ConfigError
 
         raise ConfigError(cfg.source, "num_machines", "1 for a role program under torchrun (it runs once; its "

@@ -14,26 +14,23 @@ from typing import Any, Callable
 
 from dualrun.contract.protocol import ROLES_MODE, SETTINGS, Settings
 from dualrun.roles.context import UnknownGroupError
+from dualrun.roles.modes import mode_of
 from dualrun.roles.spec import GroupSpec, RolesSpec, load_spec
 
 _LOCK = threading.Lock()
 _RUNTIME: "Runtime | None" = None
-BACKENDS = {"ray": "ray", "local": "local", "torchrun": "local", "python": "local"}
 
 
 class Runtime:
+    """The groups of this process, in one mode (roles/modes.py: `backend` names it)."""
+
     def __init__(self, spec: RolesSpec, backend: str, track_bytes: bool = False) -> None:
-        self.spec, self.backend, self.track_bytes = spec, backend, track_bytes
+        self.mode = mode_of(backend)
+        self.spec, self.backend, self.track_bytes = spec, self.mode.name, track_bytes
         self._pgs: dict[str, Any] = {}      # unit -> its placement group (made by `_placements`)
         self._groups: list[Any] = []
-        self._conn: Any = None
-        self._placements: Any = None        # Ray: the raycluster.Gang that places and removes `_pgs`
-        if backend == "ray":
-            from dualrun.raycluster import Gang
-            from dualrun.roles.ray_backend import ensure_ray
-
-            self._conn = ensure_ray(spec)
-            self._placements = Gang(spec.ray, spec.source)
+        self._conn: Any = self.mode.connect(spec)
+        self._placements: Any = self.mode.placements(spec)   # Ray: the raycluster.Gang that places and removes `_pgs`
 
     def group_spec(self, name: str) -> GroupSpec:
         """The config's group `name`; any name (one worker) when no config is known."""
@@ -47,17 +44,7 @@ class Runtime:
         return found
 
     def start_workers(self, spec: GroupSpec, factory: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        if self.backend == "ray":
-            from dualrun.roles.ray_backend import RayWorkers
-
-            return RayWorkers(self, spec, factory, args, kwargs)
-        if spec.size > 1:   # its workers run at the same time, each its own process (a process group of theirs)
-            from dualrun.roles.processes import ProcessWorkers
-
-            return ProcessWorkers(self, spec, factory, args, kwargs)
-        from dualrun.roles.workers import LocalWorkers
-
-        return LocalWorkers(spec, factory, args, kwargs)
+        return self.mode.workers(self, spec, factory, args, kwargs)
 
     def placement(self, spec: GroupSpec) -> Any:
         """One placement group per unit, made when its first group starts and kept until shutdown."""
@@ -100,9 +87,7 @@ def init(config: Any = None, backend: str | None = None, *, track_bytes: bool = 
     backend: 'ray' or 'local' ('torchrun' and 'python' mean local); default: `DUALRUN_ROLES_MODE`, else local.
     """
     global _RUNTIME
-    mode = backend or os.environ.get(ROLES_MODE) or "local"
-    if mode not in BACKENDS:
-        raise ValueError(f"backend={mode!r}: expected one of {sorted(BACKENDS)}")
+    mode = mode_of(backend or os.environ.get(ROLES_MODE) or "local")   # ValueError for an unknown one
     spec = load_spec(config)
     if not spec.configured and config is None:
         spec = _spec_from_settings()
@@ -110,7 +95,7 @@ def init(config: Any = None, backend: str | None = None, *, track_bytes: bool = 
         old, _RUNTIME = _RUNTIME, None
     if old is not None:
         old.shutdown()
-    runtime = Runtime(spec, BACKENDS[mode], track_bytes)
+    runtime = Runtime(spec, mode.name, track_bytes)
     with _LOCK:
         _RUNTIME = runtime
     return runtime

@@ -66,7 +66,7 @@ class RolesSpec:
 def planned_devices(cfg: Any) -> dict[str, tuple[int, ...]]:
     """torchrun: the GPU ids of this machine the plan gives each role (ms-swift's `device_groups` ranks, a role's
     `gpu_ids`, or by count), so a role program's local group workers sit on their role's GPUs as on Ray."""
-    if cfg.backend != "torchrun" or cfg.use_cpu or not any(r.gpus for r in cfg.roles):
+    if not cfg.backend_kind.per_machine or cfg.use_cpu or not any(r.gpus for r in cfg.roles):
         return {}
     from dualrun.contract.errors import DualrunError
     from dualrun.plan.processes import make_plan
@@ -104,22 +104,3 @@ def load_spec(config: Any = None) -> RolesSpec:
     elif isinstance(config, Mapping):
         config = build_config(config, "<dict>")
     return spec_from_config(config)
-
-
-def groups_table(spec: RolesSpec, backend: str = "ray") -> str:
-    """What `dualrun plan` and a launch print for a role program: the one driver, each group, its workers and
-    devices (docs/roles.md: the program runs once; its groups are started once)."""
-    ray = backend == "ray"
-    where = ("each worker a Ray actor on its role's devices" if ray else
-             "each worker a child process of the driver, a group of one worker in the driver itself")
-    lines = [f"role program: runs once, as the {'Ray ' if ray else ''}driver on this machine; groups: {where}"]
-    for g in spec.groups:
-        if g.gpus and (ray or not g.devices):
-            dev = f"{g.gpus} GPU(s), one per worker"
-        elif g.gpus:
-            dev = "GPU " + ",".join(map(str, g.devices))
-        else:
-            dev = "CPU"
-        shared = f"  shares devices with {', '.join(r for r in g.unit if r != g.name)}" if len(g.unit) > 1 else ""
-        lines.append(f"  {g.name:<10} {g.size} worker(s), {dev}{shared}")
-    return "\n".join(lines)

@@ -16,9 +16,14 @@ machine K health-checks machine 0's routers the same way (machine 0 publishes th
 or its router dying ends machine K's job instead of leaving its ranks waiting in a collective. Each machine says
 when its ranks finished (`Machines.finish`) so that its servers' normal end is no failure. The store is the
 one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the rendezvous store).
-`Machines` owns this state (the addresses it watches, the misses, who finished); a death it finds is reported
-to the machine's server set like any other (`ServerSet.report`). Every machine hosts trainer ranks (torchrun
-needs `num_processes` to be a multiple of `num_machines`), so a machine that only serves does not arise.
+`Machines` is the multi-machine wrapper around this machine's `LocalServers`, and the one place that knows there
+are several machines: where the servers bind and are advertised (`machine_endpoint`), that the ranks read their
+wiring from the store, that a replica's last-replica rule asks its router (another machine's replica may be down),
+the exchange, and the health checks of the other machines' servers; the misses are the supervisor's table's
+(supervision.py), and a death it finds is reported to the set like any other. It is a server set itself
+(serverset.ServerSet): the launcher uses it in the machine's `LocalServers`' place. Every machine hosts trainer
+ranks (torchrun needs `num_processes` to be a multiple of `num_machines`), so a machine that only serves does
+not arise.
 """
 from __future__ import annotations
 
@@ -27,15 +32,14 @@ import sys
 import threading
 import time
 
-from dualrun.contract import job_store
+from dualrun.contract import job_store, protocol
 from dualrun.plan.processes import ROUTER, Plan
-from dualrun.servers.local import LocalServers
-from dualrun.servers.planned import server_health_path, server_role
+from dualrun.servers.local import Endpoint, LocalServers
 from dualrun.servers.process import ServerError
 from dualrun.servers.serverset import ServerDeath
+from dualrun.servers.supervision import restartable, restarting, router_of
 
 PROBE_EVERY_S = 1.0   # how often another machine's server is health-checked
-MISSES = 2            # failed health checks in a row that are a death
 
 
 def others(plan: Plan, machine: int) -> list[int]:
@@ -50,20 +54,98 @@ def facing(plan: Plan) -> list[int]:
     return [i for i, p in enumerate(plan.servers) if p.kind == ROUTER or p.unit not in routed]
 
 
+def machine_endpoint(main: str, machine: int) -> Endpoint:
+    """Where a machine's servers bind (every address) and the host machine 0 (`main`) reaches them at."""
+    from dualrun.light.ports import route_address
+
+    return Endpoint("0.0.0.0", main if machine == 0 else route_address(main))
+
+
 class Machines:
-    """This machine's side of a multi-machine job's servers, beside its server set (`servers`), through the store
-    at `host:port`: the exchange (`share`), the health checks of the other machines' servers (`check`, `settle`),
-    and the marks of a machine that finished (`finish`) or whose servers never started (`not_started`)."""
+    """This machine's side of a multi-machine job's servers, around its `LocalServers` (`servers`), through the
+    store at `host:port` (machine 0's address): the exchange (`share`), the health checks of the other machines'
+    servers (`check`, `settle`), and the marks of a machine that finished (`finish`) or whose servers never
+    started (`not_started`). The rest of the server-set interface is the local set's."""
 
     def __init__(self, servers: LocalServers, host: str, port: int, attempt: int = 0) -> None:
         self.servers, self.host, self.port, self.attempt = servers, host, port, attempt
-        self.machine = servers.cfg.machine_rank
+        self.plan = servers.plan
+        self.machine = self.plan.machine_rank or 0
         self.watched: dict[int, str] = {}    # another machine's server health-checked from here -> its address
-        self.misses: dict[int, int] = {}     # such a server -> failed health checks in a row
+        self.restartable = restartable(self.plan)   # every machine's replicas that are restarted at all
         gone_is_finished = self.machine == 0
         self.finished_elsewhere = lambda machine: _finished(host, port, machine, gone_is_finished)   # it said so
         self._next_probe = 0.0
         self._probe_lock = threading.Lock()
+        servers.endpoint = machine_endpoint(host, self.machine)
+        servers.supervisor.others_serving = self._others_serving
+
+    # -- the server-set interface: the local set's, but for the ranks' wiring ------------------------------------
+    @property
+    def addresses(self) -> dict[str, str]:
+        return self.servers.addresses
+
+    @property
+    def failure(self) -> ServerDeath | None:
+        return self.servers.failure
+
+    @property
+    def watching(self) -> bool:
+        return self.servers.watching
+
+    @property
+    def stopping(self) -> bool:
+        return self.servers.stopping
+
+    def start(self) -> dict[str, str]:
+        return self.servers.start()
+
+    def wiring_env(self) -> dict[str, str]:
+        """Only that the ranks read their wiring from the store, where machine 0's launcher puts it once every
+        machine's servers answer (`share`)."""
+        return {protocol.WIRING_FETCH: f"{self.host}:{self.port}"}
+
+    def used(self) -> frozenset[str]:
+        return self.servers.used()
+
+    def watch(self) -> None:
+        self.servers.watch()
+
+    def unwatch(self) -> None:
+        self.servers.unwatch()
+
+    def report(self, death: ServerDeath) -> None:
+        self.servers.report(death)
+
+    def next_death(self, timeout: float = 0.0) -> ServerDeath | None:
+        return self.servers.next_death(timeout)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        self.servers.stop(grace_s)
+
+    def __enter__(self) -> "Machines":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def own(self) -> dict[int, str]:
+        """plan.servers index -> advertised address, of the servers this machine runs."""
+        return {i: a for i, a in self.servers.started.items() if i in self.servers.mine}
+
+    def _others_serving(self, index: int) -> bool:
+        """The last-replica rule needs the router's view (machine 0's; machine K learns its address from the
+        store): another replica of the role is in rotation there."""
+        from dualrun.servers import router_client
+
+        router, slot = router_of(self.plan, index)
+        at = self.servers.started.get(router)
+        if at is None:
+            return False   # died before its router answered: the job ends
+        try:
+            return any(i != slot for i in router_client.replicas(at, timeout_s=2.0)["in_rotation"])
+        except (OSError, ValueError, KeyError):
+            return False
 
     def share(self) -> threading.Thread:
         """Run the exchange above in a daemon thread (the store exists once torchrun's agent rendezvous begins),
@@ -80,7 +162,7 @@ class Machines:
             store = job_store.connect(self.host, self.port, _wait_s(servers))
             if self.machine == 0:
                 store.set(job_store.ATTEMPT_KEY, str(self.attempt))   # this store serves that attempt (`await_attempt`)
-            for index, address in servers.own().items():
+            for index, address in self.own().items():
                 store.set(job_store.server_key(index), address)
                 if self.machine != 0:
                     print(f"dualrun: {plan.servers[index].label}: server healthy at {address} (machine "
@@ -88,19 +170,20 @@ class Machines:
             if self.machine != 0:   # watch the servers the ranks talk to that run elsewhere (`check`)
                 self.watched.update({i: self._address(i, store.get(job_store.server_key(i)).decode())
                                      for i in facing(plan) if plan.servers[i].node != self.machine})
-                # the routers' addresses: a replica restarted here is handed to its router there (ServerSet._restart)
+                # the routers' addresses: a replica restarted here is handed to its router there (supervisor.py)
                 servers.started.update({i: a for i, a in self.watched.items() if plan.servers[i].kind == ROUTER})
                 return
             remote = {i: self._address(i, store.get(job_store.server_key(i)).decode())
                       for i in others(plan, self.machine)}
             self.watched.update(remote)
-            done = servers.start_waiting(remote)
+            servers.started.update(remote)
+            done = servers.start_now([i for i in servers.mine if i not in servers.started])
             if done is None:
                 return   # stopped meanwhile
             for index, address in done.items():
                 store.set(job_store.server_key(index), address)   # the other machines watch it
                 print(f"dualrun: {plan.servers[index].unit}: server healthy at {address}", file=sys.stderr, flush=True)
-            store.set(job_store.WIRING_KEY, json.dumps(servers.shared_wiring()))
+            store.set(job_store.WIRING_KEY, json.dumps(servers.wiring_env()))
             # the thread that started the routers stays until they stop: a server dies with the thread that
             # spawned it (PR_SET_PDEATHSIG, dualrun.light.parent_death)
             servers.wait_stopped()
@@ -134,12 +217,11 @@ class Machines:
 
         with self._probe_lock:
             for index, address in list(self.watched.items()):
-                proc = self.servers.plan.servers[index]
-                role = server_role(self.servers.cfg, proc)
-                url = f"http://{address}{server_health_path(self.servers.plugin, role, proc)}"
+                proc = self.plan.servers[index]
+                assert proc.serving is not None
+                url = f"http://{address}{proc.serving.health_path}"
                 answered = http_ok(url, timeout=1.0) or self._being_restarted(index)
-                self.misses[index] = 0 if answered else self.misses.get(index, 0) + 1
-                if self.misses[index] >= MISSES and not self.finished_elsewhere(proc.node):
+                if self.servers.supervisor.checked(index, answered) and not self.finished_elsewhere(proc.node):
                     return ServerDeath.of(index, ServerError(
                         proc.label, f"on machine {proc.node} stopped answering its health check ({url}) while the "
                         "job was running (that machine's launcher names its exit)"))
@@ -148,14 +230,13 @@ class Machines:
     def _being_restarted(self, index: int) -> bool:
         """Machine 0: whether another machine's replica that missed a health check is being restarted by its own
         machine (`replica_restarts`): its router here has it out for the launcher (`remove`) or joining at a fresh
-        address, which is watched from then on. A replica its machine does not restart stays a death."""
+        address (`supervision.restarting`), which is watched from then on. A replica its machine does not restart
+        stays a death."""
         from dualrun.servers import router_client
-        from dualrun.programs.rotation import JOINING, LAUNCHER
-        from dualrun.servers.replacing import router_of
 
-        if index not in self.servers.restartable:
+        if index not in self.restartable:
             return False
-        router, slot = router_of(self.servers.plan, index)
+        router, slot = router_of(self.plan, index)
         if router not in self.servers.started:
             return False
         try:
@@ -165,7 +246,7 @@ class Machines:
         if row.get("address") and row["address"] != self.watched[index]:
             self.watched[index] = row["address"]   # the restarted one, healthy before its router took it
             return True
-        return row.get("kind") in (LAUNCHER, JOINING)
+        return restarting(row)
 
     def _probe_loop(self) -> None:
         while not self.servers.stopping and self.servers.failure is None:
@@ -177,7 +258,7 @@ class Machines:
         """`check` once the ranks failed: another machine's server that just missed a health check gets its second
         look now (about a second), so a dead router is named as the cause, not the ranks that failed for it."""
         self._next_probe = 0.0
-        while self.check() is None and any(0 < n < MISSES for n in self.misses.values()):
+        while self.check() is None and self.servers.supervisor.missing:
             time.sleep(PROBE_EVERY_S)
             self._next_probe = 0.0
         return self.servers.failure
@@ -187,10 +268,8 @@ class Machines:
         """Machine K >= 1 whose servers did not start: put the reason where machine 0 waits for their addresses,
         so it ends the job too (naming them) instead of waiting for addresses that never come. Best effort:
         machine 0's store may not be up yet (waited for a minute)."""
-        if self.servers.cfg.num_machines == 1 or self.machine == 0:
-            return
-        mine = [i for i, p in enumerate(self.servers.plan.servers) if p.node == self.machine]
-        if not mine:
+        mine = self.servers.mine
+        if self.machine == 0 or not mine:
             return
         line = next((ln for ln in error.splitlines() if ln.strip()), "no message")
         try:
@@ -205,7 +284,7 @@ class Machines:
         not take their end for a death. The store may be gone already (it ends with machine 0's torchrun agent):
         then every machine's ranks passed torchrun's exit barrier, and each machine's watch ends as its own agent
         returns."""
-        if self.servers.cfg.num_machines == 1 or not self.servers.own() or not _listening(self.host, self.port):
+        if not self.own() or not _listening(self.host, self.port):
             return
         try:
             job_store.connect(self.host, self.port, 5.0).set(job_store.finished_key(self.machine), "1")
@@ -252,5 +331,5 @@ def _finished(host: str, port: int, machine: int, gone_is_finished: bool) -> boo
 
 def _wait_s(servers: LocalServers) -> float:
     """How long a key may take: another machine starts by hand, then waits for its own servers' health."""
-    timeouts = [servers.cfg.role(p.roles[0]).health_timeout_s for p in servers.plan.servers]  # type: ignore[union-attr]
+    timeouts = [p.serving.health_timeout_s for p in servers.plan.servers if p.serving is not None]
     return job_store.WAIT_S + max(timeouts, default=0.0)

@@ -1,4 +1,5 @@
-"""The plan's servers, whichever backend starts them: their commands, start order, log names and addresses.
+"""The plan's servers, whichever backend starts them: the method's commands put into the plan, the start order,
+the addresses, and the trainers' wiring of them.
 
 Why a module of its own: the one-machine set (local.py), the multi-machine coordinator (machines.py) and the Ray
 set (ray_server.py) start the same servers from the same plan; only where and how they run differs.
@@ -10,6 +11,7 @@ from typing import Any, Mapping, Sequence
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import LaunchError
 from dualrun.plan.processes import AUTO, ROUTER, Plan, Process
+from dualrun.plan.servers import with_commands
 
 
 def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
@@ -19,14 +21,14 @@ def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
     return role
 
 
-def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: int,
+def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: "int | str",
                    replicas: Sequence[str] = ()) -> list[str]:
     """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
     router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
     if proc.kind == ROUTER:
         from dualrun.programs.router import router_argv
 
-        return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,
+        return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,  # type: ignore[arg-type]
                            server_role(cfg, proc).request_timeout_s)
     for name in proc.roles:
         role = cfg.role(name)
@@ -36,10 +38,23 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     raise LaunchError(f"method '{cfg.method}' has no server for the separate role(s) {', '.join(proc.roles)}", 2)
 
 
-def server_previews(cfg: JobConfig, plugin: Any, plan: Plan, host: str, node: int | None = None,
+def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
+    from dualrun.methods.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
+
+    return HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
+
+
+def with_method(plan: Plan, cfg: JobConfig, plugin: Any) -> Plan:
+    """`plan` with each server's command and health path, as the method (`plugin`) builds them: what a launch
+    prepares before anything starts (plan/servers.py)."""
+    return with_commands(plan, lambda p, host, port, replicas: server_command(cfg, plugin, p, host, port, replicas),
+                         lambda p: server_health_path(plugin, server_role(cfg, p), p))
+
+
+def server_previews(plan: Plan, host: str, node: int | None = None,
                     devices: str | None = None) -> tuple[tuple[str, tuple[str, ...], dict[str, str]], ...]:
-    """What a dry run shows of each server that `node` starts (every node's: None): its label, its command from
-    `server_command` and the env it adds. Its port (picked free at launch) is `<auto>`, like `host` and `devices`
+    """What a dry run shows of each server that `node` starts (every node's: None): its label, its command
+    (`with_method`'s) and the env it adds. Its port (picked free at launch) is `<auto>`, like `host` and `devices`
     where only the launch knows them (Ray: the actor's node IP and GPUs, for a server that has any); else the
     plan's devices."""
     from dualrun.plan.engines import ROLLOUT_SERVER_ENV
@@ -47,23 +62,13 @@ def server_previews(cfg: JobConfig, plugin: Any, plan: Plan, host: str, node: in
     out = []
     for p in plan.servers:
         if node is None or p.node == node:
-            argv = server_command(cfg, plugin, p, host, AUTO)  # type: ignore[arg-type]
+            assert p.serving is not None
+            argv = p.serving.argv(host, AUTO, [AUTO] * p.world_size if p.kind == ROUTER else ())
             planned = p.env.get("CUDA_VISIBLE_DEVICES", "")
             shown = {"CUDA_VISIBLE_DEVICES": devices if devices is not None and p.devices else planned}
             shown.update({k: p.env[k] for k in ROLLOUT_SERVER_ENV if k in p.env})
             out.append((p.label, tuple(argv), shown))
     return tuple(out)
-
-
-def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
-    from dualrun.methods.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
-
-    return HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
-
-
-def log_name(proc: Process) -> str:
-    """A server's log file name: one per replica, and the router's."""
-    return f"{proc.unit}-router.log" if proc.kind == ROUTER else f"{proc.unit}-server-{proc.rank}.log"
 
 
 def phases(plan: Plan) -> list[list[int]]:

@@ -5,16 +5,17 @@ land on any node) and a CPU-only one for the router in front of them, started on
 
 Why an actor per server: it holds the role's bundle (Ray gives it the GPUs and sets CUDA_VISIBLE_DEVICES), so
 the server's devices can never be a trainer's. Two phases, like the trainers' rendezvous: the actor reports its
-node IP, GPUs and a free port on its node; the driver builds the command with the plugin (which stays on the
-driver) and the actor starts it and waits for health there. The trainers then get `ip:port`. The server's output
+node IP, GPUs and a free port on its node; the driver fills them into the plan's command (plan/servers.py: the
+method built it, on the driver) and the actor starts it and waits for health there. The trainers then get `ip:port`. The server's output
 reaches the driver's stderr as under torchrun, `[teacher server 0] ...`, by the long-poll the rank actors use
 (light/line_queue.py), from its first line (while it loads) to its last; `log_dir` still gets all of it.
 
 `RayServers` is the Ray implementation of the server-set interface (servers/serverset.py): the launcher starts
 it, gives every rank its `wiring_env()`, watches it (one waiting call per server, resolved when the server ends,
-becomes a `ServerDeath` event; the routers asked about hung replicas once a second) and stops it with the job. A
-dead or hung replica that `replacing.py` lets the job survive is restarted by the interface's `_replace`: here
-its actor and placement group are replaced by fresh ones on the same node (`_respawn`), the server on a fresh port.
+becomes a `ServerDeath` event; the supervisor asks the routers about hung replicas once a second) and stops it
+with the job. A dead or hung replica that the job survives losing is restarted by the set's supervisor
+(supervisor.py): here its actor and placement group are replaced by fresh ones on the same node (`respawn`), the
+server on a fresh port.
 
 The actor itself (`ServerActor`) lives in ray_actor.py: Ray worker processes import only that.
 """
@@ -30,23 +31,26 @@ from typing import Any, Callable, Collection, Mapping
 from dualrun.contract.protocol import ActorPlace
 from dualrun.servers.process import ServerError
 from dualrun.actors.server import ServerActor
-from dualrun.servers.serverset import HUNG_EVERY_S, START_TRIES, ServerDeath, ServerSet
+from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
+from dualrun.servers.supervisor import Supervisor
 
 
-class RayServers(ServerSet):
-    """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown."""
+class RayServers(ServerSetBase):
+    """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown.
 
-    def __init__(self, cfg: Any, plugin: Any, plan: Any, run_id: str,
-                 env_for: Callable[[Any], dict[str, str]], bundle: Callable[[Any], dict[str, float]],
-                 check: Callable[[], None] = lambda: None, attempt: int = 0,
-                 avoid: Collection[str] = ()) -> None:
+    From the launcher: `env_for` (a server's env), `wiring` (the trainers' env for the addresses), `bundle` (a
+    server's resources), `gang` (a `raycluster.Gang` on the job's cluster, given the check it calls while it
+    waits), `wait_s` (how long placing and starting the actors may take), `check` (raises to interrupt a wait)."""
+
+    def __init__(self, plan: Any, run_id: str, env_for: Callable[[Any], dict[str, str]],
+                 wiring: Callable[[Mapping[str, str]], dict[str, str]], bundle: Callable[[Any], dict[str, float]],
+                 gang: Callable[[Callable[[], None]], Any], wait_s: float = 60.0,
+                 check: Callable[[], None] = lambda: None, attempt: int = 0, avoid: Collection[str] = ()) -> None:
         super().__init__(plan)
-        self.cfg, self.plugin, self.run_id = cfg, plugin, run_id
-        self.env_for, self.bundle, self.check, self.attempt = env_for, bundle, check, attempt
+        self.run_id, self.env_for, self.wiring, self.bundle = run_id, env_for, wiring, bundle
+        self.new_gang, self.wait_s, self.check, self.attempt = gang, wait_s, check, attempt
         self.avoid = set(avoid)   # `ip:port` of an earlier set's servers (and of dead replicas): never reused
-        from dualrun.raycluster import Gang
-
-        self.gang = Gang(cfg.ray, cfg.source, check)   # the servers' placement groups and actors
+        self.gang = gang(check)   # the servers' placement groups and actors
         self._gangs = [self.gang]                       # ... and one more per restarted replica
         self._actors: list[Any] = []                    # plan order: each server's current actor
         self._pg_of: list[Any] = []                     # plan order: its placement group
@@ -60,7 +64,7 @@ class RayServers(ServerSet):
         self._printer: threading.Thread | None = None
         self._printed = threading.Event()   # the printer's end: set once the servers' last lines are out
         self._watcher: threading.Thread | None = None
-        self.enable_restarts(cfg)
+        self.supervisor = Supervisor(plan, self, self, lambda index: self.started.get(index))
 
     def start(self) -> dict[str, str]:
         """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
@@ -168,17 +172,16 @@ class RayServers(ServerSet):
         A port taken between picking and binding it is picked again; any other failure: LaunchError."""
         from dualrun.contract.errors import LaunchError
         from dualrun.raycluster import wait_refs
-        from dualrun.servers.planned import server_role
 
         check = check or self.check
         done: dict[int, str] = {}
         for attempt in range(START_TRIES):
             ports = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
             infos = wait_refs([self.actors[i].where.remote(ports) for i in todo], "start their server actors",
-                              max(60.0, self.cfg.ray.placement_timeout_s), check)
+                              self.wait_s, check)
             refs = {i: self._start_call(i, info, started) for i, info in zip(todo, infos)}
             retry = []
-            limit = max(server_role(self.cfg, self.plan.servers[i]).health_timeout_s for i in refs) + 30.0
+            limit = max(self.plan.servers[i].serving.health_timeout_s for i in refs) + 30.0
             results = wait_refs(list(refs.values()), "get their servers healthy", limit, check)
             for i, result in zip(refs, results):
                 if result.ok:
@@ -193,21 +196,20 @@ class RayServers(ServerSet):
         return done
 
     def _start_call(self, i: int, info: ActorPlace, started: Mapping[int, str]) -> Any:
-        """Server `i`'s command (built here, with the plugin) started by its actor on `info`'s port: the ref of
-        its `ServerStart`."""
-        from dualrun.servers.planned import (log_name, replica_addresses, server_command, server_health_path,
-                                             server_role)
+        """Server `i`'s command (the plan's, for `info`'s address) started by its actor: the ref of its
+        `ServerStart`."""
+        from dualrun.servers.planned import replica_addresses
 
         self.infos[i] = info
         self._used.add(info.address)
         p = self.plan.servers[i]
-        role = server_role(self.cfg, p)
-        argv = server_command(self.cfg, self.plugin, p, info.ip, info.port, replica_addresses(self.plan, started, i))
+        serving = p.serving
+        argv = serving.argv(info.ip, info.port, replica_addresses(self.plan, started, i))
         env = dict(self.env_for(p))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
-        log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
-        return self.actors[i].start.remote(argv, env, info.ip, info.port, server_health_path(self.plugin, role, p),
-                                           role.health_timeout_s, log, os.getcwd())
+        log = os.path.abspath(serving.log_path) if serving.log_path else None
+        return self.actors[i].start.remote(argv, env, info.ip, info.port, serving.health_path,
+                                           serving.health_timeout_s, log, os.getcwd())
 
     def _exit_ref(self, index: int, actor: Any) -> None:
         """The waiting call that resolves when server `index` ends; the watcher reports it."""
@@ -232,12 +234,11 @@ class RayServers(ServerSet):
 
     def _watch(self) -> None:
         """A thread that waits on every server's exit ref and reports each that resolves (a replaced server's
-        no longer counts), and asks the routers for hung replicas about once a second."""
+        no longer counts), and lets the supervisor look for hung replicas."""
         import ray
 
         def run() -> None:
             pending: list[Any] = []
-            last = 0.0
             while self.watching:
                 while not self._new_exits.empty():
                     pending.append(self._new_exits.get())
@@ -250,22 +251,18 @@ class RayServers(ServerSet):
                     index = self._exits.pop(ref, None)
                     if index is not None and self.watching:
                         self.report(self.why_ended(ref, index))
-                if self.restarts_left and time.monotonic() - last >= HUNG_EVERY_S:
-                    last = time.monotonic()
-                    self.find_hung(last)
+                self.supervisor.tick(time.monotonic())
 
         if self._exits:
             self._watcher = threading.Thread(target=run, name="dualrun-server-watch", daemon=True)
             self._watcher.start()
 
-    # -- the restart hooks of ServerSet._replace / find_hung --------------------------------------------------
-    def _respawn(self, index: int) -> tuple[str, float] | None:
+    # -- the supervisor's primitives (supervisor.Replicas) ---------------------------------------------------
+    def respawn(self, index: int, restart: int) -> str | None:
         """A fresh actor in a fresh placement group on the dead replica's node (its old group removed first, so
         the node's resources it held are free: Ray gives the new one the same shape there), the server on a fresh
         port, healthy. ServerError naming the replica when any step fails."""
         from dualrun.contract.errors import LaunchError
-        from dualrun.raycluster import Gang
-        from dualrun.servers.planned import server_role
 
         label = self.plan.servers[index].label
 
@@ -277,7 +274,7 @@ class RayServers(ServerSet):
             if self.stopping:
                 return None
             old_actor, old_pg, info = self._actors[index], self._pg_of[index], self.infos[index]
-            gang = Gang(self.cfg.ray, self.cfg.source, check)
+            gang = self.new_gang(check)
             self._gangs.append(gang)
         assert info is not None
         self.avoid.add(info.address)   # a fresh port, never the dead one's
@@ -290,9 +287,8 @@ class RayServers(ServerSet):
         for held in list(self._gangs):   # the first set's gang, or an earlier restart's
             held.drop(old_actor, old_pg)
         bundle = dict(self.bundle(self.plan.servers[index]), **{f"node:{info.ip}": 0.001})   # the same node
-        used = self.restarts_allowed[index] - self.restarts_left[index]
         try:
-            pg, actor = self._place_one(gang, index, bundle, self._name(index, used))
+            pg, actor = self._place_one(gang, index, bundle, self._name(index, restart))
             with self._lock:
                 if self.stopping:
                     gang.stop()
@@ -307,9 +303,9 @@ class RayServers(ServerSet):
                 from None
         except Exception as e:  # noqa: BLE001 - a Ray error on the way: the job ends naming the replica
             raise ServerError(label, f"could not be restarted: {str(e).strip().splitlines()[0][:200]}") from None
-        return address, server_role(self.cfg, self.plan.servers[index]).health_timeout_s
+        return address
 
-    def _serving(self, index: int, address: str) -> bool:
+    def rearm(self, index: int, address: str) -> bool:
         with self._lock:
             if self.stopping:
                 return False
@@ -317,7 +313,7 @@ class RayServers(ServerSet):
             self._exit_ref(index, self._actors[index])   # its next death is an event too
         return True
 
-    def _alive(self, index: int) -> bool:
+    def alive(self, index: int) -> bool:
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
@@ -326,16 +322,14 @@ class RayServers(ServerSet):
         except (RayError, GetTimeoutError):
             return False
 
-    def _stop_hung(self, index: int) -> tuple[str, str | None]:
+    def kill(self, index: int, grace_s: float) -> tuple[str, str | None]:
         import ray
         from ray.exceptions import GetTimeoutError, RayError
 
-        from dualrun.servers.replacing import HUNG_GRACE_S
-
-        self._exits.pop(self._exit_of.pop(index, None), None)   # its end is reported by find_hung, as hung
+        self._exits.pop(self._exit_of.pop(index, None), None)   # its end is reported by the supervisor, as hung
         actor = self._actors[index]
         try:
-            ray.get(actor.stop.remote(HUNG_GRACE_S), timeout=HUNG_GRACE_S + 10.0)
+            ray.get(actor.stop.remote(grace_s), timeout=grace_s + 10.0)
             return ray.get(actor.tail.remote(), timeout=10.0)
         except (RayError, GetTimeoutError):
             return "", None
@@ -346,9 +340,7 @@ class RayServers(ServerSet):
         return frozenset(self._used)
 
     def wiring_env(self) -> dict[str, str]:
-        from dualrun.servers.planned import wiring_env
-
-        return wiring_env(self.cfg, self.plugin, self.addresses)
+        return self.wiring(self.addresses)
 
     def server_devices(self) -> Mapping[str, list[str]]:
         """label -> the GPU ids Ray gave each server (what tests compare with the trainers')."""
@@ -363,7 +355,7 @@ class RayServers(ServerSet):
         from dualrun.raycluster.gang import call_each
 
         with self._lock:
-            restarting = {id(self._actors[i]) for i in self._down if i < len(self._actors)}
+            restarting = {id(self._actors[i]) for i in self.supervisor.restarting if i < len(self._actors)}
         call_each([a for a in self.actors if id(a) not in restarting], "stop", grace_s, timeout=grace_s + 5)
         if self._printer is not None:   # the servers' last lines (they have ended), then no more calls to them
             self._printer.join(timeout=2.0)

@@ -79,7 +79,7 @@ def sync_group(cfg: JobConfig, plan: Plan) -> SyncGroup | None:
     offsets = rank_offsets([size] * len(replicas), 1)
     gpus = role.gpus > 0
     # torchrun: the plan's devices are the process's own; on Ray the member's task is given its GPUs by Ray
-    own_devices = gpus and cfg.backend == "torchrun"
+    own_devices = gpus and cfg.backend_kind.per_machine
     members = [Member("trainer rank 0", rank0.node, (0,), net_env(rank0.env, own_devices))]
     members += [Member(f"rollout server {p.rank}", p.node, tuple(range(first, first + size)),
                        net_env(p.env, own_devices)) for p, first in zip(replicas, offsets)]
@@ -94,7 +94,7 @@ def net_env(env: Mapping[str, str], devices: bool = False) -> dict[str, str]:
 def port_host(cfg: JobConfig) -> str:
     """Where the job picks its free weight-sync port on trainer rank 0's node: loopback for one torchrun machine,
     every address otherwise (the Ray rank 0 actor picks on all of them too)."""
-    return "127.0.0.1" if cfg.backend == "torchrun" and cfg.num_machines == 1 else "0.0.0.0"
+    return "127.0.0.1" if cfg.backend_kind.per_machine and cfg.num_machines == 1 else "0.0.0.0"
 
 
 def advertised_address(env: Mapping[str, str] | None = None) -> str:

@@ -1,0 +1,48 @@
+"""What a launch asks of a backend (Ray Train's `Backend` and TorchX's schedulers have the same shape: a few
+hooks around one launch, the backend's name nowhere else)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+from dualrun.config.backends import BackendKind
+
+if TYPE_CHECKING:
+    from dualrun.check.preflight import Outcome
+    from dualrun.config.model import JobConfig
+    from dualrun.launchers.base import Launcher, Program
+    from dualrun.plan.processes import Cluster
+
+
+class Backend(ABC):
+    """One backend. `kind`: what it is like (config/backends.py). `output`: where the ranks' output goes, for the
+    launch's first lines. `plans_live`: a launch plans onto the live cluster it joins (else onto the cluster the
+    config implies, known before anything starts)."""
+
+    kind: BackendKind
+    output: str
+    plans_live: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.kind.name
+
+    @abstractmethod
+    def launcher_class(self) -> "type[Launcher]":
+        """Its launcher (imported only now: Ray's imports Ray). The launcher starts the job's server set
+        (`Launcher.server_set`) and its workers."""
+
+    def launcher(self, cfg: "JobConfig", program: "Program", plugin: Any,
+                 accelerate_env: dict[str, str] | None = None) -> "Launcher":
+        return self.launcher_class()(cfg, program, accelerate_env, plugin=plugin)
+
+    def plan_cluster(self, cfg: "JobConfig") -> "Cluster | None":
+        """The live cluster `dualrun plan` places onto (None: the one the config implies)."""
+        return None
+
+    def before_launch(self, cfg: "JobConfig") -> None:
+        """What must hold before anything heavy starts (a ConfigError for what does not)."""
+
+    @abstractmethod
+    def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
+        """`dualrun check`'s look at the nodes the job would run on: (problems, nodes, notes)."""

@@ -1,0 +1,47 @@
+"""Ray: one command on any machine that reaches the cluster; the plan places onto the live cluster it joins (or
+the embedded one it starts)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dualrun.backends.base import Backend
+from dualrun.config.backends import RAY
+
+if TYPE_CHECKING:
+    from dualrun.check.preflight import Outcome
+    from dualrun.config.model import JobConfig
+    from dualrun.launchers.base import Launcher
+    from dualrun.plan.processes import Cluster
+
+
+class RayBackend(Backend):
+    kind = RAY
+    output = "output prefixed per rank"
+    plans_live = True
+
+    def launcher_class(self) -> "type[Launcher]":
+        from dualrun.launchers.ray import RayLauncher
+
+        return RayLauncher
+
+    def plan_cluster(self, cfg: "JobConfig") -> "Cluster | None":
+        """The running cluster's nodes when one answers (an address that names one must)."""
+        from dualrun.contract.errors import ConfigError
+        from dualrun.raycluster import live_cluster
+
+        cluster = live_cluster(cfg.ray, cfg.source)
+        if cluster is None and cfg.ray.address not in (None, "auto", "local"):
+            raise ConfigError(cfg.source, "ray.address", "a Ray cluster reachable from here (checked for 2 s)",
+                              cfg.ray.address)
+        return cluster
+
+    def before_launch(self, cfg: "JobConfig") -> None:
+        """An address given in the config or RAY_ADDRESS answers (about 2 s for a wrong one)."""
+        from dualrun.raycluster import check_reachable
+
+        check_reachable(cfg.ray.address, cfg.source)
+
+    def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
+        from dualrun.check.preflight import check_ray
+
+        return check_ray(cfg)

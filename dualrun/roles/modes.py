@@ -1,0 +1,113 @@
+"""How a role program's worker groups run: as Ray actors, or in and beside the driver's own process (the role
+runtime's mode). One object per mode, looked up by name here and nowhere else.
+
+Why objects: the runtime (runtime.py) asks its mode to join a cluster, to place a unit and to start a group's
+workers, and `dualrun plan` and a launch ask it how to describe the groups; none of them compares a name. A launch's
+backend names its groups' mode (config/backends.py, `groups`), which reaches the driver as `DUALRUN_ROLES_MODE`.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from dualrun.roles.spec import GroupSpec, RolesSpec
+
+
+class GroupsMode:
+    """`name`: what `WorkerGroup.backend` reports. `spread`: its workers may run on any node of a cluster (else
+    they are processes of the driver's machine)."""
+
+    name = ""
+    spread = False
+    driver = "driver"   # what runs the program, in the groups' table
+    where = ""          # where each worker runs, in the groups' table
+
+    def connect(self, spec: RolesSpec) -> Any:
+        """Join what the groups run on; the connection to close at shutdown (None: nothing to close)."""
+        return None
+
+    def placements(self, spec: RolesSpec) -> Any:
+        """What places and removes the units' resources (None: nothing to place)."""
+        return None
+
+    def devices(self, group: GroupSpec) -> str:
+        """A group's devices in the groups' table."""
+        if group.gpus and not group.devices:
+            return f"{group.gpus} GPU(s), one per worker"
+        return "GPU " + ",".join(map(str, group.devices)) if group.gpus else "CPU"
+
+    def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
+                kwargs: dict) -> Any:
+        """A group's started workers (roles/workers.py `Workers`)."""
+        raise NotImplementedError
+
+
+class RayGroups(GroupsMode):
+    """One actor per worker, in its unit's placement group (roles/ray_backend.py)."""
+
+    name = "ray"
+    spread = True
+    driver = "Ray driver"
+    where = "each worker a Ray actor on its role's devices"
+
+    def connect(self, spec: RolesSpec) -> Any:
+        from dualrun.roles.ray_backend import ensure_ray
+
+        return ensure_ray(spec)
+
+    def placements(self, spec: RolesSpec) -> Any:
+        from dualrun.raycluster import Gang
+
+        return Gang(spec.ray, spec.source)
+
+    def devices(self, group: GroupSpec) -> str:
+        return f"{group.gpus} GPU(s), one per worker" if group.gpus else "CPU"   # Ray gives each its GPU
+
+    def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
+                kwargs: dict) -> Any:
+        from dualrun.roles.ray_backend import RayWorkers
+
+        return RayWorkers(runtime, spec, factory, args, kwargs)
+
+
+class LocalGroups(GroupsMode):
+    """A group of one worker in the driver itself; a larger one a child process per worker (roles/processes.py),
+    on the devices the plan gives its role on this machine."""
+
+    name = "local"
+    where = "each worker a child process of the driver, a group of one worker in the driver itself"
+
+    def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
+                kwargs: dict) -> Any:
+        if spec.size > 1:   # its workers run at the same time, each its own process (a process group of theirs)
+            from dualrun.roles.processes import ProcessWorkers
+
+            return ProcessWorkers(runtime, spec, factory, args, kwargs)
+        from dualrun.roles.workers import LocalWorkers
+
+        return LocalWorkers(spec, factory, args, kwargs)
+
+
+RAY_GROUPS = RayGroups()
+LOCAL_GROUPS = LocalGroups()
+# `dualrun.init(backend=...)` names: the modes, and the backends' names for the mode they run groups in
+MODES: dict[str, GroupsMode] = {"ray": RAY_GROUPS, "local": LOCAL_GROUPS, "torchrun": LOCAL_GROUPS,
+                                "python": LOCAL_GROUPS}
+
+
+def groups_table(spec: RolesSpec, mode: str = "ray") -> str:
+    """What `dualrun plan` and a launch print for a role program: the one driver, each group, its workers and
+    devices (docs/roles.md: the program runs once; its groups are started once), in `mode`."""
+    groups = mode_of(mode)
+    lines = [f"role program: runs once, as the {groups.driver} on this machine; groups: {groups.where}"]
+    for g in spec.groups:
+        shared = f"  shares devices with {', '.join(r for r in g.unit if r != g.name)}" if len(g.unit) > 1 else ""
+        lines.append(f"  {g.name:<10} {g.size} worker(s), {groups.devices(g)}{shared}")
+    return "\n".join(lines)
+
+
+def mode_of(name: str) -> GroupsMode:
+    """The mode named `name`; ValueError naming the known ones."""
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(f"backend={name!r}: expected one of {sorted(MODES)}") from None

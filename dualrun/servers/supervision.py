@@ -1,0 +1,161 @@
+"""Which of a set's engine replicas are restarted, stopped as hung, or end the job: the policy as a table of values.
+
+Why a table apart from the processes: what happens when a replica dies, hangs or stops answering is the whole of
+the launcher's fault tolerance for servers; kept here as plain data with the clock passed in, every rule is
+unit-tested in milliseconds, and both backends' sets (and the machines of a multi-machine job) follow the same
+rules through one driver (supervisor.py).
+
+The rules. A replica may be restarted when it stands behind a router (its role has several engines), restarts of
+it are left (`roles.<r>.replica_restarts`, the plan's `Serving.restarts`: the budget is a value of the plan), and
+another replica of its role is still serving (the last one gone ends the job). A set restarts the replicas it runs
+(on several machines, each machine its own). A replica is *hung* when its router took it out for a request that got
+no answer, or its health probes have failed for `request_timeout_s` while its process lives
+(`rotation.judge`, the one reading of the router's table that the router's rules write): it is stopped and
+restarted like a dead one. Another machine's server that misses `MISSES` health checks in a row is dead, unless its
+own machine is restarting it. A replica whose engine takes the trainer's weights (`Serving.takes_weights`, a rollout
+on vLLM) comes back *held*: its router keeps it out of rotation until its first weight update completes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Collection, Mapping
+
+from dualrun.plan.processes import ROUTER, Plan
+from dualrun.programs.rotation import HUNG, RESTARTING, judge
+
+HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
+MISSES = 2           # another machine's server: failed health checks in a row that are a death
+
+
+def restart_budget(plan: Plan, mine: Collection[int] | None = None) -> dict[int, int]:
+    """plan.servers index -> restarts allowed, for every engine replica that may be restarted at all (of `mine`,
+    when given): one behind a router whose role allows restarts."""
+    return {i: p.serving.restarts for i, p in enumerate(plan.servers)
+            if p.serving is not None and p.serving.restarts > 0 and (mine is None or i in mine)}
+
+
+def restartable(plan: Plan) -> frozenset[int]:
+    """Every machine's replicas that are restarted at all (by the machine that runs them)."""
+    return frozenset(restart_budget(plan))
+
+
+def router_of(plan: Plan, index: int) -> tuple[int, int]:
+    """(plan.servers index of the router in front of replica `index`, the replica's slot in that router)."""
+    unit = plan.servers[index].unit
+    replicas = [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
+    router = next(i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind == ROUTER)
+    return router, replicas.index(index)
+
+
+def survivable(plan: Plan, index: int | None, left: Mapping[int, int], down: Collection[int]) -> bool:
+    """Whether the death of `plan.servers[index]` is survived by restarting it: restarts left, and another replica
+    of its unit is neither dead nor being restarted (`down`)."""
+    if index is None or left.get(index, 0) <= 0:
+        return False
+    unit = plan.servers[index].unit
+    others = [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER and i != index]
+    return any(i not in down for i in others)
+
+
+def hung(row: Mapping[str, Any], out_for_s: float, request_timeout_s: float) -> bool:
+    """Whether the router's row (`router_client.replicas`) shows a hung replica (`rotation.judge`)."""
+    return judge(row, out_for_s, request_timeout_s) == HUNG
+
+
+def restarting(row: Mapping[str, Any]) -> bool:
+    """Whether the router's row shows a replica its launcher is restarting (taken out, or joining at a fresh
+    address: `rotation.judge`)."""
+    return judge(row, 0.0, float("inf")) == RESTARTING
+
+
+@dataclass
+class Supervision:
+    """One set's replicas under the rules above: the restarts left, the replicas being restarted, since when each
+    is out of rotation (as the launcher saw it) and the misses of another machine's servers. Not thread-safe: its
+    driver (supervisor.py) holds a lock around each call."""
+
+    plan: Plan
+    allowed: dict[int, int]                             # the budget: plan.servers index -> restarts allowed
+    left: dict[int, int] = field(default_factory=dict)  # ... -> restarts left
+    down: set[int] = field(default_factory=set)         # being restarted
+    out_since: dict[int, float] = field(default_factory=dict)   # out of rotation since (the launcher's clock)
+    misses: dict[int, int] = field(default_factory=dict)        # another machine's server -> missed checks in a row
+
+    @classmethod
+    def of(cls, plan: Plan, mine: Collection[int] | None = None) -> "Supervision":
+        """The replicas of `plan` this set runs (`mine`; None: all), each with its full budget."""
+        allowed = restart_budget(plan, mine)
+        return cls(plan, allowed, dict(allowed))
+
+    @property
+    def supervised(self) -> list[int]:
+        """The replicas restarts are left for: the ones looked at for being hung."""
+        return list(self.left)
+
+    def used(self, index: int) -> int:
+        """Restarts of `index` so far."""
+        return self.allowed.get(index, 0) - self.left.get(index, 0)
+
+    def died(self, index: int | None, others_serving: bool) -> bool:
+        """Server `index` died (or was stopped as hung): True when it is restarted (one of its restarts is used and
+        it is down until `back`), False when the job does not survive it. `others_serving`: whether, beyond this
+        table's view, another replica of its role may still serve (several machines: its router's view)."""
+        if index not in self.left or not others_serving or not survivable(self.plan, index, self.left, self.down):
+            return False
+        self.left[index] -= 1
+        self.down.add(index)
+        return True
+
+    def back(self, index: int) -> None:
+        """The restarted replica serves again: its next death is judged like the first."""
+        self.down.discard(index)
+
+    def supervises(self, index: int | None) -> bool:
+        """Whether `index` is one of the replicas this set restarts (restarts left or not)."""
+        return index in self.left
+
+    def looked(self, index: int, row: Mapping[str, Any] | None, now: float) -> bool:
+        """One look at replica `index`: its router's row, or None when it was not looked at (its process ended, it
+        is being restarted, or its router is not known here yet). True when it is hung and to be stopped and
+        restarted (the job survives that)."""
+        if row is None or index in self.down or row.get("in_rotation"):
+            self.out_since.pop(index, None)
+            return False
+        out_for = now - self.out_since.setdefault(index, now)
+        request_timeout = self.plan.servers[index].serving.request_timeout_s   # type: ignore[union-attr]
+        if not hung(row, out_for, request_timeout) or not survivable(self.plan, index, self.left, self.down):
+            return False
+        self.out_since.pop(index, None)
+        return True
+
+    def checked(self, index: int, answered: bool) -> bool:
+        """Another machine's server answered its health check (or its machine is restarting it: `restarting`) or
+        not. True when it is dead: `MISSES` misses in a row."""
+        self.misses[index] = 0 if answered else self.misses.get(index, 0) + 1
+        return self.misses[index] >= MISSES
+
+    @property
+    def missing(self) -> bool:
+        """Whether a server of another machine missed a check but not yet `MISSES` (a second look decides)."""
+        return any(0 < n < MISSES for n in self.misses.values())
+
+
+def restarting_line(death_line: str, used: int, allowed: int) -> str:
+    """The launch's line when a replica died and is restarted."""
+    return f"dualrun: {death_line}; restarting it on the same devices (restart {used} of {allowed}, replica_restarts)"
+
+
+def hung_line(label: str, reason: str) -> str:
+    """The launch's line when a hung replica is stopped to be restarted."""
+    return f"dualrun: {label} is hung ({reason}); stopping it (SIGTERM, then SIGKILL after {HUNG_GRACE_S:g} s)"
+
+
+def held_line(label: str, address: str) -> str:
+    """The launch's line when a restarted replica that takes the trainer's weights is healthy, held by its router."""
+    return (f"dualrun: {label} is healthy again at {address}; out of rotation until it holds the trainer's weights "
+            "(it joins the weight-sync group at the next sync)")
+
+
+def back_line(label: str, address: str, seconds: float) -> str:
+    """The launch's line when the restarted replica is back in its router's rotation."""
+    return f"dualrun: {label} is back in rotation at {address}, {seconds:.1f} s after it died"

@@ -1,0 +1,178 @@
+"""The one supervisor of a set's engine replicas, on either backend: a death restarted or made the job's, a hung
+replica found and stopped, a restarted one taken back by its router (held until it has the trainer's weights).
+
+Why apart from the server sets: the policy (supervision.py's table) and the steps of a restart (the router's
+`remove`, a fresh process, the router's `replace`, the wait for rotation, the lines the user reads) are the same
+whether the replica is a process here (`LocalServers`) or runs from a Ray actor (`RayServers`); a backend only
+gives the few primitives below (`Replicas`). The multi-machine wrapper (machines.py) adds what only several
+machines need: the router's view of whether another replica serves.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Collection, Protocol
+
+from dualrun.plan.processes import Plan
+from dualrun.servers.process import ServerError
+from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, restarting_line,
+                                         router_of)
+
+if TYPE_CHECKING:
+    from dualrun.servers.serverset import ServerDeath, ServerSetBase
+
+HUNG_EVERY_S = 1.0   # how often the routers are asked for hung replicas (they probe about once a second)
+
+
+class Replicas(Protocol):
+    """What a backend does to one of the plan's replicas (by its plan.servers index), for the supervisor."""
+
+    def respawn(self, index: int, restart: int) -> str | None:
+        """The dead replica's process again (its `restart`-th), on its devices, on a fresh port, healthy: its
+        address (None: the set is being stopped). ServerError when it fails."""
+
+    def alive(self, index: int) -> bool:
+        """Whether its process runs (a hung one does)."""
+
+    def kill(self, index: int, grace_s: float) -> tuple[str, str | None]:
+        """Stop it (SIGTERM, SIGKILL after `grace_s`) without its end being an event of its own: its log's last
+        lines and its log's path."""
+
+    def rearm(self, index: int, address: str) -> bool:
+        """It serves at `address` again: its next end is an event. False when the set is being stopped."""
+
+
+class Supervisor:
+    """The replicas of `plan` that a set runs (`mine`), supervised under supervision.py's rules.
+
+    `events`: the set whose watchers report deaths (`report`) and that queues the ones the job does not survive;
+    `replicas`: the backend's primitives; `address_of`: a server's address as the set knows it (a router's, for
+    the restart's steps). `others_serving` (several machines: its router's view) is asked before a restart."""
+
+    def __init__(self, plan: Plan, events: "ServerSetBase", replicas: Replicas,
+                 address_of: Callable[[int], str | None], mine: Collection[int] | None = None) -> None:
+        self.plan, self.events, self.replicas, self.address_of = plan, events, replicas, address_of
+        self.table = Supervision.of(plan, mine)
+        self.others_serving: Callable[[int], bool] = lambda index: True
+        self._lock = threading.Lock()
+        self._last_look = 0.0
+
+    @property
+    def restarting(self) -> frozenset[int]:
+        """The replicas being restarted now."""
+        with self._lock:
+            return frozenset(self.table.down)
+
+    def used(self, index: int) -> int:
+        with self._lock:
+            return self.table.used(index)
+
+    def checked(self, index: int, answered: bool) -> bool:
+        """Another machine's server answered its health check or not: True when it is dead (supervision.py)."""
+        with self._lock:
+            return self.table.checked(index, answered)
+
+    @property
+    def missing(self) -> bool:
+        """Whether another machine's server missed a check and is not yet judged (a second look decides)."""
+        with self._lock:
+            return self.table.missing
+
+    # -- a death ---------------------------------------------------------------------------------------------
+    def report(self, death: "ServerDeath") -> None:
+        """A server ended: restarted (in a thread of its own) when the job survives it, else the job's (`fatal`)."""
+        index = death.index
+        ask = index is not None and self.table.supervises(index) and self.events.watching
+        others = ask and self.others_serving(index)   # (outside the lock: several machines ask the router)
+        with self._lock:
+            restart = self.table.died(index, others)
+            line = restart and restarting_line(death.one_line(), self.table.used(index), self.table.allowed[index])
+        if not restart:
+            self.events.fatal(death)
+            return
+        print(line, file=sys.stderr, flush=True)
+        threading.Thread(target=self._replace, args=(death,), name="dualrun-replace", daemon=True).start()
+
+    def _replace(self, death: "ServerDeath") -> None:
+        """Restart the dead replica, have its router take it back; any failure on the way ends the job, naming it."""
+        from dualrun.servers.serverset import ServerDeath
+
+        index = death.index
+        assert index is not None
+        label = self.plan.servers[index].label
+        try:
+            self._restart(index, label, time.monotonic())
+        except ServerError as e:
+            self.events.fatal(ServerDeath.of(index, e))
+        except (OSError, RuntimeError) as e:
+            self.events.fatal(ServerDeath.of(index, ServerError(label, f"could not be taken back by its router "
+                                                                      f"after a restart ({e})")))
+        self.events.wait_stopped()   # a local engine's parent-death signal fires when the thread that spawned it ends
+
+    def _restart(self, index: int, label: str, died: float) -> None:
+        """`remove` at the router (out of the weight-sync group: the next sync goes on without it), respawn,
+        `replace` at the router (held until its first weight update when it takes the trainer's weights), wait
+        for rotation, the line that it is back."""
+        from dualrun.servers import router_client   # (urllib: off the launch path until a restart)
+
+        router, slot = router_of(self.plan, index)
+        at = self.address_of(router)
+        assert at is not None
+        serving = self.plan.servers[index].serving
+        assert serving is not None
+        router_client.control(at, slot, "remove", reason="died; being restarted")
+        address = self.replicas.respawn(index, self.used(index))
+        if address is None:
+            return
+        router_client.control(at, slot, "replace", address=address, hold=serving.takes_weights)
+        if serving.takes_weights:
+            print(held_line(label, address), file=sys.stderr, flush=True)
+        # held: until the next sync, however far; else within its health timeout
+        deadline = None if serving.takes_weights else time.monotonic() + serving.health_timeout_s
+        while self.events.watching and slot not in router_client.replicas(at)["in_rotation"]:
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"its router's health probes did not pass within {serving.health_timeout_s:g} s")
+            if not self.replicas.alive(index):
+                raise ServerError(label, "exited before its router took it back (its log says why)")
+            time.sleep(0.1)   # the router's probes pass about once a second
+        if not self.replicas.rearm(index, address):
+            return
+        with self._lock:
+            self.table.back(index)
+        if self.events.watching:   # else the job's ranks ended meanwhile: its router takes it back on its own
+            print(back_line(label, address, time.monotonic() - died), file=sys.stderr, flush=True)
+
+    # -- hung replicas ---------------------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """The set's watcher calls it every turn: about once a second, `look` (while any replica has restarts)."""
+        if self.table.supervised and now - self._last_look >= HUNG_EVERY_S:
+            self._last_look = now
+            self.look(now)
+
+    def look(self, now: float) -> None:
+        """Ask each router in front of a supervised replica for its table: a replica found hung is stopped and its
+        death reported as being hung, so it is restarted; without a restart left (or no other replica serving) it
+        stays out of rotation, routed around."""
+        from dualrun.servers import router_client
+        from dualrun.servers.serverset import ServerDeath
+
+        for index in self.table.supervised:
+            router, slot = router_of(self.plan, index)
+            at = self.address_of(router)
+            if at is None or index in self.restarting or not self.replicas.alive(index):
+                with self._lock:
+                    self.table.looked(index, None, now)
+                continue
+            try:
+                row = router_client.replicas(at, timeout_s=2.0)["replicas"][slot]
+            except (OSError, ValueError, KeyError, IndexError):
+                continue   # the router's own death is the watcher's event
+            with self._lock:
+                if not self.table.looked(index, row, now):
+                    continue
+            label = self.plan.servers[index].label
+            print(hung_line(label, row.get("reason") or "out of rotation"), file=sys.stderr, flush=True)
+            tail, log_path = self.replicas.kill(index, HUNG_GRACE_S)
+            self.events.report(ServerDeath.of(index, ServerError(label, f"was hung ({row.get('reason')})", tail,
+                                                                  log_path)))
