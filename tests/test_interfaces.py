@@ -62,6 +62,9 @@ def test_each_machine_advertises_gloos_address_per_process_env_and_its_servers_r
     cfg = _cfg(1)
     plan = make_plan(cfg)
     assert process_envs(cfg, plan, 1) == [{"GLOO_SOCKET_IFNAME": "lo"}, {"GLOO_SOCKET_IFNAME": "ens5"}]
+    # where no variable names an interface, the check sees what `dualrun launch` gives gloo: the route's (lo here)
+    bare = _cfg(1, method="sft", env={}, roles={"train": {"gpus": 2}})
+    assert process_envs(bare, make_plan(bare), 1) == [{"GLOO_SOCKET_IFNAME": "lo"}]
     ifaces = {"lo": Interface("lo", "127.0.0.1", "unknown")}
     items = advertised(cfg, plan, 1, ifaces, None)
     assert [(i["what"], i["address"], i["interface"]) for i in items] == [
@@ -75,3 +78,50 @@ def test_wait_s_of_the_check_is_a_number_of_seconds(tmp_path):
         proc = dualrun("check", "--config_file", "job.yaml", "--wait_s", bad, cwd=tmp_path)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert "--wait_s" in proc.stderr
+
+
+def test_gloo_is_given_the_interface_holding_the_address_the_others_reach_unless_the_user_names_one():
+    from dualrun.light.interfaces import gloo_ifname
+
+    assert gloo_ifname({}, "192.168.77.2", ETH).name == "eth0"
+    assert gloo_ifname({}, "127.0.0.1", ETH).name == "lo"
+    assert gloo_ifname({}, "192.168.77.9", ETH) is None and gloo_ifname({}, None, ETH) is None
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        assert gloo_ifname({var: "ib0"}, "192.168.77.2", ETH) is None   # the user's value wins
+    assert gloo_ifname({"GLOO_SOCKET_IFNAME": " "}, "192.168.77.2", ETH).name == "eth0"   # blank: unset
+
+
+def _torchrun(tmp_path, monkeypatch, machines: int, env: dict | None = None, shell: dict | None = None):
+    """A torchrun launch's prepared env and dry run, with only `shell`'s interface variables in the launching env."""
+    from dualrun.launchers import Program, launcher_class
+    from dualrun.methods.plugin import get_plugin
+
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in (shell or {}).items():
+        monkeypatch.setenv(var, value)
+    cfg = build_config({"use_cpu": True, "num_processes": 2, "num_machines": machines, "main_process_ip": "127.0.0.1",
+                        "env": env or {}}, str(tmp_path / "c.yaml"))
+    launcher = launcher_class("torchrun")(cfg, Program(str(tmp_path / "job.py")), {}, plugin=get_plugin(cfg.method))
+    prepared = launcher.prepare(make_plan(cfg))
+    return prepared.env, launcher.describe(prepared).splitlines()
+
+
+def test_several_torchrun_machines_give_gloo_the_interface_of_the_route_to_machine_0(tmp_path, monkeypatch):
+    """The ranks (and the servers, the same rule) get it, the dry run says so; the route to 127.0.0.1 is lo's."""
+    env, text = _torchrun(tmp_path, monkeypatch, 2)
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and "  GLOO_SOCKET_IFNAME=lo \\" in text
+    assert text[1] == ("# GLOO_SOCKET_IFNAME=lo for this machine's processes: lo holds 127.0.0.1, its address on the "
+                       "route to main_process_ip 127.0.0.1 (unset, gloo takes what the host name resolves to); set "
+                       "GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
+
+
+@pytest.mark.parametrize("machines, env, shell, expected", [
+    (1, {}, {}, None),                                            # one machine: gloo's own choice
+    (2, {"GLOO_SOCKET_IFNAME": "eth7"}, {}, "eth7"),              # the config's value wins
+    (2, {"NCCL_SOCKET_IFNAME": "eth7"}, {}, None),                # so does any interface variable
+    (2, {}, {"GLOO_SOCKET_IFNAME": "eth9"}, "eth9"),              # and the launching shell's
+])
+def test_a_users_interface_variable_always_wins(tmp_path, monkeypatch, machines, env, shell, expected):
+    env_, text = _torchrun(tmp_path, monkeypatch, machines, env, shell)
+    assert env_.get("GLOO_SOCKET_IFNAME") == expected and not any("for this machine's processes" in t for t in text)

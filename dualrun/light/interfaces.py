@@ -140,3 +140,26 @@ def gloo_address(env: Mapping[str, str], ifaces: Mapping[str, Interface],
         return address, f"the host name {hostname} resolves to it; GLOO_SOCKET_IFNAME is unset"
     return "127.0.0.1", (f"the host name {hostname} resolves to no address of this machine, so gloo falls back to "
                          "loopback; GLOO_SOCKET_IFNAME is unset")
+
+
+def ifname_set(env: Mapping[str, str]) -> bool:
+    """Whether `env` names an interface for any of torch's transports (IFNAME_VARS): then the user chose."""
+    return any(env.get(var, "").strip() for var in IFNAME_VARS)
+
+
+def gloo_ifname(env: Mapping[str, str], address: str | None, ifaces: Mapping[str, Interface]) -> Interface | None:
+    """Pure: the interface dualrun gives gloo (GLOO_SOCKET_IFNAME) on a job across machines: the one holding
+    `address`, the address the other machines reach this one at (on torchrun its address on the route to machine 0,
+    on Ray its node's address). None where `env` names an interface already (the user's value wins) or no interface
+    here holds `address`. Why: unset, gloo binds what the host name resolves to, which is loopback on a machine
+    whose /etc/hosts maps its name to 127.0.1.1 (Debian's default), and the job hangs in its first collective."""
+    if ifname_set(env) or not address:
+        return None
+    found = owner(address, ifaces)
+    return found if found is not None and found.address else None
+
+
+def holding(address: str) -> str | None:
+    """The name of this machine's interface that holds `address` (a Ray node's address, read where it runs)."""
+    found = owner(address, interfaces())
+    return found.name if found is not None and found.address else None
