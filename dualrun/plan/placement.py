@@ -83,6 +83,13 @@ class Placement(Protocol):
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         """The node of a role's router, given the nodes of its engine replicas."""
 
+    def cpu_server_node(self, cluster: Cluster, used: Mapping[int, float]) -> int | None:
+        """The node of a CPU-only engine replica given the CPUs the processes placed so far take per node (`used`);
+        None: the first node with room by the plan's own rule."""
+
+    def cpus(self, kind: str, devices: Sequence[int]) -> float:
+        """The CPUs a process of `kind` on `devices` takes from its node, where the policy counts them (else 0)."""
+
 
 def placement_for(cfg: JobConfig) -> Placement:
     """The placement policy of `cfg.backend`."""
@@ -211,6 +218,12 @@ class TorchrunPlacement:
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         return cluster.nodes[0].index   # machine 0's launcher starts it, beside trainer rank 0
 
+    def cpu_server_node(self, cluster: Cluster, used: Mapping[int, float]) -> int | None:
+        return None
+
+    def cpus(self, kind: str, devices: Sequence[int]) -> float:
+        return 0.0
+
 
 @dataclass(frozen=True)
 class RayPlacement:
@@ -248,30 +261,37 @@ class RayPlacement:
 
     def worker_slots(self, cluster: Cluster, free: Free, role: RoleSpec) -> list[tuple[int, int]]:
         """Pack the ranks node by node: as many as a node has free GPUs (CPU ranks: as its CPUs hold
-        `ray.num_cpus_per_worker`, on a live cluster), the rest on the next."""
+        `ray.num_cpus_per_worker`, on a live cluster; a node without CPUs holds none), the rest on the next. With
+        `ray.placement_strategy` SPREAD (or STRICT_SPREAD) one rank per node with room in turn, as Ray spreads them."""
         nodes = cluster.nodes
-        slots = []
-        left = role.processes
+        caps = []
         for node in nodes:
-            if left == 0:
-                break
             if role.gpus:
                 cap = len(free[node.index])
-            elif node.cpus and self.cfg.ray.num_cpus_per_worker:   # a live cluster: Ray packs CPU ranks too
-                cap = int(node.cpus // self.cfg.ray.num_cpus_per_worker) or 0
-                cap = cap if node.index != nodes[-1].index else left
+            elif cluster.source == "ray" and self.cfg.ray.num_cpus_per_worker:   # a live cluster: Ray packs CPU
+                cap = int(node.cpus // self.cfg.ray.num_cpus_per_worker)            # ranks too
+                cap = cap if node.index != nodes[-1].index else role.processes
             else:
-                cap = left
-            take = min(cap, left)
-            if take:
-                slots.append((node.index, take))
-                left -= take
+                cap = role.processes
+            caps.append(cap)
+        counts = [0] * len(nodes)
+        left = role.processes
+        if self.cfg.ray.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+            while left and any(c < cap for c, cap in zip(counts, caps)):
+                for i, cap in enumerate(caps):
+                    if left and counts[i] < cap:
+                        counts[i] += 1
+                        left -= 1
+        else:
+            for i, cap in enumerate(caps):
+                counts[i] = min(cap, left)
+                left -= counts[i]
         if left:
             have = sum(len(v) for v in free.values())
             raise ConfigError(self.cfg.source, f"roles.{role.name}.gpus",
                               f"at most {have} GPUs (the cluster has {sum(x.gpus for x in nodes)} in "
                               f"{len(nodes)} node(s))", role.processes)
-        return slots
+        return [(node.index, n) for node, n in zip(nodes, counts) if n]
 
     def rank_view(self, local: int, count: int, devices: tuple[int, ...]) -> RankView:
         mine = (devices[local],) if devices else ()
@@ -279,6 +299,23 @@ class RayPlacement:
 
     def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
         return replicas[0]
+
+    def cpu_server_node(self, cluster: Cluster, used: Mapping[int, float]) -> int | None:
+        """A live cluster: the node with the most CPUs left (Ray gives a one-bundle placement group the node with the
+        most of what it asks free), where one is left; a planned cluster's CPUs are unknown (None)."""
+        if cluster.source != "ray":
+            return None
+        need = max(self.cfg.ray.num_cpus_per_worker, 1.0)
+        left = {n.index: n.cpus - used.get(n.index, 0.0) for n in cluster.nodes}
+        room = [n.index for n in cluster.nodes if left[n.index] >= need]
+        return max(room, key=lambda i: left[i]) if room else None
+
+    def cpus(self, kind: str, devices: Sequence[int]) -> float:
+        """The CPUs a process's bundle asks for (launchers/ray.py, `bundle`)."""
+        per = self.cfg.ray.num_cpus_per_worker
+        if kind == "server":
+            return 0.0 if devices else max(per, 1.0)
+        return per
 
 
 _POLICIES: dict[str, Callable[[JobConfig], Placement]] = {"torchrun": TorchrunPlacement, "ray": RayPlacement}
