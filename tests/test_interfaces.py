@@ -125,3 +125,22 @@ def test_several_torchrun_machines_give_gloo_the_interface_of_the_route_to_machi
 def test_a_users_interface_variable_always_wins(tmp_path, monkeypatch, machines, env, shell, expected):
     env_, text = _torchrun(tmp_path, monkeypatch, machines, env, shell)
     assert env_.get("GLOO_SOCKET_IFNAME") == expected and not any("for this machine's processes" in t for t in text)
+
+
+@pytest.mark.parametrize("shell, said", [({}, True), ({"NCCL_SOCKET_IFNAME": "ib"}, False)])
+def test_the_ray_dry_run_says_each_node_gives_gloo_its_interface_unless_the_user_names_one(tmp_path, monkeypatch,
+                                                                                            shell, said):
+    """On Ray the interface is each node's own (the one holding its Ray address): the dry run names the rule."""
+    from dualrun.launchers import Program, launcher_class
+    from dualrun.methods.plugin import get_plugin
+
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in shell.items():
+        monkeypatch.setenv(var, value)
+    cfg = build_config({"backend": "ray", "use_cpu": True, "num_processes": 2}, str(tmp_path / "c.yaml"))
+    launcher = launcher_class("ray")(cfg, Program(str(tmp_path / "job.py")), {}, plugin=get_plugin(cfg.method))
+    text = launcher.describe(launcher.prepare(make_plan(cfg)))
+    rule = ("on a cluster of several nodes GLOO_SOCKET_IFNAME=<auto> for each rank and server whose env names no "
+            "interface: its node's interface holding the node's Ray address")
+    assert (rule in text.splitlines()[1]) is said

@@ -28,6 +28,7 @@ import time
 from typing import Any, Callable, Collection, Mapping
 
 from dualrun.contract.protocol import ActorPlace
+from dualrun.light.interfaces import ifname_set
 from dualrun.servers.process import ServerError
 from dualrun.actors.server import ServerActor
 from dualrun.servers.serverset import HUNG_EVERY_S, START_TRIES, ServerDeath, ServerSet
@@ -205,6 +206,8 @@ class RayServers(ServerSet):
         argv = server_command(self.cfg, self.plugin, p, info.ip, info.port, replica_addresses(self.plan, started, i))
         env = dict(self.env_for(p))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
+        if len(self.plan.cluster.nodes) > 1 and info.interface and not ifname_set(env):
+            env["GLOO_SOCKET_IFNAME"] = info.interface   # as the ranks get it (launchers/ray.py): the weight sync
         log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
         return self.actors[i].start.remote(argv, env, info.ip, info.port, server_health_path(self.plugin, role, p),
                                            role.health_timeout_s, log, os.getcwd())
