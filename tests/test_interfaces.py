@@ -111,9 +111,9 @@ def test_several_torchrun_machines_give_gloo_the_interface_of_the_route_to_machi
     """The ranks (and the servers, the same rule) get it, the dry run says so; the route to 127.0.0.1 is lo's."""
     env, text = _torchrun(tmp_path, monkeypatch, 2)
     assert env["GLOO_SOCKET_IFNAME"] == "lo" and "  GLOO_SOCKET_IFNAME=lo \\" in text
-    assert text[1] == ("# GLOO_SOCKET_IFNAME=lo for this machine's processes: lo holds 127.0.0.1, its address on the "
-                       "route to main_process_ip 127.0.0.1 (unset, gloo takes what the host name resolves to); set "
-                       "GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
+    assert text[1] == ("# GLOO_SOCKET_IFNAME=lo for this machine's processes: lo holds 127.0.0.1, the address the other "
+                       "machines reach it at (its route to main_process_ip 127.0.0.1; unset, gloo takes what the host "
+                       "name resolves to); set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
 
 
 @pytest.mark.parametrize("machines, env, shell, expected", [
@@ -144,3 +144,18 @@ def test_the_ray_dry_run_says_each_node_gives_gloo_its_interface_unless_the_user
     rule = ("on a cluster of several nodes GLOO_SOCKET_IFNAME=<auto> for each rank and server whose env names no "
             "interface: its node's interface holding the node's Ray address")
     assert (rule in text.splitlines()[1]) is said
+
+
+def test_a_machine_is_reached_at_its_route_to_machine_0_unless_that_is_loopback_for_a_name():
+    """Machine 0 whose own name (main_process_ip) resolves to 127.0.1.1 there (Debian's hosts line) is reached at its
+    address on the route out; a loopback address given as such stays (every machine on one host)."""
+    from unittest import mock
+
+    from dualrun.light import interfaces
+
+    routes = {"head": ("127.0.1.1", None), "8.8.8.8": ("10.0.0.1", None), "127.0.0.1": ("127.0.0.1", None),
+              "10.0.0.1": ("10.0.0.1", None)}
+    with mock.patch.object(interfaces, "route", lambda peer: routes[peer]):
+        assert interfaces.reached_at("head") == "10.0.0.1"
+        assert interfaces.reached_at("127.0.0.1") == "127.0.0.1"
+        assert interfaces.reached_at("10.0.0.1") == "10.0.0.1"

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from dualrun.config.model import JobConfig
 from dualrun.check.node_facts import NodeReport
 from dualrun.light.interfaces import (Interface, gloo_address, gloo_ifname, ifname_problems, interfaces, listing, owner,
-                                      route)
+                                      reached_at, route)
 from dualrun.plan.processes import Plan
 from dualrun.weightsync.group import NET_VARS, SyncGroup, advertised_address, port_host
 from dualrun.weightsync.rehearsal import limit_s, master_endpoint, member_spec, run_specs, unanswered, verdict
@@ -50,7 +50,7 @@ def name_of(machine: int, host: str) -> str:
 def with_gloo_default(env: dict[str, str], main: str) -> dict[str, str]:
     """`env` as `dualrun launch` completes it on this machine: GLOO_SOCKET_IFNAME, where it names no interface, is
     the interface of this machine's address on its route to `main` (dualrun.launchers.torchrun, `with_gloo`)."""
-    found = gloo_ifname(env, route(main)[0], interfaces())
+    found = gloo_ifname(env, reached_at(main), interfaces())
     return {**env, "GLOO_SOCKET_IFNAME": found.name} if found is not None else env
 
 

@@ -56,12 +56,12 @@ class TorchrunLauncher(Launcher):
         return {**env, "GLOO_SOCKET_IFNAME": found.name} if found is not None else env
 
     def _gloo_interface(self, env: dict[str, str]):
-        from dualrun.light.interfaces import gloo_ifname, interfaces, route
+        from dualrun.light.interfaces import gloo_ifname, interfaces, reached_at
 
         if self.cfg.num_machines < 2:
             return None
         if self._route is None:   # once: every process of this machine shares the route
-            self._route = (route(self._addr())[0], interfaces())
+            self._route = (reached_at(self._addr()), interfaces())
         return gloo_ifname(env, *self._route)
 
     def gloo_note(self, env: dict[str, str]) -> str | None:
@@ -69,9 +69,9 @@ class TorchrunLauncher(Launcher):
         found = self._gloo_interface(env)
         if found is None:
             return None
-        return (f"GLOO_SOCKET_IFNAME={found.name} for this machine's processes: {found.name} holds {found.address}, its "
-                f"address on the route to main_process_ip {self._addr()} (unset, gloo takes what the host name "
-                "resolves to); set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
+        return (f"GLOO_SOCKET_IFNAME={found.name} for this machine's processes: {found.name} holds {found.address}, the "
+                f"address the other machines reach it at (its route to main_process_ip {self._addr()}; unset, gloo "
+                "takes what the host name resolves to); set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
 
     def node_workers(self, plan: Plan):
         mine = [p for p in plan.workers if p.node == self.cfg.machine_rank]

@@ -90,6 +90,17 @@ def route(peer: str) -> tuple[str | None, str | None]:
         return None, e.strerror or type(e).__name__
 
 
+def reached_at(main: str) -> str | None:
+    """This machine's address the other machines of a job reach it at: its address on the route to machine 0's
+    `main`; on machine 0, where `main` may be its own host name resolving to loopback there (Debian's `127.0.1.1 host`
+    line) while the others resolve it to its network address, its address on the route out (no packet is sent)."""
+    address, _ = route(main)
+    if address and address.startswith("127.") and not (main.startswith("127.") or main == "localhost"):
+        out, _ = route("8.8.8.8")
+        return out or address
+    return address
+
+
 def _names(value: str) -> list[str]:
     return [n.strip() for n in value.split(",") if n.strip()]
 
