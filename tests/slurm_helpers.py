@@ -215,12 +215,24 @@ class MachinesSlurm:
 
     def sbatch(self, script: Path, *options: str, env: dict[str, str], cwd: Path,
                timeout: float) -> tuple[int, str]:
-        """Submit `script` on machine 0 and wait for the job; (its exit code, its output file's text)."""
+        """Submit `script` on machine 0 and wait for the job; (its exit code, its output file's text). The job's state
+        is read twice a second (`sbatch --wait` backs off to 30 s between its looks)."""
         out = self.root / f"job-{time.monotonic_ns()}.out"
-        proc = self.vc.run(0, ["sbatch", "--wait", "-o", str(out), *options, str(script)], cwd=cwd,
-                           env={**env, "SLURM_CONF": self.env["SLURM_CONF"]}, timeout=timeout)
+        env = {**env, "SLURM_CONF": self.env["SLURM_CONF"]}
+        proc = self.vc.run(0, ["sbatch", "--parsable", "-o", str(out), *options, str(script)], cwd=cwd, env=env)
+        assert proc.returncode == 0, proc.stderr
+        job, deadline, state = proc.stdout.strip().split(";")[0], time.monotonic() + timeout, {}
+        while time.monotonic() < deadline:
+            shown = self.vc.run(0, ["scontrol", "-o", "show", "job", job], env=env).stdout
+            state = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+            if state.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+                break
+            time.sleep(0.5)
+        else:
+            self.vc.run(0, ["scancel", job], env=env)
         text = out.read_text(errors="replace") if out.exists() else ""
-        return proc.returncode, text + proc.stderr
+        code = int(state.get("ExitCode", "1:0").split(":")[0]) if state.get("JobState") == "COMPLETED" else 1
+        return code, text + f"\n(job {job}: {state.get('JobState')}, exit code {state.get('ExitCode')})"
 
     def logs(self) -> str:
         return "".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-2000:]

@@ -1,5 +1,6 @@
 """Ray across three machines of the virtual cluster (tests/vcluster.py), each with its own address and its own /tmp:
-a head and two worker nodes, each started with `ray start` on its machine as examples/multi-node/ray-by-hand says;
+a head and two worker nodes, each started with `ray start` on its machine by the lines of
+examples/multi-node/ray-by-hand/README.md ("Try it on a virtual cluster"), whose other lines run as written too;
 the head declares no CPUs (`--num-cpus 0`), so the ranks and the servers, which each ask for a CPU, run on the
 workers; `ray.placement_strategy: SPREAD` puts the two ranks on two nodes. One `dualrun launch --backend ray` on the
 head (RAY_ADDRESS) runs TRL's own sft.py, unchanged, with the losses of torchrun on one machine, and a GKD job whose
@@ -21,7 +22,7 @@ import pytest
 
 from cluster_jobs import ENV, debian_hosts, gkd_args, gkd_config, gkd_losses, losses, sft_args, sft_data
 from helpers import eventually
-from test_recipes import shell_env, token_mode
+from test_recipes import one_machine_block, run_block, shell_env, substitute, token_mode
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
@@ -29,7 +30,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mar
 HEAD = address(0)
 RAY = f"{HEAD}:6379"
 WORKERS = {address(1), address(2)}
-CPUS = 3   # per worker node: two ranks, two teacher replicas and the router fit on the two
 
 # The cluster's actors and placement groups, from a driver on the head: each actor's class, name and node address.
 TABLE = """
@@ -59,21 +59,33 @@ def table(vc: VCluster, cwd: Path) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def readme() -> tuple[list[str], list[str]]:
+    """examples/multi-node/ray-by-hand/README.md, "Try it on a virtual cluster": the lines that start the cluster (after
+    the cluster's own start), and the rest (a config, the check, the launch)."""
+    lines = one_machine_block("ray-by-hand", "## Try it on a virtual cluster")
+    assert lines[0].startswith("python examples/make_tiny_model.py --out /tmp/tiny")
+    assert lines[1].startswith("python tests/vcluster.py --machines 3 --share /tmp/tiny -- bash")
+    rest = next(i for i, line in enumerate(lines) if line.startswith("printf"))
+    return lines[2:rest], lines[rest:]
+
+
 @pytest.fixture(scope="module")
 def ray3(shared, tiny):
-    """The head on machine 0, a worker node on machines 1 and 2 (started together), all three alive."""
+    """The head on machine 0, a worker node on machines 1 and 2 (started together), all three alive: the README's
+    lines, in a shell beside the cluster (its pids in VCLUSTER_PIDS, as the README's `vcluster.py` command sets them)."""
     with VCluster(3, shared=[shared, tiny.parent]) as vc:
         debian_hosts(vc, 2)
-        head = vc.run(0, ["ray", "start", "--head", "--node-ip-address", HEAD, "--port", "6379", "--num-cpus", "0",
-                          "--include-dashboard=false", "--disable-usage-stats"], env=shell_env(), timeout=180)
-        assert head.returncode == 0, head.stdout[-2000:] + head.stderr[-3000:]
-        workers = [vc.popen(k, ["ray", "start", "--address", RAY, "--num-cpus", str(CPUS), "--disable-usage-stats"],
-                            env=shell_env(**token_mode()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                   for k in (1, 2)]
-        outs = [w.communicate(timeout=180)[0] for w in workers]
-        assert [w.returncode for w in workers] == [0, 0], [o[-2000:] for o in outs]
+        start, _ = readme()
+        assert [line.split(" -- ")[-1].split()[:3] for line in start if " on " in line] == [
+            ["ray", "start", "--head"], ["ray", "start", "--address"]], start
+        proc = run_block(start, timeout=240, env=pids(vc))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert eventually(lambda: len(table(vc, shared)["nodes"]) == 3, timeout=60), table(vc, shared)
         yield vc
+
+
+def pids(vc: VCluster) -> dict[str, str]:
+    return {"VCLUSTER_PIDS": ",".join(str(vc.pid(k)) for k in range(vc.size)), "VCLUSTER_SWITCH": str(vc.switch[1])}
 
 
 def nothing_left(vc: VCluster, cwd: Path) -> None:
@@ -152,3 +164,22 @@ def test_check_prints_a_row_for_every_node_and_forms_the_weight_sync_group_acros
                         rf"on {names[0]}; rollout server 0 \(rank 1\) on {names[0]}; rollout server 1 \(rank 2\) on "
                         rf"{names[1]}\) moved a tensor in [\d.]+ s", lines[-2]), lines
     assert lines[-1] == "dualrun check: 3 node(s) ready for backend=ray", lines
+
+
+def test_the_readmes_virtual_cluster_lines_run_as_written(ray3, shared, tiny):
+    """The README's lines after the cluster's start, only the paths changed to this test's own: the check passes, the
+    two ranks train on the two worker nodes."""
+    work = shared / "readme"
+    work.mkdir()
+    link = work / "tiny"
+    link.symlink_to(tiny, target_is_directory=True)
+    _, rest = readme()
+    cmds = substitute(rest, {"/tmp/tiny/spread.yaml": str(work / "spread.yaml"), "/tmp/tiny/out": str(work / "out"),
+                             "/tmp/tiny": str(link)})
+    proc = run_block(cmds, timeout=400, env={**pids(ray3), **ENV})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "dualrun check: 3 node(s) ready for backend=ray" in proc.stdout, out[-3000:]
+    assert "train: 2 worker(s) placed on 2 node(s)" in out and "job succeeded" in out, out[-3000:]
+    assert json.loads((work / "out" / "trainer_state.json").read_text())["global_step"] == 2
+    nothing_left(ray3, shared)
