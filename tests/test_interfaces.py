@@ -108,8 +108,17 @@ def _torchrun(tmp_path, monkeypatch, machines: int, env: dict | None = None, she
 
 
 def test_several_torchrun_machines_give_gloo_the_interface_of_the_route_to_machine_0(tmp_path, monkeypatch):
-    """The ranks (and the servers, the same rule) get it, the dry run says so; the route to 127.0.0.1 is lo's."""
-    env, text = _torchrun(tmp_path, monkeypatch, 2)
+    """The ranks and the servers (the weight sync's members) get it, the dry run says so; the route to 127.0.0.1 is
+    lo's."""
+    from dualrun.launchers import Program, launcher_class
+    from dualrun.methods.plugin import get_plugin
+
+    cfg = build_config({"use_cpu": True, "method": "gkd", "num_machines": 2, "main_process_ip": "127.0.0.1",
+                        "roles": {"train": {"gpus": 2}, "teacher": {"gpus": 1, "model": "m/m", "top_k": 5}}}, "c.yaml")
+    launcher = launcher_class("torchrun")(cfg, Program("job.py"), {}, plugin=get_plugin(cfg.method))
+    env, text = _torchrun(tmp_path, monkeypatch, 2)   # (the launching env's interface variables removed)
+    plan = make_plan(cfg)
+    assert launcher.server_set(plan, 0, frozenset()).env_for(plan.servers[0])["GLOO_SOCKET_IFNAME"] == "lo"
     assert env["GLOO_SOCKET_IFNAME"] == "lo" and "  GLOO_SOCKET_IFNAME=lo \\" in text
     assert text[1] == ("# GLOO_SOCKET_IFNAME=lo for this machine's processes: lo holds 127.0.0.1, the address the other "
                        "machines reach it at (its route to main_process_ip 127.0.0.1; unset, gloo takes what the host "
