@@ -22,6 +22,7 @@ from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
 from dualrun.plan.processes import AUTO, Plan
+from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
 from dualrun.servers.local import LocalServers
 from dualrun.servers.machines import Machines, await_attempt
@@ -50,12 +51,13 @@ class TorchrunLauncher(Launcher):
         return self.cfg.main_process_ip or "127.0.0.1"
 
     def with_gloo(self, env: dict[str, str]) -> dict[str, str]:
-        """Several machines: `env` with GLOO_SOCKET_IFNAME set to the interface of this machine's address on its
-        route to machine 0, where it names no interface itself (light/interfaces.py, `gloo_ifname`)."""
+        """Several machines: `env` with GLOO_SOCKET_IFNAME set to the interface holding the address the other
+        machines reach this one at (light/interfaces.py: `reached_at`, `gloo_ifname`), where it names no interface
+        itself."""
         found = self._gloo_interface(env)
         return {**env, "GLOO_SOCKET_IFNAME": found.name} if found is not None else env
 
-    def _gloo_interface(self, env: dict[str, str]):
+    def _gloo_interface(self, env: dict[str, str]) -> "Interface | None":
         from dualrun.light.interfaces import gloo_ifname, interfaces, reached_at
 
         if self.cfg.num_machines < 2:

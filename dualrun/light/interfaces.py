@@ -163,7 +163,8 @@ def gloo_ifname(env: Mapping[str, str], address: str | None, ifaces: Mapping[str
     `address`, the address the other machines reach this one at (on torchrun its address on the route to machine 0,
     on Ray its node's address). None where `env` names an interface already (the user's value wins) or no interface
     here holds `address`. Why: unset, gloo binds what the host name resolves to, which is loopback on a machine
-    whose /etc/hosts maps its name to 127.0.1.1 (Debian's default), and the job hangs in its first collective."""
+    whose /etc/hosts maps its name to 127.0.1.1 (Debian's default): the others cannot reach it, and the job fails or
+    hangs in its first collective."""
     if ifname_set(env) or not address:
         return None
     found = owner(address, ifaces)
