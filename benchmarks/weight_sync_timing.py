@@ -5,11 +5,13 @@ Why an extension and not a hook in the engine: the benchmark must time the engin
 extension's module in each worker before any update, so wrapping `GlooWeightTransferEngine`'s methods here times
 them without changing dualrun's code. Each call prints one line to stderr (the server's log):
 
-    dualrun-bench-timing {"phase": "update", "s": ..., "recv_s": ..., "load_s": ..., "chunks": ..., "bytes": ...}
+    dualrun-bench-timing {"phase": "update", "s": ..., "recv_s": ..., "load_s": ..., "wait_s": ..., "bytes": ...}
 
-`recv_s`: waiting in the group's broadcast (the transfer, and the trainer's packing of that chunk); `load_s`: vLLM's
-`model.load_weights` (layerwise reload) of the chunks; the rest of `s` is unpacking. `start`/`finish` time vLLM's
-`initialize_layerwise_reload` / `finalize_layerwise_reload` (+ the tied-head repack).
+From the engine's receiver (`dualrun.weightsync.stream.Receiver.stats`): `recv_s`: its relay thread waiting for
+segments from the rank before (the transfer, and the trainer's packing; it overlaps `load_s`); `load_s`: unpacking
+(views) and vLLM's `model.load_weights` (layerwise reload) of the chunks; `wait_s`: waiting for the segments passed
+on to the next rank to leave. `s` is the whole update. `start`/`finish` time vLLM's `initialize_layerwise_reload` /
+`finalize_layerwise_reload` (+ the tied-head repack).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import functools
 import json
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 try:
     from dualrun.weightsync.engine import transfer as gloo_transfer
@@ -31,55 +33,15 @@ def _say(record: dict) -> None:
     print(f"{MARK} {json.dumps(record)}", file=sys.stderr, flush=True)
 
 
-class _TimedWork:
-    def __init__(self, work: Any, stats: dict, t0: float) -> None:
-        self.work, self.stats, self.t0 = work, stats, t0
-
-    def wait(self, *args: Any) -> Any:
-        out = self.work.wait(*args)
-        self.stats["recv_s"] += time.perf_counter() - self.t0
-        return out
-
-
-class _TimedGroup:
-    """The engine's group, whose broadcasts are timed from the call to the end of `wait()`."""
-
-    def __init__(self, group: Any, stats: dict) -> None:
-        self.group, self.stats = group, stats
-
-    def broadcast(self, tensor: Any, src: int) -> _TimedWork:
-        self.stats["chunks"] += 1
-        self.stats["bytes"] += tensor.numel() * tensor.element_size()
-        return _TimedWork(self.group.broadcast(tensor, src), self.stats, time.perf_counter())
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.group, name)
-
-
 def _timed_update(orig: Callable) -> Callable:
     @functools.wraps(orig)
     def receive_weights(self, update_info):  # noqa: ANN001 - the engine's signature
-        stats = {"phase": "update", "recv_s": 0.0, "load_s": 0.0, "chunks": 0, "bytes": 0}
-        group, model = self.group, self.model
-        load = model.load_weights
-
-        def timed_load(weights):  # noqa: ANN001
-            t = time.perf_counter()
-            try:
-                return load(weights)
-            finally:
-                stats["load_s"] += time.perf_counter() - t
-
-        self.group = _TimedGroup(group, stats)
-        object.__setattr__(model, "load_weights", timed_load)   # this call only; removed below
         t0 = time.perf_counter()
         try:
             return orig(self, update_info)
         finally:
-            stats["s"] = time.perf_counter() - t0
-            self.group = group
-            object.__delattr__(model, "load_weights")
-            _say(stats)
+            stats = dict(self.receiver.stats) if self.receiver is not None else {}
+            _say({"phase": "update", "s": time.perf_counter() - t0, **stats})
     return receive_weights
 
 

@@ -263,16 +263,40 @@ def test_a_launchers_command_line_is_the_launcher_though_it_names_the_script(tmp
 
 
 def test_weight_sync_report_on_fake_numbers(tmp_path):
-    """`weight_sync_bench.py --fake`: the report's tables and machine line from synthetic numbers, nothing started."""
+    """`weight_sync_bench.py --fake`: the report's tables (the full sync on loopback, where its time goes, the wire
+    alone on loopback and on shaped links, each row against its limit) and the chart from synthetic numbers."""
     out = tmp_path / "ws.md"
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "weight_sync_bench.py"), "--fake", "--out", str(out)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "weight_sync_bench.py"), "--fake", "--out", str(out),
+                        "--chart", str(tmp_path / "ws.png")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     md = out.read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith(("| tiny |", "| 100M |"))]
     assert len(rows) == 8, md                        # 2 models x 2 layouts, in both tables
-    assert md.count("PASS") + md.count("FAIL") == 4 and "load average" in md
+    assert sum(ln.endswith(("| PASS |", "| FAIL |", "| PASS (median) |")) for ln in rows) == 4 and "Load average" in md
     assert "| 100M | 101.00M | 404.0 (7) | 2 |" in md
+    shaped = [ln for ln in md.splitlines() if ln.startswith(("| 1gbit |", "| 5gbit |"))]
+    assert len(shaped) == 6 and all(">= 0.8 of the link" in ln for ln in shaped if ln.startswith("| 1gbit | 1 |"))
+    assert all("<= 1.5x of 1 receiver" in ln for ln in shaped if "| 4 |" in ln), shaped
+    # 1 Gbit/s: 411.4 MB at 125 MB/s is 3.29 s; the fake stream (115 MB/s, 5 % more per receiver) reaches 0.87 of it
+    assert "| 1gbit | 1 | 411.4 | 3.29 | 3.76 (3.75–3.77) | 0.87 (0.87–0.88) | 1.00x |" in md
+    wire_loopback = [ln for ln in md.splitlines() if ln.startswith(("| 1 | 411.4 |", "| 2 | 411.4 |", "| 4 | 411.4 |"))]
+    assert len(wire_loopback) == 3
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "ws.png").stat().st_size > 10_000
+
+
+def test_weight_sync_shaped_rows_are_held_against_their_limits():
+    report = _bench_module("weight_sync_report")
+    run = lambda s: {"stream": s, "broadcast": 3 * s, "pack_s": 0, "send_wait_s": 0, "recv_s": 0}  # noqa: E731
+    rows = [{"link": "1gbit", "rate_bps": 1e9, "receivers": n, "bytes": 125_000_000, "runs": [run(t)]}
+            for n, t in ((1, 1.2), (4, 1.9))]
+    one, four = report.shaped_rows(rows)
+    assert one["limit"] == pytest.approx(1.0) and one["fraction"] == [pytest.approx(1 / 1.2)]
+    assert one["verdicts"] == ["PASS (>= 0.8 of the link)"]
+    assert four["fan"] == pytest.approx(1.9 / 1.2) and four["verdicts"] == ["FAIL (<= 1.5x of 1 receiver)"]
 
 
 def test_weight_sync_server_timings_are_grouped_per_update(tmp_path):
@@ -282,9 +306,10 @@ def test_weight_sync_server_timings_are_grouped_per_update(tmp_path):
     lines = ["INFO vllm started"]
     for i in (1, 2):
         lines += [f'{mark} {{"phase": "start", "s": 0.{i}}}', "INFO other",
-                  f'{mark} {{"phase": "update", "s": {i}.0, "recv_s": 0.5, "load_s": 0.25, "chunks": 1, "bytes": 8}}',
+                  f'{mark} {{"phase": "update", "s": {i}.0, "recv_s": 0.5, "load_s": 0.25, "wait_s": 0.1, "chunks": 1, '
+                  '"bytes": 8}',
                   f'{mark} {{"phase": "finish", "s": 0.0{i}}}']
     log.write_text("\n".join(lines) + "\n")
     syncs = ws.server_timings(str(log))
     assert [s["start"] for s in syncs] == [0.1, 0.2] and [s["finish"] for s in syncs] == [0.01, 0.02]
-    assert syncs[1]["unpack"] == pytest.approx(2.0 - 0.5 - 0.25) and syncs[0]["bytes"] == 8
+    assert syncs[1]["update"] == 2.0 and syncs[1]["relay"] == 0.1 and syncs[0]["bytes"] == 8

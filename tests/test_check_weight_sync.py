@@ -55,18 +55,58 @@ def test_the_cause_is_reported_not_the_timeouts_it_caused():
     group = SyncGroup((Member("trainer rank 0", 0, (0,)),
                        Member("rollout server 0", 1, (1,), {"GLOO_SOCKET_IFNAME": "bad0"})), 2, False)
     names = {0: "node 0 10.0.0.1", 1: "node 1 10.0.0.2"}
-    lines, note = verdict(group, [{"ok": False, "timeout": True, "error": "wait timeout"},
-                                  {"ok": False, "timeout": False, "backend": "gloo", "error": "Unable to find bad0"}],
-                          names, "10.0.0.1", 4242)
-    assert note is None and lines == ["weight sync (gloo, trainer rank 0 at 10.0.0.1:4242): node 1 10.0.0.2: "
+    lines, notes = verdict(group, [{"ok": False, "timeout": True, "error": "wait timeout"},
+                                   {"ok": False, "timeout": False, "backend": "gloo", "error": "Unable to find bad0"}],
+                           names, "10.0.0.1", 4242)
+    assert notes == [] and lines == ["weight sync (gloo, trainer rank 0 at 10.0.0.1:4242): node 1 10.0.0.2: "
                                       "rollout server 0 (rank 1) with GLOO_SOCKET_IFNAME=bad0: Unable to find bad0"]
-    lines, note = verdict(group, [{"ok": True, "backend": "gloo", "seconds": 0.25}, None], names, "10.0.0.1", 4242)
-    assert note is None and lines == ["weight sync (gloo, trainer rank 0 at 10.0.0.1:4242): node 1 10.0.0.2: "
+    lines, notes = verdict(group, [{"ok": True, "backend": "gloo", "seconds": 0.25}, None], names, "10.0.0.1", 4242)
+    assert notes == [] and lines == ["weight sync (gloo, trainer rank 0 at 10.0.0.1:4242): node 1 10.0.0.2: "
                                       "rollout server 0 (rank 1) with GLOO_SOCKET_IFNAME=bad0: stopped"]
-    lines, note = verdict(group, [{"ok": True, "backend": "gloo", "seconds": 0.25}, {"ok": True}], names,
-                          "10.0.0.1", 4242)
-    assert lines == [] and note == ("weight sync: gloo group of 2 at 10.0.0.1:4242 (trainer rank 0 on node 0 "
-                                    "10.0.0.1; rollout server 0 (rank 1) on node 1 10.0.0.2) moved a tensor in 0.25 s")
+    lines, notes = verdict(group, [{"ok": True, "backend": "gloo", "seconds": 0.25}, {"ok": True}], names,
+                           "10.0.0.1", 4242)
+    assert lines == [] and notes == ["weight sync: gloo group of 2 at 10.0.0.1:4242 (trainer rank 0 on node 0 "
+                                     "10.0.0.1; rollout server 0 (rank 1) on node 1 10.0.0.2) moved a tensor in 0.25 s"]
+
+
+def test_each_replica_s_rate_is_printed_beside_its_link_and_the_model_s_sync_time_estimated():
+    """The payload's MB/s from its bytes and seconds (MB = 10^6 bytes), the link's Mb/s as the node reports it
+    (none, or no interface found, said so), and the model's files over the slowest rate."""
+    group = SyncGroup((Member("trainer rank 0", 0, (0,)), Member("rollout server 0", 1, (1,)),
+                       Member("rollout server 1", 2, (2, 3))), 4, False)
+    names = {0: "node 0 10.0.0.1", 1: "node 1 10.0.0.2", 2: "node 2 10.0.0.3"}
+    mib64 = 64 * 2**20
+    results = [{"ok": True, "backend": "gloo", "seconds": 0.31, "payload_bytes": mib64, "payload_s": 0.5},
+               {"ok": True, "payload_bytes": mib64, "payload_s": 0.6, "link": {"interface": "eth0", "mbps": 1000}},
+               {"ok": True, "payload_bytes": mib64, "payload_s": 1.2, "link": {"interface": "ib0", "mbps": None}}]
+    lines, notes = verdict(group, results, names, "10.0.0.1", 4242, model_bytes=2_000_000_000)
+    assert lines == [] and notes[1:] == [
+        "weight sync: 64 MiB down the chain to rollout server 0 (rank 1) on node 1 10.0.0.2 in 0.60 s: 112 MB/s "
+        "(link eth0: 1000 Mb/s = 125 MB/s)",
+        "weight sync: 64 MiB down the chain to rollout server 1 (ranks 2-3) on node 2 10.0.0.3 in 1.20 s: 56 MB/s "
+        "(link ib0: no speed reported)",
+        "weight sync: the rollout model's files hold 2.00 GB: about 35.8 s a sync at the slowest replica's 56 MB/s "
+        "(weights the trainer holds in a wider dtype than its files move more)"]
+    results[2] = {"ok": True, "payload_bytes": mib64, "payload_s": 0.0}   # no payload figure: no line, no estimate
+    results[1]["link"] = None
+    _, notes = verdict(group, results, names, "10.0.0.1", 4242, model_bytes=5_000_000)
+    assert notes[1:] == ["weight sync: 64 MiB down the chain to rollout server 0 (rank 1) on node 1 10.0.0.2 in "
+                         "0.60 s: 112 MB/s (its link not found)",
+                         "weight sync: the rollout model's files hold 5.0 MB: about 0.04 s a sync at the slowest "
+                         "replica's 112 MB/s (weights the trainer holds in a wider dtype than its files move more)"]
+
+
+def test_the_link_speed_is_read_where_linux_reports_one(tmp_path):
+    from dualrun.weightsync.links import interface_of, interface_toward, speed_mbps
+
+    for name, text in (("eth0", "10000\n"), ("veth1", "-1\n"), ("bad", "x")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "speed").write_text(text)
+    assert speed_mbps("eth0", str(tmp_path)) == 10000
+    assert speed_mbps("veth1", str(tmp_path)) is None and speed_mbps("bad", str(tmp_path)) is None
+    assert speed_mbps("nosuch", str(tmp_path)) is None
+    assert interface_toward("10.1.2.3", {"GLOO_SOCKET_IFNAME": "ens5,ens6"}) == "ens5"   # gloo's choice first
+    assert interface_of("127.0.0.1") == "lo" and interface_toward("127.0.0.1", {}) == "lo"
 
 
 def test_a_replica_that_timed_out_dialling_0000_is_told_to_set_vllm_host_ip():
@@ -98,14 +138,18 @@ def test_local_handshake_moves_a_tensor_then_names_a_taken_port():
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        lines, note = run_local(group, "127.0.0.1", port, names, timeout_s=10)
-        assert note is None and len(lines) == 1, lines
+        lines, notes = run_local(group, "127.0.0.1", port, names, timeout_s=10)
+        assert notes == [] and len(lines) == 1, lines
         assert lines[0].startswith(f"weight sync (gloo, trainer rank 0 at 127.0.0.1:{port}): node 0 (this machine):"
                                    " trainer rank 0: ") and "address already in use" in lines[0], lines
-    lines, note = run_local(group, "127.0.0.1", port, names, timeout_s=10)
-    assert lines == [] and note.startswith(f"weight sync: gloo group of 3 at 127.0.0.1:{port} (trainer rank 0 on "
-                                           "node 0 (this machine); rollout server 0 (ranks 1-2) on node 0 (this "
-                                           "machine)) moved a tensor in "), note
+    lines, notes = run_local(group, "127.0.0.1", port, names, timeout_s=10, model_bytes=10**9)
+    assert lines == [] and notes[0].startswith(f"weight sync: gloo group of 3 at 127.0.0.1:{port} (trainer rank 0 "
+                                               "on node 0 (this machine); rollout server 0 (ranks 1-2) on node 0 "
+                                               "(this machine)) moved a tensor in "), notes
+    assert re.fullmatch(r"weight sync: 64 MiB down the chain to rollout server 0 \(ranks 1-2\) on node 0 \(this "
+                        r"machine\) in [\d.]+ s: \d+ MB/s \(link lo: no speed reported\)", notes[1]), notes
+    assert re.fullmatch(r"weight sync: the rollout model's files hold 1.00 GB: about [\d.]+ s a sync at the slowest "
+                        r"replica's \d+ MB/s \(.*\)", notes[2]) and len(notes) == 3, notes
 
 
 @pytest.mark.e2e
@@ -158,3 +202,42 @@ def test_ray_check_forms_the_weight_sync_group_across_two_nodes(tmp_path, two_no
         ": node 1 127.0.0.1: rollout server 0 (rank 1) with GLOO_SOCKET_IFNAME=nosuch0: Unable to find address for: " \
         "nosuch0" in lines[0], lines
     two_nodes.assert_nothing_left()
+
+
+def test_the_payload_goes_down_the_chain_and_a_changed_byte_is_caught():
+    """The probe's payload over real gloo (three ranks in threads): every rank reports the seconds it took."""
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed import HashStore
+
+    from dualrun.weightsync.probe import check_payload, join, payload
+
+    store, out = HashStore(), {}
+
+    def run(rank: int) -> None:
+        out[rank] = join(store, rank, 3, "gloo", 0, timedelta(seconds=30), payload_bytes=3 * 2**20 + 7)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(out) == [0, 1, 2] and all(got == [0.0, 1.0, 2.0, 3.0] and s > 0 for got, s in out.values()), out
+    data = payload(10_000)
+    check_payload(data)
+    data[4099] += 1
+    with pytest.raises(RuntimeError, match="the payload arrived changed"):
+        check_payload(data)
+
+
+def test_the_model_s_bytes_are_its_weight_files_where_the_model_is_a_local_directory(tmp_path):
+    from dualrun.check.preflight import model_file_bytes
+
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "model-00002.safetensors").write_bytes(b"x" * 200)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 7)          # safetensors first, as loaders take them
+    (tmp_path / "config.json").write_text("{}")
+    roles = {"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": str(tmp_path)}}
+    assert model_file_bytes(_cfg(roles)) == 500
+    assert model_file_bytes(_cfg({**roles, "rollout": {"gpus": 1, "model": "org/hub-name"}})) is None
+    assert model_file_bytes(_cfg({"train": {"gpus": 1}})) is None

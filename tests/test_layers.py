@@ -113,7 +113,8 @@ FLOORS = {
     "dualrun.contract": 0, "dualrun.light": 0, "dualrun.weightsync.wire": 0,
     # what reaches a worker's environment; the worker side (inside a rank, inside vLLM)
     "dualrun.env": 1, "dualrun.rank": 1, "dualrun.plugins.workers": 1, "dualrun.weightsync.trainer": 1,
-    "dualrun.weightsync.engine": 1, "dualrun.weightsync.probe": 1,
+    "dualrun.weightsync.engine": 1, "dualrun.weightsync.probe": 1, "dualrun.weightsync.stream": 1,
+    "dualrun.weightsync.links": 1,
     # the config: the file, its values, the variables set for dualrun
     "dualrun.config": 2,
     # the plan (pure) and the programs that run as servers
@@ -255,7 +256,7 @@ def _in(module: str, packages: tuple[str, ...] | set[str]) -> bool:
 # the plan, a plugin's driver half, the server programs or anything that starts a process.
 WORKER_SIDE = ("dualrun.rank", "dualrun.plugins.workers", "dualrun.weightsync.trainer", "dualrun.weightsync.engine")
 WORKER_READS = (*WORKER_SIDE, "dualrun.contract.protocol", "dualrun.light", "dualrun.weightsync.wire",
-                "dualrun.contract.job_store", "dualrun.contract.calls")
+                "dualrun.weightsync.stream", "dualrun.contract.job_store", "dualrun.contract.calls")
 # A plugin's driver half reads the config and names its servers' command lines (methods.commands), and may import
 # its own worker half; it never reaches the server programs themselves, the plan or the lifecycle.
 PLUGIN_READS = (*CONFIG_READS, "dualrun.plan.engines", "dualrun.methods.commands", "dualrun.weightsync.wire",

@@ -122,11 +122,11 @@ def _post(url, payload):
 
 
 def _same_choices(got, want):
+    """The same answers bit for bit: each prompt is computed alone, whichever replica and batch-mates it has."""
     assert [c["index"] for c in got] == [c["index"] for c in want]
     for g, w in zip(got, want):
         assert (g["token_ids"], g["text"], g["prompt_token_ids"]) == (w["token_ids"], w["text"], w["prompt_token_ids"])
-        assert g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
-        assert g["logprobs"]["token_logprobs"] == pytest.approx(w["logprobs"]["token_logprobs"], abs=1e-5)
+        assert g["logprobs"] == w["logprobs"]
 
 
 @pytest.mark.e2e
@@ -141,10 +141,12 @@ def test_router_spreads_requests_and_answers_like_one_engine(engines, tmp_path, 
         base, direct = f"http://{router.address}", f"http://{replicas[0].address}"
         via, one = teacher_client(base), teacher_client(direct)
         body = {"model": "m", "prompt": PROMPTS, "max_tokens": 5, "temperature": 0, "logprobs": 2}
+        sampled = {**body, "temperature": 1.0, "n": 2, "seed": 11}   # every prompt seeded 11, as one engine does
         ids = [[1, 5, 9, 12, 7], [2, 8, 8], [4, 4, 6, 1, 9, 3]]
         single = [{"prompt": p, "max_tokens": 3, "temperature": 0} for p in PROMPTS]
         # one engine's answers first, so that what the replicas serve next is the router's traffic only
         want = _post(f"{direct}/v1/completions", body)
+        want_sampled = _post(f"{direct}/v1/completions", sampled)
         want_ids = one.generate(ids, temperature=0.0, max_tokens=4)["completion_ids"]
         ref = one.get_sequence_logprobs(ids, [1, 1, 1], top_logprobs=3)
         want_single = [_post(f"{direct}/v1/completions", b)["choices"][0]["token_ids"] for b in single]
@@ -155,12 +157,10 @@ def test_router_spreads_requests_and_answers_like_one_engine(engines, tmp_path, 
         assert len(got["choices"]) == len(PROMPTS)
         _same_choices(got["choices"], want["choices"])
         assert got["usage"] == want["usage"]
+        _same_choices(_post(f"{base}/v1/completions", sampled)["choices"], want_sampled["choices"])
         # TRL's own client through the router: generation, and teacher scoring (prompt logprobs)
         assert via.generate(ids, temperature=0.0, max_tokens=4)["completion_ids"] == want_ids
-        scored = via.get_sequence_logprobs(ids, [1, 1, 1], top_logprobs=3)
-        assert scored["logprob_token_ids"] == ref["logprob_token_ids"]
-        for a, b in zip(scored["logprobs"], ref["logprobs"]):
-            assert [x for row in a for x in row] == pytest.approx([x for row in b for x in row], abs=1e-5)
+        assert via.get_sequence_logprobs(ids, [1, 1, 1], top_logprobs=3) == ref
         # single-prompt requests, many at once (as TRL's client sends them): spread too
         with ThreadPoolExecutor(4) as pool:
             singles = list(pool.map(lambda b: _post(f"{base}/v1/completions", b), single))
@@ -169,11 +169,11 @@ def test_router_spreads_requests_and_answers_like_one_engine(engines, tmp_path, 
         deadline = time.monotonic() + 5  # the log lines reach the files through each server's tee thread
         while True:
             served = [_served(s) - b for s, b in zip(replicas, before)]
-            if sum(served) >= 3 * count + len(PROMPTS) or time.monotonic() > deadline:
+            if sum(served) >= 4 * count + len(PROMPTS) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert sum(served) == 3 * count + len(PROMPTS), served  # 3 split requests + the single ones
-        assert all(n >= 3 for n in served), served  # every replica got a part of each split request at least
+        assert sum(served) == 4 * count + len(PROMPTS), served  # 4 split requests + the single ones
+        assert all(n >= 4 for n in served), served  # every replica got a part of each split request at least
         import requests
 
         stats = requests.get(f"{base}{routing.STATS_PATH}", timeout=5, proxies={"http": None}).json()["replicas"]
@@ -181,6 +181,55 @@ def test_router_spreads_requests_and_answers_like_one_engine(engines, tmp_path, 
         assert all(r["errors"] == 0 and r["in_flight"] == 0 for r in stats)
     finally:
         router.stop(grace_s=5)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_trls_client_seeded_by_dualrun_samples_alike_on_one_engine_and_behind_the_router(engines, tmp_path):
+    """TRL's VLLMClient as a trainer rank has it (dualrun's per-prompt seeds, no seed of the user's): two fresh
+    clients (two runs) sample the same completions call for call, on one engine and through a router over 3
+    replicas (each prompt to whichever is least busy); each call and each prompt draws its own."""
+    import types
+
+    import torch
+    from trl.generation import vllm_client
+
+    from dualrun.rank import rollout_seeds
+    from dualrun.rank.teacher import teacher_client
+
+    module = types.SimpleNamespace(VLLMClient=type("Seeded", (vllm_client.VLLMClient,), {}))  # TRL's class stays
+    lines = []
+    rollout_seeds.install(module, lines.append)
+    torch.manual_seed(3)   # the trainer's seed (Trainer sets it)
+    prompts = [[1, 5, 9], [2, 4], [1, 5, 9], [3, 4, 5, 6, 7], [8, 8, 2, 6]]
+
+    def client(address):
+        c = teacher_client(f"http://{address}")   # TRL's client, built without vLLM's import check
+        c.__class__ = module.VLLMClient
+        return c
+
+    def run(address):
+        c = client(address)
+        return [c.generate(prompts, n=2, max_tokens=5, logprobs=0) for _ in range(2)]
+
+    router = _router([s.address for s in engines], tmp_path / "router.log")
+    try:
+        one, again = run(engines[0].address), run(engines[0].address)
+        before = [_served(s) for s in engines]
+        routed = run(router.address)
+        users = [client(a).generate(prompts, n=2, max_tokens=5, generation_kwargs={"seed": 1})
+                 for a in (engines[0].address, router.address)]
+    finally:
+        router.stop(grace_s=5)
+    assert one == again == routed
+    first, second = one
+    assert first["prompt_ids"] == prompts and len(first["completion_ids"]) == 2 * len(prompts)
+    assert first["completion_ids"] != second["completion_ids"]            # a new call: new seeds
+    assert first["completion_ids"][0:2] != first["completion_ids"][4:6]   # the same prompt again: its own seed
+    assert len(lines) == 1 and "seeded from the trainer's seed" in lines[0]
+    assert eventually(lambda: sum(_served(s) for s in engines) - sum(before) >= 2 * len(prompts) + 3, timeout=5)
+    assert all(_served(s) > b for s, b in zip(engines, before))         # one request per prompt, spread
+    assert users[0] == users[1]   # the user's seed: TRL's one request (split by the router), as on one engine
 
 
 # -- the weight-transfer protocol with recording replicas --------------------------------------------------------

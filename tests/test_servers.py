@@ -184,6 +184,22 @@ def test_engine_greedy_with_several_completions_answers_copies(engine):
     assert out["logprobs"] == [lp for lp in one["logprobs"] for _ in range(3)]
 
 
+def test_engine_answers_each_prompt_as_if_it_came_alone(engine):
+    """A router splits a request over however many replicas are in rotation: the CPU engine's answer to a prompt
+    (scoring and seeded sampling) must not depend on the prompts that came with it, bit for bit."""
+    eng, _ = engine
+    seqs = [[1, 5, 9, 12, 7, 30, 4, 8, 11, 2, 6], [2, 4], [1, 8, 8, 2, 6, 9, 40], [3, 33, 5, 7, 9, 12, 14, 16, 18,
+                                                                                    20, 22, 24, 26, 28, 30]]
+    together = eng.prompt_logprobs(seqs, 5, 1.0)
+    assert together == [eng.prompt_logprobs([s], 5, 1.0)[0] for s in seqs]
+    assert together == eng.prompt_logprobs(seqs[:1], 5, 1.0) + eng.prompt_logprobs(seqs[1:], 5, 1.0)
+    body = {"prompt": seqs, "n": 2, "max_tokens": 6, "temperature": 1.0, "logprobs": 1, "seed": 5,
+            "return_tokens_as_token_ids": True}
+    whole = [(c["token_ids"], c["logprobs"]) for c in eng.completions(body)["choices"]]
+    alone = [(c["token_ids"], c["logprobs"]) for s in seqs for c in eng.completions({**body, "prompt": [s]})["choices"]]
+    assert whole == alone
+
+
 def test_engine_stats_count_what_it_served(engine):
     """`GET /engine/stats`: what the router tests and the replica benchmark read to see every replica got work."""
     import json

@@ -5,7 +5,8 @@ engine per process) behind one address.
 - A GRPO rollout with one replica SIGKILLed mid-run: the unchanged GRPOTrainer's weights reach every replica in
   rotation at every step, over one gloo group of world size 1 + 2 (the trainer rank 0, the replicas at rank offsets
   1 and 2, as the router's fan-out gives them); restarted, the killed one serves only once it holds the trainer's
-  weights.
+  weights. The kill changes nothing in the training: both backends sample the same completions and log the same
+  losses, bit for bit.
 - A replica killed mid-run with `max_failures: 1`: the job restarts with fresh replicas and router, the trainer
   resumes from its checkpoint, and after their first sync the fresh replicas serve the checkpoint's weights (which
   they did not load); AsyncGRPOTrainer's weight transfer, fanned out by the fresh router, lands in both."""
@@ -26,6 +27,8 @@ from vllm_helpers import (LOGPROB_TOLERANCE, TIER, assert_async_syncs_landed, as
                           server_role)
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
+
+KILLED: dict[str, dict] = {}   # the killed-replica run's record per backend
 
 
 def test_gkd_distils_from_two_vllm_replicas_behind_the_router(tmp_path, vllm_tiny):
@@ -108,6 +111,11 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
     assert new.find('"POST /finish_weight_update') > 0
     assert '"POST /v1/completions' not in new[:new.find('"POST /finish_weight_update')], new[-3000:]
     assert '"POST /v1/completions' in new   # and it served once restored
+    assert "rollout sampling: each prompt seeded" not in text   # the script's own seed: TRL's request, untouched
+    KILLED[backend] = rec
+    if len(KILLED) == 2:   # the other backend ran too: the same training, whichever replicas served
+        assert KILLED["torchrun"]["generations"] == KILLED["ray"]["generations"]
+        assert KILLED["torchrun"]["losses"] == KILLED["ray"]["losses"]
     router_log = (logs / "rollout-router.log").read_text()
     replaced = router_log.find("replica 1 replaced:")
     assert 0 < replaced < router_log.find("replica 1 (", replaced) and re.search(

@@ -219,8 +219,9 @@ def sync_here(specs: list[list[Any]], main: str) -> list[list[Any]]:
 
 
 def sync_verdict(group: SyncGroup, results: list[dict[str, Any] | None], names: dict[int, str], address: str,
-                 port: int) -> tuple[list[str], str | None]:
-    return verdict(group, unanswered(results, f"no answer within {limit_s():g} s"), names, address, port)
+                 port: int, model_bytes: int | None = None) -> tuple[list[str], list[str]]:
+    return verdict(group, unanswered(results, f"no answer within {limit_s():g} s"), names, address, port,
+                   model_bytes)
 
 
 def sync_plan(cfg: JobConfig, group: SyncGroup) -> tuple[str, int, dict[int, list[list[Any]]]]:

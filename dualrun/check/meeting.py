@@ -130,16 +130,16 @@ def host(cfg: JobConfig, group: SyncGroup | None, mine: dict[str, Any], here: No
     notes: list[str] = []
     if group is not None and not unreachable and len(wires) == cfg.num_machines - 1 and \
             mine["facts"]["versions"].get("torch"):
-        found, note = _sync(cfg, group, wires, views)
+        found, said = _sync(cfg, group, wires, views)
         problems += found
-        notes += [note] if note else []
+        notes += said
     ordered = [views[k] for k in sorted(views)]
     _final(wires, problems, ordered, notes)
     return problems, [here] + [report_of(v) for v in ordered[1:]], notes
 
 
 def _sync(cfg: JobConfig, group: SyncGroup, wires: dict[int, Wire],
-          views: dict[int, dict[str, Any]]) -> tuple[list[str], str | None]:
+          views: dict[int, dict[str, Any]]) -> tuple[list[str], list[str]]:
     """The weight-sync group across the machines: every machine runs its members at once; machine 0 judges."""
     address, port, by_machine = sync_plan(cfg, group)
     results: list[dict[str, Any] | None] = [None] * len(group.members)

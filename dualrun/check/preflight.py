@@ -141,10 +141,10 @@ def check_ray(cfg: JobConfig) -> Outcome:
         group = sync_group(cfg, plan) if plan else None
         notes: list[str] = []
         if group is not None and all(m.node in ready_nodes(refs, ready) for m in group.members):
-            found, note = handshake_ray(cfg, group, [n["NodeID"] for n in raw], names,
+            found, said = handshake_ray(cfg, group, [n["NodeID"] for n in raw], names,
                                         [n.get("NodeManagerAddress") for n in raw] if len(raw) > 1 else None)
             problems += found
-            notes += [note] if note else []
+            notes += said
         return problems, nodes, notes
     finally:
         conn.close()
@@ -155,7 +155,7 @@ def ready_nodes(refs: list[Any], ready: list[Any]) -> set[int]:
 
 
 def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: dict[int, str],
-                  addresses: list[str | None] | None = None) -> tuple[list[str], str | None]:
+                  addresses: list[str | None] | None = None) -> tuple[list[str], list[str]]:
     """The weight-sync group on the Ray nodes the plan gives its members: a port picked on trainer rank 0's node,
     then one task per member on its node (with the member's GPUs where NCCL may run), stopped at the first that
     fails on its own, all within the probe's limit. `addresses` (several nodes): each node's Ray address, whose
@@ -190,7 +190,8 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: 
     for r in pending:
         ray.cancel(r, force=True)
     return verdict(group, unanswered(results, f"its task did not end within {limit_s() + _PROBE_TIMEOUT_S:g} s "
-                                              "(the node busy, or its GPUs taken)"), names, address, port)
+                                              "(the node busy, or its GPUs taken)"), names, address, port,
+                   model_file_bytes(cfg))
 
 
 def check_torchrun(cfg: JobConfig, wait_s: float | None = None) -> Outcome:
@@ -219,10 +220,24 @@ def check_torchrun(cfg: JobConfig, wait_s: float | None = None) -> Outcome:
     notes: list[str] = []
     if group is not None and here["versions"]["torch"]:
         address, port = master_endpoint(port_host(cfg), group.master.env)
-        found, note = run_local(group, address, port, {0: node.name})
+        found, said = run_local(group, address, port, {0: node.name}, model_bytes=model_file_bytes(cfg))
         problems += found
-        notes += [note] if note else []
+        notes += said
     return problems, [node], notes
+
+
+def model_file_bytes(cfg: JobConfig) -> int | None:
+    """The bytes of the rollout model's weight files where its `model` is a directory here (safetensors, else
+    PyTorch's .bin), for the check's estimate of a sync's time; None otherwise (a hub name, nothing found)."""
+    role = cfg.role("rollout")
+    path = role.model if role is not None else None
+    if not path or not os.path.isdir(path):
+        return None
+    for suffix in (".safetensors", ".bin"):
+        sizes = [os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(suffix)]
+        if sizes:
+            return sum(sizes)
+    return None
 
 
 def _local_gpus() -> int:

@@ -70,22 +70,20 @@ class Engine:
     # -- scoring: vLLM's `prompt_logprobs` ------------------------------------------------------------------
     def prompt_logprobs(self, seqs: list[list[int]], k: int, temperature: float) -> list[list[dict | None]]:
         """Per sequence: None for the first token, then {token_id: {logprob, rank, decoded_token}} holding the
-        top-k tokens of the distribution that predicted each position, plus the token actually there."""
+        top-k tokens of the distribution that predicted each position, plus the token actually there.
+
+        Each sequence is computed alone (no padding, no batch-mates): a padded batch changes the shapes the kernels
+        see, and with them a row's rounding (~5e-7 here), so the answer would depend on how a router split the
+        request over replicas, or on which sequences came with it."""
         torch = self.torch
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-        with torch.no_grad():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        logp = self._logprobs(logits, temperature).cpu()
         out: list[list[dict | None]] = []
-        for i, s in enumerate(seqs):
+        for s in seqs:
             rows: list[dict | None] = [None]
             if len(s) > 1:
-                dist = logp[i, : len(s) - 1]                               # (L-1, V): predicts tokens 1..L-1
+                ids = torch.tensor([s], device=self.device)
+                with torch.no_grad():
+                    logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+                dist = self._logprobs(logits[0, : len(s) - 1], temperature).cpu()   # (L-1, V): tokens 1..L-1
                 kk = max(0, min(k, dist.shape[-1]))
                 top_v, top_i = torch.topk(dist, kk, dim=-1) if kk else (None, None)
                 actual = torch.tensor(s[1:])
@@ -151,12 +149,13 @@ class Engine:
         logprobs = body.get("logprobs")
         prompt_k = body.get("prompt_logprobs")
         as_ids = bool(body.get("return_tokens_as_token_ids"))
+        seed = body.get("seed")
         with self.lock:
-            if body.get("seed") is not None:
-                self.torch.manual_seed(int(body["seed"]))
             scored = self.prompt_logprobs(prompts, int(prompt_k), temperature) if prompt_k is not None else None
             choices = []
             for i, prompt in enumerate(prompts):
+                if seed is not None:   # each prompt from the seed, as vLLM does: the same answer however split
+                    self.torch.manual_seed(int(seed))
                 gens = self.generate(prompt, n, max_tokens, temperature, top_p, top_k,
                                      None if logprobs is None else int(logprobs)) if max_tokens > 0 else \
                     [{"token_ids": [], "finish_reason": "length", "logprobs": None}] * n

@@ -18,9 +18,9 @@ fan-out is not retried: a replica failing there is the call's error. It goes to 
 until it has the trainer's weights is restored once it completes its first update; the trainer's side re-forms its
 group when `protocol.ROUTER_MEMBERSHIP_PATH` reports a new membership.
 
-Known differences from one engine: a split request with sampling and a `seed` gives each part the same seed, so
-sampled completions differ from one engine's (greedy ones are identical); `/server_info` and `/v1/models` are
-the first replica's; a `stream: true` completion goes to one replica whole.
+A split request answers as one engine: a request's `seed` seeds each of its prompts in any part, and on CPU a
+prompt's answer does not depend on its batch-mates (docs/concepts.md, "The same seed, the same training"). But
+`/server_info` and `/v1/models` are the first replica's; a `stream: true` completion goes to one replica whole.
 """
 from __future__ import annotations
 

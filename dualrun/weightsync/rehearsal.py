@@ -1,5 +1,7 @@
 """`dualrun check`'s rehearsal of the weight sync: the job's group (`group.py`) formed before any model loads, one
-small tensor moved through it, and what each member saw.
+small tensor moved through it, then a payload as the sync moves weights (`probe.PAYLOAD_BYTES`), and what each
+member saw: the rate each replica received it at, beside the speed its node reports for its link, so a user sees
+before training what a sync will cost.
 
 Each member runs `python -m dualrun.weightsync.probe` in a child process (its own environment - the interface
 variables of its role - and a hard time limit); on Ray, a task on the member's node runs `run_member`.
@@ -96,9 +98,10 @@ def unanswered(results: list[dict[str, Any] | None], why: str) -> list[dict[str,
 
 
 def verdict(group: SyncGroup, results: Sequence[Mapping[str, Any] | None], node_names: Mapping[int, str],
-            address: str, port: int) -> tuple[list[str], str | None]:
-    """Pure: (problem lines, or the success line). A member that failed on its own is the cause: the others'
-    timeouts (they wait for it) are left out; `None` stands for a member stopped before it answered (`unanswered`).
+            address: str, port: int, model_bytes: int | None = None) -> tuple[list[str], list[str]]:
+    """Pure: (problem lines, or the success lines: the group, then each replica's rate). A member that failed on
+    its own is the cause: the others' timeouts (they wait for it) are left out; `None` stands for a member stopped
+    before it answered (`unanswered`).
     """
     hard = [(m, r) for m, r in zip(group.members, results) if is_hard(r)]
     failed = hard or [(m, r or {"error": "stopped"}) for m, r in zip(group.members, results) if not (r or {}).get("ok")]
@@ -110,11 +113,43 @@ def verdict(group: SyncGroup, results: Sequence[Mapping[str, Any] | None], node_
             ifnames = ", ".join(f"{k}={v}" for k, v in m.env.items() if k.endswith("IFNAME"))
             lines.append(f"weight sync ({backend}, trainer rank 0 at {address}:{port}): {at(m.node)}: {m.name}"
                          f"{' with ' + ifnames if ifnames else ''}: {r.get('error')}{_hint(group, m, r, address)}")
-        return lines, None
+        return lines, []
     master = results[0] or {}
     rest = "; ".join(f"{m.name} on {at(m.node)}" for m in group.members[1:])
-    return [], (f"weight sync: {master.get('backend')} group of {group.world_size} at {address}:{port} (trainer "
-                f"rank 0 on {at(group.master.node)}; {rest}) moved a tensor in {float(master.get('seconds', 0)):.2f} s")
+    notes = [f"weight sync: {master.get('backend')} group of {group.world_size} at {address}:{port} (trainer "
+             f"rank 0 on {at(group.master.node)}; {rest}) moved a tensor in {float(master.get('seconds', 0)):.2f} s"]
+    rates = []
+    for m, r in zip(group.members[1:], results[1:]):
+        line, rate = rate_line(m, r or {}, at(m.node), str(master.get("backend")))
+        notes += [line] if line else []
+        rates += [rate] if rate else []
+    if rates and model_bytes:
+        size = f"{model_bytes / 1e9:.2f} GB" if model_bytes >= 1e9 else f"{model_bytes / 1e6:.1f} MB"
+        seconds = model_bytes / min(rates)
+        notes.append(f"weight sync: the rollout model's files hold {size}: about "
+                     f"{seconds:.{1 if seconds >= 1 else 2}f} s a sync at the slowest replica's "
+                     f"{min(rates) / 1e6:.0f} MB/s (weights the trainer holds in a wider dtype than its files move "
+                     "more)")
+    return [], notes
+
+
+def rate_line(member: Member, result: Mapping[str, Any], node: str, backend: str) -> tuple[str | None, float | None]:
+    """Pure: one member's payload figure, "64 MiB to ... in 0.55 s: 122 MB/s (link eth0: 1000 Mb/s = 125 MB/s)",
+    and its rate in bytes/s; (None, None) where it moved no payload. MB = 10^6 bytes."""
+    nbytes, seconds = int(result.get("payload_bytes") or 0), float(result.get("payload_s") or 0.0)
+    if nbytes <= 0 or seconds <= 0:
+        return None, None
+    rate = nbytes / seconds
+    link = result.get("link")
+    if not link:
+        said = "its link not found"
+    elif link.get("mbps"):
+        said = f"link {link['interface']}: {link['mbps']} Mb/s = {link['mbps'] / 8:.0f} MB/s"
+    else:
+        said = f"link {link['interface']}: no speed reported"
+    how = "down the chain" if backend == "gloo" else "broadcast"
+    return (f"weight sync: {nbytes / 2**20:.0f} MiB {how} to {member.name} on {node} in {seconds:.2f} s: "
+            f"{rate / 1e6:.0f} MB/s ({said})"), rate
 
 
 def _hint(group: SyncGroup, member: Member, result: Mapping[str, Any], address: str) -> str:
@@ -149,9 +184,9 @@ def run_specs(specs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any] | None]
 
 
 def run_local(group: SyncGroup, address: str, port: int, node_names: Mapping[int, str],
-              timeout_s: float = TIMEOUT_S) -> tuple[list[str], str | None]:
+              timeout_s: float = TIMEOUT_S, model_bytes: int | None = None) -> tuple[list[str], list[str]]:
     """Every member on this machine (torchrun, or a Ray job on an embedded cluster): one child each, stopped at
     the first member that fails on its own."""
     results = run_specs([member_spec(group, m, address, port, timeout_s) for m in group.members])
     return verdict(group, unanswered(results, f"no answer within {limit_s(timeout_s):g} s"), node_names, address,
-                   port)
+                   port, model_bytes)

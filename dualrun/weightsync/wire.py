@@ -8,27 +8,77 @@ backend's name in every vLLM process); `group_store` imports torch, `open_group`
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 GLOO_BACKEND = "gloo"   # the name in `--weight-transfer-config` and in the server's reported config
 
 # Packed chunks of 64 MiB, not vLLM's 1 GiB default: on a CPU each chunk is one more copy of that many bytes in RAM.
 PACKED_BUFFER_BYTES = 64 * 1024 * 1024
+# The unit each rank passes on down the chain: small enough that a relay adds little delay per hop (4 MiB: 34 ms at
+# 1 Gbit/s), large enough that gloo's per-message cost stays small beside the bytes.
+SEGMENT_BYTES = 4 * 1024 * 1024
+# A tensor this big travels in segments of its own, sent from the trainer's tensor itself (no copy); the smaller
+# ones (norms, biases) are packed together.
+ALONE_BYTES = 1024 * 1024
 GROUP_TIMEOUT_S = 600   # one collective of the weight-sync group (a chunk); a vanished peer fails within it
 
 
-def chunk_bounds(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int]]:
-    """Pure: (start, stop) of each packed chunk over tensors of `sizes` bytes, cut as vLLM's `pack_tensors` cuts
-    them (a chunk ends with the tensor that takes it past `buffer_bytes`), so the receiver sizes the same chunks."""
-    bounds, start, total = [], 0, 0
-    for i, size in enumerate(sizes):
-        total += size
+def cut_chunks(items: Iterable[T], size_of: Callable[[T], int], buffer_bytes: int) -> Iterator[list[T]]:
+    """Pure: `items` grouped into packed chunks as they come (the trainer reads its parameters one by one): a chunk
+    ends with the item that takes it past `buffer_bytes` (`size_of` bytes each), vLLM's `pack_tensors` rule, so a
+    tensor bigger than the buffer is a chunk of its own."""
+    chunk: list[T] = []
+    total = 0
+    for item in items:
+        chunk.append(item)
+        total += size_of(item)
         if total > buffer_bytes:
-            bounds.append((start, i + 1))
-            start, total = i + 1, 0
-    if start < len(sizes):
-        bounds.append((start, len(sizes)))
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
+        yield chunk
+
+
+def chunk_bounds(sizes: list[int], buffer_bytes: int) -> list[tuple[int, int]]:
+    """Pure: (start, stop) of each packed chunk over tensors of `sizes` bytes (`cut_chunks`), so the receiver sizes
+    the same chunks the trainer sends."""
+    return [(chunk[0], chunk[-1] + 1) for chunk in cut_chunks(range(len(sizes)), sizes.__getitem__, buffer_bytes)]
+
+
+def segment_bounds(sizes: list[int], segment_bytes: int = SEGMENT_BYTES,
+                   alone_bytes: int = ALONE_BYTES) -> list[tuple[int, int]]:
+    """Pure: (start, stop) of each segment of a chunk whose tensors are `sizes` bytes, laid end to end: the unit
+    every rank receives and passes on, so a rank forwards a segment while the next is still arriving. A tensor of
+    `alone_bytes` or more is cut into segments of its own (`segment_bytes` each, the last shorter), which the
+    trainer sends from the tensor itself; smaller tensors are grouped, up to `segment_bytes`, into segments it packs."""
+    bounds: list[tuple[int, int]] = []
+    run, offset = None, 0   # run: where the open group of small tensors starts
+    for size in sizes:
+        if size >= alone_bytes:
+            if run is not None and offset > run:
+                bounds.append((run, offset))
+            run = None
+            bounds += [(a, min(a + segment_bytes, offset + size)) for a in range(offset, offset + size, segment_bytes)]
+        else:
+            if run is not None and offset + size - run > segment_bytes:
+                bounds.append((run, offset))
+                run = None
+            run = offset if run is None else run
+        offset += size
+    if run is not None and offset > run:
+        bounds.append((run, offset))
     return bounds
+
+
+def chain_neighbours(rank: int, world_size: int) -> tuple[int | None, int | None]:
+    """Pure: (the rank this one receives from, the rank it passes each segment on to) in the group's chain 0 -> 1
+    -> ... -> world_size - 1; None at either end. The engines' ranks come from their `rank_offset`, so the chain is
+    the trainer, then each replica's workers in the router's order."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a group of {world_size}")
+    return (rank - 1 if rank > 0 else None), (rank + 1 if rank + 1 < world_size else None)
 
 
 def tcp_store(address: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Any:

@@ -15,7 +15,7 @@ import inspect
 import os
 from typing import Any, Mapping
 
-from dualrun.plugins.workers.grpo import wire_rollout
+from dualrun.plugins.workers.grpo import seed_rollout, wire_rollout
 from dualrun.contract.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
 from dualrun.weightsync.trainer.vllm_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
@@ -47,6 +47,7 @@ def activate(settings: Mapping[str, Any]) -> None:
     if rollout:
         when_imported("trl.trainer.distillation_config", lambda m: wire_rollout(m, "DistillationConfig", rollout))
         when_imported("trl.generation.vllm_client", install_gloo_client)   # weight sync to a CPU vLLM rollout
+        when_imported("trl.generation.vllm_client", seed_rollout)          # the same completions run after run
         when_imported("trl.experimental.gkd.gkd_trainer", lambda m: refuse_rollout_server(m.GKDTrainer))
 
 

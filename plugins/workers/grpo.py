@@ -5,7 +5,8 @@ A separate rollout: the unchanged GRPOConfig is pointed at its server (`use_vllm
 `vllm_server_host/port` and a free `vllm_group_port`, each only where the user left it at its default); TRL's
 AsyncGRPOConfig (trl.experimental.async_grpo) gets `vllm_server_base_url`, and TRL's VLLMClient the gloo
 weight-sync path for a rollout on vLLM's CPU build (dualrun.weightsync.trainer.vllm_client), as does AsyncGRPOTrainer's default
-`weight_transfer` (dualrun.weightsync.trainer.async_client). A colocated vLLM rollout: TRL's
+`weight_transfer` (dualrun.weightsync.trainer.async_client), and a seed for every sampled prompt where the user set none
+(dualrun.rank.rollout_seeds: the same completions run after run). A colocated vLLM rollout: TRL's
 colocate mode, sleep mode from `offload_model`.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Mapping
 from dualrun.contract.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
 from dualrun.weightsync.trainer.vllm_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
+from dualrun.rank.rollout_seeds import install as install_rollout_seeds
 from dualrun.rank.wiring import fill_defaults, left_at_default, rollout_fields, say
 
 
@@ -26,6 +28,7 @@ def activate(settings: Mapping[str, Any]) -> None:
     if address:
         when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
         when_imported("trl.generation.vllm_client", install_gloo_client)
+        when_imported("trl.generation.vllm_client", seed_rollout)
         when_imported("trl.experimental.async_grpo.async_grpo_trainer", install_async_gloo)
         when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(
             m.AsyncGRPOConfig, async_rollout_fields(address),
@@ -35,6 +38,11 @@ def activate(settings: Mapping[str, Any]) -> None:
     if fields:
         when_imported("trl.trainer.grpo_config", lambda m: fill_defaults(
             m.GRPOConfig, fields, lambda cfg, filled: say(f"GRPOConfig: {filled} (colocated rollout)")))
+
+
+def seed_rollout(module: Any) -> None:
+    """TRL's VLLMClient: each sampled prompt seeded from the trainer's seed where the user set no seed."""
+    install_rollout_seeds(module, say)
 
 
 def install_async_gloo(module: Any) -> None:

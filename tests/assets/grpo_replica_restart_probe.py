@@ -7,7 +7,8 @@ mid-run (the test kills it; dualrun restarts it). A callback, which only observe
 - at the start of every step (and at the end) each replica in rotation is compared with the trainer's model as it
   was when the previous step began (the weights that step's sync pushed): log-probabilities of a fixed prompt.
 
-Writes OUT/rank0.json: the checks, the rows seen, the initial log-probabilities, the losses.
+Writes OUT/rank0.json: the checks, the rows seen, the initial log-probabilities, each generation call's answer
+(completions and their log-probabilities), the losses.
 
     grpo_replica_restart_probe.py MODEL PROMPTS.jsonl OUT
 """
@@ -26,7 +27,9 @@ model, data, out = sys.argv[1:4]
 KILL_AT, STEPS = 2, 5
 PROMPT = [2, 10, 11, 12, 13, 14]   # token ids of the tiny model's vocabulary
 dataset = load_dataset("json", data_files=data, split="train")
-config = GRPOConfig(output_dir=os.path.join(out, "grpo"), per_device_train_batch_size=2, max_steps=STEPS,
+# the user's own generation seed: TRL's one request a step, its 2 prompts split by the router over the replicas in
+# rotation, each prompt seeded 7 by whichever engine serves it
+config = GRPOConfig(output_dir=os.path.join(out, "grpo"), per_device_train_batch_size=4, max_steps=STEPS,
                     learning_rate=0.05, logging_steps=1, seed=0, generation_kwargs={"seed": 7}, num_generations=2,
                     max_completion_length=8, report_to="none", use_cpu=True, bf16=False)
 base = f"http://{config.vllm_server_host}:{config.vllm_server_port}"
@@ -110,6 +113,17 @@ class RestartProof(TrainerCallback):
 
 trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                       callbacks=[RestartProof()])
+rec["generations"] = []
+generate = trainer.vllm_generation.vllm_client.generate
+
+
+def recorded_generate(*args, **kwargs):
+    answer = generate(*args, **kwargs)
+    rec["generations"].append({"completion_ids": answer["completion_ids"], "logprobs": answer["logprobs"]})
+    return answer
+
+
+trainer.vllm_generation.vllm_client.generate = recorded_generate
 trainer.train()
 rec["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 rec["final_rows"] = stats()["replicas"]

@@ -8,9 +8,10 @@
    g (and at the end) every replica's log-probabilities of a fixed prompt, and its greedy completion, are compared
    with the trainer model's as it was when step g-1 began (the weights the sync of step g-1 pushed).
 
-Writes out/rank0.json: filled fields, losses, and per check the largest log-probability difference per replica,
-the greedy completions, and how far the trainer's weights moved since the previous check; then the same after one
-tensor pushed alone through TRL's `update_named_param`.
+Writes out/rank0.json: filled fields, losses, rewards, each generation call's answer (prompts, completions, their
+tokens' log-probabilities: sampled with dualrun's per-prompt seeds, the script sets none), and per check the largest
+log-probability difference per replica, the greedy completions, and how far the trainer's weights moved since the
+previous check; then the same after one tensor pushed alone through TRL's `update_named_param`.
 
 For the restart test (`--restart_test`): AsyncGRPOTrainer only in the restarted attempt, a checkpoint every step,
 and on the first attempt the trainer waits at the start of step `--hold_at_step` (its checkpoint written) while
@@ -63,8 +64,9 @@ def reward(completions, **kwargs):
 common = dict(num_generations=2, max_completion_length=8, report_to="none", use_cpu=True, bf16=False)
 rec = {"attempt": attempt}
 saving = dict(save_strategy="steps", save_steps=1) if a.restart_test else dict(save_strategy="no")
-training = dict(per_device_train_batch_size=2, max_steps=a.max_steps, learning_rate=0.05, logging_steps=1, seed=0,
-                generation_kwargs={"seed": 7}, **saving)
+# no generation seed: dualrun seeds each prompt (2 a call) from `seed`, so runs can be compared bit for bit
+training = dict(per_device_train_batch_size=4, max_steps=a.max_steps, learning_rate=0.05, logging_steps=1, seed=0,
+                **saving)
 if a.teacher:
     from trl import DistillationConfig, DistillationTrainer
 
@@ -87,8 +89,8 @@ def replicas() -> list[str]:
 
 def served(url: str) -> dict:
     name = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": name, "prompt": PROMPT, "max_tokens": GREEDY_TOKENS, "temperature": 0, "prompt_logprobs": 0,
-            "return_token_ids": True}
+    body = {"model": name, "prompt": PROMPT, "max_tokens": GREEDY_TOKENS, "min_tokens": GREEDY_TOKENS,  # as the
+            "temperature": 0, "prompt_logprobs": 0, "return_token_ids": True}   # trainer's: no early end of text
     choice = requests.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
     logprobs = [None if d is None else d[str(t)]["logprob"] for d, t in zip(choice["prompt_logprobs"], PROMPT)]
     return {"logprobs": logprobs, "greedy": choice["token_ids"]}
@@ -194,6 +196,18 @@ def async_grpo() -> None:
 if not a.teacher and (not a.restart_test or attempt > 0):   # restarted: into the fresh engines, before the resume
     async_grpo()
 trainer = make_trainer(model=model, args=config, train_dataset=dataset, callbacks=[SyncProof()])
+rec["generations"] = []   # each generation call's answer: the completions and their sampled tokens' logprobs
+generate = trainer.vllm_generation.vllm_client.generate
+
+
+def recorded_generate(*args, **kwargs):
+    answer = generate(*args, **kwargs)
+    rec["generations"].append({"completion_ids": answer["completion_ids"],
+                               "logprobs": answer["logprobs"], "prompt_ids": answer["prompt_ids"]})
+    return answer
+
+
+trainer.vllm_generation.vllm_client.generate = recorded_generate
 trainer.train()
 # TRL's per-tensor call (`update_named_param`, one tensor in its own update) on the same client: one weight changed
 client = trainer.vllm_generation.vllm_client

@@ -5,12 +5,14 @@ Loaded inside vLLM's worker processes (registered by `dualrun.weightsync.engine.
 (`master_address`, `master_port`, `rank_offset`, `world_size`, `packed`), so TRL's client and dualrun's router
 drive it unchanged: the trainer is rank 0 of a stateless torch.distributed group (vLLM's
 `init_gloo_process_group` over a TCPStore the trainer hosts), each worker joins at `rank_offset` plus its rank,
-and every update is a broadcast from rank 0, packed into byte chunks (`dualrun.weightsync.wire.chunk_bounds`) or one
-tensor at a time. Received weights load through vLLM's layerwise reload, as NCCL's do, so layers whose kernels repack
-their weights (the CPU linear layers) are processed again.
+and every update streams down the group's chain of ranks (`dualrun.weightsync.stream`: each worker takes the
+chunks from the rank before it and passes every segment on to the rank after it), packed into byte chunks
+(`dualrun.weightsync.wire.chunk_bounds`) or one tensor at a time. Received weights load, from views of the received
+chunk, through vLLM's layerwise reload, as NCCL's do, so layers whose kernels repack their weights (the CPU linear
+layers) are processed again.
 
-Imports vLLM: only vLLM's processes import it; what the trainer shares with it (the chunks, the group) is
-dualrun.weightsync.wire.
+Imports vLLM: only vLLM's processes import it; what the trainer shares with it (the chunks, the group, the chain)
+is dualrun.weightsync.wire and dualrun.weightsync.stream.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from typing import Any
 import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
-from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
 
+from dualrun.weightsync.stream import Receiver, unpack
 from dualrun.weightsync.wire import PACKED_BUFFER_BYTES, chunk_bounds, close_group, open_group
 
 
@@ -35,7 +37,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int
     packed: bool = False
     packed_buffer_size_bytes: int = PACKED_BUFFER_BYTES
-    packed_num_buffers: int = 2   # accepted for NCCL-shaped clients; gloo broadcasts one chunk at a time
+    packed_num_buffers: int = 2   # accepted for NCCL-shaped clients; the gloo stream keeps two (stream.BUFFERS)
 
 
 @dataclass
@@ -75,6 +77,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config, vllm_config, device, model) -> None:  # noqa: ANN001 - vLLM's signature
         super().__init__(config, vllm_config, device, model)
         self.group: Any = None
+        self.receiver: Receiver | None = None
         self.packed = False
         self.buffer_bytes = PACKED_BUFFER_BYTES
 
@@ -85,6 +88,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.packed, self.buffer_bytes = init_info.packed, init_info.packed_buffer_size_bytes
         self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+        self.receiver = Receiver(self.group, rank, init_info.world_size, self.buffer_bytes)
         # stderr, not vLLM's logger: the line must reach the server's log whatever vLLM's logging is set to
         print(f"dualrun gloo weight transfer: rank {rank} of {init_info.world_size} (trainer at "
               f"{init_info.master_address}:{init_info.master_port})", file=sys.stderr, flush=True)
@@ -106,25 +110,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
+        if self.receiver is None:
             raise RuntimeError("gloo weight transfer is not initialised: call /init_weight_transfer_engine first")
-        metas = [(n, [int(d) for d in s], getattr(torch, t))
-                 for n, t, s in zip(update_info.names, update_info.dtype_names, update_info.shapes)]
-        if not self.packed:
-            for name, shape, dtype in metas:
-                weight = torch.empty(shape, dtype=dtype)
-                self.group.broadcast(weight, 0).wait()
-                self.model.load_weights([(name, weight)])
-            return
-        sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in metas]
-        for start, stop in chunk_bounds(sizes, self.buffer_bytes):
-            buffer = torch.empty(sum(sizes[start:stop]), dtype=torch.uint8)
-            self.group.broadcast(buffer, 0).wait()
-            part = metas[start:stop]
-            self.model.load_weights(unpack_tensor(buffer, [n for n, _, _ in part], [s for _, s, _ in part],
-                                                  [d for _, _, d in part], sizes[start:stop]))
+        names = update_info.names
+        dtypes = [getattr(torch, t) for t in update_info.dtype_names]
+        shapes = [[int(d) for d in s] for s in update_info.shapes]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes)]
+        bounds = chunk_bounds(sizes, self.buffer_bytes) if self.packed else [(i, i + 1) for i in range(len(sizes))]
+
+        def load(index: int, chunk: torch.Tensor) -> None:
+            start, stop = bounds[index]
+            self.model.load_weights(list(zip(names[start:stop], unpack(chunk, dtypes[start:stop],
+                                                                       shapes[start:stop]))))
+        self.receiver.receive([sizes[start:stop] for start, stop in bounds], load)
 
     def shutdown(self) -> None:
+        self.receiver = None
         if self.group is not None:
             group, self.group = self.group, None
             close_group(group)

@@ -24,21 +24,24 @@ _INSTALLED = "_dualrun_gloo"
 
 
 class GlooEndpoint:
-    """Rank 0 of the weight-sync group: broadcasts the trainer's tensors, packed into chunks as vLLM packs them."""
+    """Rank 0 of the weight-sync group: streams the trainer's tensors down the group's chain
+    (`dualrun.weightsync.stream.Sender`: chunks packed as vLLM packs them, the next packed while the last is on the
+    wire, into two buffers kept from sync to sync)."""
 
     def __init__(self, group: Any, buffer_bytes: int) -> None:
+        from dualrun.weightsync.stream import Sender
+
         self.group, self.buffer_bytes = group, buffer_bytes
+        self.sender = Sender(group, buffer_bytes)
 
     def send(self, named: Iterator[tuple[str, Any]]) -> None:
-        from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
-
-        while (chunk := pack_tensors(named, lambda item: item[1].detach().cpu(), self.buffer_bytes)) is not None:
-            self.group.broadcast(chunk.packed_tensor, 0).wait()
+        self.sender.send(tensor.detach().cpu() for _, tensor in named)
 
     def close(self) -> None:
         from dualrun.weightsync.wire import close_group
 
         group, self.group = self.group, None
+        self.sender.buffers = [None] * len(self.sender.buffers)
         if group is not None:
             close_group(group)
 
