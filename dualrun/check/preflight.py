@@ -172,7 +172,7 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: 
     ready, _ = ray.wait([ref], timeout=_PROBE_TIMEOUT_S)
     if not ready:
         return [f"weight sync: {names[group.master.node]}: trainer rank 0's node did not pick a port within "
-                f"{_PROBE_TIMEOUT_S:g} s"], None
+                f"{_PROBE_TIMEOUT_S:g} s"], []
     address, port = ray.get(ref)
     task = ray.remote(num_cpus=0, max_retries=0)(run_member)
     refs = [task.options(**on(m.node, len(m.ranks) if group.gpus else 0)).remote(
