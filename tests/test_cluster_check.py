@@ -60,7 +60,11 @@ def test_two_sound_machines_pass_and_form_the_weight_sync_group_across_them(vc, 
     assert re.fullmatch(rf"dualrun check: weight sync: gloo group of 3 at {MAIN}:\d+ \(trainer rank 0 on machine 0 "
                         r"vc0; rollout server 0 \(rank 1\) on machine 0 vc0; rollout server 1 \(rank 2\) on machine 1 "
                         r"vc1\) moved a tensor in [\d.]+ s", out0[3]), out0
-    assert out0[4] == "dualrun check: 2 node(s) ready for backend=torchrun"
+    # the payload the sync moves, down the chain to each replica on its machine, then the verdict
+    assert [re.sub(r" in [\d.]+ s: .*", "", line) for line in out0[4:-1]] == [
+        f"dualrun check: weight sync: 64 MiB down the chain to rollout server {k} (rank {k + 1}) on machine {k} vc{k}"
+        for k in (0, 1)], out0
+    assert out0[-1] == "dualrun check: 2 node(s) ready for backend=torchrun"
 
 
 def test_machine_1s_link_down(vc, tmp_path):
