@@ -150,7 +150,7 @@ def test_the_ray_dry_run_says_each_node_gives_gloo_its_interface_unless_the_user
     cfg = build_config({"backend": "ray", "use_cpu": True, "num_processes": 2}, str(tmp_path / "c.yaml"))
     launcher = launcher_class("ray")(cfg, Program(str(tmp_path / "job.py")), {}, plugin=get_plugin(cfg.method))
     text = launcher.describe(launcher.prepare(make_plan(cfg)))
-    rule = ("on a cluster of several nodes GLOO_SOCKET_IFNAME=<auto> for each rank and server whose env names no "
+    rule = ("on nodes of several addresses GLOO_SOCKET_IFNAME=<auto> for each rank and server whose env names no "
             "interface: its node's interface holding the node's Ray address")
     assert (rule in text.splitlines()[1]) is said
 

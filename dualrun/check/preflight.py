@@ -142,7 +142,7 @@ def check_ray(cfg: JobConfig) -> Outcome:
         notes: list[str] = []
         if group is not None and all(m.node in ready_nodes(refs, ready) for m in group.members):
             found, said = handshake_ray(cfg, group, [n["NodeID"] for n in raw], names,
-                                        [n.get("NodeManagerAddress") for n in raw] if len(raw) > 1 else None)
+                                        [n.get("NodeManagerAddress") for n in raw] if cluster.addresses() > 1 else None)
             problems += found
             notes += said
         return problems, nodes, notes

@@ -122,7 +122,7 @@ class RayLauncher(Launcher):
         lines = [f"# dualrun dry run: backend=ray, cluster {addr}; nothing was started",
                  f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
                  f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank"
-                 + ("" if ifname_set(prepared.env) else f"; on a cluster of several nodes GLOO_SOCKET_IFNAME={AUTO} "
+                 + ("" if ifname_set(prepared.env) else f"; on nodes of several addresses GLOO_SOCKET_IFNAME={AUTO} "
                     "for each rank and server whose env names no interface: its node's interface holding the node's "
                     "Ray address"),
                  f"# every worker runs, in {prepared.cwd}:",
@@ -262,7 +262,7 @@ class RayLauncher(Launcher):
                 call = f.read()
             argv = [CALL if a == self.program.call_file else a for a in argv]
         log_dir = self.cfg.log_dir
-        several = bool(prepared.plan and len(prepared.plan.cluster.nodes) > 1)
+        several = bool(prepared.plan and prepared.plan.cluster.addresses() > 1)
         given: set[str] = set()   # the interfaces dualrun gave gloo
         refs = []
         for r in ranks:

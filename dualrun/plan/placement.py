@@ -34,6 +34,11 @@ class Cluster:
     nodes: tuple[Node, ...]
     source: str = "planned"
 
+    def addresses(self) -> int:
+        """How many distinct node addresses: more than one, the nodes are machines of their own (several Ray nodes
+        on one host share its address)."""
+        return len({n.address for n in self.nodes})
+
     @staticmethod
     def uniform(num_nodes: int, gpus_per_node: int, cpus_per_node: float = 0.0) -> "Cluster":
         addr = lambda i: "127.0.0.1" if num_nodes == 1 else f"node{i}"  # noqa: E731

@@ -206,7 +206,7 @@ class RayServers(ServerSet):
         argv = server_command(self.cfg, self.plugin, p, info.ip, info.port, replica_addresses(self.plan, started, i))
         env = dict(self.env_for(p))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
-        if len(self.plan.cluster.nodes) > 1 and info.interface and not ifname_set(env):
+        if self.plan.cluster.addresses() > 1 and info.interface and not ifname_set(env):
             env["GLOO_SOCKET_IFNAME"] = info.interface   # as the ranks get it (launchers/ray.py): the weight sync
         log = os.path.abspath(os.path.join(self.cfg.log_dir, log_name(p))) if self.cfg.log_dir else None
         return self.actors[i].start.remote(argv, env, info.ip, info.port, server_health_path(self.plugin, role, p),
