@@ -153,3 +153,29 @@ def write(tmp_path):
         return path
 
     return _write
+
+
+@pytest.fixture(scope="session")
+def sft_one_machine(tiny, tmp_path_factory) -> list[float]:
+    """The cluster tier's reference: TRL's sft.py with 2 ranks on one machine (tests/cluster_jobs.py), its losses; the
+    same job across torchrun machines and across Ray nodes must give them. Run once per session."""
+    import cluster_jobs
+
+    work = tmp_path_factory.mktemp("sft-one-machine")
+    data = cluster_jobs.sft_data(tiny, work)
+    cluster_jobs.one_machine(work, cluster_jobs.SFT_CONFIG, cluster_jobs.sft_args(tiny, data, work / "out"))
+    found = cluster_jobs.losses(work / "out")
+    assert len(found) == 3, found
+    return found
+
+
+@pytest.fixture(scope="session")
+def gkd_one_machine(tiny, tmp_path_factory) -> list[list[float]]:
+    """The cluster tier's reference for GKD: the probe's job with a teacher of two CPU-engine replicas, all on one
+    machine; each rank's losses."""
+    import cluster_jobs
+
+    work = tmp_path_factory.mktemp("gkd-one-machine")
+    (work / "out").mkdir()
+    cluster_jobs.one_machine(work, cluster_jobs.gkd_config(tiny), cluster_jobs.gkd_args(tiny, work / "out"))
+    return [cluster_jobs.gkd_losses(work / "out", r) for r in (0, 1)]

@@ -141,3 +141,99 @@ class OneNodeSlurm:
             else:
                 os.kill(pid, signal.SIGKILL)
         self.pids = []
+
+
+MACHINES_CONF = """\
+ClusterName=dualrun
+SlurmctldHost={head}({head_ip})
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=/tmp/munge/sock
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SchedulerType=sched/builtin
+MpiDefault=none
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool-%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd-%n.log
+ReturnToService=2
+{nodes}
+PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+class MachinesSlurm:
+    """A SLURM cluster on the machines of a virtual cluster (tests/vcluster.py): slurmctld on machine 0, slurmd and
+    munged on every machine (its socket in the machine's own /tmp, the key shared), each node named by its host name
+    and reached at its address. Config, state and logs live in `root`, a directory every machine sees. Its daemons
+    live as long as the machines (`VCluster.close` ends them)."""
+
+    def __init__(self, vc, root: Path, cpus: int = 2) -> None:
+        from vcluster import address, hostname
+
+        self.vc, self.root, self.cpus = vc, root, cpus
+        self.names = [hostname(k) for k in range(vc.size)]
+        self.addresses = [address(k) for k in range(vc.size)]
+        self.env = dict(os.environ, SLURM_CONF=str(root / "slurm.conf"))
+
+    def start(self) -> "MachinesSlurm":
+        r = self.root
+        (r / "state").mkdir(parents=True, exist_ok=True)
+        key = r / "munge.key"
+        subprocess.run(["mungekey", "-c", "-k", str(key)], check=True, capture_output=True)
+        os.chmod(key, 0o400)
+        nodes = "\n".join(f"NodeName={n} NodeAddr={a} CPUs={self.cpus} State=UNKNOWN"
+                          for n, a in zip(self.names, self.addresses))
+        (r / "slurm.conf").write_text(MACHINES_CONF.format(root=r, head=self.names[0], head_ip=self.addresses[0],
+                                                           nodes=nodes, names=",".join(self.names)))
+        for k in range(self.vc.size):
+            self._run(k, f"mkdir -m 700 -p /tmp/munge && munged --force -S /tmp/munge/sock --key-file {key} "
+                         "--pid-file /tmp/munge/pid --log-file /tmp/munge/log --seed-file /tmp/munge/seed")
+        self._run(0, "slurmctld -i")
+        for k, name in enumerate(self.names):
+            self._run(k, f"slurmd -N {name}")
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            out = self.vc.run(0, ["sinfo", "-h", "-o", "%t"], env=self.env)
+            if out.stdout.split() == ["idle"]:
+                return self
+            time.sleep(0.5)
+        raise RuntimeError(f"the SLURM nodes never became idle: {self.logs()}")
+
+    def _run(self, machine: int, cmd: str) -> None:
+        done = self.vc.run(machine, cmd, env=self.env, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"machine {machine}: {cmd}: {done.stderr.strip()[-2000:]} {self.logs()}")
+
+    def sbatch(self, script: Path, *options: str, env: dict[str, str], cwd: Path,
+               timeout: float) -> tuple[int, str]:
+        """Submit `script` on machine 0 and wait for the job; (its exit code, its output file's text). The job's state
+        is read twice a second (`sbatch --wait` backs off to 30 s between its looks)."""
+        out = self.root / f"job-{time.monotonic_ns()}.out"
+        env = {**env, "SLURM_CONF": self.env["SLURM_CONF"]}
+        proc = self.vc.run(0, ["sbatch", "--parsable", "-o", str(out), *options, str(script)], cwd=cwd, env=env)
+        assert proc.returncode == 0, proc.stderr
+        job, deadline, state = proc.stdout.strip().split(";")[0], time.monotonic() + timeout, {}
+        while time.monotonic() < deadline:
+            shown = self.vc.run(0, ["scontrol", "-o", "show", "job", job], env=env).stdout
+            state = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+            if state.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+                break
+            time.sleep(0.5)
+        else:
+            self.vc.run(0, ["scancel", job], env=env)
+        text = out.read_text(errors="replace") if out.exists() else ""
+        code = int(state.get("ExitCode", "1:0").split(":")[0]) if state.get("JobState") == "COMPLETED" else 1
+        return code, text + f"\n(job {job}: {state.get('JobState')}, exit code {state.get('ExitCode')})"
+
+    def logs(self) -> str:
+        return "".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-2000:]
+                       for f in sorted(self.root.glob("slurm*.log")))

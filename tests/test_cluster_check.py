@@ -4,7 +4,8 @@ each fault that would otherwise hang the job after its models load is one line n
 the address and the port, exit 1 on both machines, before anything loads: machine 1's link down, a
 GLOO_SOCKET_IFNAME that machine 1 lacks, the rendezvous port taken on machine 0 (on torchrun only machine 0 binds a
 port the config fixes), a main_process_ip that is not machine 0's, an address machine 1 advertises that machine 0
-cannot reach back (its host name resolving to 127.0.1.1), and trainer rank 0's weight-sync address that the rollout
+cannot reach back (its GLOO_SOCKET_IFNAME naming lo; with none, even a host name resolving to 127.0.1.1 passes:
+dualrun gives gloo the interface of the route to machine 0), and trainer rank 0's weight-sync address that the rollout
 machine cannot reach (no route out on machine 0: vLLM's get_ip() gives 0.0.0.0)."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster_jobs import debian_hosts
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -58,7 +60,11 @@ def test_two_sound_machines_pass_and_form_the_weight_sync_group_across_them(vc, 
     assert re.fullmatch(rf"dualrun check: weight sync: gloo group of 3 at {MAIN}:\d+ \(trainer rank 0 on machine 0 "
                         r"vc0; rollout server 0 \(rank 1\) on machine 0 vc0; rollout server 1 \(rank 2\) on machine 1 "
                         r"vc1\) moved a tensor in [\d.]+ s", out0[3]), out0
-    assert out0[4] == "dualrun check: 2 node(s) ready for backend=torchrun"
+    # the payload the sync moves, down the chain to each replica on its machine, then the verdict
+    assert [re.sub(r" in [\d.]+ s: .*", "", line) for line in out0[4:-1]] == [
+        f"dualrun check: weight sync: 64 MiB down the chain to rollout server {k} (rank {k + 1}) on machine {k} vc{k}"
+        for k in (0, 1)], out0
+    assert out0[-1] == "dualrun check: 2 node(s) ready for backend=torchrun"
 
 
 def test_machine_1s_link_down(vc, tmp_path):
@@ -109,18 +115,19 @@ def test_a_main_process_ip_that_is_not_machine_0s(vc, tmp_path):
 
 
 def test_an_address_machine_1_advertises_that_machine_0_cannot_reach_back(vc, tmp_path):
-    """Debian's `127.0.1.1 host` line on machine 1: it reaches machine 0, but gloo there binds and advertises
-    127.0.1.1, which machine 0 would dial (its address is the lower: gloo's higher address dials): the job would
-    hang in its first collective. The line's own advice, GLOO_SOCKET_IFNAME=eth0, makes it pass."""
-    vc.run(1, f"printf '127.0.0.1 localhost\\n127.0.1.1 vc1\\n{MAIN} vc0\\n' > /etc/hosts", check=True)
-    (code0, out0), (code1, out1) = check(vc, tmp_path, SFT)
+    """GLOO_SOCKET_IFNAME=lo on machine 1 (a user's value always wins over dualrun's): it reaches machine 0, but gloo
+    there binds and advertises 127.0.0.1, which machine 0 would dial (its address is the lower: gloo's higher address
+    dials), reaching itself: the job would hang in its first collective. Unset, it passes even with Debian's
+    `127.0.1.1 vc1` line on machine 1, where gloo alone would advertise 127.0.1.1: dualrun gives it eth0, the
+    interface of the route to machine 0, as `dualrun launch` does."""
+    (code0, out0), (code1, out1) = check(vc, tmp_path, SFT, env=({}, {"GLOO_SOCKET_IFNAME": "lo"}))
     assert code0 == code1 == 1 and out0 == out1 and len(out0) == 1, out0 + out1
-    assert re.fullmatch(r"dualrun check: machine 1 vc1: gloo's address 127\.0\.1\.1 \(the host name vc1 resolves to "
-                        r"it; GLOO_SOCKET_IFNAME is unset\) on lo is not reachable from machine 0 vc0 \(a probe of "
-                        rf"127\.0\.1\.1:\d+: Connection refused\); set GLOO_SOCKET_IFNAME=eth0 \(eth0 "
-                        rf"{re.escape(address(1))}\) there", out0[0]), out0
-    fixed = {"GLOO_SOCKET_IFNAME": "eth0"}
-    assert [code for code, _ in check(vc, tmp_path, SFT, env=(fixed, fixed))] == [0, 0]
+    assert re.fullmatch(r"dualrun check: machine 1 vc1: gloo's address 127\.0\.0\.1 \(GLOO_SOCKET_IFNAME=lo\) on lo is "
+                        r"not reachable from machine 0 vc0 \(a probe of 127\.0\.0\.1:\d+: (Connection refused|another "
+                        rf"process answered there)\); set GLOO_SOCKET_IFNAME=eth0 \(eth0 {re.escape(address(1))}\) "
+                        "there", out0[0]), out0
+    debian_hosts(vc, 1)
+    assert [code for code, _ in check(vc, tmp_path, SFT)] == [0, 0]
 
 
 def test_a_weight_sync_address_the_rollout_machine_cannot_reach(vc, tmp_path):

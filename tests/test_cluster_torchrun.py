@@ -2,14 +2,15 @@
 the accelerate recipe of examples/multi-node/torchrun-by-hand, `dualrun launch --num_machines 2 --machine_rank K
 --main_process_ip 192.168.77.1` on each machine. TRL's own scripts/sft.py, unchanged, gives the losses of one machine
 with the same world size; a GKD job whose teacher has a CPU-engine replica on each machine serves through machine 0's
-router, which reaches machine 1's replica at machine 1's address. Only the output directory and the tiny assets are
-shared between the machines (their /tmp is their own), as on machines with a shared filesystem."""
+router, which reaches machine 1's replica at machine 1's address, with the losses of one machine. Only the output
+directory and the tiny assets are shared between the machines (their /tmp is their own), as on machines with a shared
+filesystem. Machine 1's /etc/hosts is Debian's (its name on 127.0.1.1): no GLOO_SOCKET_IFNAME is set anywhere, so the
+jobs train only because dualrun gives gloo the interface of each machine's route to machine 0."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -17,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ASSETS, dualrun, eventually, pids_matching
+from cluster_jobs import ENV, SFT_CONFIG, debian_hosts, gkd_args, gkd_config, losses, sft_args, sft_data
+from helpers import eventually, pids_matching
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
 
 MAIN = address(0)
-ENV = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def shared(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vc(shared, tiny):
     with VCluster(2, shared=[shared, tiny.parent]) as cluster:
+        debian_hosts(cluster, 1)
         yield cluster
 
 
@@ -66,48 +68,24 @@ def on_machines(vc: VCluster, work: Path, config: str, argv: list[str], timeout_
     return outs
 
 
-def sft_script() -> str:
-    import trl
-
-    return str(Path(trl.__file__).parent / "scripts" / "sft.py")
-
-
-def losses(out: Path) -> list[float]:
-    """Every logged loss, at full precision (the console rounds them): the last checkpoint's trainer state."""
-    [last] = sorted(out.glob("checkpoint-*"))
-    return [h["loss"] for h in json.loads((last / "trainer_state.json").read_text())["log_history"] if "loss" in h]
-
-
-def test_trl_sft_across_two_machines_gives_the_losses_of_one(vc, shared, tiny):
+def test_trl_sft_across_two_machines_gives_the_losses_of_one(vc, shared, tiny, sft_one_machine):
     work = shared / "sft"
-    (work / "data").mkdir(parents=True)
-    shutil.copy(tiny / "data" / "sft.jsonl", work / "data" / "train.jsonl")
-    (work / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
-    script = lambda out: [sft_script(), "--model_name_or_path", str(tiny / "model"),  # noqa: E731
-                          "--dataset_name", str(work / "data"), "--output_dir", str(work / out), "--max_steps", "3",
-                          "--per_device_train_batch_size", "2", "--use_cpu", "true", "--report_to", "none",
-                          "--logging_steps", "1", "--seed", "0"]
-    one = dualrun("launch", "--config_file", "cpu2.yaml", *script("one"), cwd=work, env=ENV, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    outs = on_machines(vc, work, "use_cpu: true\nroles: {train: {gpus: 2}}\n", script("two"), 300)
+    data = sft_data(tiny, work)
+    outs = on_machines(vc, work, SFT_CONFIG, sft_args(tiny, data, work / "two"), 300)
     assert f"node 0 {MAIN} (this machine)" in outs[0] and "job succeeded" in outs[1]
-    expected = losses(work / "one")
-    assert len(expected) == 3 and losses(work / "two") == expected
+    assert "dualrun: GLOO_SOCKET_IFNAME=eth0 for this machine's processes: eth0 holds " + address(1) in outs[1]
+    assert losses(work / "two") == sft_one_machine
     assert (work / "two" / "model.safetensors").exists()
 
 
-def test_gkd_teacher_replicas_on_both_machines_behind_machine_0s_router(vc, shared, tiny):
+def test_gkd_teacher_replicas_on_both_machines_behind_machine_0s_router(vc, shared, tiny, gkd_one_machine):
     """Both machines' ranks get the router's address (machine 0's), the router reaches machine 1's replica at
-    machine 1's address, each replica answers scoring requests, and nothing is left on either machine."""
+    machine 1's address, each replica answers scoring requests, the losses are one machine's, and nothing is left on
+    either machine."""
     work = shared / "gkd"
     work.mkdir()
-    config = ("use_cpu: true\nmethod: gkd\ntorchrun: {gpus_per_machine: 2}\nroles:\n  train: {gpus: 2}\n"
-              f"  teacher: {{gpus: 2, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 120, "
-              f"server_args: [--verbose]}}\nlog_dir: {work / 'logsMACHINE'}\n")
-    program = [str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"),
-               "--teacher_model_name_or_path", str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"),
-               "--output_dir", str(work / "out")]
-    outs = on_machines(vc, work, config, program, 300)
+    config = gkd_config(tiny, f"torchrun: {{gpus_per_machine: 2}}\nlog_dir: {work / 'logsMACHINE'}\n")
+    outs = on_machines(vc, work, config, gkd_args(tiny, work / "out"), 300)
     ranks = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     router = ranks[0]["teacher_address"]
     assert router == ranks[1]["teacher_address"] and router.startswith(f"{MAIN}:"), ranks
@@ -120,7 +98,7 @@ def test_gkd_teacher_replicas_on_both_machines_behind_machine_0s_router(vc, shar
     assert spread and all(int(n) >= 1 for n in spread.groups()), router_log[-500:]
     served = [(work / f"logs{m}" / f"teacher-server-{m}.log").read_text().count('"POST /v1/completions') for m in (0, 1)]
     assert all(n >= 1 for n in served), served
-    assert all(len(r["losses"]) == 2 for r in ranks)
+    assert [r["losses"] for r in ranks] == gkd_one_machine and all(len(r["losses"]) == 2 for r in ranks)
     assert eventually(lambda: not pids_matching(str(tiny / "teacher"))), pids_matching(str(tiny / "teacher"))
 
 

@@ -7,7 +7,8 @@ it is rank 0, and hands lines of output to the driver through a long-poll (`line
 itself with a `[train rank N]` prefix (no Ray log prefixes, no interleaving inside a line).
 
 This module is imported by Ray worker processes: keep it free of torch; of dualrun it imports only small modules that
-need nothing beyond the standard library (errors, line_queue, parent_death, progress, protocol, ports, interpreter).
+need nothing beyond the standard library (errors, line_queue, parent_death, progress, protocol, ports, interpreter,
+interfaces).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dualrun.light.progress import Collapser, show_progress
 from dualrun.contract.protocol import PROGRESS, ActorPlace, RankExit
 from dualrun.light.ports import free_ports
 from dualrun.light.interpreter import resolve
+from dualrun.light.interfaces import holding
 
 CALL = "<call>"     # stands for the pickled call's file on the actor's node
 _TAIL = 40          # stderr lines kept for the failure message
@@ -73,8 +75,9 @@ class RankWorker:
         port, group_port = free_ports(2, "") if pick_port else (None, None)
         if pick_port and master_port is not None:
             port, group_port = master_port, (port if group_port == master_port else group_port)
-        return ActorPlace(ray.util.get_node_ip_address(), ctx.get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()),
-                          os.getpid(), port, group_port, tmp=self.tmp)
+        ip = ray.util.get_node_ip_address()
+        return ActorPlace(ip, ctx.get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()), os.getpid(), port,
+                          group_port, tmp=self.tmp, interface=holding(ip))
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None = None,
               call: bytes | None = None) -> int:

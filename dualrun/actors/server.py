@@ -24,12 +24,13 @@ class ServerActor:
     def where(self, avoid: list[int] | None = None) -> ActorPlace:
         import ray
 
+        from dualrun.light.interfaces import holding
         from dualrun.light.ports import free_port
 
         ip = ray.util.get_node_ip_address()
         port = free_port(ip, set(avoid or ()))
         return ActorPlace(ip, ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()),
-                          os.getpid(), port)
+                          os.getpid(), port, interface=holding(ip))
 
     def start(self, argv: list[str], env: dict[str, str], host: str, port: int, health_path: str,
               timeout_s: float, log_path: str | None, cwd: str | None = None) -> ServerStart:

@@ -28,7 +28,8 @@ from typing import Any, Callable
 
 from dualrun.config.model import JobConfig
 from dualrun.check.node_facts import NodeReport
-from dualrun.light.interfaces import Interface, gloo_address, ifname_problems, listing, owner, route
+from dualrun.light.interfaces import (Interface, gloo_address, gloo_ifname, ifname_problems, interfaces, listing, owner,
+                                      reached_at, route)
 from dualrun.plan.processes import Plan
 from dualrun.weightsync.group import NET_VARS, SyncGroup, advertised_address, port_host
 from dualrun.weightsync.rehearsal import limit_s, master_endpoint, member_spec, run_specs, unanswered, verdict
@@ -46,13 +47,23 @@ def name_of(machine: int, host: str) -> str:
     return f"machine {machine} {host}"
 
 
+def with_gloo_default(env: dict[str, str], main: str) -> dict[str, str]:
+    """`env` as `dualrun launch` completes it on this machine: GLOO_SOCKET_IFNAME, where it names no interface, is
+    the interface holding the address the other machines reach this one at (dualrun.launchers.torchrun,
+    `with_gloo`)."""
+    found = gloo_ifname(env, reached_at(main), interfaces())
+    return {**env, "GLOO_SOCKET_IFNAME": found.name} if found is not None else env
+
+
 def process_envs(cfg: JobConfig, plan: Plan | None, machine: int) -> list[dict[str, str]]:
     """The interface variables of each distinct process environment the plan puts on `machine` (the launching
-    shell's forwarded ones, then the config's and the role's, as the job's processes get them)."""
+    shell's forwarded ones, then the config's and the role's, then dualrun's GLOO_SOCKET_IFNAME where none names an
+    interface, as the job's processes get them)."""
     shell = {k: v for k, v in os.environ.items() if k in NET_VARS}
-    envs = [{**shell, **{k: v for k, v in p.env.items() if k in NET_VARS}}
+    main = cfg.main_process_ip or "127.0.0.1"
+    envs = [with_gloo_default({**shell, **{k: v for k, v in p.env.items() if k in NET_VARS}}, main)
             for p in (plan.processes if plan else ()) if p.node == machine]
-    return [dict(e) for e in dict.fromkeys(tuple(sorted(e.items())) for e in envs or [shell])]
+    return [dict(e) for e in dict.fromkeys(tuple(sorted(e.items())) for e in envs or [with_gloo_default(shell, main)])]
 
 
 def advertised(cfg: JobConfig, plan: Plan | None, machine: int, ifaces: dict[str, Interface],
@@ -200,9 +211,10 @@ def local_problems(cfg: JobConfig, plan: Plan | None, machine: int, name: str,
     return out
 
 
-def sync_here(specs: list[list[Any]]) -> list[list[Any]]:
-    """Run this machine's members of the weight-sync group: [[member index, spec]] -> [[member index, result]]."""
-    results = run_specs([spec for _, spec in specs])
+def sync_here(specs: list[list[Any]], main: str) -> list[list[Any]]:
+    """Run this machine's members of the weight-sync group: [[member index, spec]] -> [[member index, result]]; each
+    with GLOO_SOCKET_IFNAME as the job gives it on this machine (`with_gloo_default`; `main`: machine 0's address)."""
+    results = run_specs([{**spec, "env": with_gloo_default(dict(spec["env"]), main)} for _, spec in specs])
     return [[i, r] for (i, _), r in zip(specs, results)]
 
 

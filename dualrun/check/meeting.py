@@ -146,7 +146,8 @@ def _sync(cfg: JobConfig, group: SyncGroup, wires: dict[int, Wire],
     for k, wire in wires.items():
         wire.send({"sync": by_machine.get(k, [])})
     own: list[list[Any]] = []
-    runner = threading.Thread(target=lambda: own.extend(sync_here(by_machine.get(0, []))), daemon=True)
+    main = cfg.main_process_ip or "127.0.0.1"
+    runner = threading.Thread(target=lambda: own.extend(sync_here(by_machine.get(0, []), main)), daemon=True)
     runner.start()
     left = deadline_after(limit_s() + _REPLY_S)
     for k, wire in wires.items():
@@ -207,7 +208,7 @@ def guest(cfg: JobConfig, mine: dict[str, Any], here: NodeReport, ifaces: dict[s
             if "probe" in msg:
                 wire.send({"probed": probe_all(msg["probe"], msg["name"], name, msg["route"])})
             elif "sync" in msg:
-                wire.send({"synced": sync_here(msg["sync"])})
+                wire.send({"synced": sync_here(msg["sync"], cfg.main_process_ip or "127.0.0.1")})
             elif "final" in msg:
                 final = msg["final"]
                 views = final["views"] or [mine]

@@ -141,7 +141,8 @@ def check_ray(cfg: JobConfig) -> Outcome:
         group = sync_group(cfg, plan) if plan else None
         notes: list[str] = []
         if group is not None and all(m.node in ready_nodes(refs, ready) for m in group.members):
-            found, said = handshake_ray(cfg, group, [n["NodeID"] for n in raw], names)
+            found, said = handshake_ray(cfg, group, [n["NodeID"] for n in raw], names,
+                                        [n.get("NodeManagerAddress") for n in raw] if cluster.addresses() > 1 else None)
             problems += found
             notes += said
         return problems, nodes, notes
@@ -153,11 +154,12 @@ def ready_nodes(refs: list[Any], ready: list[Any]) -> set[int]:
     return {i for i, ref in enumerate(refs) if ref in ready}
 
 
-def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str],
-                  names: dict[int, str]) -> tuple[list[str], list[str]]:
+def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: dict[int, str],
+                  addresses: list[str | None] | None = None) -> tuple[list[str], list[str]]:
     """The weight-sync group on the Ray nodes the plan gives its members: a port picked on trainer rank 0's node,
     then one task per member on its node (with the member's GPUs where NCCL may run), stopped at the first that
-    fails on its own, all within the probe's limit."""
+    fails on its own, all within the probe's limit. `addresses` (several nodes): each node's Ray address, whose
+    interface a member's gloo gets as the job's do."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -170,11 +172,11 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str],
     ready, _ = ray.wait([ref], timeout=_PROBE_TIMEOUT_S)
     if not ready:
         return [f"weight sync: {names[group.master.node]}: trainer rank 0's node did not pick a port within "
-                f"{_PROBE_TIMEOUT_S:g} s"], None
+                f"{_PROBE_TIMEOUT_S:g} s"], []
     address, port = ray.get(ref)
     task = ray.remote(num_cpus=0, max_retries=0)(run_member)
-    refs = [task.options(**on(m.node, len(m.ranks) if group.gpus else 0)).remote(member_spec(group, m, address, port))
-            for m in group.members]
+    refs = [task.options(**on(m.node, len(m.ranks) if group.gpus else 0)).remote(
+        member_spec(group, m, address, port), addresses[m.node] if addresses else None) for m in group.members]
     results: list[dict[str, Any] | None] = [None] * len(refs)
     deadline = time.monotonic() + limit_s() + _PROBE_TIMEOUT_S
     pending = list(refs)

@@ -145,6 +145,7 @@ class ActorPlace:
     group_port: int | None = None
     tmp: str | None = None                      # a rank's temp dir on its node
     visible_devices: str | None = None          # CUDA_VISIBLE_DEVICES as the actor sees it
+    interface: str | None = None                # its node's interface holding `ip` (gloo's, on several nodes)
 
     @property
     def address(self) -> str:

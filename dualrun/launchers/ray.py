@@ -21,6 +21,7 @@ from dualrun.contract import protocol
 from dualrun.env.worker import forwarded_env
 from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
+from dualrun.light.interfaces import ifname_set
 from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
@@ -119,7 +120,10 @@ class RayLauncher(Launcher):
         addr = self.cfg.ray.address or "a running cluster if reachable, else an embedded local one"
         lines = [f"# dualrun dry run: backend=ray, cluster {addr}; nothing was started",
                  f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
-                 f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank",
+                 f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank"
+                 + ("" if ifname_set(prepared.env) else f"; on nodes of several addresses GLOO_SOCKET_IFNAME={AUTO} "
+                    "for each rank and server whose env names no interface: its node's interface holding the node's "
+                    "Ray address"),
                  f"# every worker runs, in {prepared.cwd}:",
                  "#   " + join_cmd(redact_argv(prepared.argv)),
                  "# env shared by every worker:"]
@@ -251,8 +255,6 @@ class RayLauncher(Launcher):
         for info in infos:
             if info.node_id not in order:
                 order.append(info.node_id)
-        print(f"dualrun: {', '.join(sorted({r.proc.unit for r in ranks}))}: {len(ranks)} worker(s) placed on "
-              f"{len(order)} node(s), master {master.address}; starting the program", file=sys.stderr, flush=True)
         argv = list(prepared.argv)
         call = None
         if self.program.call_file:   # Python API: the pickled call travels to each node through its actor
@@ -262,6 +264,8 @@ class RayLauncher(Launcher):
                 call = f.read()
             argv = [CALL if a == self.program.call_file else a for a in argv]
         log_dir = self.cfg.log_dir
+        several = bool(prepared.plan and prepared.plan.cluster.addresses() > 1)
+        given: set[str] = set()   # the interfaces dualrun gave gloo
         refs = []
         for r in ranks:
             err = os.path.join(r.info.tmp or "", f"attempt_{attempt}", str(r.proc.rank), "error.json")
@@ -270,6 +274,15 @@ class RayLauncher(Launcher):
                                      restart=attempt)
             r.env.update(wiring)
             r.env.update(group_port_env(wiring, master.group_port))
+            if several and r.info.interface and not ifname_set(r.env):
+                r.env["GLOO_SOCKET_IFNAME"] = r.info.interface
+                given.add(r.info.interface)
+        gloo = (f", GLOO_SOCKET_IFNAME={'/'.join(sorted(given))} (each node's interface holding its Ray address)"
+                if given else "")
+        print(f"dualrun: {', '.join(sorted({r.proc.unit for r in ranks}))}: {len(ranks)} worker(s) placed on "
+              f"{len(order)} node(s), master {master.address}{gloo}; starting the program", file=sys.stderr,
+              flush=True)
+        for r in ranks:
             log = os.path.abspath(os.path.join(log_dir, f"{r.proc.unit}_{r.proc.rank}.log")) if log_dir else None
             refs.append(r.actor.start.remote(argv, r.env, prepared.cwd, log, call))
         self._get(refs, "start the program")

@@ -22,6 +22,7 @@ from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
 from dualrun.plan.processes import AUTO, Plan
+from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
 from dualrun.servers.local import LocalServers
 from dualrun.servers.machines import Machines, await_attempt
@@ -35,6 +36,8 @@ class TorchrunLauncher(Launcher):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._rdzv_port: int | None = None   # picked at first use; a single machine's restart picks a fresh one
+        self._route: tuple[str | None, dict] | None = None   # several machines: this machine's address to machine 0
+        self._gloo_note: str | None = None
 
     def _port(self) -> int:
         if self._rdzv_port is None:
@@ -46,6 +49,31 @@ class TorchrunLauncher(Launcher):
 
     def _addr(self) -> str:
         return self.cfg.main_process_ip or "127.0.0.1"
+
+    def with_gloo(self, env: dict[str, str]) -> dict[str, str]:
+        """Several machines: `env` with GLOO_SOCKET_IFNAME set to the interface holding the address the other
+        machines reach this one at (light/interfaces.py: `reached_at`, `gloo_ifname`), where it names no interface
+        itself."""
+        found = self._gloo_interface(env)
+        return {**env, "GLOO_SOCKET_IFNAME": found.name} if found is not None else env
+
+    def _gloo_interface(self, env: dict[str, str]) -> "Interface | None":
+        from dualrun.light.interfaces import gloo_ifname, interfaces, reached_at
+
+        if self.cfg.num_machines < 2:
+            return None
+        if self._route is None:   # once: every process of this machine shares the route
+            self._route = (reached_at(self._addr()), interfaces())
+        return gloo_ifname(env, *self._route)
+
+    def gloo_note(self, env: dict[str, str]) -> str | None:
+        """The start-up line (and dry-run comment) saying what dualrun gave gloo on this machine, if anything."""
+        found = self._gloo_interface(env)
+        if found is None:
+            return None
+        return (f"GLOO_SOCKET_IFNAME={found.name} for this machine's processes: {found.name} holds {found.address}, the "
+                f"address the other machines reach it at (its route to main_process_ip {self._addr()}; unset, gloo "
+                "takes what the host name resolves to); set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
 
     def node_workers(self, plan: Plan):
         mine = [p for p in plan.workers if p.node == self.cfg.machine_rank]
@@ -78,6 +106,7 @@ class TorchrunLauncher(Launcher):
         """The env torchrun (and so every worker) starts with; torchrun adds the rank variables."""
         first = self.node_workers(plan)[0]
         env = self.worker_env(first.env, MASTER_ADDR=self._addr(), MASTER_PORT=str(self._port()))
+        env = self.with_gloo(env)
         for name in TORCHRUN_NAMES:
             if name in first.env:
                 env.pop(name, None)
@@ -96,11 +125,21 @@ class TorchrunLauncher(Launcher):
         plan = with_method(plan, self.cfg, self.plugin)
         servers = server_previews(plan, "127.0.0.1", node=self.cfg.machine_rank)
         argv = [sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)
-        return Prepared(plan, tuple(argv), self.agent_env(plan), os.getcwd(), servers=servers)
+        env = self.agent_env(plan)
+        self._gloo_note = self.gloo_note(self.worker_env(self.node_workers(plan)[0].env))
+        return Prepared(plan, tuple(argv), env, os.getcwd(), servers=servers)
+
+    def launch(self, prepared: Prepared) -> JobResult:
+        if self._gloo_note:
+            print(f"dualrun: {self._gloo_note}", file=sys.stderr, flush=True)
+        return super().launch(prepared)
 
     def describe(self, prepared: Prepared) -> str:
         lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "
                  f"{self.cfg.num_machines}; nothing was started", f"cd {join_cmd([prepared.cwd])}"]
+        note = self._gloo_note
+        if note:
+            lines.insert(1, f"# {note}")
         for label, argv, shown in prepared.servers:
             lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
         lines.append("env -i \\")
@@ -114,7 +153,7 @@ class TorchrunLauncher(Launcher):
         """Separate roles: their servers start first (on their own devices), the trainers get their addresses;
         several machines with servers meet in torchrun's store (machines.py)."""
         assert plan is not None
-        local = LocalServers(plan, lambda p: self.worker_env(p.env), self._wiring, avoid=avoid)
+        local = LocalServers(plan, lambda p: self.with_gloo(self.worker_env(p.env)), self._wiring, avoid=avoid)
         if self.cfg.num_machines > 1 and plan.servers:
             return Machines(local, self._addr(), self._port(), attempt)
         return local

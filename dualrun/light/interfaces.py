@@ -90,6 +90,17 @@ def route(peer: str) -> tuple[str | None, str | None]:
         return None, e.strerror or type(e).__name__
 
 
+def reached_at(main: str) -> str | None:
+    """This machine's address the other machines of a job reach it at: its address on the route to machine 0's
+    `main`; on machine 0, where `main` may be its own host name resolving to loopback there (Debian's `127.0.1.1 host`
+    line) while the others resolve it to its network address, its address on the route out (no packet is sent)."""
+    address, _ = route(main)
+    if address and address.startswith("127.") and not (main.startswith("127.") or main == "localhost"):
+        out, _ = route("8.8.8.8")
+        return out or address
+    return address
+
+
 def _names(value: str) -> list[str]:
     return [n.strip() for n in value.split(",") if n.strip()]
 
@@ -140,3 +151,27 @@ def gloo_address(env: Mapping[str, str], ifaces: Mapping[str, Interface],
         return address, f"the host name {hostname} resolves to it; GLOO_SOCKET_IFNAME is unset"
     return "127.0.0.1", (f"the host name {hostname} resolves to no address of this machine, so gloo falls back to "
                          "loopback; GLOO_SOCKET_IFNAME is unset")
+
+
+def ifname_set(env: Mapping[str, str]) -> bool:
+    """Whether `env` names an interface for any of torch's transports (IFNAME_VARS): then the user chose."""
+    return any(env.get(var, "").strip() for var in IFNAME_VARS)
+
+
+def gloo_ifname(env: Mapping[str, str], address: str | None, ifaces: Mapping[str, Interface]) -> Interface | None:
+    """Pure: the interface dualrun gives gloo (GLOO_SOCKET_IFNAME) on a job across machines: the one holding
+    `address`, the address the other machines reach this one at (on torchrun its address on the route to machine 0,
+    on Ray its node's address). None where `env` names an interface already (the user's value wins) or no interface
+    here holds `address`. Why: unset, gloo binds what the host name resolves to, which is loopback on a machine
+    whose /etc/hosts maps its name to 127.0.1.1 (Debian's default): the others cannot reach it, and the job fails or
+    hangs in its first collective."""
+    if ifname_set(env) or not address:
+        return None
+    found = owner(address, ifaces)
+    return found if found is not None and found.address else None
+
+
+def holding(address: str) -> str | None:
+    """The name of this machine's interface that holds `address` (a Ray node's address, read where it runs)."""
+    found = owner(address, interfaces())
+    return found.name if found is not None and found.address else None

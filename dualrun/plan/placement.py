@@ -39,6 +39,10 @@ class Cluster:
     def live(self) -> bool:
         """Read from a running cluster (its nodes' real sizes), not assumed from the config."""
         return self.source != "planned"
+    def addresses(self) -> int:
+        """How many distinct node addresses: more than one, the nodes are machines of their own (several Ray nodes
+        on one host share its address)."""
+        return len({n.address for n in self.nodes})
 
     @staticmethod
     def uniform(num_nodes: int, gpus_per_node: int, cpus_per_node: float = 0.0) -> "Cluster":
@@ -92,6 +96,12 @@ class Placement(Protocol):
     @property
     def server_log_dir(self) -> str | None:
         """Where the servers' logs go (None: the backend decides at launch)."""
+    def cpu_server_node(self, cluster: Cluster, used: Mapping[int, float]) -> int | None:
+        """The node of a CPU-only engine replica given the CPUs the processes placed so far take per node (`used`);
+        None: the first node with room by the plan's own rule."""
+
+    def cpus(self, kind: str, devices: Sequence[int]) -> float:
+        """The CPUs a process of `kind` on `devices` takes from its node, where the policy counts them (else 0)."""
 
 
 def placement_for(cfg: JobConfig) -> Placement:
@@ -224,6 +234,11 @@ class TorchrunPlacement:
     @property
     def server_log_dir(self) -> str | None:
         return self.cfg.torchrun.log_dir or self.cfg.log_dir   # beside torchrun's own logs of the ranks
+    def cpu_server_node(self, cluster: Cluster, used: Mapping[int, float]) -> int | None:
+        return None
+
+    def cpus(self, kind: str, devices: Sequence[int]) -> float:
+        return 0.0
 
 
 @dataclass(frozen=True)
@@ -262,30 +277,37 @@ class RayPlacement:
 
     def worker_slots(self, cluster: Cluster, free: Free, role: RoleSpec) -> list[tuple[int, int]]:
         """Pack the ranks node by node: as many as a node has free GPUs (CPU ranks: as its CPUs hold
-        `ray.num_cpus_per_worker`, on a live cluster), the rest on the next."""
+        `ray.num_cpus_per_worker`, on a live cluster; a node without CPUs holds none), the rest on the next. With
+        `ray.placement_strategy` SPREAD (or STRICT_SPREAD) one rank per node with room in turn, as Ray spreads them."""
         nodes = cluster.nodes
-        slots = []
-        left = role.processes
+        caps = []
         for node in nodes:
-            if left == 0:
-                break
             if role.gpus:
                 cap = len(free[node.index])
-            elif node.cpus and self.cfg.ray.num_cpus_per_worker:   # a live cluster: Ray packs CPU ranks too
-                cap = int(node.cpus // self.cfg.ray.num_cpus_per_worker) or 0
-                cap = cap if node.index != nodes[-1].index else left
+            elif cluster.live and self.cfg.ray.num_cpus_per_worker:   # a live cluster: Ray packs CPU
+                cap = int(node.cpus // self.cfg.ray.num_cpus_per_worker)            # ranks too
+                cap = cap if node.index != nodes[-1].index else role.processes
             else:
-                cap = left
-            take = min(cap, left)
-            if take:
-                slots.append((node.index, take))
-                left -= take
+                cap = role.processes
+            caps.append(cap)
+        counts = [0] * len(nodes)
+        left = role.processes
+        if self.cfg.ray.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+            while left and any(c < cap for c, cap in zip(counts, caps)):
+                for i, cap in enumerate(caps):
+                    if left and counts[i] < cap:
+                        counts[i] += 1
+                        left -= 1
+        else:
+            for i, cap in enumerate(caps):
+                counts[i] = min(cap, left)
+                left -= counts[i]
         if left:
             have = sum(len(v) for v in free.values())
             raise ConfigError(self.cfg.source, f"roles.{role.name}.gpus",
                               f"at most {have} GPUs (the cluster has {sum(x.gpus for x in nodes)} in "
                               f"{len(nodes)} node(s))", role.processes)
-        return slots
+        return [(node.index, n) for node, n in zip(nodes, counts) if n]
 
     def rank_view(self, local: int, count: int, devices: tuple[int, ...]) -> RankView:
         mine = (devices[local],) if devices else ()
@@ -297,6 +319,23 @@ class RayPlacement:
     @property
     def server_log_dir(self) -> str | None:
         return self.cfg.log_dir
+    def cpu_server_node(self, cluster: Cluster, used: Mapping[int, float]) -> int | None:
+        """A live cluster: the node with the most CPUs left (Ray gives a one-bundle placement group the node with the
+        most of what it asks free), where one is left; a planned cluster's CPUs are unknown (None)."""
+        if not cluster.live:
+            return None
+        need = max(self.cfg.ray.num_cpus_per_worker, 1.0)
+        left = {n.index: n.cpus - used.get(n.index, 0.0) for n in cluster.nodes}
+        room = [n.index for n in cluster.nodes if left[n.index] >= need]
+        return max(room, key=lambda i: left[i]) if room else None
+
+    def cpus(self, kind: str, devices: Sequence[int]) -> float:
+        """The CPUs a process's bundle asks for (launchers/ray.py, `bundle`)."""
+        per = self.cfg.ray.num_cpus_per_worker
+        if kind == "server":
+            return 0.0 if devices else max(per, 1.0)
+        return per
+
 
 
 _POLICIES: dict[BackendKind, Callable[[JobConfig], Placement]] = {TORCHRUN: TorchrunPlacement, RAY: RayPlacement}

@@ -140,7 +140,7 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
             for name in group:
                 external[name] = role.address
             continue
-        procs += _place_server(cfg, policy, cluster, free, group, role, unit, common)
+        procs += _place_server(cfg, policy, cluster, free, group, role, unit, common, _cpus_used(policy, procs))
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_share_cpus(cfg, procs)), frozen_map(common),
                 frozen_map(external), policy.machine_rank, slot)
@@ -225,8 +225,17 @@ def _place_workers(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fr
     return procs
 
 
+def _cpus_used(policy: Placement, procs: Iterable[Process]) -> dict[int, float]:
+    """CPUs per node that the processes placed so far take, where the policy counts them (Ray)."""
+    used: dict[int, float] = {}
+    for p in procs:
+        used[p.node] = used.get(p.node, 0.0) + policy.cpus(p.kind, p.devices)
+    return used
+
+
 def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Free, group: tuple[str, ...],
-                  role: RoleSpec, unit: str, common: Mapping[str, str]) -> list[Process]:
+                  role: RoleSpec, unit: str, common: Mapping[str, str],
+                  used: dict[int, float] | None = None) -> list[Process]:
     """A separate role's engines: one replica of `engine_size` GPUs each, each on the first node with that many
     free GPUs left by the trainers (fixed `gpu_ids`: those), and with several a router (CPU only) on the node
     the placement policy says, whose address the trainers get."""
@@ -246,7 +255,11 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
     procs = []
     for replica in range(count):
         mine = tuple(fixed[replica * size:(replica + 1) * size]) if fixed is not None else None
-        node = next((n for n in candidates if len(free[n.index]) >= slots or mine is not None), None)
+        roomy = policy.cpu_server_node(cluster, used or {}) if not size and not slots else None
+        node = next((n for n in candidates if (n.index == roomy if roomy is not None else
+                                               len(free[n.index]) >= slots or mine is not None)), None)
+        if roomy is not None and used is not None:
+            used[roomy] = used.get(roomy, 0.0) + policy.cpus("server", ())
         if node is None:
             have = max((len(free[n.index]) for n in candidates), default=0)
             what = "GPUs" if size else "process slots (torchrun.gpus_per_machine)"

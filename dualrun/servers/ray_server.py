@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable, Collection, Mapping
 
 from dualrun.contract.protocol import ActorPlace
+from dualrun.light.interfaces import ifname_set
 from dualrun.servers.process import ServerError
 from dualrun.actors.server import ServerActor
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
@@ -207,6 +208,8 @@ class RayServers(ServerSetBase):
         argv = serving.argv(info.ip, info.port, replica_addresses(self.plan, started, i))
         env = dict(self.env_for(p))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
+        if self.plan.cluster.addresses() > 1 and info.interface and not ifname_set(env):
+            env["GLOO_SOCKET_IFNAME"] = info.interface   # as the ranks get it (launchers/ray.py): the weight sync
         log = os.path.abspath(serving.log_path) if serving.log_path else None
         return self.actors[i].start.remote(argv, env, info.ip, info.port, serving.health_path,
                                            serving.health_timeout_s, log, os.getcwd())

@@ -68,8 +68,15 @@ def member_result(proc: subprocess.Popen, limit_s: float) -> dict[str, Any]:
         return {"ok": False, "timeout": False, "error": tail}
 
 
-def run_member(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """One member, start to end (what a Ray task of the check runs on the member's node)."""
+def run_member(spec: Mapping[str, Any], node_address: str | None = None) -> dict[str, Any]:
+    """One member, start to end (what a Ray task of the check runs on the member's node). `node_address` (a cluster of
+    several nodes): the node's Ray address, whose interface gloo gets where the member names none, as the job's
+    processes get it (dualrun/launchers/ray.py)."""
+    from dualrun.light.interfaces import holding, ifname_set
+
+    name = holding(node_address) if node_address and not ifname_set(spec["env"]) else None
+    if name:
+        spec = {**spec, "env": {**spec["env"], "GLOO_SOCKET_IFNAME": name}}
     return member_result(start_member(spec), float(spec["timeout_s"]) + _START_S)
 
 
