@@ -59,17 +59,17 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
             except BaseException:
                 launcher.close()
                 raise
-    plan = early if cluster is None and early is not None else make_plan(cfg, cluster, environ=os.environ)
-    prepared = launcher.prepare(plan)   # what the dry run prints is what the launch runs
-    if dry_run:
-        print(plan.table(), file=sys.stdout)
-        print(launcher.describe(prepared), file=sys.stdout)
-        _note_dropped_env(cfg, out)
-        return JobResult(0)
-    print(f"dualrun: {plan.table()}", file=out, flush=True)
-    _note_dropped_env(cfg, out)   # only once the job is valid: a bad input stays one line
-    print(f"dualrun: {_startup_line(cfg, plan)}", file=out, flush=True)
-    try:
+    try:   # a plan that does not fit the live cluster is refused: the cluster joined or started is released too
+        plan = early if cluster is None and early is not None else make_plan(cfg, cluster, environ=os.environ)
+        prepared = launcher.prepare(plan)   # what the dry run prints is what the launch runs
+        if dry_run:
+            print(plan.table(), file=sys.stdout)
+            print(launcher.describe(prepared), file=sys.stdout)
+            _note_dropped_env(cfg, out)
+            return JobResult(0)
+        print(f"dualrun: {plan.table()}", file=out, flush=True)
+        _note_dropped_env(cfg, out)   # only once the job is valid: a bad input stays one line
+        print(f"dualrun: {_startup_line(cfg, plan)}", file=out, flush=True)
         result = launcher.launch(prepared)
         _summarise(result, started, out)
     finally:

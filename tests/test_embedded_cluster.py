@@ -75,6 +75,28 @@ def test_a_running_cluster_too_small_for_the_plan_is_refused_before_any_placemen
     assert not ray_cluster.live_placement_groups()
 
 
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_refused_plan_releases_the_ray_connection_of_the_python_api(tmp_path, ray_cluster, tiny):
+    """`dualrun.launch` in a long-lived Python process: the plan refused on the live cluster raises the one-line
+    error, and the process holds no Ray connection afterwards (a retry with a smaller plan starts clean)."""
+    (tmp_path / "big.yaml").write_text(_gkd_yaml(str(tiny / "teacher"), replicas=3).replace("{gpus: 2}", "{gpus: 5}"))
+    (tmp_path / "t.py").write_text("print('ran')\n")
+    script = ("import ray, dualrun\nfrom dualrun.contract.errors import ConfigError\n"
+              "try:\n    dualrun.launch('t.py', config='big.yaml', backend='ray')\n"
+              "except ConfigError as e:\n    print('refused:', e)\n"
+              "print('connected:', ray.is_initialized())\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=200,
+                          env=dict(os.environ, **ray_env(RAY_ADDRESS=ray_cluster.address)))
+    out = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and out[0].startswith("refused: big.yaml: ray.num_cpus_per_worker: expected at most "
+                                                      "8 CPUs"), proc.stdout + proc.stderr[-3000:]
+    assert out[1:] == ["connected: False"], out   # nothing ran
+    assert not ray_cluster.live_placement_groups()
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.e2e
