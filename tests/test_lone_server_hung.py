@@ -102,7 +102,8 @@ def test_a_hung_lone_server_ends_the_job_within_its_timeout_naming_it(tmp_path, 
     assert eventually(lambda: not pids_matching(str(tmp_path / "out"))), pids_matching(str(tmp_path / "out"))
     assert eventually(lambda: not _engines(module_tiny)), _engines(module_tiny)
     if backend == "ray":
-        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
+        assert eventually(lambda: not cluster.alive_actors())
+        assert eventually(lambda: not cluster.live_placement_groups())
 
 
 @pytest.mark.e2e
@@ -131,7 +132,8 @@ def test_max_failures_restarts_a_job_whose_lone_server_hung(tmp_path, module_tin
     assert gone(pid)
     assert eventually(lambda: not _engines(module_tiny)), _engines(module_tiny)
     if backend == "ray":
-        assert eventually(lambda: not cluster.alive_actors()) and eventually(lambda: not cluster.live_placement_groups())
+        assert eventually(lambda: not cluster.alive_actors())
+        assert eventually(lambda: not cluster.live_placement_groups())
 
 
 @pytest.mark.slow   # ~20 s of watching; no torchrun, no Ray
