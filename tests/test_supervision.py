@@ -13,13 +13,11 @@ from dualrun.plan.servers import HOST, PORT, Serving, replica_slot
 from dualrun.programs import rotation
 from dualrun.programs.rotation import HUNG, OUT, RESTARTING, SERVING, Rotation, judge
 from dualrun.servers.planned import server_command, with_method
-from dualrun.servers.supervision import MISSES, Supervision, restartable
+from dualrun.servers.supervision import MISSES, Supervision, lone, restartable
 
 
 def _cfg(backend: str = "torchrun", **teacher) -> object:
     spec = {"gpus": 3, "model": "m/m", "top_k": 5, "request_timeout_s": 10, **teacher}
-    if spec["gpus"] == 1:
-        spec.pop("request_timeout_s")   # the router's: one engine has none
     cfg = build_config({"backend": backend, "method": "gkd", "use_cpu": True, "log_dir": "logs", "roles": {
         "train": {"gpus": 1}, "teacher": spec}}, "job.yaml")
     get_plugin("gkd").validate(cfg)
@@ -76,6 +74,50 @@ def test_a_replica_out_of_rotation_is_hung_after_request_timeout_s_on_the_clock_
     table.died(0, others_serving=True)
     table.died(2, others_serving=True)
     assert not table.looked(1, timed_out, now=500.0)           # hung, but the last replica serving: routed around
+
+
+FAILED = "health probe not answered within 5 s"
+
+
+def test_only_an_engine_without_a_router_is_a_lone_server_probed_by_its_set():
+    assert lone(make_plan(_cfg())) == [] and Supervision.of(make_plan(_cfg())).lone == []   # the router judges these
+    plan = make_plan(_cfg(gpus=1))
+    assert lone(plan) == [0] and lone(plan, mine=[]) == [] and Supervision.of(plan).lone == [0]
+    assert Supervision.of(plan).supervised == []                            # nothing to restart it
+
+
+def test_a_lone_server_failing_its_probes_for_request_timeout_s_is_hung_once():
+    table = Supervision.of(make_plan(_cfg(gpus=1)))
+    assert table.probed(0, True, "health probe answered 200", now=100.0) is None
+    assert table.probed(0, False, FAILED, now=101.0) is None               # out of its rotation from 101
+    assert table.probed(0, False, FAILED, now=110.9) is None
+    reason = table.probed(0, False, FAILED, now=111.0)                    # 10 s: request_timeout_s
+    assert reason == f"{FAILED}; its health probes failed for 10.0 s, request_timeout_s is 10"
+    assert table.lone == [] and table.probed(0, False, FAILED, now=200.0) is None   # judged once: it is stopped
+    assert not table.died(0, others_serving=True)                          # and its death is the job's
+
+
+def test_a_slow_lone_server_that_answers_within_its_timeout_is_not_hung():
+    table = Supervision.of(make_plan(_cfg(gpus=1)))
+    for t in range(0, 60, 6):   # answers late, each probe passing in 5 s: never out
+        assert table.probed(0, True, "health probe answered 200", now=float(t)) is None
+    assert table.probed(0, False, FAILED, now=100.0) is None               # a busy spell of 9 s, then back:
+    assert table.probed(0, False, FAILED, now=109.0) is None
+    assert table.probed(0, True, "health probe answered 200", now=110.0) is None
+    assert table.probed(0, True, "health probe answered 200", now=111.0) is None   # two passes: back in
+    assert table.probed(0, False, FAILED, now=119.0) is None               # a new spell counts from its start
+    assert table.probed(0, False, FAILED, now=128.0) is None
+    assert table.probed(0, False, FAILED, now=129.0) is not None
+    table.probing(0)                                                       # (a set's probes begin afresh)
+    assert table.lone == []
+
+
+def test_a_lone_servers_probes_begin_afresh_when_its_set_is_watched_again():
+    table = Supervision.of(make_plan(_cfg(gpus=1)))
+    assert table.probed(0, False, FAILED, now=100.0) is None
+    table.probing(0)                                                       # unwatched meanwhile: forgotten
+    assert table.probed(0, False, FAILED, now=200.0) is None
+    assert table.probed(0, False, FAILED, now=209.9) is None and table.probed(0, False, FAILED, now=210.0)
 
 
 def test_another_machines_server_is_dead_after_missing_checks_in_a_row():

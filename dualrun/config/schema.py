@@ -155,13 +155,16 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("health_timeout_s", "float", 600.0, "Seconds a server dualrun starts may take to answer its health check.",
         minimum=0,
         maximum=MAX_SECONDS),
-    Key("request_timeout_s", "float", 1800.0, "A role with several engine replicas: seconds a replica may take to "
-        "answer one generation or scoring request before the router takes it for hung — out of rotation until the "
-        "launcher restores or replaces it, the request retried on another replica (none left: the request fails, "
-        "naming each). Long by default: one request may carry a whole step's generations (TRL's server-mode "
-        "client sends them in one call and waits without a limit). A dead or stopped engine is found sooner, by the "
-        "router's health probes (about once a second, 5 s to answer); lower this to find sooner an engine that "
-        "answers its health check but not its requests. Weight-transfer calls get the same limit.",
+    Key("request_timeout_s", "float", 1800.0, "Seconds a server dualrun starts for the role may go unanswered "
+        "before it is taken for hung. Behind a router (a role with several engine replicas): one generation or "
+        "scoring request to a replica, after which the router takes it out of rotation until the launcher restores "
+        "or replaces it, the request retried on another replica (none left: the request fails, naming each). Long "
+        "by default: one request may carry a whole step's generations (TRL's server-mode client sends them in one "
+        "call and waits without a limit). A dead or stopped engine is found sooner, by health probes (about once a "
+        "second, 5 s to answer; the router's of each replica, the launcher's of a role's one engine); failing them "
+        "this long, an engine is hung too: a replica is restarted (`replica_restarts`), a role's one engine is "
+        "stopped and the job ends naming it, or restarts whole with `max_failures`. Lower this to find sooner an "
+        "engine that accepts but does not answer (stopped, deadlocked). Weight-transfer calls get the same limit.",
         minimum=1, maximum=MAX_SECONDS),
     Key("replica_restarts", "int", 3, "A role with several engine replicas (torchrun, or Ray): "
         "how often each replica that dies while the job runs is restarted on its own devices (a fresh port; on Ray a "

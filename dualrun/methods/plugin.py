@@ -66,16 +66,10 @@ class MethodPlugin:
 
 
 def router_keys(cfg: JobConfig) -> None:
-    """`request_timeout_s` is the router's: a separate role with one engine has none, so the key would do nothing."""
+    """`replica_restarts` restarts replicas behind a router: a separate role with one engine has none, so the key
+    would do nothing there."""
     from dualrun.plan.engines import replica_count
 
-    for role in cfg.roles:
-        if role.request_timeout_s == 1800.0 or role.address or not cfg.is_separate(role.name):
-            continue
-        if replica_count(cfg, role) == 1:
-            raise ConfigError(cfg.source, f"roles.{role.name}.request_timeout_s", "a role with several engine "
-                              "replicas (the router's limit per request; one engine has no router: give the role "
-                              "more GPUs than one engine takes, or remove the key)", role.request_timeout_s)
     for role in cfg.roles:
         if role.replica_restarts in (0, 3) or role.address or not cfg.is_separate(role.name):
             continue

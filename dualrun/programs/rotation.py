@@ -43,6 +43,8 @@ JOINING = "joining"          # swapped in by the launcher, not yet healthy (or h
 STICKY = frozenset({TIMEOUT, LAUNCHER})          # out until restored: passing probes do not bring it back
 ABORTS = frozenset({TIMEOUT, PROBE, LAUNCHER})   # leaving rotation aborts the requests in flight on it
 RECOVER_PROBES = 2
+PROBE_INTERVAL_S = 1.0   # between two health probes of one engine (a router's of a replica, a set's of a lone server)
+PROBE_TIMEOUT_S = 5.0    # a probe not answered by then fails (a busy engine still answers /health within it)
 
 # What a row of the table says of a replica's health, for those outside the router (`judge`)
 SERVING = "serving"          # in rotation

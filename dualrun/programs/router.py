@@ -41,10 +41,8 @@ from dualrun.light.noise import Noise
 from dualrun.programs import rotation
 from dualrun.programs import routing
 from dualrun.programs.client_noise import quiet_client_trouble
-from dualrun.programs.rotation import Replica
+from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
 
-PROBE_INTERVAL_S = 1.0   # between two health probes of one replica
-PROBE_TIMEOUT_S = 5.0    # a probe not answered by then fails (a busy engine still answers /health within it)
 
 
 class RouterError(Exception):

@@ -202,7 +202,9 @@ class LocalServers(ServerSetBase):
     def kill(self, index: int, grace_s: float) -> tuple[str, str | None]:
         with self._lock:
             self._reported.add(index)   # its end is reported by the supervisor, as hung, not as an exit
-            server = self.running[index]
+            server = self.running.get(index)
+        if server is None:   # the set was stopped meanwhile: it stopped the server too
+            return "", None
         server.stop(grace_s)
         return server.tail(), server.log_path
 

@@ -73,6 +73,28 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def probe(url: str, timeout: float) -> tuple[bool, str]:
+    """One health probe of `url`: whether it answered 200, and what it got, in the router's words."""
+    import http.client
+    import socket
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as resp:
+            return resp.status == 200, f"health probe answered {resp.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"health probe answered {e.code}"
+    except (TimeoutError, socket.timeout):
+        return False, f"health probe not answered within {timeout:g} s"
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, (TimeoutError, socket.timeout)):
+            return False, f"health probe not answered within {timeout:g} s"
+        return False, f"health probe: {type(e.reason).__name__}: {e.reason}"
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        return False, f"health probe: {type(e).__name__}: {e}"
+
 
 class ServerProcess:
     """A server command bound to `host:port`, whose health is `GET http://host:port<health_path>` == 200."""

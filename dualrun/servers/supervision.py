@@ -11,7 +11,11 @@ another replica of its role is still serving (the last one gone ends the job). A
 (on several machines, each machine its own). A replica is *hung* when its router took it out for a request that got
 no answer, or its health probes have failed for `request_timeout_s` while its process lives
 (`rotation.judge`, the one reading of the router's table that the router's rules write): it is stopped and
-restarted like a dead one. Another machine's server that misses `MISSES` health checks in a row is dead, unless its
+restarted like a dead one. A *lone* server (a role of one engine: no router in front, the trainers' only server of
+its role) is probed by its set the way a router probes a replica, its probes kept in a one-slot table of the router's
+(`Rotation`) and read by the same `judge`: failing them for `request_timeout_s` while its process lives, it is hung,
+stopped like a dead one, and its death is the job's (it ends naming it, or restarts whole with `max_failures`).
+Another machine's server that misses `MISSES` health checks in a row is dead, unless its
 own machine is restarting it. A replica whose engine takes the trainer's weights (`Serving.takes_weights`, a rollout
 on vLLM) comes back *held*: its router keeps it out of rotation until its first weight update completes.
 """
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping
 
 from dualrun.plan.processes import ROUTER, Plan
-from dualrun.programs.rotation import HUNG, RESTARTING, judge
+from dualrun.programs.rotation import HUNG, RESTARTING, Rotation, judge
 
 HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
 MISSES = 2           # another machine's server: failed health checks in a row that are a death
@@ -37,6 +41,14 @@ def restart_budget(plan: Plan, mine: Collection[int] | None = None) -> dict[int,
 def restartable(plan: Plan) -> frozenset[int]:
     """Every machine's replicas that are restarted at all (by the machine that runs them)."""
     return frozenset(restart_budget(plan))
+
+
+def lone(plan: Plan, mine: Collection[int] | None = None) -> list[int]:
+    """plan.servers indices of the engine servers with no router in front (of `mine`, when given): their set
+    probes their health itself."""
+    routed = {p.unit for p in plan.servers if p.kind == ROUTER}
+    return [i for i, p in enumerate(plan.servers)
+            if p.unit not in routed and p.serving is not None and (mine is None or i in mine)]
 
 
 def router_of(plan: Plan, index: int) -> tuple[int, int]:
@@ -80,12 +92,13 @@ class Supervision:
     down: set[int] = field(default_factory=set)         # being restarted
     out_since: dict[int, float] = field(default_factory=dict)   # out of rotation since (the launcher's clock)
     misses: dict[int, int] = field(default_factory=dict)        # another machine's server -> missed checks in a row
+    alone: dict[int, Rotation] = field(default_factory=dict)    # a lone server -> its probes, as a router holds them
 
     @classmethod
     def of(cls, plan: Plan, mine: Collection[int] | None = None) -> "Supervision":
         """The replicas of `plan` this set runs (`mine`; None: all), each with its full budget."""
         allowed = restart_budget(plan, mine)
-        return cls(plan, allowed, dict(allowed))
+        return cls(plan, allowed, dict(allowed), alone={i: Rotation([plan.servers[i].label]) for i in lone(plan, mine)})
 
     @property
     def supervised(self) -> list[int]:
@@ -128,6 +141,32 @@ class Supervision:
         self.out_since.pop(index, None)
         return True
 
+    @property
+    def lone(self) -> list[int]:
+        """The lone servers this set probes (one judged hung is probed no more)."""
+        return list(self.alone)
+
+    def probing(self, index: int) -> None:
+        """Probes of lone server `index` begin (again): what earlier ones said is forgotten."""
+        if index in self.alone:
+            self.alone[index] = Rotation([self.plan.servers[index].label])
+
+    def probed(self, index: int, ok: bool, detail: str, now: float) -> str | None:
+        """One health probe of lone server `index` (`detail`: what it got), taken as a router takes a replica's: a
+        failed one takes it out of its one-slot rotation, `RECOVER_PROBES` passing ones in a row bring it back. Why
+        it is hung (`judge`: failing its probes for `request_timeout_s`, and this one too), once; else None."""
+        table = self.alone.get(index)
+        if table is None:
+            return None
+        table.probed(0, ok, detail, now)
+        row = table[0]
+        out_for = 0.0 if row.out_since is None else now - row.out_since
+        limit = self.plan.servers[index].serving.request_timeout_s   # type: ignore[union-attr]
+        if ok or judge(row, out_for, limit) != HUNG:   # one that answers is not hung, even before it is back in
+            return None
+        del self.alone[index]
+        return f"{row.reason}; its health probes failed for {out_for:.1f} s, request_timeout_s is {limit:g}"
+
     def checked(self, index: int, answered: bool) -> bool:
         """Another machine's server answered its health check (or its machine is restarting it: `restarting`) or
         not. True when it is dead: `MISSES` misses in a row."""
@@ -148,6 +187,11 @@ def restarting_line(death_line: str, used: int, allowed: int) -> str:
 def hung_line(label: str, reason: str) -> str:
     """The launch's line when a hung replica is stopped to be restarted."""
     return f"dualrun: {label} is hung ({reason}); stopping it (SIGTERM, then SIGKILL after {HUNG_GRACE_S:g} s)"
+
+
+def stopped_answering(address: str, reason: str) -> str:
+    """The reason a hung lone server ended the job (after its label)."""
+    return f"at {address} stopped answering while the job was running ({reason}); it was stopped"
 
 
 def held_line(label: str, address: str) -> str:

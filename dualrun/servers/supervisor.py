@@ -1,5 +1,6 @@
 """The one supervisor of a set's engine replicas, on either backend: a death restarted or made the job's, a hung
-replica found and stopped, a restarted one taken back by its router (held until it has the trainer's weights).
+replica found and stopped, a restarted one taken back by its router (held until it has the trainer's weights), a
+lone server (no router in front) probed and, hung, stopped (its death the job's).
 
 Why apart from the server sets: the policy (supervision.py's table) and the steps of a restart (the router's
 `remove`, a fresh process, the router's `replace`, the wait for rotation, the lines the user reads) are the same
@@ -15,9 +16,10 @@ import time
 from typing import TYPE_CHECKING, Callable, Collection, Protocol
 
 from dualrun.plan.processes import Plan
+from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S
 from dualrun.servers.process import ServerError
 from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, restarting_line,
-                                         router_of)
+                                         router_of, stopped_answering)
 
 if TYPE_CHECKING:
     from dualrun.servers.serverset import ServerDeath, ServerSetBase
@@ -57,6 +59,7 @@ class Supervisor:
         self.others_serving: Callable[[int], bool] = lambda index: True
         self._lock = threading.Lock()
         self._last_look = 0.0
+        self._prober: threading.Thread | None = None   # probes the lone servers while the set is watched
 
     @property
     def restarting(self) -> frozenset[int]:
@@ -145,7 +148,11 @@ class Supervisor:
 
     # -- hung replicas ---------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """The set's watcher calls it every turn: about once a second, `look` (while any replica has restarts)."""
+        """The set's watcher calls it every turn: about once a second, `look` (while any replica has restarts); the
+        lone servers' prober runs (a thread of its own: a hung server's probe takes `PROBE_TIMEOUT_S`)."""
+        if self.table.lone and self.events.watching and (self._prober is None or not self._prober.is_alive()):
+            self._prober = threading.Thread(target=self._probe_lone, name="dualrun-server-probe", daemon=True)
+            self._prober.start()
         if self.table.supervised and now - self._last_look >= HUNG_EVERY_S:
             self._last_look = now
             self.look(now)
@@ -155,7 +162,6 @@ class Supervisor:
         death reported as being hung, so it is restarted; without a restart left (or no other replica serving) it
         stays out of rotation, routed around."""
         from dualrun.servers import router_client
-        from dualrun.servers.serverset import ServerDeath
 
         for index in self.table.supervised:
             router, slot = router_of(self.plan, index)
@@ -171,8 +177,36 @@ class Supervisor:
             with self._lock:
                 if not self.table.looked(index, row, now):
                     continue
-            label = self.plan.servers[index].label
-            print(hung_line(label, row.get("reason") or "out of rotation"), file=sys.stderr, flush=True)
-            tail, log_path = self.replicas.kill(index, HUNG_GRACE_S)
-            self.events.report(ServerDeath.of(index, ServerError(label, f"was hung ({row.get('reason')})", tail,
-                                                                  log_path)))
+            self._stop_hung(index, row.get("reason") or "out of rotation", f"was hung ({row.get('reason')})")
+
+    def _probe_lone(self) -> None:
+        """While the set is watched, about once a second, each lone server's health probe (`PROBE_TIMEOUT_S` to
+        answer), judged by the table; one found hung is stopped and its death reported (the job's: it ends naming
+        it, or restarts whole with `max_failures`). A server whose process ended is not probed: its end is the
+        watcher's event."""
+        from dualrun.servers.process import probe
+
+        with self._lock:
+            for index in self.table.lone:
+                self.table.probing(index)
+        while self.events.watching:
+            for index in self.table.lone:
+                address = self.address_of(index)
+                if address is None or not self.replicas.alive(index):
+                    continue
+                ok, detail = probe(f"http://{address}{self.plan.servers[index].serving.health_path}",  # type: ignore
+                                   PROBE_TIMEOUT_S)
+                with self._lock:
+                    reason = self.table.probed(index, ok, detail, time.monotonic())
+                if reason is not None and self.events.watching and self.replicas.alive(index):
+                    self._stop_hung(index, f"at {address}: {reason}", stopped_answering(address, reason))
+            self.events.wait_stopped(PROBE_INTERVAL_S)
+
+    def _stop_hung(self, index: int, reason: str, why: str) -> None:
+        """Stop hung server `index` (its line first) and report its death (`why`: after its label)."""
+        from dualrun.servers.serverset import ServerDeath
+
+        label = self.plan.servers[index].label
+        print(hung_line(label, reason), file=sys.stderr, flush=True)
+        tail, log_path = self.replicas.kill(index, HUNG_GRACE_S)
+        self.events.report(ServerDeath.of(index, ServerError(label, why, tail, log_path)))
