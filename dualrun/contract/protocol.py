@@ -17,6 +17,7 @@ from typing import Any, Mapping
 BACKEND = "DUALRUN_BACKEND"         # 'torchrun' | 'ray'
 METHOD = "DUALRUN_METHOD"           # the method plugin the workers activate
 RUN_ID = "DUALRUN_RUN_ID"           # one id per launch (filled in by the launcher)
+JOB_TOKEN = "DUALRUN_JOB_TOKEN"     # the job's secret (contract/job_token.py): one per launch, or the launching env's
 SETTINGS = "DUALRUN_SETTINGS"       # JSON of `Settings`
 ROLE = "DUALRUN_ROLE"               # the plan's unit ('train', 'teacher+rollout'), or a role group's name
 ROLES = "DUALRUN_ROLES"             # comma-separated roles of the unit
@@ -60,7 +61,7 @@ FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns)
 PLUGIN_ENTRY_POINTS = "dualrun.plugins"
 
 # Names the driver sets for every process: a config's `env:` must not override them.
-RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN, LOG_DIR)
+RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, JOB_TOKEN, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN, LOG_DIR)
 
 
 def address_env(role: str) -> str:
