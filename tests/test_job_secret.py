@@ -169,3 +169,33 @@ def test_loopback_store_listens_on_loopback_alone():
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
     client.set("k", "v")
     assert store.get("k") == b"v"
+
+
+# -- what the trainers' clients carry -----------------------------------------------------------------------------
+def test_trainers_requests_to_the_jobs_servers_carry_its_headers_and_no_others():
+    from dualrun.rank.server_auth import headers_for
+
+    env = {protocol.JOB_TOKEN: "s3cret", protocol.address_env("teacher"): "127.0.0.1:8001",
+           protocol.address_env("rollout"): "127.0.0.1:8002", protocol.api_key_env("rollout"): "k3y"}
+    assert headers_for("http://127.0.0.1:8001/v1/completions", env) == {"X-Dualrun-Job-Token": "s3cret"}
+    assert headers_for("http://127.0.0.1:8002/update_weights", env) == {"X-Dualrun-Job-Token": "s3cret",
+                                                                        "Authorization": "Bearer k3y"}
+    assert headers_for("http://127.0.0.1:9999/v1/completions", env) == {}     # not the job's: nothing leaves
+    assert headers_for("http://example.com/x", env) == {}
+
+
+def test_a_roles_api_key_reaches_the_router_and_the_trainers(tmp_path):
+    from dualrun.methods.plugin import MethodPlugin
+    from dualrun.programs.guard import api_key_of
+    from dualrun.servers.planned import server_command
+    from dualrun.plan.processes import ROUTER
+
+    assert api_key_of(["--verbose", "--api-key", "k1"]) == "k1" and api_key_of(["--api_key=k2"]) == "k2"
+    assert api_key_of(["--api-k", "k3"]) == "k3" and api_key_of(["--top-k", "5"]) is None
+    cfg = _cfg("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 1}\n  teacher: {gpus: 2, model: m, "
+               "server_args: [--api-key, k3y]}\n", tmp_path)
+    assert MethodPlugin().wiring_env(cfg, {"teacher": "127.0.0.1:8000"}) == {
+        protocol.address_env("teacher"): "127.0.0.1:8000", protocol.api_key_env("teacher"): "k3y"}
+    router = type("P", (), {"kind": ROUTER, "roles": ("teacher",), "world_size": 2, "unit": "teacher"})()
+    argv = server_command(cfg, None, router, "127.0.0.1", 8000, ["127.0.0.1:1", "127.0.0.1:2"])
+    assert argv[argv.index("--api-key") + 1] == "k3y"

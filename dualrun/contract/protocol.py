@@ -69,6 +69,11 @@ def address_env(role: str) -> str:
     return f"DUALRUN_{role.upper()}_ADDRESS"
 
 
+def api_key_env(role: str) -> str:
+    """The variable holding a separate role's `--api-key` (from its server_args) for the trainer ranks' requests."""
+    return f"DUALRUN_{role.upper()}_API_KEY"
+
+
 ROLLOUT_ADDRESS = address_env("rollout")
 TEACHER_ADDRESS = address_env("teacher")
 

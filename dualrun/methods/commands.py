@@ -95,8 +95,10 @@ def for_installed_vllm(argv: list[str]) -> list[str]:
 def server_argv(cfg: JobConfig, role: RoleSpec, model: str, host: str, port: int, rollout: bool) -> list[str]:
     if engine_of(cfg, role) == "transformers":
         return cpu_engine(role, model, host, port)
+    from dualrun.programs.vllm_guard import guarded
+
     build = rollout_vllm if rollout else vllm_serve
-    return for_installed_vllm(build(role, model, host, port))
+    return guarded(for_installed_vllm(build(role, model, host, port)), model)
 
 
 # The flags dualrun itself puts on a server's command line (the builders above), and the key that sets each.
