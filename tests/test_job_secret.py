@@ -199,3 +199,24 @@ def test_a_roles_api_key_reaches_the_router_and_the_trainers(tmp_path):
     router = type("P", (), {"kind": ROUTER, "roles": ("teacher",), "world_size": 2, "unit": "teacher"})()
     argv = server_command(cfg, None, router, "127.0.0.1", 8000, ["127.0.0.1:1", "127.0.0.1:2"])
     assert argv[argv.index("--api-key") + 1] == "k3y"
+
+
+def test_which_endpoints_need_the_secret():
+    from dualrun.programs import guard, vllm_guard
+
+    for path in ("/router/replicas/0/replace", "/update_weights", "/init_weight_transfer_engine", "/pause?mode=keep",
+                 "/resume", "/reset_prefix_cache", "/v1/load_lora_adapter"):
+        assert guard.job_only("POST", path), path
+    for method, path in (("GET", "/health"), ("GET", "/router/stats"), ("POST", "/v1/completions"),
+                         ("GET", "/server_info"), ("GET", "/get_world_size")):
+        assert not guard.job_only(method, path), path
+    # a vLLM server: every path but inference (the --api-key's) and the health checks
+    for path in ("/pause", "/sleep", "/wake_up", "/collective_rpc", "/init_weight_transfer_engine",
+                 "/update_weights", "/server_info", "/reset_prefix_cache"):
+        assert vllm_guard.job_only("POST", path), path
+    for path in ("/health", "/ping", "/version", "/metrics", "/v1/completions", "/v1/models", "/inference/v1/generate"):
+        assert not vllm_guard.job_only("GET", path), path
+    assert guard.refusal("POST", "/pause", {}, "t", None) == (401, guard.refusal("POST", "/pause", {}, "t", None)[1])
+    assert guard.refusal("POST", "/pause", {"X-Dualrun-Job-Token": "t"}, "t", None) is None
+    assert guard.refusal("POST", "/v1/completions", {}, "t", "k")[0] == 401
+    assert guard.refusal("POST", "/v1/completions", {"Authorization": "Bearer k"}, "t", "k") is None

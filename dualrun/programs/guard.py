@@ -1,7 +1,9 @@
 """Who a server of the job answers: pure rules, the same for the router and the CPU engine.
 
 Two keys, two headers. The job's secret (contract/job_token.py, its own header) is required on the requests that
-change what the job trains on: the router's control endpoints (point a replica elsewhere, take it out). A user's
+change what the job trains on: the router's control endpoints (point a replica elsewhere, take it out) and the
+calls it fans out to every replica (weights, pause), the CPU engine's weight-sync calls, a vLLM server's dev-mode
+paths (vllm_guard.py). A user's
 `--api-key` (a role's `server_args`) is required on the inference endpoints as `Authorization: Bearer KEY`, on the
 paths vLLM's own `--api-key` guards; `/health` and the rest stay open.
 """
@@ -24,8 +26,11 @@ def needs_api_key(path: str) -> bool:
 
 
 def job_only(method: str, path: str) -> bool:
-    """Does `method path` change the job (only its own processes may ask it)? The router's control endpoints."""
-    return method.upper() == "POST" and path.split("?")[0].startswith(routing.CONTROL_PATH + "/")
+    """Does `method path` change the job (only its own processes may ask it)? The router's control endpoints, and
+    the calls it fans out to every replica: weight transfer, pause and resume, adapters, prefix-cache reset."""
+    if method.upper() == "POST" and path.split("?")[0].startswith(routing.CONTROL_PATH + "/"):
+        return True
+    return routing.route(method, path) in (routing.INIT_WEIGHTS, routing.ALL)
 
 
 def refusal(method: str, path: str, headers: Mapping[str, str], token: str | None,
