@@ -80,7 +80,7 @@ class Router:
         self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # its requests in flight, to abort
         self._aborted: set[asyncio.Task] = set()   # cancelled by an abort: retried on another replica
         self._probes: list[asyncio.Task] = []
-        self.token = job_token.job_token()   # the job's secret: the control endpoints require it
+        self.token = job_token.job_token()   # the job's secret: guard.job_only endpoints require it
         self.api_key = api_key               # the role's --api-key: its inference endpoints require it
         self.headers = guard.outgoing(self.token, api_key)   # what its own calls to the replicas carry
 
