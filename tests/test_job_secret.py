@@ -220,3 +220,16 @@ def test_which_endpoints_need_the_secret():
     assert guard.refusal("POST", "/pause", {"X-Dualrun-Job-Token": "t"}, "t", None) is None
     assert guard.refusal("POST", "/v1/completions", {}, "t", "k")[0] == 401
     assert guard.refusal("POST", "/v1/completions", {"Authorization": "Bearer k"}, "t", "k") is None
+
+
+def test_ray_servers_listen_on_loopback_only_when_every_node_is_this_machine():
+    from types import SimpleNamespace
+
+    from dualrun.servers.ray_server import on_this_host
+
+    def plan(*addresses):
+        return SimpleNamespace(cluster=SimpleNamespace(nodes=[SimpleNamespace(address=a) for a in addresses]))
+
+    assert on_this_host(plan("127.0.0.1")) and on_this_host(plan("127.0.0.1", "127.0.0.1"))   # nodes on one host
+    assert not on_this_host(plan("127.0.0.1", "10.0.0.2"))        # several machines: their own addresses
+    assert not on_this_host(plan("203.0.113.9"))                 # one node elsewhere (joined through ray://)

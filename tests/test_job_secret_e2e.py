@@ -1,8 +1,9 @@
 """A hostile client on the job's machine, end to end: a GKD job on a 2-replica CPU-engine teacher behind the router,
 held after step 2, on both backends. Every socket the job's processes listen on is on loopback (the servers, the
 rendezvous store: torchrun's agent's, rank 0's on Ray); the requests that would point the teacher elsewhere or take
-a replica out (`POST /router/replicas/N/replace|remove`) are answered 401 without the job's secret and 403 with a
-guessed one, the router's table stays as it was, and the job's losses equal those of the run nobody attacked."""
+a replica out (`POST /router/replicas/N/replace|remove`), or pause the replicas or push weights through it, are
+answered 401 without the job's secret and 403 with a guessed one, the router's table stays as it was, the job's
+losses equal those of the run nobody attacked, and the secret (read from the router's env) is in no output or log."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dualrun.contract import protocol
 from helpers import cmdline, eventually, pids_matching
 from test_job_secret import on_every_interface
 from test_replicas_e2e import RESTART_STEPS, _held_gkd_job, _losses, unkilled  # noqa: F401 - unkilled: a fixture
@@ -56,6 +58,11 @@ def listening(pids: list[int]) -> dict[int, list[str]]:
             if fields[3] == "0A" and fields[9] in inodes:
                 found.setdefault(inodes[fields[9]], []).append(fields[1])
     return found
+
+
+def _env_of(pid: int) -> dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
 
 
 def _descendants(root: int) -> list[int]:
@@ -105,8 +112,11 @@ def test_a_hostile_client_on_the_machine_changes_nothing(tmp_path, module_tiny, 
         assert _post(f"{base}/1/replace", {"address": replicas[0]}, {"X-Dualrun-Job-Token": "guessed"}) == 403
         assert _post(f"{base}/1/remove", {"reason": "hostile"}) == 401
         assert _post(f"{base}/0/restore", {}, {"Authorization": "Bearer guessed"}) == 401
+        assert _post(f"http://{router}/pause", {}) == 401 and _post(f"http://{router}/update_weights", {}) == 401
         table = _table(router)
         assert [r["address"] for r in table["replicas"]] == replicas and table["in_rotation"] == [0, 1], table
+        secret = _env_of(pids_matching("dualrun.programs.router", router.split(":")[1])[0])[protocol.JOB_TOKEN]
+        assert len(secret) >= 40
         hold.unlink()
         code = driver.wait(timeout=300)
     finally:
@@ -114,3 +124,5 @@ def test_a_hostile_client_on_the_machine_changes_nothing(tmp_path, module_tiny, 
             driver.kill()
     assert code == 0, stderr()[-3000:]
     assert _losses(tmp_path, RESTART_STEPS) == unkilled["losses"]
+    shown = [stderr(), *(f.read_text(errors="replace") for f in (tmp_path / "logs").iterdir() if f.is_file())]
+    assert not [text for text in shown if secret in text]   # never printed, nor logged

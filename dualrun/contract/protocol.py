@@ -25,6 +25,7 @@ JOB_RESTARTS = "DUALRUN_JOB_RESTARTS"  # restarts of the whole job by dualrun (a
 LOG_DIR = "DUALRUN_LOG_DIR"         # torchrun: each rank also appends its output to LOG_DIR/<ROLE>_<RANK>.log (on Ray
                                     # the rank's actor writes that file)
 ADDRESS_PATTERN = "DUALRUN_*_ADDRESS"  # a separate role's `host:port` (see `address_env`)
+API_KEY_PATTERN = "DUALRUN_*_API_KEY"  # a separate role's `--api-key`, for the trainers' requests (see `api_key_env`)
 
 # -- role programs (dualrun.roles) ---------------------------------------------------------------------------
 ROLES_SPEC = "DUALRUN_ROLES_SPEC"   # JSON of RolesSpec, set by `dualrun launch` for a role program
@@ -61,7 +62,8 @@ FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns)
 PLUGIN_ENTRY_POINTS = "dualrun.plugins"
 
 # Names the driver sets for every process: a config's `env:` must not override them.
-RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, JOB_TOKEN, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN, LOG_DIR)
+RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, JOB_TOKEN, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN,
+            API_KEY_PATTERN, LOG_DIR)
 
 
 def address_env(role: str) -> str:
