@@ -153,7 +153,7 @@ def on_every_interface(addresses: list[str]) -> list[str]:
 def test_loopback_store_listens_on_loopback_alone():
     import torch.distributed as dist
 
-    from dualrun.rank.loopback_store import loopback_stores
+    from dualrun.light.loopback_store import loopback_stores
 
     before = set(listeners())
     plain = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
@@ -186,7 +186,7 @@ def test_trainers_requests_to_the_jobs_servers_carry_its_headers_and_no_others()
 
 def test_a_roles_api_key_reaches_the_router_and_the_trainers(tmp_path):
     from dualrun.methods.plugin import MethodPlugin
-    from dualrun.programs.guard import api_key_of
+    from dualrun.methods.commands import api_key_of
     from dualrun.servers.planned import server_command
     from dualrun.plan.processes import ROUTER
 
@@ -233,3 +233,16 @@ def test_ray_servers_listen_on_loopback_only_when_every_node_is_this_machine():
     assert on_this_host(plan("127.0.0.1")) and on_this_host(plan("127.0.0.1", "127.0.0.1"))   # nodes on one host
     assert not on_this_host(plan("127.0.0.1", "10.0.0.2"))        # several machines: their own addresses
     assert not on_this_host(plan("203.0.113.9"))                 # one node elsewhere (joined through ray://)
+
+
+def test_the_middleware_vllm_is_given_is_the_guard_and_a_coroutine_function():
+    """vLLM adds a `--middleware` import path that names a coroutine function as `@app.middleware("http")`."""
+    import importlib
+    import inspect
+
+    from dualrun.methods.commands import VLLM_MIDDLEWARE
+    from dualrun.programs import vllm_guard
+
+    module, _, name = VLLM_MIDDLEWARE.rpartition(".")
+    target = getattr(importlib.import_module(module), name)
+    assert target is vllm_guard.job_guard and inspect.iscoroutinefunction(target)

@@ -13,7 +13,7 @@ from dualrun.light.interpreter import PYTHON, resolve
 from dualrun.plan.processes import make_plan
 from dualrun.methods.plugin import get_plugin
 from dualrun.methods import commands
-from dualrun.programs.vllm_guard import MIDDLEWARE
+from dualrun.methods.commands import VLLM_MIDDLEWARE as MIDDLEWARE
 from dualrun.servers.local import LocalServers
 from dualrun.servers.planned import with_method
 from dualrun.servers.ray_server import ServerActor

@@ -71,6 +71,14 @@ def address_env(role: str) -> str:
     return f"DUALRUN_{role.upper()}_ADDRESS"
 
 
+def address_role(name: str) -> str | None:
+    """The role whose `host:port` the variable `name` holds (DUALRUN_ROLLOUT_ADDRESS -> 'rollout'), else None."""
+    prefix, _, suffix = ADDRESS_PATTERN.partition("*")
+    if name.startswith(prefix) and name.endswith(suffix) and len(name) > len(prefix) + len(suffix):
+        return name[len(prefix):-len(suffix)].lower()
+    return None
+
+
 def api_key_env(role: str) -> str:
     """The variable holding a separate role's `--api-key` (from its server_args) for the trainer ranks' requests."""
     return f"DUALRUN_{role.upper()}_API_KEY"

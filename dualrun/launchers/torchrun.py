@@ -24,7 +24,7 @@ from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, Rank
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
-from dualrun.rank.loopback_store import LOOPBACK_HOSTS, loopback_stores
+from dualrun.light.loopback_store import LOOPBACK_HOSTS, loopback_stores
 from dualrun.servers.local import LocalServers
 from dualrun.servers.machines import Machines, await_attempt
 from dualrun.servers.planned import server_previews, wiring_env, with_method

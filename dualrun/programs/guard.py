@@ -52,16 +52,3 @@ def outgoing(token: str | None, api_key: str | None) -> dict[str, str]:
     """The headers a server's own calls to the job's other servers carry (a router's to its replicas)."""
     return {**job_token.auth_headers(token), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
-
-def api_key_of(server_args: "list[str] | tuple[str, ...]") -> str | None:
-    """The `--api-key` a role's `server_args` give (any spelling argparse takes: `--api-key X`, `--api_key=X`,
-    `--api-k X`), None without one; the last one given wins, as argparse's."""
-    from dualrun.contract.redact import abbreviates
-
-    found = None
-    args = [str(a) for a in server_args]
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if abbreviates(flag, ("--api-key",)) == "--api-key":
-            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
-    return found

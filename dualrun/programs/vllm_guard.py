@@ -15,8 +15,6 @@ from dualrun.contract.job_token import job_token
 from dualrun.programs import guard
 
 OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics"})   # what anyone may ask
-FLAG = "--middleware"
-MIDDLEWARE = f"{__name__}.job_guard"
 
 
 def job_only(method: str, path: str) -> bool:
@@ -37,9 +35,3 @@ async def job_guard(request: Any, call_next: Callable[[Any], Awaitable[Any]]) ->
 
 _TOKEN = job_token()
 
-
-def guarded(argv: list[str], model: str) -> list[str]:
-    """A vLLM server's command line with the guard loaded, right after the model (the user's `server_args` stay
-    last; vLLM takes `--middleware` more than once)."""
-    at = argv.index(model) + 1 if model in argv else len(argv)
-    return [*argv[:at], FLAG, MIDDLEWARE, *argv[at:]]

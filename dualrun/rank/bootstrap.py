@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     if not argv:
         sys.exit("usage: python -m dualrun.rank.bootstrap (script.py | -m module) [args...]")
-    from dualrun.rank import exit_guard, keep_groups, log_tee, loopback_store, server_auth
+    from dualrun.light import loopback_store
+    from dualrun.rank import exit_guard, keep_groups, log_tee, server_auth
 
     log_tee.start()   # torchrun with log_dir: the rank's output also goes to log_dir/<role>_<rank>.log
 

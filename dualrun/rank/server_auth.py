@@ -8,7 +8,6 @@ KEY` (`DUALRUN_<ROLE>_API_KEY`, as vLLM reads it). Requests to anything else car
 """
 from __future__ import annotations
 
-import fnmatch
 import os
 import types
 from typing import Any, Mapping
@@ -24,8 +23,8 @@ def headers_for(url: str, environ: Mapping[str, str] | None = None) -> dict[str,
     environ = os.environ if environ is None else environ
     netloc = urlsplit(url).netloc
     for name, value in environ.items():
-        if value == netloc and fnmatch.fnmatchcase(name, protocol.ADDRESS_PATTERN):
-            role = name[len("DUALRUN_"):-len("_ADDRESS")].lower()
+        role = protocol.address_role(name) if value == netloc else None
+        if role is not None:
             key = environ.get(protocol.api_key_env(role))
             return {**job_token.auth_headers(job_token.job_token(environ)),
                     **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -69,6 +68,6 @@ def activate() -> None:
     """In every trainer rank of a job with separate roles: TRL's clients carry the job's headers."""
     from dualrun.rank.hooks import when_imported
 
-    if any(fnmatch.fnmatchcase(name, protocol.ADDRESS_PATTERN) for name in os.environ):
+    if any(protocol.address_role(name) for name in os.environ):
         when_imported("trl.generation.vllm_client", install)
         when_imported("trl.experimental.async_grpo.vllm_client", install)

@@ -26,7 +26,7 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
     router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
     if proc.kind == ROUTER:
-        from dualrun.programs.guard import api_key_of
+        from dualrun.methods.commands import api_key_of
         from dualrun.programs.router import router_argv
 
         role = server_role(cfg, proc)
