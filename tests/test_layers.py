@@ -258,14 +258,15 @@ def _in(module: str, packages: tuple[str, ...] | set[str]) -> bool:
 # the protocol, the standard-library-only modules and the gloo wire it shares with the server; never the config,
 # the plan, a plugin's driver half, the server programs or anything that starts a process.
 WORKER_SIDE = ("dualrun.rank", "dualrun.plugins.workers", "dualrun.weightsync.trainer", "dualrun.weightsync.engine")
-WORKER_READS = (*WORKER_SIDE, "dualrun.contract.protocol", "dualrun.light", "dualrun.weightsync.wire",
+WORKER_READS = (*WORKER_SIDE, "dualrun.contract.protocol", "dualrun.contract.job_token", "dualrun.light",
+                "dualrun.weightsync.wire",
                 "dualrun.weightsync.stream", "dualrun.contract.job_store", "dualrun.contract.calls")
 # A plugin's driver half reads the config and names its servers' command lines (methods.commands), and may import
 # its own worker half; it never reaches the server programs themselves, the plan or the lifecycle.
 PLUGIN_READS = (*CONFIG_READS, "dualrun.plan.engines", "dualrun.methods.commands", "dualrun.weightsync.wire",
                 "dualrun.light", "dualrun.methods.plugin", "dualrun.plugins", *WORKER_READS)
 # What the driver shares with the workers lives in the protocol or light/, not in the worker side itself.
-SHARED_WITH_WORKERS = ("dualrun.contract.protocol", "dualrun.light")
+SHARED_WITH_WORKERS = ("dualrun.contract.protocol", "dualrun.contract.job_token", "dualrun.light")
 
 
 def test_the_worker_side_reaches_no_driver_side_module():

@@ -56,9 +56,10 @@ def test_a_servers_echo_of_its_secret_argument_is_masked_in_its_output_its_log_a
 def test_the_cpu_engine_names_an_unused_secret_flag_without_its_value(tmp_path):
     """The engine's own line (a user may run it by hand, without dualrun's masking around it)."""
     proc = subprocess.run([sys.executable, "-m", "dualrun.programs.cpu_engine", "--model",
-                           str(tmp_path / "no-model"), "--api-key", VALUE], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "no-model"), "--api-key", VALUE, "--hf-token", VALUE], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode != 0
-    assert "dualrun engine: ignoring arguments it does not use: --api-key ***\n" in proc.stderr
+    assert "dualrun engine: ignoring arguments it does not use: --hf-token ***\n" in proc.stderr   # (--api-key: its own)
     assert VALUE not in proc.stdout + proc.stderr
 
 

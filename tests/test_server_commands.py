@@ -13,6 +13,7 @@ from dualrun.light.interpreter import PYTHON, resolve
 from dualrun.plan.processes import make_plan
 from dualrun.methods.plugin import get_plugin
 from dualrun.methods import commands
+from dualrun.methods.commands import VLLM_MIDDLEWARE as MIDDLEWARE
 from dualrun.servers.local import LocalServers
 from dualrun.servers.planned import with_method
 from dualrun.servers.ray_server import ServerActor
@@ -38,7 +39,7 @@ def test_rollout_command_is_trls_build_command_without_its_warning():
         warnings.simplefilter("ignore")
         expected = build_command(ScriptArguments(model="/m/policy", host="127.0.0.1", port=8124,
                                                  tensor_parallel_size=2), ["--max-model-len", "512"])
-    assert argv == [PYTHON, *expected[1:]]
+    assert argv == [PYTHON, *expected[1:5], "--middleware", MIDDLEWARE, *expected[5:]]   # the job's guard: vllm_guard
     assert argv[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "/m/policy"]
     for flag, value in (("--weight-transfer-config", '{"backend": "nccl"}'), ("--logprobs-mode", "processed_logprobs"),
                         ("--max-logprobs", "-1"), ("--tensor-parallel-size", "2")):

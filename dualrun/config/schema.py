@@ -180,7 +180,9 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item "
         "(only on a separate role dualrun starts a server for); not the flags dualrun sets itself (`--host`, "
         "`--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "
-        "spelling the server's parser takes, abbreviations included): exit 2."),
+        "spelling the server's parser takes, abbreviations included): exit 2. An `--api-key KEY` here is required "
+        "on the inference endpoints by every replica (the CPU engine too) and by the router in front of them, and "
+        "the trainers' requests carry it; its value is never printed."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
 )
 

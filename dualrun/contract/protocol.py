@@ -17,6 +17,7 @@ from typing import Any, Mapping
 BACKEND = "DUALRUN_BACKEND"         # 'torchrun' | 'ray'
 METHOD = "DUALRUN_METHOD"           # the method plugin the workers activate
 RUN_ID = "DUALRUN_RUN_ID"           # one id per launch (filled in by the launcher)
+JOB_TOKEN = "DUALRUN_JOB_TOKEN"     # the job's secret (contract/job_token.py): one per launch, or the launching env's
 SETTINGS = "DUALRUN_SETTINGS"       # JSON of `Settings`
 ROLE = "DUALRUN_ROLE"               # the plan's unit ('train', 'teacher+rollout'), or a role group's name
 ROLES = "DUALRUN_ROLES"             # comma-separated roles of the unit
@@ -24,6 +25,7 @@ JOB_RESTARTS = "DUALRUN_JOB_RESTARTS"  # restarts of the whole job by dualrun (a
 LOG_DIR = "DUALRUN_LOG_DIR"         # torchrun: each rank also appends its output to LOG_DIR/<ROLE>_<RANK>.log (on Ray
                                     # the rank's actor writes that file)
 ADDRESS_PATTERN = "DUALRUN_*_ADDRESS"  # a separate role's `host:port` (see `address_env`)
+API_KEY_PATTERN = "DUALRUN_*_API_KEY"  # a separate role's `--api-key`, for the trainers' requests (see `api_key_env`)
 
 # -- role programs (dualrun.roles) ---------------------------------------------------------------------------
 ROLES_SPEC = "DUALRUN_ROLES_SPEC"   # JSON of RolesSpec, set by `dualrun launch` for a role program
@@ -60,12 +62,26 @@ FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns)
 PLUGIN_ENTRY_POINTS = "dualrun.plugins"
 
 # Names the driver sets for every process: a config's `env:` must not override them.
-RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN, LOG_DIR)
+RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, JOB_TOKEN, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN,
+            API_KEY_PATTERN, LOG_DIR)
 
 
 def address_env(role: str) -> str:
     """The variable holding a separate role's `host:port` for the trainer ranks ('rollout' -> DUALRUN_ROLLOUT_ADDRESS)."""
     return f"DUALRUN_{role.upper()}_ADDRESS"
+
+
+def address_role(name: str) -> str | None:
+    """The role whose `host:port` the variable `name` holds (DUALRUN_ROLLOUT_ADDRESS -> 'rollout'), else None."""
+    prefix, _, suffix = ADDRESS_PATTERN.partition("*")
+    if name.startswith(prefix) and name.endswith(suffix) and len(name) > len(prefix) + len(suffix):
+        return name[len(prefix):-len(suffix)].lower()
+    return None
+
+
+def api_key_env(role: str) -> str:
+    """The variable holding a separate role's `--api-key` (from its server_args) for the trainer ranks' requests."""
+    return f"DUALRUN_{role.upper()}_API_KEY"
 
 
 ROLLOUT_ADDRESS = address_env("rollout")

@@ -8,13 +8,14 @@ import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from dualrun.contract import protocol
 from dualrun.config.model import JobConfig
 from dualrun.env.worker import forwarded_env
 from dualrun.contract.redact import redact_argv
 from dualrun.contract.errors import LaunchError, killed_by
+from dualrun.contract.job_token import new_token
 from dualrun.plan.processes import AUTO, Cluster, Plan
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
@@ -94,6 +95,7 @@ class Launcher(ABC):
         self.accelerate_env = dict(accelerate_env or {})
         self.plugin = plugin
         self.run_id = f"dualrun-{uuid.uuid4().hex[:10]}"
+        self.job_token = job_token_for(cfg)
 
     def cluster(self) -> "Cluster | None":
         """The live cluster to plan onto (None: the one the config implies). May connect; never at dry run."""
@@ -118,7 +120,7 @@ class Launcher(ABC):
         attempt = 0
         avoid: set[str] = set()   # endpoints of the sets replaced so far
         servers: ServerSet | None = None
-        with self.session():
+        with self.session(), _in_environ(protocol.JOB_TOKEN, self.job_token):   # the launcher's router calls carry it
             try:
                 while True:
                     if servers is None:
@@ -201,11 +203,36 @@ class Launcher(ABC):
         env.update(self.accelerate_env)
         env.update(process_env)
         fill.setdefault(protocol.RUN_ID, self.run_id)
+        fill.setdefault(protocol.JOB_TOKEN, self.job_token)
         fill.setdefault("TORCHELASTIC_RUN_ID", self.run_id)
         for key, value in fill.items():
-            if env.get(key) == AUTO or key == protocol.RUN_ID:
+            if env.get(key) == AUTO or key in (protocol.RUN_ID, protocol.JOB_TOKEN):
                 env[key] = value
         return env
+
+
+@contextlib.contextmanager
+def _in_environ(name: str, value: str) -> "Iterator[None]":
+    """`name=value` in this process's env while inside, then as it was."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def job_token_for(cfg: JobConfig) -> str:
+    """The job's secret: the launching env's DUALRUN_JOB_TOKEN, else a fresh one; torchrun on several machines
+    (started by hand, each its own launcher) has none unless that variable gives every machine the same, and its
+    servers are then unguarded."""
+    given = os.environ.get(protocol.JOB_TOKEN)
+    if given:
+        return given
+    return "" if cfg.backend_kind.per_machine and cfg.num_machines > 1 else new_token()
 
 
 def failed_job(ranks: list[RankResult], own: list[RankResult], fallback: RankResult, wall_time_s: float = 0.0) -> JobResult:

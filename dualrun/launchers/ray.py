@@ -272,6 +272,8 @@ class RayLauncher(Launcher):
             r.env = self._placed_env(prepared.rank_envs[r.proc.label], master=master, gpus=",".join(r.info.gpus),
                                      node_rank=order.index(r.info.node_id), num_nodes=len(order), error_file=err,
                                      restart=attempt)
+            if len(order) == 1:   # one node: rank 0's store listens on loopback alone (light/loopback_store.py)
+                r.env["MASTER_ADDR"] = "127.0.0.1"
             r.env.update(wiring)
             r.env.update(group_port_env(wiring, master.group_port))
             if several and r.info.interface and not ifname_set(r.env):

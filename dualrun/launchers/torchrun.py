@@ -24,6 +24,7 @@ from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, Rank
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
+from dualrun.light.loopback_store import LOOPBACK_HOSTS, loopback_stores
 from dualrun.servers.local import LocalServers
 from dualrun.servers.machines import Machines, await_attempt
 from dualrun.servers.planned import server_previews, wiring_env, with_method
@@ -227,7 +228,8 @@ class TorchrunLauncher(Launcher):
             if machines is not None:   # the machines' servers meet in torchrun's store
                 machines.share()
             try:
-                run(args)
+                with self._rendezvous_binding():
+                    run(args)
             except (ChildFailedError, SignalException, json.JSONDecodeError) as e:
                 servers.unwatch()
                 return self._ended(e, servers, machines, prepared.plan, start)
@@ -236,6 +238,12 @@ class TorchrunLauncher(Launcher):
                 machines.finish()   # several machines: before this one's servers stop
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(prepared.plan)]
         return JobResult(0, ranks, time.monotonic() - start)
+
+    def _rendezvous_binding(self) -> "contextlib.AbstractContextManager[None]":
+        """One machine: the agent's store listens on loopback alone (torch's would listen on every interface)."""
+        if self.cfg.num_machines == 1 and self._addr() in LOOPBACK_HOSTS:
+            return loopback_stores()
+        return contextlib.nullcontext()
 
     def _ended(self, e: Exception, servers: "LocalServers | Machines", machines: Machines | None, plan: Plan,
                start: float) -> JobResult:

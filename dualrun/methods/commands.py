@@ -32,6 +32,8 @@ WEIGHT_TRANSFER_FLAG = "--weight-transfer-config"
 # registered in vLLM by dualrun's `vllm.general_plugins` entry point; TRL's client takes the gloo path through
 # dualrun.weightsync.trainer.vllm_client).
 GLOO_WEIGHT_TRANSFER = json.dumps({"backend": GLOO_BACKEND})
+# The job's secret on every vLLM server dualrun starts: the HTTP middleware vLLM loads (`--middleware`).
+VLLM_MIDDLEWARE = "dualrun.programs.vllm_guard.job_guard"
 
 
 def parallel_flags(role: RoleSpec) -> list[str]:
@@ -96,7 +98,28 @@ def server_argv(cfg: JobConfig, role: RoleSpec, model: str, host: str, port: int
     if engine_of(cfg, role) == "transformers":
         return cpu_engine(role, model, host, port)
     build = rollout_vllm if rollout else vllm_serve
-    return for_installed_vllm(build(role, model, host, port))
+    return guarded(for_installed_vllm(build(role, model, host, port)), model)
+
+
+def guarded(argv: list[str], model: str) -> list[str]:
+    """A vLLM server's command line with the job's guard loaded (`VLLM_MIDDLEWARE`), right after the model: the
+    user's `server_args` stay last (vLLM takes `--middleware` more than once)."""
+    at = argv.index(model) + 1 if model in argv else len(argv)
+    return [*argv[:at], "--middleware", VLLM_MIDDLEWARE, *argv[at:]]
+
+
+def api_key_of(server_args: Sequence[str]) -> str | None:
+    """The `--api-key` a role's `server_args` give (any spelling argparse takes: `--api-key X`, `--api_key=X`,
+    `--api-k X`), None without one; the last one given wins, as argparse's."""
+    from dualrun.contract.redact import abbreviates
+
+    found = None
+    args = [str(a) for a in server_args]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if abbreviates(flag, ("--api-key",)) == "--api-key":
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return found
 
 
 # The flags dualrun itself puts on a server's command line (the builders above), and the key that sets each.

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError
-from dualrun.contract.protocol import PLUGIN_ENTRY_POINTS, address_env
+from dualrun.contract.protocol import PLUGIN_ENTRY_POINTS, address_env, api_key_env
 
 ALIASES = {"pt": "sft"}
 
@@ -58,7 +58,11 @@ class MethodPlugin:
 
     def wiring_env(self, cfg: JobConfig, servers: Mapping[str, str]) -> dict[str, str]:
         """Env for the trainer ranks, given each separate role's `host:port`."""
-        return {address_env(name): addr for name, addr in servers.items()}
+        from dualrun.methods.commands import api_key_of
+
+        keys = {api_key_env(name): api_key_of(role.server_args) for name in servers
+                if (role := cfg.role(name)) is not None and api_key_of(role.server_args)}
+        return {**{address_env(name): addr for name, addr in servers.items()}, **keys}
 
     # -- worker side (a third-party plugin's; a built-in's is plugins/workers/<name>.py) -----------------------
     def activate(self, settings: Mapping[str, Any]) -> None:

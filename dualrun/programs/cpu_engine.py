@@ -23,7 +23,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from dualrun.light.noise import DROPPED, DROPPED_ERRORS, FAILED, MALFORMED, Noise
+from dualrun.contract.job_token import job_token
 from dualrun.contract.protocol import DEBUG
+from dualrun.programs import guard
 
 STATS_PATH = "/engine/stats"
 
@@ -202,7 +204,14 @@ class Engine:
                 "logprobs": [c["logprobs"]["token_logprobs"] if c["logprobs"] else [] for c in choices]}
 
 
-def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestHandler]:
+def _engine_job_only(method: str, path: str) -> bool:
+    """The engine's calls of the weight-sync protocol (no-ops here): the job's own, like the router's control."""
+    return method == "POST" and path.split("?")[0].rstrip("/") in ("/reset_prefix_cache", "/close_communicator")
+
+
+def make_handler(engine: Engine, verbose: bool = False, api_key: str | None = None) -> type[BaseHTTPRequestHandler]:
+    token = job_token()
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         disable_nagle_algorithm = True  # headers and body are two writes: without it a kept-alive client (the
@@ -224,8 +233,19 @@ def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestH
             self.end_headers()
             self.wfile.write(data)
 
+        def _refused(self, method: str) -> bool:
+            """Answer 401/403 (and drain the body) when the request lacks the key its endpoint needs."""
+            refused = guard.refusal(method, self.path, self.headers, token, api_key, _engine_job_only)
+            if refused is None:
+                return False
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._send(refused[0], {"error": {"message": refused[1]}})
+            return True
+
         def do_GET(self) -> None:  # noqa: N802
             path = self.path.split("?")[0].rstrip("/")
+            if self._refused("GET"):
+                return
             if path in ("/health", "/ping"):
                 self._send(200, {"status": "ok"})
             elif path == "/v1/models":
@@ -241,6 +261,8 @@ def make_handler(engine: Engine, verbose: bool = False) -> type[BaseHTTPRequestH
 
         def do_POST(self) -> None:  # noqa: N802
             path = self.path.split("?")[0].rstrip("/")
+            if self._refused("POST"):
+                return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
@@ -288,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (trainers share the cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--api-key", default=None, help="required on the inference endpoints (Authorization: Bearer "
+                                                        "KEY), as vLLM's")
     parser.add_argument("--startup-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow start
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -300,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(max(1, args.threads))
     engine = Engine(args.model, args.dtype, args.device, args.served_model_name, args.seed)
-    server = Server((args.host, args.port), make_handler(engine, args.verbose))
+    server = Server((args.host, args.port), make_handler(engine, args.verbose, args.api_key))
     server.daemon_threads = True
     print(f"dualrun engine: serving {engine.name} on http://{args.host}:{args.port} ({engine.device})",
           file=sys.stderr, flush=True)

@@ -34,11 +34,11 @@ from typing import Any, Sequence
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
-from dualrun.contract import protocol
+from dualrun.contract import job_token, protocol
 from dualrun.config.cross_keys import host_port
 from dualrun.light.interpreter import PYTHON
 from dualrun.light.noise import Noise
-from dualrun.programs import rotation
+from dualrun.programs import guard, rotation
 from dualrun.programs import routing
 from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
@@ -69,7 +69,7 @@ class Router:
     """The aiohttp app: one handler that looks the request up in `routing.ROUTES` and treats it accordingly."""
 
     def __init__(self, replicas: Sequence[str], request_timeout_s: float | None = None,
-                 probe_interval_s: float = PROBE_INTERVAL_S) -> None:
+                 probe_interval_s: float = PROBE_INTERVAL_S, api_key: str | None = None) -> None:
         self.table = rotation.Rotation(replicas)
         self.replicas = self.table.replicas   # the slots (a replacement changes a slot in place)
         self.timeout = ClientTimeout(total=request_timeout_s)
@@ -78,6 +78,9 @@ class Router:
         self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # its requests in flight, to abort
         self._aborted: set[asyncio.Task] = set()   # cancelled by an abort: retried on another replica
         self._probes: list[asyncio.Task] = []
+        self.token = job_token.job_token()   # the job's secret: guard.job_only endpoints require it
+        self.api_key = api_key               # the role's --api-key: its inference endpoints require it
+        self.headers = guard.outgoing(self.token, api_key)   # what its own calls to the replicas carry
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -111,7 +114,8 @@ class Router:
         replica.in_flight += 1
         try:
             assert self.session is not None
-            async with self.session.request(method, replica.url + path_qs, data=body, headers=headers,
+            async with self.session.request(method, replica.url + path_qs, data=body,
+                                            headers={**(headers or {}), **self.headers},
                                             timeout=timeout or self.timeout) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
@@ -254,6 +258,9 @@ class Router:
                                       "membership": self.table.membership})
         if request.method == "GET" and path.rstrip("/") == protocol.ROUTER_MEMBERSHIP_PATH:
             return web.json_response({"membership": self.table.membership, "members": self.table.members()})
+        refused = guard.refusal(request.method, path, request.headers, self.token, self.api_key)
+        if refused is not None:
+            return _error(*refused)
         try:
             control = routing.control(request.method, path)
             if control is not None:
@@ -366,12 +373,14 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s: float | None = None) -> list[str]:
+def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s: float | None = None,
+                api_key: str | None = None) -> list[str]:
     """The router's command line (for a ServerProcess; health at `/health`)."""
     argv = [PYTHON, "-m", "dualrun.programs.router", "--host", host, "--port", str(port)]
     for address in replicas:
         argv += ["--replica", address]
-    return argv + ([] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"])
+    argv += [] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"]
+    return argv + ([] if api_key is None else ["--api-key", api_key])
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
@@ -393,10 +402,13 @@ def main(argv: list[str] | None = None) -> None:
                              "request retried on another (default: none)")
     parser.add_argument("--probe-interval-s", type=float, default=PROBE_INTERVAL_S,
                         help="seconds between health probes of each replica (0: none)")
+    parser.add_argument("--api-key", default=None,
+                        help="required on the inference endpoints (Authorization: Bearer KEY), as vLLM's; passed on "
+                             "to the replicas")
     args = parser.parse_args(argv)
     if not args.replica:
         parser.error("at least one --replica host:port")
-    router = Router(args.replica, args.request_timeout_s, args.probe_interval_s)
+    router = Router(args.replica, args.request_timeout_s, args.probe_interval_s, args.api_key)
     quiet_client_trouble(Noise("dualrun router", debug=os.environ.get(protocol.DEBUG) == "1"))
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)

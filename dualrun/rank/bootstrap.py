@@ -95,13 +95,16 @@ def main(argv: list[str] | None = None) -> None:
         argv = argv[1:]
     if not argv:
         sys.exit("usage: python -m dualrun.rank.bootstrap (script.py | -m module) [args...]")
-    from dualrun.rank import exit_guard, keep_groups, log_tee
+    from dualrun.light import loopback_store
+    from dualrun.rank import exit_guard, keep_groups, log_tee, server_auth
 
     log_tee.start()   # torchrun with log_dir: the rank's output also goes to log_dir/<role>_<rank>.log
 
     from dualrun.rank.store_wiring import share
 
     share()   # multi-node torchrun: the servers' addresses, from the machine that started them
+    loopback_store.activate()   # one machine: the rank's stores (rank 0's on Ray) listen on loopback alone
+    server_auth.activate()   # TRL's clients carry the job's secret (and a role's --api-key) to its servers
     _activate_plugin()
     keep_groups.activate()   # no process group is destroyed before the rank's exit (dualrun/rank/keep_groups.py)
     exit_guard.activate()

@@ -31,10 +31,10 @@ def teacher_client(base_url: str, timeout_s: float = 60.0) -> Any:
 
     if vc.is_vllm_available():
         return vc.VLLMClient(base_url=base_url, connection_timeout=timeout_s)
-    import requests
+    from dualrun.rank.server_auth import session
 
     client = vc.VLLMClient.__new__(vc.VLLMClient)
-    client.session = requests.Session()
+    client.session = session()   # the job's headers (the module's `requests` is dualrun's once it is imported)
     client.base_url = base_url.rstrip("/")
     client.host = base_url.split("//")[-1].split(":")[0]
     client.communicator = None

@@ -26,10 +26,12 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
     router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
     if proc.kind == ROUTER:
+        from dualrun.methods.commands import api_key_of
         from dualrun.programs.router import router_argv
 
+        role = server_role(cfg, proc)
         return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,  # type: ignore[arg-type]
-                           server_role(cfg, proc).request_timeout_s)
+                           role.request_timeout_s, api_key_of(role.server_args))
     for name in proc.roles:
         role = cfg.role(name)
         argv = plugin.server_command(cfg, role, host, port) if plugin is not None and role is not None else None

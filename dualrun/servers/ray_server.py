@@ -36,6 +36,16 @@ from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
 from dualrun.servers.supervisor import Supervisor
 
 
+def on_this_host(plan: Any) -> bool:
+    """Every node of the cluster is this machine (one address, one of this machine's): the job's servers, its
+    trainers and this driver all reach loopback. A cluster joined through `ray://` from elsewhere is not."""
+    from dualrun.light.interfaces import interfaces
+
+    nodes = {n.address for n in plan.cluster.nodes}
+    here = {i.address for i in interfaces().values() if i.address} | {"127.0.0.1"}
+    return len(nodes) == 1 and nodes <= here
+
+
 class RayServers(ServerSetBase):
     """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown.
 
@@ -48,6 +58,7 @@ class RayServers(ServerSetBase):
                  gang: Callable[[Callable[[], None]], Any], wait_s: float = 60.0,
                  check: Callable[[], None] = lambda: None, attempt: int = 0, avoid: Collection[str] = ()) -> None:
         super().__init__(plan)
+        self.loopback = on_this_host(plan)   # every server listens on loopback alone, and is reached there
         self.run_id, self.env_for, self.wiring, self.bundle = run_id, env_for, wiring, bundle
         self.new_gang, self.wait_s, self.check, self.attempt = gang, wait_s, check, attempt
         self.avoid = set(avoid)   # `ip:port` of an earlier set's servers (and of dead replicas): never reused
@@ -205,13 +216,14 @@ class RayServers(ServerSetBase):
         self._used.add(info.address)
         p = self.plan.servers[i]
         serving = p.serving
-        argv = serving.argv(info.ip, info.port, replica_addresses(self.plan, started, i))
+        host = "127.0.0.1" if self.loopback else info.ip
+        argv = serving.argv(host, info.port, replica_addresses(self.plan, started, i))
         env = dict(self.env_for(p))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
         if self.plan.cluster.addresses() > 1 and info.interface and not ifname_set(env):
             env["GLOO_SOCKET_IFNAME"] = info.interface   # as the ranks get it (launchers/ray.py): the weight sync
         log = os.path.abspath(serving.log_path) if serving.log_path else None
-        return self.actors[i].start.remote(argv, env, info.ip, info.port, serving.health_path,
+        return self.actors[i].start.remote(argv, env, host, info.port, serving.health_path,
                                            serving.health_timeout_s, log, os.getcwd())
 
     def _exit_ref(self, index: int, actor: Any) -> None:

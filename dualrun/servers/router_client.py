@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from dualrun.contract.job_token import auth_headers, job_token
 from dualrun.programs import routing
 
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # loopback and cluster hosts: no proxy
@@ -25,7 +26,7 @@ def control(router: str, index: int, action: str, timeout_s: float = 10.0, **fie
         raise ValueError(f"action must be one of {routing.CONTROL_ACTIONS}, got {action!r}")
     request = urllib.request.Request(f"http://{router}{routing.CONTROL_PATH}/{index}/{action}",
                                      data=json.dumps(fields).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth_headers(job_token())})
     try:
         with _OPENER.open(request, timeout=timeout_s) as resp:
             return json.loads(resp.read())
