@@ -4,7 +4,8 @@ saved its second checkpoint. The job ends on every machine that is left within t
 gives it (plus the agent's stop), not gloo's or HF's 30 minutes, with a line naming the machine gone (its address) and
 why; nothing of the job is left on either machine, and every checkpoint directory in the shared output is complete.
 
-The watch alone (dualrun/launchers/machine_watch.py, no job) is tested first: it is what bounds both faults."""
+The watch alone (dualrun/launchers/machine_watch.py, no job) is tested first: it is what bounds both faults. Machine 1
+started 20 s after machine 0 (within torchrun's rendezvous wait) trains as if started together."""
 from __future__ import annotations
 
 import os
@@ -70,9 +71,10 @@ def test_the_watch_names_each_side_of_a_cut_link_within_its_timeout(shared):
     assert f"lost: machine 0 ({MAIN}) did not answer for 4 s" in outs[1], outs
 
 
-def launch_both(vc: VCluster, work: Path, argv: list[str]) -> list[subprocess.Popen]:
+def launch_on(vc: VCluster, work: Path, argv: list[str], machines=(0, 1)) -> list[subprocess.Popen]:
+    """`dualrun launch ... --machine_rank K` on each of `machines`, in work/mK (its output in work/mK/out)."""
     procs = []
-    for k in (0, 1):
+    for k in machines:
         here = work / f"m{k}"
         here.mkdir()
         (here / "job.yaml").write_text(CONFIG)
@@ -88,7 +90,7 @@ def sft_until_a_checkpoint(vc: VCluster, work: Path, tiny: Path) -> list[subproc
     """sft.py across both machines (400 steps, a checkpoint every 2), once checkpoint-2 is complete."""
     argv = sft_args(tiny, sft_data(tiny, work), work / "out")
     argv[argv.index("--max_steps") + 1] = "400"
-    procs = launch_both(vc, work, [*argv, "--save_steps", "2"])
+    procs = launch_on(vc, work, [*argv, "--save_steps", "2"])
     deadline = time.monotonic() + 240
     while not (work / "out" / "checkpoint-2" / "trainer_state.json").exists():
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
@@ -139,3 +141,23 @@ def test_machine_1s_link_cut_mid_run_ends_the_job_on_both_machines_naming_the_ot
         assert f"dualrun: error: machine 0 ({MAIN}) did not answer for {TIMEOUT_S} s" in outs[1], outs[1][-3000:]
         assert left_on(vc, 0) == [] and left_on(vc, 1) == []
     complete_checkpoints(shared / "out")
+
+
+def test_machine_1_started_late_within_the_rendezvous_wait_trains_normally(shared, tiny):
+    """Machine 1's launch 20 s after machine 0's (torchrun's static rendezvous waits 600 s for it): the job trains
+    its 3 steps on both machines, and machine 0's watch, which judges only machines that have written once, does
+    not take the late one for lost."""
+    argv = sft_args(tiny, sft_data(tiny, shared), shared / "out")
+    with VCluster(2, shared=[shared, tiny.parent]) as vc:
+        first = launch_on(vc, shared, argv, [0])[0]
+        time.sleep(20)
+        assert first.poll() is None
+        second = launch_on(vc, shared, argv, [1])[0]
+        outs = []
+        for k, p in ((0, first), (1, second)):
+            p.wait(timeout=240)
+            outs.append((shared / f"m{k}" / "out").read_text())
+        assert [first.returncode, second.returncode] == [0, 0], [o[-3000:] for o in outs]
+        assert all("job succeeded" in o for o in outs) and "sign of life" not in outs[0]
+        assert left_on(vc, 0) == [] and left_on(vc, 1) == []
+    assert (shared / "out" / "model.safetensors").exists()
