@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import ENV, sft_args, sft_data
+from cluster_jobs import ENV, gkd_args, gkd_config, sft_args, sft_data
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
@@ -71,13 +71,14 @@ def test_the_watch_names_each_side_of_a_cut_link_within_its_timeout(shared):
     assert f"lost: machine 0 ({MAIN}) did not answer for 4 s" in outs[1], outs
 
 
-def launch_on(vc: VCluster, work: Path, argv: list[str], machines=(0, 1)) -> list[subprocess.Popen]:
-    """`dualrun launch ... --machine_rank K` on each of `machines`, in work/mK (its output in work/mK/out)."""
+def launch_on(vc: VCluster, work: Path, argv: list[str], machines=(0, 1), config: str = CONFIG) -> list[subprocess.Popen]:
+    """`dualrun launch ... --machine_rank K` on each of `machines`, in work/mK (its job.yaml: `config` with MACHINE
+    replaced by K; its output in work/mK/out)."""
     procs = []
     for k in machines:
         here = work / f"m{k}"
         here.mkdir()
-        (here / "job.yaml").write_text(CONFIG)
+        (here / "job.yaml").write_text(config.replace("MACHINE", str(k)))
         with open(here / "out", "w") as out:
             procs.append(vc.popen(k, [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
                                       "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip", MAIN,
@@ -161,3 +162,31 @@ def test_machine_1_started_late_within_the_rendezvous_wait_trains_normally(share
         assert all("job succeeded" in o for o in outs) and "sign of life" not in outs[0]
         assert left_on(vc, 0) == [] and left_on(vc, 1) == []
     assert (shared / "out" / "model.safetensors").exists()
+
+
+def test_a_teacher_replica_on_a_lost_machine_ends_the_job_naming_it_within_the_health_checks(shared, tiny):
+    """GKD with a teacher replica on each machine behind machine 0's router; both trainers hold after step 1 (no
+    collective in flight), then machine 1 is lost. Machine 0's health check of machine 1's replica (about once a
+    second, two misses) ends the job naming the replica, its machine and its address, well before the machine watch
+    would; nothing is left on machine 0 (its router and replica included)."""
+    hold = shared / "hold"
+    hold.touch()
+    config = gkd_config(tiny, f"torchrun: {{gpus_per_machine: 2, machine_timeout_s: {TIMEOUT_S}}}\n"
+                              f"log_dir: {shared / 'logsMACHINE'}\n")
+    argv = [*gkd_args(tiny, shared / "out"), "--max_steps", "4", "--hold_file", str(hold)]
+    with VCluster(2, shared=[shared, tiny.parent]) as vc:
+        procs = launch_on(vc, shared, argv, config=config)
+        deadline = time.monotonic() + 240
+        while not all((shared / f"hold.held{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                [(shared / f"m{k}" / "out").read_text()[-2000:] for k in (0, 1)]
+            time.sleep(0.2)
+        lost = time.monotonic()
+        vc.kill(1)
+        out = ended(procs[0], STOP_S, shared / "m0" / "out")
+        took = time.monotonic() - lost
+        assert re.search(rf"dualrun: error: teacher server 1 on machine 1 stopped answering its health check "
+                         rf"\(http://{re.escape(address(1))}:\d+/", out), out[-3000:]
+        assert "sign of life" not in out and left_on(vc, 0) == []
+        procs[1].wait(30)
+    assert took < STOP_S
