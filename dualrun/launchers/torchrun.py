@@ -238,12 +238,19 @@ class TorchrunLauncher(Launcher):
             except (ChildFailedError, SignalException, json.JSONDecodeError) as e:
                 servers.unwatch()
                 if watch is not None and self.cfg.machine_rank != 0:
-                    watch.leave()
-                return self._ended(e, servers, machines, prepared.plan, start, watch)
-            finally:
+                    watch.leave()   # before machine 0 settles
+                try:
+                    return self._ended(e, servers, machines, prepared.plan, start, watch)
+                finally:
+                    if watch is not None:
+                        watch.leave()
+            except BaseException:
                 if watch is not None:
-                    watch.leave()
+                    watch.stop()
+                raise
             servers.unwatch()   # every machine's ranks passed torchrun's exit barrier: servers may end now
+            if watch is not None:
+                watch.leave()
             if machines is not None:
                 machines.finish()   # several machines: before this one's servers stop
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(prepared.plan)]
