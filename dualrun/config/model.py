@@ -50,6 +50,7 @@ class TorchrunOptions:
     monitor_interval: float = 0.1
     log_dir: str | None = None
     gpus_per_machine: int | None = None   # each machine's GPUs (CPU: process slots); None: not known
+    machine_timeout_s: float = 60.0      # several machines: silence before a machine is taken for lost
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,10 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
         "roles' engine replicas then take the GPUs the trainers leave, machine 0's first, then machine 1's, ... "
         "(each replica on one machine). Unset: the launching shell's CUDA_VISIBLE_DEVICES count when set, else "
         "machine 0 holds every server.", backends="torchrun", minimum=1, maximum=MAX_PER_MACHINE),
+    Key("machine_timeout_s", "float", 60.0, "Several machines: seconds a machine may go without a sign of life "
+        "(each launcher writes one a second to machine 0's store) before the job ends on every machine that is "
+        "left, naming it (lost, or its link cut), instead of its ranks waiting out the collective timeout.",
+        backends="torchrun", minimum=1, maximum=MAX_SECONDS),
 )
 
 ROLE_KEYS: tuple[Key, ...] = (

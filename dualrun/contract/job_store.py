@@ -16,6 +16,9 @@ FAILED = "failed: "                     # or this prefix and one line when it di
 WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by machine 0 once every server answers
 FINISHED_KEY = "dualrun/finished/{machine}"   # set by a machine whose ranks succeeded, before it stops its servers
 ATTEMPT_KEY = "dualrun/attempt"         # set by machine 0 in each attempt's store: which dualrun attempt it serves
+BEAT_KEY = "dualrun/beat/{machine}"     # machine K's launcher adds 1 every second (launchers/machine_watch.py)
+MACHINE_KEY = "dualrun/machine/{machine}"   # machine K's address on its route to machine 0
+LEFT_KEY = "dualrun/left/{machine}"     # set by machine K's launcher once its agent returned: its silence is no loss
 WAIT_S = 600.0                          # how long a reader waits for a key (machines are started by hand)
 
 
@@ -33,3 +36,15 @@ def server_key(index: int) -> str:
 
 def finished_key(machine: int) -> str:
     return FINISHED_KEY.format(machine=machine)
+
+
+def beat_key(machine: int) -> str:
+    return BEAT_KEY.format(machine=machine)
+
+
+def machine_key(machine: int) -> str:
+    return MACHINE_KEY.format(machine=machine)
+
+
+def left_key(machine: int) -> str:
+    return LEFT_KEY.format(machine=machine)

@@ -21,6 +21,7 @@ from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
+from dualrun.launchers.machine_watch import MachineWatch
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
@@ -220,11 +221,17 @@ class TorchrunLauncher(Launcher):
         machines = servers if isinstance(servers, Machines) else None
         if machines is not None:
             machines.attempt = attempt
+        watch = None
         with _only_env(env):   # the agent and its workers see exactly the job's env; ours comes back after
             if threading.current_thread() is threading.main_thread():
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
                 servers.watch()
                 _end_job_on_death(servers, _terminate_process_handler)
+                if self.cfg.num_machines > 1:   # a machine that goes silent ends the job the same way
+                    watch = MachineWatch(self._addr(), self._port(), self.cfg.machine_rank, self.cfg.num_machines,
+                                         self.cfg.torchrun.machine_timeout_s,
+                                         lambda line: _end_job_for(line, servers, _terminate_process_handler))
+                    watch.start()
             if machines is not None:   # the machines' servers meet in torchrun's store
                 machines.share()
             try:
@@ -232,8 +239,20 @@ class TorchrunLauncher(Launcher):
                     run(args)
             except (ChildFailedError, SignalException, json.JSONDecodeError) as e:
                 servers.unwatch()
-                return self._ended(e, servers, machines, prepared.plan, start)
+                if watch is not None and self.cfg.machine_rank != 0:
+                    watch.leave()   # before machine 0 settles
+                try:
+                    return self._ended(e, servers, machines, prepared.plan, start, watch)
+                finally:
+                    if watch is not None:
+                        watch.leave()
+            except BaseException:
+                if watch is not None:
+                    watch.stop()
+                raise
             servers.unwatch()   # every machine's ranks passed torchrun's exit barrier: servers may end now
+            if watch is not None:
+                watch.leave()
             if machines is not None:
                 machines.finish()   # several machines: before this one's servers stop
         ranks = [RankResult(p.label, p.rank, 0) for p in self.node_workers(prepared.plan)]
@@ -246,17 +265,25 @@ class TorchrunLauncher(Launcher):
         return contextlib.nullcontext()
 
     def _ended(self, e: Exception, servers: "LocalServers | Machines", machines: Machines | None, plan: Plan,
-               start: float) -> JobResult:
-        """The result of an agent that raised `e`: the server whose death it was, else the ranks' failure."""
+               start: float, watch: MachineWatch | None = None) -> JobResult:
+        """The result of an agent that raised `e`: the server whose death it was, else a machine gone silent
+        (several machines), else the ranks' failure."""
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         unit = self.node_workers(plan)[0].unit
+        if watch is not None and watch.failure is not None:
+            return JobResult(1, wall_time_s=time.monotonic() - start, message=watch.failure)
         if isinstance(e, ChildFailedError):
             # a server died first and the workers failed for it: the cause
             if (machines.settle() if machines is not None else servers.check()) is not None:
                 return _server_died(servers, start)
-            return _failed(e, time.monotonic() - start, unit)
+            failed = _failed(e, time.monotonic() - start, unit)
+            lost = watch.settle() if watch is not None else None   # another machine gone: the likely cause
+            if lost is not None:
+                return JobResult(failed.exit_code, failed.ranks, time.monotonic() - start,
+                                 message=f"{lost} ({failed.message})")
+            return failed
         if isinstance(e, SignalException):
             if servers.failure is not None:
                 return _server_died(servers, start)
@@ -306,6 +333,17 @@ def _end_job(servers: ServerSet, failure: ServerDeath, agent_handler: Any) -> No
         os.kill(os.getpid(), signal.SIGTERM)
         return
     print(f"dualrun: error: {failure}", file=sys.stderr, flush=True)
+    servers.stop()
+    os._exit(1)
+
+
+def _end_job_for(line: str, servers: ServerSet, agent_handler: Any) -> None:
+    """From the machine watch's thread: end this attempt because a machine went silent, as `_end_job` does for a
+    dead server (the launch then names `watch.failure`)."""
+    if signal.getsignal(signal.SIGTERM) is agent_handler:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    print(f"dualrun: error: {line}", file=sys.stderr, flush=True)
     servers.stop()
     os._exit(1)
 

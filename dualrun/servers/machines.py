@@ -224,7 +224,7 @@ class Machines:
                 if self.servers.supervisor.checked(index, answered) and not self.finished_elsewhere(proc.node):
                     return ServerDeath.of(index, ServerError(
                         proc.label, f"on machine {proc.node} stopped answering its health check ({url}) while the "
-                        "job was running (that machine's launcher names its exit)"))
+                        "job was running (that machine's launcher, if it is alive, names its exit)"))
         return None
 
     def _being_restarted(self, index: int) -> bool:

@@ -1,0 +1,79 @@
+"""Machine 0's side of the machine watch (dualrun/launchers/machine_watch.py) against a real TCPStore on 127.0.0.1, the
+other machine's beats written by hand: silence after a beat is a loss named with the machine's address, a machine
+that never beat or that left is none, and `settle` names one that stops beating once the ranks failed. The network
+side (a cut link, a lost machine) is tests/test_cluster_faults.py's."""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+
+from dualrun.contract import job_store
+from dualrun.launchers import machine_watch
+from dualrun.launchers.machine_watch import MachineWatch
+from dualrun.light.ports import free_port
+
+
+@pytest.fixture
+def store():
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield server, port
+
+
+def watch(port: int, lost: list[str], machines: int = 2, timeout_s: float = 1.5) -> MachineWatch:
+    w = MachineWatch("127.0.0.1", port, 0, machines, timeout_s, lost.append)
+    w.start()
+    return w
+
+
+def until(check, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_machine_that_stops_beating_is_named_after_the_timeout(store):
+    server, port = store
+    lost: list[str] = []
+    server.set(job_store.machine_key(1), "10.0.0.2")
+    w = watch(port, lost, machines=3)
+    started = time.monotonic()
+    server.add(job_store.beat_key(1), 1)   # machine 1 beats once; machine 2 never does (its rendezvous' concern)
+    assert until(lambda: lost, 15)
+    assert lost == ["machine 1 (10.0.0.2) sent no sign of life for 1.5 s (torchrun.machine_timeout_s): it was lost "
+                    "or its link is cut; ending the job"]
+    assert time.monotonic() - started >= 1.5 and w.failure == lost[0]
+
+
+def test_beats_and_leaving_are_no_loss(store):
+    server, port = store
+    lost: list[str] = []
+    w = watch(port, lost)
+    for _ in range(12):
+        server.add(job_store.beat_key(1), 1)
+        time.sleep(0.25)
+    server.set(job_store.left_key(1), "1")   # its agent returned: silence from now on is its end
+    time.sleep(2.5)
+    w.stop()
+    assert lost == [] and w.failure is None
+
+
+def test_settle_names_a_machine_that_beats_no_more_once_the_ranks_failed(store, monkeypatch):
+    monkeypatch.setattr(machine_watch, "SETTLE_S", 1.5)
+    server, port = store
+    server.set(job_store.machine_key(1), "10.0.0.2")
+    lost: list[str] = []
+    w = MachineWatch("127.0.0.1", port, 0, 2, 60.0, lost.append)
+    w.start()
+    server.add(job_store.beat_key(1), 1)
+    assert until(lambda: 1 in w.addresses)
+    line = w.settle()
+    assert line is not None and line.startswith("machine 1 (10.0.0.2) sent no sign of life for ")
+    assert line.endswith(" s after this machine's ranks failed: it was lost or its link is cut") and lost == []
