@@ -179,6 +179,11 @@ ROLE_KEYS: tuple[Key, ...] = (
         "`--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "
         "spelling the server's parser takes, abbreviations included): exit 2."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
+    Key("machines", "list", None, "torchrun: the machine ranks (0 .. num_machines-1) a separate role's engine "
+        "replicas run on, e.g. `[1]`; each replica on the first of them with room, in the list's order (unset: "
+        "machine 0 first, then 1, ...). Without `torchrun.gpus_per_machine` (or CUDA_VISIBLE_DEVICES) the "
+        "role's GPUs are assumed on the first machine listed. Only on a separate role dualrun starts servers for "
+        "(not the trainers, not beside `address`), not on Ray: exit 2.", backends="torchrun"),
 )
 
 # Keys that once promised an effect nothing delivers: refused with what to use instead.
