@@ -128,7 +128,7 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
     Key("gpus_per_machine", "int", None, "GPUs of each machine (all alike; on CPU: process slots). Separate "
         "roles' engine replicas then take the GPUs the trainers leave, machine 0's first, then machine 1's, ... "
         "(each replica on one machine). Unset: the launching shell's CUDA_VISIBLE_DEVICES count when set, else "
-        "machine 0 holds every server.", backends="torchrun", minimum=1, maximum=MAX_PER_MACHINE),
+        "machine 0 holds every server (a role with `machines`: its first machine).", backends="torchrun", minimum=1, maximum=MAX_PER_MACHINE),
 )
 
 ROLE_KEYS: tuple[Key, ...] = (
