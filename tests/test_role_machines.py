@@ -75,3 +75,19 @@ def test_refused_with_one_line(rollout, top, key, what):
 def test_refused_on_the_trainers():
     with pytest.raises(ConfigError, match="roles.train.machines.*separate server role"):
         build_config({**TWO, "roles": {"train": {"gpus": 2, "machines": [0]}}}, "x.yaml")
+
+
+def test_plan_command_shows_the_machine_and_refuses_a_bad_one_with_exit_2(tmp_path):
+    from helpers import dualrun
+
+    job = tmp_path / "job.yaml"
+    job.write_text("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
+                   "  teacher: {gpus: 1, model: m, top_k: 4, machines: [1]}\n")
+    flags = ["--num_machines", "2", "--main_process_ip", "10.0.0.1"]
+    shown = dualrun("plan", "--config_file", str(job), *flags, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.split("node 1 ")[1].count("teacher server 0") == 1
+    job.write_text(job.read_text().replace("[1]", "[1, 2]"))
+    bad = dualrun("plan", "--config_file", str(job), *flags, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().count("\n") == 0 and "roles.teacher.machines" in bad.stderr, bad.stderr
