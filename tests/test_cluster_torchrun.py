@@ -122,3 +122,20 @@ def test_the_recipes_virtual_cluster_lines_run_as_written(vc, shared, tiny):
     assert proc.stdout.count("dualrun check: 2 node(s) ready for backend=torchrun") == 2, proc.stdout[-3000:]
     state = json.loads((work / "out" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and proc.stderr.count("job succeeded") == 2, proc.stderr[-3000:]
+
+
+def test_a_teacher_placed_on_machine_1_serves_both_machines_ranks(vc, shared, tiny, gkd_one_machine):
+    """`roles.teacher.machines: [1]`: the teacher's one CPU-engine server runs on machine 1 alone (machine 0 starts
+    none), every rank of both machines scores against it at machine 1's address, with the losses of one machine."""
+    work = shared / "gkd-machine-1"
+    work.mkdir()
+    config = gkd_config(tiny, f"log_dir: {work / 'logsMACHINE'}\n").replace("teacher: {gpus: 2,",
+                                                                             "teacher: {gpus: 1, machines: [1],")
+    outs = on_machines(vc, work, config, gkd_args(tiny, work / "out"), 300)
+    ranks = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert {r["teacher_address"].rpartition(":")[0] for r in ranks} == {address(1)}, ranks
+    assert re.search(rf"dualrun: teacher server 0: server healthy at {re.escape(address(1))}:\d+ \(machine 1\)",
+                     outs[1]), outs[1][-2000:]
+    assert not (work / "logs0" / "teacher-server-0.log").exists()
+    assert (work / "logs1" / "teacher-server-0.log").read_text().count('"POST /v1/completions') >= 2
+    assert [r["losses"] for r in ranks] == gkd_one_machine

@@ -13,6 +13,7 @@ from dualrun.config import refusals
 from dualrun.config.backends import KINDS, RAY, TORCHRUN, kind_of
 from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
 from dualrun.config.offload import offload_optimizer
+from dualrun.config.role_machines import check_role_machines, parse_machines
 from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
 from dualrun.config.yamlfile import read_yaml
@@ -105,6 +106,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
     tr_opts = TorchrunOptions(**_section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS))
     cross_keys.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
+    check_role_machines(source, acc, values, roles, groups)
     for key, path in (("log_dir", values.get("log_dir")), ("torchrun.log_dir", tr_opts.log_dir)):
         refusals.log_dir(source, key, path)
     refusals.runtime_env(source, ray_opts.runtime_env)
@@ -202,6 +204,8 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
             k = known[key]
             if key == "gpu_ids":
                 vals[key] = parse_ids(source, f"roles.{name}.gpu_ids", value)
+            elif key == "machines":
+                vals[key] = parse_machines(source, f"roles.{name}.machines", value)
             else:
                 vals[key] = check(source, f"roles.{name}.{key}", k.type, value, k.choices, k.minimum, k.maximum)
         if name == "train" and "num_processes" in overrides:

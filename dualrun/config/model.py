@@ -32,6 +32,7 @@ class RoleSpec:
     replica_restarts: int = 3
     server_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=frozen_map)
+    machines: tuple[int, ...] | None = None   # torchrun: the machine ranks a separate role's servers run on
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
     Key("gpus_per_machine", "int", None, "GPUs of each machine (all alike; on CPU: process slots). Separate "
         "roles' engine replicas then take the GPUs the trainers leave, machine 0's first, then machine 1's, ... "
         "(each replica on one machine). Unset: the launching shell's CUDA_VISIBLE_DEVICES count when set, else "
-        "machine 0 holds every server.", backends="torchrun", minimum=1, maximum=MAX_PER_MACHINE),
+        "machine 0 holds every server (a role with `machines`: its first machine).", backends="torchrun", minimum=1,
+        maximum=MAX_PER_MACHINE),
     Key("machine_timeout_s", "float", 60.0, "Several machines: seconds a machine may go without a sign of life "
         "(each launcher writes one a second to machine 0's store) before the job ends on every machine that is "
         "left, naming it (lost, or its link cut), instead of its ranks waiting out the collective timeout.",
@@ -188,6 +189,11 @@ ROLE_KEYS: tuple[Key, ...] = (
         "on the inference endpoints by every replica (the CPU engine too) and by the router in front of them, and "
         "the trainers' requests carry it; its value is never printed."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
+    Key("machines", "list", None, "torchrun: the machine ranks (0 .. num_machines-1) a separate role's engine "
+        "replicas run on, e.g. `[1]`; each replica on the first of them with room, in the list's order (unset: "
+        "machine 0 first, then 1, ...). Without `torchrun.gpus_per_machine` (or CUDA_VISIBLE_DEVICES) the "
+        "role's GPUs are assumed on the first machine listed. Only on a separate role dualrun starts servers for "
+        "(not the trainers, not beside `address`), not on Ray: exit 2.", backends="torchrun"),
 )
 
 # Keys that once promised an effect nothing delivers: refused with what to use instead.

@@ -162,6 +162,17 @@ def _server_gpus(cfg: JobConfig) -> int:
     return sum(r.gpus for _, r in units(cfg)[1:] if not r.address)
 
 
+def _server_gpus_by_machine(cfg: JobConfig) -> dict[int, int]:
+    """GPUs of the separate roles dualrun starts servers for, on the machine that holds them when the machines'
+    sizes are not given: the first of a role's `machines`, else machine 0."""
+    out: dict[int, int] = {}
+    for _, r in units(cfg)[1:]:
+        if not r.address:
+            home = r.machines[0] if r.machines else 0
+            out[home] = out.get(home, 0) + r.gpus
+    return out
+
+
 def _all_free(cluster: Cluster) -> Free:
     return {n.index: list(n.device_ids or range(n.gpus)) for n in cluster.nodes}
 
@@ -203,8 +214,8 @@ class TorchrunPlacement:
             return Cluster(tuple(Node(i, hosts[i], per_machine) for i in range(n)))
         primary = cfg.primary
         per_node_primary = primary.gpus // n if primary.gpus else 0
-        servers = _server_gpus(cfg)
-        nodes = [Node(i, hosts[i], per_node_primary + (servers if i == 0 else 0)) for i in range(n)]
+        servers = _server_gpus_by_machine(cfg)
+        nodes = [Node(i, hosts[i], per_node_primary + servers.get(i, 0)) for i in range(n)]
         ids = [i for r in cfg.roles for i in (r.gpu_ids or ())]
         if ids and n == 1:
             nodes[0] = replace(nodes[0], gpus=max(nodes[0].gpus, max(ids) + 1))

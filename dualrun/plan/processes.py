@@ -243,7 +243,7 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
     size = engine_size(cfg, role) if role.gpus else 0
     slots = size or (1 if policy.processes_take_slots else 0)   # CPU: a process
     fixed = role.gpu_ids
-    candidates: Iterable[Node] = cluster.nodes
+    candidates: Iterable[Node] = _candidates(cluster, role)
     env = dict(common)
     env.update(server_env(cfg, role))
     env.update(role.env)
@@ -279,6 +279,15 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
                              frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""}),
                              replace(serving, restarts=0, takes_weights=False, log_name=f"{unit}-router.log")))
     return procs
+
+
+def _candidates(cluster: Cluster, role: RoleSpec) -> list[Node]:
+    """The nodes a separate role's replicas may take, in the order they are tried: the role's `machines` where
+    set (torchrun's machine ranks are the node indexes), else every node."""
+    if role.machines is None:
+        return list(cluster.nodes)
+    by_index = {n.index: n for n in cluster.nodes}
+    return [by_index[m] for m in role.machines if m in by_index]
 
 
 def _visible_note(node: Node | None) -> str:
