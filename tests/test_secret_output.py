@@ -78,18 +78,19 @@ def test_a_dry_run_hides_the_scripts_secret_arguments(tmp_path, backend):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
 def test_a_teacher_servers_secret_argument_is_printed_nowhere(tmp_path, backend, ray_cluster_if_ray):
-    """The CPU engine with `server_args: [--api-key VALUE]` and a model it cannot load: the job ends naming the server
-    and quoting its log; neither the launch's output nor log_dir has the value."""
+    """The CPU engine with `server_args: [--api-key VALUE, --hf-token VALUE]` (the key it requires, a flag it ignores)
+    and a model it cannot load: the job ends naming the server and quoting its log; neither the launch's output nor
+    log_dir has the value."""
     address = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
     (tmp_path / "empty").mkdir()   # a directory, but no model in it
     (tmp_path / "job.yaml").write_text(
         "use_cpu: true\nmethod: gkd\nlog_dir: logs\nroles:\n  train: {gpus: 1}\n"
-        f"  teacher: {{gpus: 1, model: {tmp_path / 'empty'}, top_k: 5, server_args: [--api-key, {VALUE}]}}\n")
+        f"  teacher: {{gpus: 1, model: {tmp_path / 'empty'}, top_k: 5, server_args: [--api-key, {VALUE}, --hf-token, {VALUE}]}}\n")
     (tmp_path / "t.py").write_text("")
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", "t.py", cwd=tmp_path,
                    env=ray_env(RAY_ADDRESS=address), timeout=240)
     assert proc.returncode != 0 and "teacher server 0" in proc.stderr, proc.stderr[-3000:]
-    assert "ignoring arguments it does not use: --api-key ***" in proc.stderr
+    assert "ignoring arguments it does not use: --hf-token ***" in proc.stderr
     logs = "".join(p.read_text() for p in Path(tmp_path / "logs").glob("*.log"))
-    assert "--api-key ***" in logs
+    assert "--hf-token ***" in logs
     assert VALUE not in proc.stdout + proc.stderr + logs

@@ -45,7 +45,9 @@ def test_gkd_distils_from_two_vllm_replicas_behind_the_router(tmp_path, vllm_tin
     for i in (0, 1):   # each replica is a real vLLM server, its OpenMP threads on cores of its own
         log = (tmp_path / "logs" / f"teacher-server-{i}.log").read_text()
         assert "vllm" in log.lower()
-        cores.append(re.search(r"local_rank=0, core ids=\[([\d, ]+)\]", log).group(1))
+        bound = re.search(r"local_rank=0, core ids=\[([\d, ]+)\]", log)
+        assert bound, log[-4000:]
+        cores.append(bound.group(1))
     assert cores[0] != cores[1], cores   # vLLM's own "auto" binding gives both the same core
     assert_nothing_left(proc.stderr, str(vllm_tiny / "teacher"))
 

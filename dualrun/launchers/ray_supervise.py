@@ -116,7 +116,8 @@ class Supervision:
         try:
             r.result = ray.get(ref)
         except RayActorError as e:
-            r.result = RankExit(1, time.time(), f"its Ray actor died ({first_line(e)})")
+            where = f" on node {r.info.ip}" if r.info else ""   # a lost node: the machine named
+            r.result = RankExit(1, time.time(), f"its Ray actor{where} died ({first_line(e)})")
         if r.result.exit_code != 0 and not self.failed:
             self.failed.append(i)
             self.stop_all()

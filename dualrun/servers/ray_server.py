@@ -244,7 +244,9 @@ class RayServers(ServerSetBase):
             text = ray.get(ref)
         except RayError as e:
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
-            text = f"{label}: its Ray actor died ({lines[0][:200]})"
+            info = self.infos[index] if index is not None and index < len(self.infos) else None
+            where = f" on node {info.ip}" if info else ""   # a lost node: the machine named
+            text = f"{label}: its Ray actor{where} died ({lines[0][:200]})"
         return ServerDeath(index, label, text, text.splitlines()[0])
 
     def _watch(self) -> None:
