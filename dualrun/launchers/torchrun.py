@@ -230,7 +230,7 @@ class TorchrunLauncher(Launcher):
                 if self.cfg.num_machines > 1:   # a machine that goes silent ends the job the same way
                     watch = MachineWatch(self._addr(), self._port(), self.cfg.machine_rank, self.cfg.num_machines,
                                          self.cfg.torchrun.machine_timeout_s,
-                                         lambda line: _end_job_for(line, servers, _terminate_process_handler))
+                                         lambda line: _end_job(servers, line, _terminate_process_handler))
                     watch.start()
             if machines is not None:   # the machines' servers meet in torchrun's store
                 machines.share()
@@ -324,26 +324,15 @@ def _end_job_on_death(servers: ServerSet, agent_handler: Any) -> threading.Threa
     return thread
 
 
-def _end_job(servers: ServerSet, failure: ServerDeath, agent_handler: Any) -> None:
-    """From a watcher thread: end this attempt because of `failure`. Once the workers run, torchrun's agent turns
-    SIGTERM into SignalException and stops them (the launch then names `servers.failure`). Before, its rendezvous
-    may wait in C++ for another machine (no Python signal handler runs there): the error is printed, the servers
-    are stopped and the launcher exits with code 1."""
+def _end_job(servers: ServerSet, failure: "ServerDeath | str", agent_handler: Any) -> None:
+    """From a watcher thread (a dead server, or the machine watch: a machine gone silent): end this attempt because
+    of `failure`. Once the workers run, torchrun's agent turns SIGTERM into SignalException and stops them (the
+    launch then names the failure). Before, its rendezvous may wait in C++ for another machine (no Python signal
+    handler runs there): the error is printed, the servers are stopped and the launcher exits with code 1."""
     if signal.getsignal(signal.SIGTERM) is agent_handler:
         os.kill(os.getpid(), signal.SIGTERM)
         return
     print(f"dualrun: error: {failure}", file=sys.stderr, flush=True)
-    servers.stop()
-    os._exit(1)
-
-
-def _end_job_for(line: str, servers: ServerSet, agent_handler: Any) -> None:
-    """From the machine watch's thread: end this attempt because a machine went silent, as `_end_job` does for a
-    dead server (the launch then names `watch.failure`)."""
-    if signal.getsignal(signal.SIGTERM) is agent_handler:
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
-    print(f"dualrun: error: {line}", file=sys.stderr, flush=True)
     servers.stop()
     os._exit(1)
 
