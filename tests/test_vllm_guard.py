@@ -33,7 +33,11 @@ def _call(url: str, body: dict | None = None, headers: dict | None = None, metho
         return e.code
 
 
-def test_a_hostile_client_cannot_pause_or_reach_the_dev_endpoints_of_a_vllm_rollout(tmp_path, vllm_tiny):
+def test_a_hostile_client_cannot_pause_or_reach_the_dev_endpoints_of_a_vllm_rollout(tmp_path, vllm_tiny,
+                                                                                   monkeypatch):
+    # TRL, imported here by the command builder, sets VLLM_LOGGING_LEVEL=ERROR in this process's environment;
+    # restored after the test, so the later tests' servers keep vLLM's own level (their logs are read)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))
     from dualrun.config import build_config
     from dualrun.methods.plugin import get_plugin
     from dualrun.plan.engines import server_env
