@@ -7,6 +7,9 @@ runs are session fixtures in conftest.py (`sft_one_machine`, `gkd_one_machine`),
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import shutil
 from pathlib import Path
 
@@ -76,3 +79,20 @@ def debian_hosts(vc, machine: int) -> None:
     lines = ["127.0.0.1 localhost", f"127.0.1.1 {vc_name(machine)}"]
     lines += [f"{address(k)} {vc_name(k)}" for k in range(vc.size) if k != machine]
     vc.run(machine, ["sh", "-c", "cat > /etc/hosts"], input="\n".join(lines) + "\n", check=True)
+
+
+def launch_on(vc, work: Path, argv: list[str], config: str, machines=(0, 1)) -> list[subprocess.Popen]:
+    """`dualrun launch --config_file job.yaml --num_machines 2 --machine_rank K --main_process_ip <machine 0> ARGV`
+    on each machine K of `machines`, in work/mK (its job.yaml: `config` with MACHINE replaced by K, e.g. a log_dir
+    of its own; its output in work/mK/out)."""
+    procs = []
+    for k in machines:
+        here = work / f"m{k}"
+        here.mkdir()
+        (here / "job.yaml").write_text(config.replace("MACHINE", str(k)))
+        with open(here / "out", "w") as out:
+            procs.append(vc.popen(k, [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
+                                      "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip",
+                                      address(0), "--main_process_port", "29500", *argv],
+                                  cwd=here, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT))
+    return procs

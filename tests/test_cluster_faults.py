@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import ENV, gkd_args, gkd_config, sft_args, sft_data
+from cluster_jobs import gkd_args, gkd_config, launch_on, sft_args, sft_data
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
@@ -71,27 +71,11 @@ def test_the_watch_names_each_side_of_a_cut_link_within_its_timeout(shared):
     assert f"lost: machine 0 ({MAIN}) did not answer for 4 s" in outs[1], outs
 
 
-def launch_on(vc: VCluster, work: Path, argv: list[str], machines=(0, 1), config: str = CONFIG) -> list[subprocess.Popen]:
-    """`dualrun launch ... --machine_rank K` on each of `machines`, in work/mK (its job.yaml: `config` with MACHINE
-    replaced by K; its output in work/mK/out)."""
-    procs = []
-    for k in machines:
-        here = work / f"m{k}"
-        here.mkdir()
-        (here / "job.yaml").write_text(config.replace("MACHINE", str(k)))
-        with open(here / "out", "w") as out:
-            procs.append(vc.popen(k, [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
-                                      "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip", MAIN,
-                                      "--main_process_port", "29500", *argv],
-                                  cwd=here, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT))
-    return procs
-
-
 def sft_until_a_checkpoint(vc: VCluster, work: Path, tiny: Path) -> list[subprocess.Popen]:
     """sft.py across both machines (400 steps, a checkpoint every 2), once checkpoint-2 is complete."""
     argv = sft_args(tiny, sft_data(tiny, work), work / "out")
     argv[argv.index("--max_steps") + 1] = "400"
-    procs = launch_on(vc, work, [*argv, "--save_steps", "2"])
+    procs = launch_on(vc, work, [*argv, "--save_steps", "2"], CONFIG)
     deadline = time.monotonic() + 240
     while not (work / "out" / "checkpoint-2" / "trainer_state.json").exists():
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
@@ -150,10 +134,10 @@ def test_machine_1_started_late_within_the_rendezvous_wait_trains_normally(share
     not take the late one for lost."""
     argv = sft_args(tiny, sft_data(tiny, shared), shared / "out")
     with VCluster(2, shared=[shared, tiny.parent]) as vc:
-        first = launch_on(vc, shared, argv, [0])[0]
+        first = launch_on(vc, shared, argv, CONFIG, [0])[0]
         time.sleep(20)
         assert first.poll() is None
-        second = launch_on(vc, shared, argv, [1])[0]
+        second = launch_on(vc, shared, argv, CONFIG, [1])[0]
         outs = []
         for k, p in ((0, first), (1, second)):
             p.wait(timeout=240)
@@ -175,7 +159,7 @@ def test_a_teacher_replica_on_a_lost_machine_ends_the_job_naming_it_within_the_h
                               f"log_dir: {shared / 'logsMACHINE'}\n")
     argv = [*gkd_args(tiny, shared / "out"), "--max_steps", "4", "--hold_file", str(hold)]
     with VCluster(2, shared=[shared, tiny.parent]) as vc:
-        procs = launch_on(vc, shared, argv, config=config)
+        procs = launch_on(vc, shared, argv, config)
         deadline = time.monotonic() + 240
         while not all((shared / f"hold.held{r}").exists() for r in (0, 1)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \

@@ -9,16 +9,14 @@ jobs train only because dualrun gives gloo the interface of each machine's route
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from cluster_jobs import ENV, SFT_CONFIG, debian_hosts, gkd_args, gkd_config, losses, sft_args, sft_data
+from cluster_jobs import (ENV, SFT_CONFIG, debian_hosts, gkd_args, gkd_config, launch_on, losses, sft_args,
+                          sft_data)
 from helpers import eventually, pids_matching
 from vcluster import VCluster, address
 
@@ -44,16 +42,7 @@ def on_machines(vc: VCluster, work: Path, config: str, argv: list[str], timeout_
     each machine K, in work/mK (its job.yaml: `config` with MACHINE replaced by K, e.g. a log_dir of its own; its
     output in work/mK/out); each one's output once both have ended (what is left after `timeout_s` is killed: a hung
     machine must not outlive the test)."""
-    procs = []
-    for k in (0, 1):
-        here = work / f"m{k}"
-        here.mkdir()
-        (here / "job.yaml").write_text(config.replace("MACHINE", str(k)))
-        with open(here / "out", "w") as out:
-            procs.append(vc.popen(k, [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
-                                      "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip", MAIN,
-                                      "--main_process_port", "29500", *argv],
-                                  cwd=here, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT))
+    procs = launch_on(vc, work, argv, config)
     deadline = time.monotonic() + timeout_s
     try:
         for p in procs:

@@ -65,6 +65,14 @@ def _release(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _assert_nothing_left(tiny: Path, cluster, backend: str) -> None:
+    """No teacher engine left, and on Ray no actor or placement group."""
+    assert eventually(lambda: not _engines(tiny)), _engines(tiny)
+    if backend == "ray":
+        assert eventually(lambda: not cluster.alive_actors())
+        assert eventually(lambda: not cluster.live_placement_groups())
+
+
 HUNG_LINE = (r"dualrun: teacher server 0 is hung \(at ([\d.]+:\d+): health probe not answered within 5 s; its health "
              rf"probes failed for [\d.]+ s, request_timeout_s is {TIMEOUT_S}\); stopping it \(SIGTERM, then SIGKILL "
              r"after 5 s\)")
@@ -100,10 +108,7 @@ def test_a_hung_lone_server_ends_the_job_within_its_timeout_naming_it(tmp_path, 
     assert not (tmp_path / "out" / f"step_0_{STEPS - 1}").exists()
     assert gone(pid), "the stopped engine was left behind"
     assert eventually(lambda: not pids_matching(str(tmp_path / "out"))), pids_matching(str(tmp_path / "out"))
-    assert eventually(lambda: not _engines(module_tiny)), _engines(module_tiny)
-    if backend == "ray":
-        assert eventually(lambda: not cluster.alive_actors())
-        assert eventually(lambda: not cluster.live_placement_groups())
+    _assert_nothing_left(module_tiny, cluster, backend)
 
 
 @pytest.mark.e2e
@@ -130,10 +135,7 @@ def test_max_failures_restarts_a_job_whose_lone_server_hung(tmp_path, module_tin
     assert all((out / f"step_{r}_{s}").exists() for r in (0, 1) for s in range(STEPS))
     assert (out / "address_1_0.json").read_text().strip('"') != address   # a fresh server on a fresh port
     assert gone(pid)
-    assert eventually(lambda: not _engines(module_tiny)), _engines(module_tiny)
-    if backend == "ray":
-        assert eventually(lambda: not cluster.alive_actors())
-        assert eventually(lambda: not cluster.live_placement_groups())
+    _assert_nothing_left(module_tiny, cluster, backend)
 
 
 @pytest.mark.slow   # ~20 s of watching; no torchrun, no Ray

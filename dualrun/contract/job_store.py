@@ -30,6 +30,17 @@ def connect(host: str, port: int, timeout_s: float = WAIT_S):
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def listening(host: str, port: int) -> bool:
+    """Whether the store still listens (a plain connect: a TCPStore client retries for its whole timeout)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def server_key(index: int) -> str:
     return SERVER_KEY.format(index=index)
 

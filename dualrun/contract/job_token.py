@@ -30,9 +30,10 @@ def job_token(environ: Mapping[str, str] | None = None) -> str | None:
     return value or None
 
 
-def auth_headers(token: str | None) -> dict[str, str]:
-    """The header a request carries to be the job's (none without a token)."""
-    return {HEADER: token} if token else {}
+def auth_headers(token: str | None, api_key: str | None = None) -> dict[str, str]:
+    """The headers a request to the job's servers carries: the job's secret (none without a token) and, for a
+    role whose servers require a user's `--api-key`, `Authorization: Bearer KEY`."""
+    return {**({HEADER: token} if token else {}), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
 
 
 def bearer(header: str | None) -> str | None:

@@ -55,9 +55,7 @@ class MachineWatch:
         if self._stop.is_set() and self.machine != 0:
             return   # said already
         self._stop.set()
-        from dualrun.servers.machines import _listening
-
-        if self.machine != 0 and self._store is not None and _listening(self.host, self.port):
+        if self.machine != 0 and self._store is not None and job_store.listening(self.host, self.port):
             try:
                 job_store.connect(self.host, self.port, 2.0).set(job_store.left_key(self.machine), "1")
             except Exception:  # noqa: BLE001 - no store left: machine 0's agent has ended, nobody watches

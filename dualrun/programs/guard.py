@@ -47,8 +47,3 @@ def refusal(method: str, path: str, headers: Mapping[str, str], token: str | Non
             return status, "the server's --api-key is required (Authorization: Bearer KEY)"
     return None
 
-
-def outgoing(token: str | None, api_key: str | None) -> dict[str, str]:
-    """The headers a server's own calls to the job's other servers carry (a router's to its replicas)."""
-    return {**job_token.auth_headers(token), **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-

@@ -80,7 +80,7 @@ class Router:
         self._probes: list[asyncio.Task] = []
         self.token = job_token.job_token()   # the job's secret: guard.job_only endpoints require it
         self.api_key = api_key               # the role's --api-key: its inference endpoints require it
-        self.headers = guard.outgoing(self.token, api_key)   # what its own calls to the replicas carry
+        self.headers = job_token.auth_headers(self.token, api_key)   # what its own calls to the replicas carry
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def app(self) -> web.Application:

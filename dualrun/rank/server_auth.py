@@ -25,9 +25,7 @@ def headers_for(url: str, environ: Mapping[str, str] | None = None) -> dict[str,
     for name, value in environ.items():
         role = protocol.address_role(name) if value == netloc else None
         if role is not None:
-            key = environ.get(protocol.api_key_env(role))
-            return {**job_token.auth_headers(job_token.job_token(environ)),
-                    **({"Authorization": f"Bearer {key}"} if key else {})}
+            return job_token.auth_headers(job_token.job_token(environ), environ.get(protocol.api_key_env(role)))
     return {}
 
 

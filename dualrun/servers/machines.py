@@ -284,7 +284,7 @@ class Machines:
         not take their end for a death. The store may be gone already (it ends with machine 0's torchrun agent):
         then every machine's ranks passed torchrun's exit barrier, and each machine's watch ends as its own agent
         returns."""
-        if not self.own() or not _listening(self.host, self.port):
+        if not self.own() or not job_store.listening(self.host, self.port):
             return
         try:
             job_store.connect(self.host, self.port, 5.0).set(job_store.finished_key(self.machine), "1")
@@ -297,7 +297,7 @@ def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_sto
     attempt's (machine 0 restarts too, on the same port, once its agent has stopped), so that neither this machine's
     addresses nor its torchrun agent go to a store about to vanish. Returns once it is gone or marked `attempt`."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _listening(host, port):
+    while time.monotonic() < deadline and job_store.listening(host, port):
         try:
             store = job_store.connect(host, port, 2.0)
             if store.check([job_store.ATTEMPT_KEY]) and int(store.get(job_store.ATTEMPT_KEY)) >= attempt:
@@ -307,21 +307,10 @@ def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_sto
         time.sleep(0.5)
 
 
-def _listening(host: str, port: int) -> bool:
-    """Whether the store still listens (a plain connect: a TCPStore client retries for its whole timeout)."""
-    import socket
-
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
-
-
 def _finished(host: str, port: int, machine: int, gone_is_finished: bool) -> bool:
     """Whether `machine` said its ranks finished. A store that is gone means this machine's own agent ended on
     machine 0 (`gone_is_finished`), but machine 0's end on machine K: silence there is a failure."""
-    if not _listening(host, port):
+    if not job_store.listening(host, port):
         return gone_is_finished
     try:
         return job_store.connect(host, port, 2.0).check([job_store.finished_key(machine)])

@@ -61,21 +61,14 @@ def died(label: str, code: int | None, tail: str = "", log_path: str | None = No
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """True when `url` answers 200. Proxies are bypassed: servers are always addressed directly."""
-    import urllib.error   # here: ~14 ms (http.client, ssl, email) a job without servers need not pay
-    import urllib.request
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+    """True when `url` answers 200 (`probe`'s verdict alone)."""
+    return probe(url, timeout)[0]
 
 
 def probe(url: str, timeout: float) -> tuple[bool, str]:
-    """One health probe of `url`: whether it answered 200, and what it got, in the router's words."""
-    import http.client
+    """One health probe of `url`: whether it answered 200, and what it got, in the router's words. Proxies are
+    bypassed: servers are always addressed directly."""
+    import http.client   # here: ~14 ms (http.client, ssl, email) a job without servers need not pay
     import socket
     import urllib.error
     import urllib.request
