@@ -72,6 +72,9 @@ def test_a_log_dir_with_a_file_in_the_way_is_refused(tmp_path):
 def test_each_ranks_output_is_in_log_dir_role_rank_log(tmp_path, backend, ray_cluster_if_ray):
     (tmp_path / "p.py").write_text(PROGRAM)
     (tmp_path / "job.yaml").write_text("use_cpu: true\nlog_dir: logs\nroles: {train: {gpus: 2}}\n")
+    (tmp_path / "logs").mkdir()
+    for rank in (0, 1):   # an earlier run's file: appended to (config reference), not replaced
+        (tmp_path / "logs" / f"train_{rank}.log").write_text("an earlier run's line\n")
     address = ray_cluster_if_ray.address if ray_cluster_if_ray else ""
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", "p.py", cwd=tmp_path,
                    env=ray_env(RAY_ADDRESS=address), timeout=240)
@@ -79,6 +82,7 @@ def test_each_ranks_output_is_in_log_dir_role_rank_log(tmp_path, backend, ray_cl
     assert "also in logs/<role>_<rank>.log" in proc.stderr
     for rank in (0, 1):   # stdout and stderr, each in its order (the two streams are copied side by side)
         logged = (tmp_path / "logs" / f"train_{rank}.log").read_text().splitlines()
+        assert logged[0] == "an earlier run's line", logged
         assert sorted(ln for ln in logged if "of rank" in ln) == [
             f"err of rank {rank}", f"last words of rank {rank}", f"out of rank {rank}"], logged
         assert f"out of rank {rank}" in proc.stdout + proc.stderr   # the terminal still has it

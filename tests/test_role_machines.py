@@ -87,6 +87,12 @@ def test_plan_command_shows_the_machine_and_refuses_a_bad_one_with_exit_2(tmp_pa
     shown = dualrun("plan", "--config_file", str(job), *flags, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.split("node 1 ")[1].count("teacher server 0") == 1
+    (tmp_path / "t.py").write_text("")
+    for k, starts in ((0, False), (1, True)):   # each machine's dry run: only machine 1 starts the teacher
+        dry = dualrun("launch", "--dry_run", "--config_file", str(job), *flags, "--machine_rank", str(k), "t.py",
+                      cwd=tmp_path)
+        assert dry.returncode == 0, dry.stderr
+        assert ("# teacher server 0, started first:" in dry.stdout) == starts, (k, dry.stdout)
     job.write_text(job.read_text().replace("[1]", "[1, 2]"))
     bad = dualrun("plan", "--config_file", str(job), *flags, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == ""
