@@ -1,6 +1,7 @@
 """Three jobs with rollout servers started at once on one machine (two on torchrun, one on Ray) each get their own
 free weight-sync port (`vllm_group_port`) instead of TRL's shared default 51216, filled into the unchanged
-GRPOConfig like the server's address, only where the user left the defaults (a config whose script turned vLLM off
+GRPOConfig like the server's address (and, every process being on this host, the weight-sync address on loopback:
+VLLM_HOST_IP=127.0.0.1), only where the user left the defaults (a config whose script turned vLLM off
 gets nothing, and one line saying the server is unused); the address answers."""
 from __future__ import annotations
 
@@ -58,7 +59,9 @@ def test_concurrent_jobs_get_distinct_weight_sync_ports(tmp_path_factory, tiny, 
     for backend, out, proc in jobs:
         log, _ = proc.communicate(timeout=280)
         assert proc.returncode == 0, log[-3000:]
-        ports.append(_assert_wired(json.loads((out / "rank0.json").read_text())))
+        rec = json.loads((out / "rank0.json").read_text())
+        ports.append(_assert_wired(rec))
+        assert rec["vllm_host_ip"] == "127.0.0.1", backend   # one host: the weight-sync store on loopback alone
         assert "(roles.rollout) is unused: GRPOConfig.use_vllm=False is set by the script" in log, log[-3000:]
         if backend == "torchrun":   # (on Ray a server's output goes to its log file only)
             assert "[rollout server 0] dualrun engine: serving" in log

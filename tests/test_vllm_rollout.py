@@ -31,9 +31,9 @@ def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_s
     cluster = ray_cluster_if_ray   # Ray: a running cluster
     proc, rec, address = run_grpo_probe(tmp_path, vllm_tiny, backend, cluster, gpus=engines, processes=processes)
     host, port = address.split(":")
-    for i in range(engines):   # the trainer rank 0 and the engines' workers: one group
-        assert (f"dualrun gloo weight transfer: rank {i + 1} of {engines + 1}"
-                in (tmp_path / "logs" / f"rollout-server-{i}.log").read_text())
+    for i in range(engines):   # the trainer rank 0 and the engines' workers: one group, its store on loopback alone
+        assert (f"dualrun gloo weight transfer: rank {i + 1} of {engines + 1} (trainer at 127.0.0.1:"
+                f"{rec['grpo']['vllm_group_port']})" in (tmp_path / "logs" / f"rollout-server-{i}.log").read_text())
     assert len(rec["losses"]) == 4 and all(x == x for x in rec["losses"]), rec["losses"]
     assert_every_sync_landed(rec, replicas=engines)
     assert rec["async_url"] == f"http://{address}"

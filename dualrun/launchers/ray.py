@@ -29,7 +29,7 @@ from dualrun.launchers.ray_results import first_line
 from dualrun.launchers.ray_sizing import bundle_of, check_fits, embedded_cpus
 from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
-from dualrun.contract.protocol import ActorPlace, group_port_env
+from dualrun.contract.protocol import ActorPlace, group_host_env, group_port_env
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
@@ -265,6 +265,9 @@ class RayLauncher(Launcher):
             argv = [CALL if a == self.program.call_file else a for a in argv]
         log_dir = self.cfg.log_dir
         several = bool(prepared.plan and prepared.plan.cluster.addresses() > 1)
+        from dualrun.servers.ray_server import on_this_host
+
+        one_host = bool(prepared.plan and on_this_host(prepared.plan))   # every node is this machine
         given: set[str] = set()   # the interfaces dualrun gave gloo
         refs = []
         for r in ranks:
@@ -276,6 +279,7 @@ class RayLauncher(Launcher):
                 r.env["MASTER_ADDR"] = "127.0.0.1"
             r.env.update(wiring)
             r.env.update(group_port_env(wiring, master.group_port))
+            r.env.update(group_host_env(wiring, r.env, one_host))
             if several and r.info.interface and not ifname_set(r.env):
                 r.env["GLOO_SOCKET_IFNAME"] = r.info.interface
                 given.add(r.info.interface)

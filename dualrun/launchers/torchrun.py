@@ -205,6 +205,7 @@ class TorchrunLauncher(Launcher):
 
     def _job_env(self, prepared: Prepared, attempt: int, servers: ServerSet) -> dict[str, str]:
         extra = servers.wiring_env()
+        extra.update(protocol.group_host_env(extra, prepared.env, self.cfg.num_machines == 1))
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         return {**prepared.env, **extra}

@@ -24,10 +24,13 @@ _START_S = 90.0           # on top: a fresh interpreter importing torch on a bus
 
 
 def master_endpoint(host: str, env: Mapping[str, str]) -> tuple[str, int]:
-    """On trainer rank 0's node: the address it advertises and a free port, picked as the job picks it."""
+    """On trainer rank 0's node: the address it advertises and a free port, picked as the job picks it (`host`
+    loopback: a one-machine job, whose trainers advertise loopback unless the user chose an address)."""
     from dualrun.light.ports import free_port
 
-    return advertised_address({**os.environ, **env}), free_port(host)
+    env = {**os.environ, **env}
+    chosen = env.get("VLLM_HOST_IP") or env.get("HOST_IP")
+    return ("127.0.0.1" if host == "127.0.0.1" and not chosen else advertised_address(env)), free_port(host)
 
 
 def member_spec(group: SyncGroup, member: Member, address: str, port: int,

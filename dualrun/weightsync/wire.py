@@ -89,7 +89,12 @@ def tcp_store(address: str, port: int, rank: int, world_size: int, timeout: time
     so the trainer's rank 0 would host nothing and every member would wait."""
     from torch.distributed import TCPStore
 
-    return TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    from dualrun.light.loopback_store import LOOPBACK_HOSTS, loopback_listener
+
+    # torch's store listens on every interface whatever its host; at a loopback address, on that address alone
+    listen = {"master_listen_fd": loopback_listener(address, port)} if rank == 0 and address in LOOPBACK_HOSTS else {}
+    return TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+                    **listen)
 
 
 def group_store(store: Any, address: str, port: int) -> Any:

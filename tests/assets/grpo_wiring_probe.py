@@ -21,5 +21,6 @@ url = f"http://{default.vllm_server_host}:{default.vllm_server_port}/health"
 with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url, timeout=10) as r:
     record["health"] = r.status
 record["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+record["vllm_host_ip"] = os.environ.get("VLLM_HOST_IP")   # the weight-sync address vLLM's get_ip() gives
 with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
     json.dump(record, f)
