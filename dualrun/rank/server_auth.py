@@ -4,7 +4,8 @@ one, added to TRL's clients without changing them.
 Why by URL: TRL's clients (GRPOTrainer's `VLLMClient`, AsyncGRPOTrainer's) are built by the trainer from an address
 dualrun wired in; a request whose `host:port` is a separate role's (`DUALRUN_<ROLE>_ADDRESS`) gets the job's secret
 (contract/job_token.py, its own header) and, when the role's `server_args` give `--api-key`, `Authorization: Bearer
-KEY` (`DUALRUN_<ROLE>_API_KEY`, as vLLM reads it). Requests to anything else carry neither.
+KEY` (`DUALRUN_<ROLE>_API_KEY`, as vLLM reads it). Requests to anything else carry neither. AsyncGRPOTrainer's
+rollout child generates on an aiohttp session in a spawned process: its requests carry them too.
 """
 from __future__ import annotations
 
@@ -54,6 +55,47 @@ def _requests_with_headers() -> types.ModuleType:
     return shim
 
 
+def _aiohttp_with_headers() -> types.ModuleType:
+    """`aiohttp` as a module whose `ClientSession` adds the job's headers to each request (aiohttp's own client
+    middleware: the URL is known per request)."""
+    import aiohttp
+
+    async def job_headers(request: Any, handler: Any) -> Any:
+        for name, value in headers_for(str(request.url)).items():
+            request.headers.setdefault(name, value)
+        return await handler(request)
+
+    def client_session(*args: Any, **kwargs: Any) -> Any:
+        kwargs["middlewares"] = (*(kwargs.get("middlewares") or ()), job_headers)
+        return aiohttp.ClientSession(*args, **kwargs)
+
+    shim = types.ModuleType("aiohttp")
+    shim.__dict__.update({k: v for k, v in vars(aiohttp).items() if not k.startswith("__")})
+    shim.ClientSession = client_session   # type: ignore[attr-defined]
+    return shim
+
+
+def async_rollout_child(*args: Any, **kwargs: Any) -> Any:
+    """AsyncGRPOTrainer's rollout child, which generates on its own aiohttp session: TRL spawns it (`spawn`: none of
+    the parent's hooks), so this runs first in the child, puts the headers on that session, then runs TRL's own
+    `_child_main`."""
+    from trl.experimental.async_grpo import async_rollout_worker as worker
+
+    worker.aiohttp = _aiohttp_with_headers()
+    return getattr(worker, _ORIGINAL_CHILD, worker._child_main)(*args, **kwargs)
+
+
+_ORIGINAL_CHILD = "_dualrun_child_main"
+
+
+def install_rollout_worker(module: Any) -> None:
+    """TRL's async rollout worker module: the child it spawns (`target=_child_main`) starts with the headers."""
+    if getattr(module, _ORIGINAL_CHILD, None) is not None or not hasattr(module, "_child_main"):
+        return
+    setattr(module, _ORIGINAL_CHILD, module._child_main)
+    module._child_main = async_rollout_child
+
+
 def install(module: Any) -> None:
     """`module` (a TRL client module) talks to the job's servers with their headers."""
     if getattr(module, _INSTALLED, False) or not hasattr(module, "requests"):
@@ -69,3 +111,4 @@ def activate() -> None:
     if any(protocol.address_role(name) for name in os.environ):
         when_imported("trl.generation.vllm_client", install)
         when_imported("trl.experimental.async_grpo.vllm_client", install)
+        when_imported("trl.experimental.async_grpo.async_rollout_worker", install_rollout_worker)
