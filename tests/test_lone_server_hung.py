@@ -2,9 +2,11 @@
 backends, with real processes: SIGSTOPped mid-run while the trainers wait on it without a limit (as TRL's client
 does), it is judged hung once its probes have failed for `request_timeout_s`, stopped (SIGKILL reaches a stopped
 process), and the job ends naming it (role, index, address) — or, with `max_failures: 1`, restarts with a fresh
-server and finishes. A server that answers late but within its probes' time is left alone."""
+server and finishes. A server that answers late but within its probes' time is left alone. A router, which nothing
+else probes, is probed and judged the same way."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -35,10 +37,10 @@ def _engines(tiny: Path) -> list[int]:
     return pids_matching(str(tiny / "teacher"), "cpu_engine")
 
 
-def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster) -> subprocess.Popen:
+def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster, replicas: int = 1) -> subprocess.Popen:
     (tmp_path / "job.yaml").write_text(
         f"use_cpu: true\nmethod: gkd\nmax_failures: {max_failures}\nroles:\n  train: {{gpus: 2}}\n"
-        f"  teacher: {{gpus: 1, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90, "
+        f"  teacher: {{gpus: {replicas}, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90, "
         f"request_timeout_s: {TIMEOUT_S}}}\n")
     (tmp_path / "out").mkdir()
     env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if backend == "ray" else ""))
@@ -48,12 +50,17 @@ def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster)
                             stderr=(tmp_path / "stderr.txt").open("w"), text=True)
 
 
-def _stop_server_mid_training(tmp_path: Path, tiny: Path, driver: subprocess.Popen) -> tuple[int, float]:
-    """Wait for both ranks to have trained a step, then SIGSTOP the teacher's engine; (its pid, when)."""
+def _stop_server_mid_training(tmp_path: Path, tiny: Path, driver: subprocess.Popen,
+                              count: int = 1) -> tuple[int, float] | None:
+    """Wait for both ranks to have trained a step, then SIGSTOP the teacher's engine; (its pid, when). With `count`
+    engines (a router in front), only the wait."""
     out = tmp_path / "out"
     assert eventually(lambda: driver.poll() is not None or ((out / "step_0_1").exists() and
                                                             (out / "step_1_1").exists()), timeout=150)
     assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+    if count > 1:
+        assert len(_engines(tiny)) == count
+        return None
     (pid,) = _engines(tiny)
     os.kill(pid, signal.SIGSTOP)
     return pid, time.monotonic()
@@ -170,3 +177,37 @@ def test_a_slow_lone_server_is_left_alone_and_a_stopped_one_is_stopped(tmp_path)
                                            "was running (health probe not answered within 5 s"), death.one_line()
         assert gone(server.proc.pid) and not server.alive()
     assert not servers.running
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_hung_router_ends_the_job_within_its_timeout_naming_it(tmp_path, module_tiny, cluster, backend):
+    """The router in front of two replicas, SIGSTOPped while the ranks call it without a limit: nothing else probes
+    it, so its set does (its table's path: its /health answers for its replicas), and it is judged as a lone
+    server is."""
+    driver = _start(tmp_path, module_tiny, backend, 0, cluster, replicas=2)
+    pid = None
+    try:
+        _stop_server_mid_training(tmp_path, module_tiny, driver, count=2)   # the ranks have used the router
+        address = json.loads((tmp_path / "out" / "address_0_0.json").read_text())
+        (pid,) = pids_matching("dualrun.programs.router", f"--port {address.rsplit(':', 1)[1]}")
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = driver.wait(timeout=BOUND_S)
+        took = time.monotonic() - stopped
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if pid is not None:
+            _release(pid)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert code == 1, err[-3000:]
+    assert took < BOUND_S, f"{took:.1f} s"
+    errors = [ln for ln in err.splitlines() if ln.startswith("dualrun: error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"dualrun: error: teacher router at {address} stopped answering while the job was running (health probe "
+        "not answered within 5 s; its health probes failed for "), errors
+    assert gone(pid), "the stopped router was left behind"
+    _assert_nothing_left(module_tiny, cluster, backend)

@@ -8,12 +8,13 @@ import pytest
 
 from dualrun.config import build_config
 from dualrun.methods.plugin import get_plugin
-from dualrun.plan.processes import Cluster, make_plan
+from dualrun.plan.processes import ROUTER, Cluster, make_plan
 from dualrun.plan.servers import HOST, PORT, Serving, replica_slot
 from dualrun.programs import rotation
 from dualrun.programs.rotation import HUNG, OUT, RESTARTING, SERVING, Rotation, judge
+from dualrun.programs.routing import STATS_PATH
 from dualrun.servers.planned import server_command, with_method
-from dualrun.servers.supervision import MISSES, Supervision, lone, restartable
+from dualrun.servers.supervision import MISSES, Supervision, liveness_path, lone, restartable
 
 
 def _cfg(backend: str = "torchrun", **teacher) -> object:
@@ -79,11 +80,15 @@ def test_a_replica_out_of_rotation_is_hung_after_request_timeout_s_on_the_clock_
 FAILED = "health probe not answered within 5 s"
 
 
-def test_only_an_engine_without_a_router_is_a_lone_server_probed_by_its_set():
-    assert lone(make_plan(_cfg())) == [] and Supervision.of(make_plan(_cfg())).lone == []   # the router judges these
+def test_a_router_and_an_engine_without_one_are_probed_by_their_set():
+    plan = make_plan(_cfg())   # three replicas (the router judges them) and their router, which nothing else probes
+    router = next(i for i, p in enumerate(plan.servers) if p.kind == ROUTER)
+    assert lone(plan) == [router] and Supervision.of(plan).lone == [router]
+    assert liveness_path(plan, router) == STATS_PATH   # its /health is its replicas' state (503: none in rotation)
     plan = make_plan(_cfg(gpus=1))
     assert lone(plan) == [0] and lone(plan, mine=[]) == [] and Supervision.of(plan).lone == [0]
     assert Supervision.of(plan).supervised == []                            # nothing to restart it
+    assert liveness_path(plan, 0) == "/health"
 
 
 def test_a_lone_server_failing_its_probes_for_request_timeout_s_is_hung_once():

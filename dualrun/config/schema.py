@@ -166,9 +166,9 @@ ROLE_KEYS: tuple[Key, ...] = (
         "or replaces it, the request retried on another replica (none left: the request fails, naming each). Long "
         "by default: one request may carry a whole step's generations (TRL's server-mode client sends them in one "
         "call and waits without a limit). A dead or stopped engine is found sooner, by health probes (about once a "
-        "second, 5 s to answer; the router's of each replica, the launcher's of a role's one engine); failing them "
-        "this long, an engine is hung too: a replica is restarted (`replica_restarts`), a role's one engine is "
-        "stopped and the job ends naming it, or restarts whole with `max_failures`. Lower this to find sooner an "
+        "second, 5 s to answer; the router's of each replica, the launcher's of a role's one engine and of each "
+        "router); failing them this long, a server is hung too: a replica is restarted (`replica_restarts`), a "
+        "role's one engine or a router is stopped and the job ends naming it, or restarts whole with `max_failures`. Lower this to find sooner an "
         "engine that accepts but does not answer (stopped, deadlocked). Weight-transfer calls get the same limit.",
         minimum=1, maximum=MAX_SECONDS),
     Key("replica_restarts", "int", 3, "A role with several engine replicas (torchrun, or Ray): "

@@ -12,7 +12,7 @@ another replica of its role is still serving (the last one gone ends the job). A
 no answer, or its health probes have failed for `request_timeout_s` while its process lives
 (`rotation.judge`, the one reading of the router's table that the router's rules write): it is stopped and
 restarted like a dead one. A *lone* server (a role of one engine: no router in front, the trainers' only server of
-its role) is probed by its set the way a router probes a replica, its probes kept in a one-slot table of the router's
+its role; and a router, which nothing else probes, on its table's path) is probed by its set the way a router probes a replica, its probes kept in a one-slot table of the router's
 (`Rotation`) and read by the same `judge`: failing them for `request_timeout_s` while its process lives, it is hung,
 stopped like a dead one, and its death is the job's (it ends naming it, or restarts whole with `max_failures`).
 Another machine's server that misses `MISSES` health checks in a row is dead, unless its
@@ -44,11 +44,20 @@ def restartable(plan: Plan) -> frozenset[int]:
 
 
 def lone(plan: Plan, mine: Collection[int] | None = None) -> list[int]:
-    """plan.servers indices of the engine servers with no router in front (of `mine`, when given): their set
-    probes their health itself."""
+    """plan.servers indices of the servers nothing else probes (of `mine`, when given): each router, and each
+    engine with no router in front; their set probes them itself."""
     routed = {p.unit for p in plan.servers if p.kind == ROUTER}
-    return [i for i, p in enumerate(plan.servers)
-            if p.unit not in routed and p.serving is not None and (mine is None or i in mine)]
+    return [i for i, p in enumerate(plan.servers) if (p.kind == ROUTER or p.unit not in routed)
+            and p.serving is not None and (mine is None or i in mine)]
+
+
+def liveness_path(plan: Plan, index: int) -> str:
+    """Where server `index` is probed for being alive: a router's table (its `/health` is 503 while no replica is in
+    rotation, which is its replicas' state, not its own), an engine's health path."""
+    from dualrun.programs.routing import STATS_PATH
+
+    proc = plan.servers[index]
+    return STATS_PATH if proc.kind == ROUTER else proc.serving.health_path   # type: ignore[union-attr]
 
 
 def router_of(plan: Plan, index: int) -> tuple[int, int]:

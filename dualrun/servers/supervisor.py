@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Callable, Collection, Protocol
 from dualrun.plan.processes import Plan
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S
 from dualrun.servers.process import ServerError
-from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, restarting_line,
-                                         router_of, stopped_answering)
+from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, liveness_path,
+                                         restarting_line, router_of, stopped_answering)
 
 if TYPE_CHECKING:
     from dualrun.servers.serverset import ServerDeath, ServerSetBase
@@ -194,8 +194,7 @@ class Supervisor:
                 address = self.address_of(index)
                 if address is None or not self.replicas.alive(index):
                     continue
-                ok, detail = probe(f"http://{address}{self.plan.servers[index].serving.health_path}",  # type: ignore
-                                   PROBE_TIMEOUT_S)
+                ok, detail = probe(f"http://{address}{liveness_path(self.plan, index)}", PROBE_TIMEOUT_S)
                 with self._lock:
                     reason = self.table.probed(index, ok, detail, time.monotonic())
                 if reason is not None and self.events.watching and self.replicas.alive(index):
