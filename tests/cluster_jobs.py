@@ -81,10 +81,11 @@ def debian_hosts(vc, machine: int) -> None:
     vc.run(machine, ["sh", "-c", "cat > /etc/hosts"], input="\n".join(lines) + "\n", check=True)
 
 
-def launch_on(vc, work: Path, argv: list[str], config: str, machines=(0, 1)) -> list[subprocess.Popen]:
+def launch_on(vc, work: Path, argv: list[str], config: str, machines=(0, 1), env: dict | None = None
+              ) -> list[subprocess.Popen]:
     """`dualrun launch --config_file job.yaml --num_machines 2 --machine_rank K --main_process_ip <machine 0> ARGV`
     on each machine K of `machines`, in work/mK (its job.yaml: `config` with MACHINE replaced by K, e.g. a log_dir
-    of its own; its output in work/mK/out)."""
+    of its own; its output in work/mK/out), `env` added to each one's."""
     procs = []
     for k in machines:
         here = work / f"m{k}"
@@ -94,5 +95,6 @@ def launch_on(vc, work: Path, argv: list[str], config: str, machines=(0, 1)) -> 
             procs.append(vc.popen(k, [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
                                       "--num_machines", "2", "--machine_rank", str(k), "--main_process_ip",
                                       address(0), "--main_process_port", "29500", *argv],
-                                  cwd=here, env={**os.environ, **ENV}, stdout=out, stderr=subprocess.STDOUT))
+                                  cwd=here, env={**os.environ, **ENV, **(env or {})}, stdout=out,
+                                  stderr=subprocess.STDOUT))
     return procs
