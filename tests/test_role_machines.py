@@ -93,6 +93,7 @@ def test_plan_command_shows_the_machine_and_refuses_a_bad_one_with_exit_2(tmp_pa
                       cwd=tmp_path)
         assert dry.returncode == 0, dry.stderr
         assert ("# teacher server 0, started first:" in dry.stdout) == starts, (k, dry.stdout)
+        assert ("--host 0.0.0.0" in dry.stdout) == starts and "--host 127.0.0.1" not in dry.stdout, dry.stdout
     job.write_text(job.read_text().replace("[1]", "[1, 2]"))
     bad = dualrun("plan", "--config_file", str(job), *flags, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == ""

@@ -26,8 +26,8 @@ from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
 from dualrun.light.loopback_store import LOOPBACK_HOSTS, loopback_stores
-from dualrun.servers.local import LocalServers
-from dualrun.servers.machines import Machines, await_attempt
+from dualrun.servers.local import LOOPBACK, LocalServers
+from dualrun.servers.machines import BIND, Machines, await_attempt
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
@@ -125,7 +125,8 @@ class TorchrunLauncher(Launcher):
         launch)."""
         assert plan is not None
         plan = with_method(plan, self.cfg, self.plugin)
-        servers = server_previews(plan, "127.0.0.1", node=self.cfg.machine_rank)
+        bind = LOOPBACK.bind if self.cfg.num_machines == 1 else BIND   # as the launch binds them
+        servers = server_previews(plan, bind, node=self.cfg.machine_rank)
         argv = [sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)
         env = self.agent_env(plan)
         self._gloo_note = self.gloo_note(self.worker_env(self.node_workers(plan)[0].env))

@@ -54,11 +54,14 @@ def facing(plan: Plan) -> list[int]:
     return [i for i, p in enumerate(plan.servers) if p.kind == ROUTER or p.unit not in routed]
 
 
+BIND = "0.0.0.0"   # where the servers of a job across machines listen: every address (the others reach them)
+
+
 def machine_endpoint(main: str, machine: int) -> Endpoint:
     """Where a machine's servers bind (every address) and the host machine 0 (`main`) reaches them at."""
     from dualrun.light.ports import route_address
 
-    return Endpoint("0.0.0.0", main if machine == 0 else route_address(main))
+    return Endpoint(BIND, main if machine == 0 else route_address(main))
 
 
 class Machines:
