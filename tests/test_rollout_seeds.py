@@ -35,3 +35,56 @@ def test_answers_are_merged_in_prompt_order():
               "logprob_token_ids": [[[7]], [[8]]]}]
     assert merge_answers(parts) == {"prompt_ids": [[1], [2, 3]], "completion_ids": [[5], [6], [7], [8]],
                                     "logprobs": [[[-1.0]], [[-2.0]], [[-3.0]], [[-4.0]]], "logprob_token_ids": None}
+
+
+def _events(client, handler, state, steps):
+    """The trainer's loop as the callbacks see it: each step begins at its global step, then one generation call
+    on `client`; the calls' names."""
+    from transformers import TrainingArguments
+    from transformers.trainer_callback import TrainerControl
+
+    args, names = TrainingArguments(output_dir="unused", report_to="none", use_cpu=True), []
+    for step in steps:
+        state.global_step = step
+        handler.on_step_begin(args, state, TrainerControl())
+        names.append(rollout_seeds.call_name(client))
+    return names
+
+
+def _client():
+    return type("Client", (), {})()
+
+
+def test_a_job_resumed_from_a_checkpoint_names_its_calls_as_the_uninterrupted_job_did(monkeypatch):
+    """Calls made while a Trainer trains are named by the global step they generate at, not by a count that a
+    restarted process begins again at 0: a job resumed at step 2 seeds what the uninterrupted one seeded there."""
+    import torch
+    from transformers import trainer_callback
+    from transformers.trainer_callback import CallbackHandler, TrainerState
+
+    monkeypatch.setattr(CallbackHandler, "call_event", CallbackHandler.call_event)   # restored after the test
+    monkeypatch.setattr(rollout_seeds, "_TRAINING", [])
+    rollout_seeds.follow_training(trainer_callback)
+    model = torch.nn.Linear(1, 1)
+
+    def handler():
+        return CallbackHandler([], model, None, None, None)
+
+    uninterrupted = _events(_client(), handler(), TrainerState(), range(4))
+    # the restarted process: a fresh client, the checkpoint's state
+    resumed = _events(_client(), handler(), TrainerState(global_step=2), range(2, 4))
+    assert uninterrupted == ["step0/train/0", "step1/train/0", "step2/train/0", "step3/train/0"]
+    assert resumed == uninterrupted[2:]
+    model.eval()   # an evaluation at a step names its calls apart from the step's training calls
+    client = _client()
+    assert _events(client, handler(), TrainerState(), [3]) == ["step3/eval/0"]
+    assert rollout_seeds.call_name(client) == "step3/eval/1"
+
+
+def test_outside_training_a_call_is_named_by_its_count():
+    assert rollout_seeds.place_in_training([]) is None
+    client = _client()
+    names = []
+    for _ in range(3):
+        names.append(rollout_seeds.call_name(client))
+    assert names == [0, 1, 2] and prompt_seed(0, 1, 0) != prompt_seed(0, "step1/train/0", 0)

@@ -10,9 +10,12 @@ answer a prompt the same whatever its batch-mates (checked bit for bit: alone, a
 threads, in one process and three).
 
 So when the user set no seed and the call samples (temperature > 0), the prompts of the call go as one request each,
-all at once, prompt i of the trainer's c-th generation call seeded `prompt_seed(torch.initial_seed(), c, i)`
-(`torch.initial_seed()` is the seed the trainer set, `GRPOConfig.seed`; reading it draws nothing). The seed depends
-on nothing else, so the router may send each request to any replica. A user's `generation_kwargs={"seed": ...}` is
+all at once, prompt i of the trainer's call c seeded `prompt_seed(torch.initial_seed(), c, i)` (`torch.initial_seed()`
+is the seed the trainer set, `GRPOConfig.seed`; reading it draws nothing). The seed depends on nothing else, so the
+router may send each request to any replica. A call made while a Trainer trains is named by its place in the
+training, `step<G>/<train|eval>/<n>` (G the trainer state's global step, the n-th such call at it), which a job
+resumed from checkpoint-G reaches again: it samples from there on what the uninterrupted job sampled. Outside
+training a call is named by its count on the client. A user's `generation_kwargs={"seed": ...}` is
 TRL's own request, untouched (vLLM gives each of its prompts that seed), as is greedy generation.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ _INSTALLED = "_dualrun_rollout_seeds"
 _CALLS = "_dualrun_generate_calls"
 
 
-def prompt_seed(base: int, call: int, index: int) -> int:
+def prompt_seed(base: int, call: int | str, index: int) -> int:
     """The seed of prompt `index` in generation call `call` of a trainer seeded `base` (a hash: stable across
     processes, machines and Python versions; distinct streams for neighbouring calls and prompts)."""
     digest = hashlib.blake2b(f"dualrun-rollout/{base}/{call}/{index}".encode(), digest_size=8).digest()
@@ -74,8 +77,7 @@ def install(module: Any, say: Any = None) -> None:
     def generate(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         bound = signature.bind(self, *args, **kwargs)
         with lock:
-            call = getattr(self, _CALLS, 0)
-            setattr(self, _CALLS, call + 1)
+            call = call_name(self)
         if not needs_seeds(bound.arguments):
             return trl_generate(self, *args, **kwargs)
         if say is not None and not said:
@@ -88,7 +90,46 @@ def install(module: Any, say: Any = None) -> None:
     setattr(cls, _INSTALLED, cls)
 
 
-def seeded_generate(trl_generate: Any, arguments: dict[str, Any], call: int) -> dict[str, Any]:
+_TRAINING: list[Any] = []   # the callback handler that last saw an event, and the state it saw (one trainer a rank)
+
+
+def follow_training(module: Any) -> None:
+    """transformers.trainer_callback: every callback event records the trainer's state and handler, so a generation
+    call knows its place in the training (`call_name`)."""
+    handler = module.CallbackHandler
+    if getattr(handler.call_event, "_dualrun", False):
+        return
+    original = handler.call_event
+
+    def call_event(self: Any, event: str, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        _TRAINING[:] = [self, state]
+        return original(self, event, args, state, control, **kwargs)
+
+    call_event._dualrun = True   # type: ignore[attr-defined]
+    handler.call_event = call_event
+
+
+def place_in_training(training: list[Any]) -> str | None:
+    """Pure: `step<G>/<train|eval>` from the handler's model mode and the state's global step (None: no trainer)."""
+    if not training:
+        return None
+    handler, state = training
+    model = getattr(handler, "model", None)
+    mode = "eval" if model is not None and not getattr(model, "training", True) else "train"
+    return f"step{state.global_step}/{mode}"
+
+
+def call_name(client: Any) -> int | str:
+    """The name of `client`'s next generation call (the caller holds the lock): its place in the training and its
+    count there, else its count on the client."""
+    place = place_in_training(_TRAINING)
+    counts = client.__dict__.setdefault(_CALLS, {})
+    n = counts.get(place, 0)
+    counts[place] = n + 1
+    return n if place is None else f"{place}/{n}"
+
+
+def seeded_generate(trl_generate: Any, arguments: dict[str, Any], call: int | str) -> dict[str, Any]:
     """TRL's `generate` once per prompt, all at once, each with its own seed; the answers in prompt order."""
     import torch
 

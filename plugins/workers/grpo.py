@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from dualrun.contract.protocol import ROLLOUT_ADDRESS, VLLM_GROUP_PORT
 from dualrun.weightsync.trainer.vllm_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
-from dualrun.rank.rollout_seeds import install as install_rollout_seeds
+from dualrun.rank.rollout_seeds import follow_training, install as install_rollout_seeds
 from dualrun.rank.wiring import fill_defaults, left_at_default, rollout_fields, say
 
 
@@ -29,6 +29,7 @@ def activate(settings: Mapping[str, Any]) -> None:
         when_imported("trl.trainer.grpo_config", lambda m: wire_rollout(m, "GRPOConfig", address))
         when_imported("trl.generation.vllm_client", install_gloo_client)
         when_imported("trl.generation.vllm_client", seed_rollout)
+        when_imported("transformers.trainer_callback", follow_training)
         when_imported("trl.experimental.async_grpo.async_grpo_trainer", install_async_gloo)
         when_imported("trl.experimental.async_grpo.async_grpo_config", lambda m: fill_defaults(
             m.AsyncGRPOConfig, async_rollout_fields(address),
