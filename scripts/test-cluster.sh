@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The cluster tier alone: the tests marked `cluster` (tests/test_vcluster.py and tests/test_cluster_*.py), which
+# The cluster tier alone: the tests marked `cluster` (tests/test_vcluster.py and tests/test_cluster_*.py; those also
+# marked `vllm` with the vLLM venv, after the others), which
 # run dualrun on the virtual cluster of tests/vcluster.py: machines with addresses of their own on a private bridge
 # (network, mount and PID namespaces held by processes; needs root). The tests themselves run in a loopback-only
 # namespace, as the main suite does; the machines' namespaces are made from there. scripts/test.sh runs this beside
@@ -10,5 +11,22 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export DUALRUN_CLUSTER_TIER=1
-exec bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider -m cluster "$@" tests/test_vcluster.py \
-  tests/test_cluster_*.py
+status=0
+bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider -m "cluster and not vllm" "$@" \
+  tests/test_vcluster.py tests/test_cluster_*.py || status=$?
+# The cluster tests that run vLLM (marked `cluster` and `vllm`, in tests/test_cluster_*.py) run here, with the vLLM
+# venv (scripts/setup-vllm.sh: it waits while the vLLM tier makes it), not in the vLLM tier: that tier is the longer.
+setup_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-setup-vllm.XXXXXX")"
+if bash "$ROOT/scripts/setup-vllm.sh" >"$setup_log" 2>&1; then
+  VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"
+  vllm_status=0
+  bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m "cluster and vllm" "$@" \
+    tests/test_cluster_*.py || vllm_status=$?
+  [ "$vllm_status" = 0 ] || [ "$vllm_status" = 5 ] || status=$vllm_status   # 5: no such test selected
+else
+  cat "$setup_log" >&2
+  echo "scripts/test-cluster.sh: creating the vLLM venv failed (scripts/setup-vllm.sh, output above)" >&2
+  status=1
+fi
+rm -f "$setup_log"
+exit "$status"
