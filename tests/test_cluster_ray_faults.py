@@ -6,6 +6,10 @@ restarts on the node that is left (both ranks there: SPREAD is a preference), re
 checkpoint and ends its steps. The restart line is the error of the rank that failed first: gloo's connection reset
 by the lost node's address. Every checkpoint directory is complete, and no actor or placement group is left.
 
+The same with machine 2's link cut instead (its port on the switch dropping every frame): Ray's control plane
+declares the node dead once its health checks fail, the job restarts on the node left the same way, and once the
+link is back machine 2's raylet learns it is dead and ends, with every process of the job it held.
+
 Its own cluster: losing a node would spoil test_cluster_ray.py's."""
 from __future__ import annotations
 
@@ -27,12 +31,19 @@ from vcluster import VCluster, address
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
 
 
+def job_processes(vc: VCluster, machine: int) -> list[str]:
+    """The processes of the job (Ray workers that ran its actors, dualrun's own) still on `machine`."""
+    proc = vc.run(machine, ["ps", "-eo", "args"], timeout=30)
+    return [ln for ln in proc.stdout.splitlines() if "ray::" in ln or "dualrun" in ln]
+
+
 @pytest.fixture
 def shared(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ray-faults")
 
 
-def test_a_worker_node_lost_mid_run_restarts_the_job_on_the_node_left(shared, tiny):
+@pytest.mark.parametrize("fault", ["lost", "cut"])
+def test_a_worker_node_lost_mid_run_restarts_the_job_on_the_node_left(shared, tiny, fault):
     with VCluster(3, shared=[shared, tiny.parent]) as vc:
         start, _ = readme()
         proc = run_block(start, timeout=240, env=pids(vc))
@@ -50,13 +61,16 @@ def test_a_worker_node_lost_mid_run_restarts_the_job_on_the_node_left(shared, ti
         while not (shared / "out" / "checkpoint-2" / "trainer_state.json").exists():
             assert time.monotonic() < deadline and launch.poll() is None, (shared / "launch.out").read_text()[-3000:]
             time.sleep(0.2)
-        vc.kill(2)
+        vc.kill(2) if fault == "lost" else vc.cut(2)
         try:
             launch.wait(timeout=300)
         finally:
             if launch.poll() is None:
                 launch.kill()
         out = (shared / "launch.out").read_text()
+        if fault == "cut":   # machine 2 lives on, unreachable; back on the network, what it ran of the job ends
+            vc.restore(2)
+            assert eventually(lambda: not job_processes(vc, 2), timeout=90), job_processes(vc, 2)
         assert launch.returncode == 0, out[-5000:]
         restart = re.search(r"dualrun: train rank \d failed \(exit code 1\): (.*); restarting the job \(1/1\)\n", out)
         assert restart and (f"[{address(2)}]" in restart.group(1)   # gloo's reset, or the actor's death: the lost
