@@ -9,7 +9,8 @@ engine per process) behind one address.
   losses, bit for bit.
 - A replica killed mid-run with `max_failures: 1`: the job restarts with fresh replicas and router, the trainer
   resumes from its checkpoint, and after their first sync the fresh replicas serve the checkpoint's weights (which
-  they did not load); AsyncGRPOTrainer's weight transfer, fanned out by the fresh router, lands in both."""
+  they did not load); AsyncGRPOTrainer's weight transfer, fanned out by the fresh router, lands in both. The resumed
+  job samples and trains as the same job never interrupted, bit for bit."""
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ import pytest
 from helpers import ASSETS, cmdline, eventually, pids_matching
 from ray_helpers import ray_env
 from vllm_helpers import (LOGPROB_TOLERANCE, TIER, assert_async_syncs_landed, assert_nothing_left, run_gkd_probe,
-                          server_role)
+                          run_grpo_probe, server_role)
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
@@ -127,6 +128,7 @@ def test_a_killed_rollout_replica_is_restarted_and_serves_only_once_it_holds_the
 
 # torchrun only: the Ray case passes too (add "ray"), but costs ~5.5 min on 2 cores against ~3 min here; the Ray
 # restart path of one replica is the test above
+@pytest.mark.timeout(900)   # the restarted job, then the uninterrupted one
 @pytest.mark.parametrize("backend", ["torchrun"])
 def test_grpo_resumes_after_a_replica_dies_and_the_fresh_replicas_get_the_trainers_weights(
         tmp_path, vllm_tiny, backend, ray_cluster_if_ray):
@@ -181,3 +183,10 @@ def test_grpo_resumes_after_a_replica_dies_and_the_fresh_replicas_get_the_traine
     assert_nothing_left("", str(tmp_path))
     if ray_cluster_if_ray:
         ray_cluster_if_ray.assert_nothing_left()
+    # the same job never interrupted (one engine: the replica count changes no sample): the resumed attempt sampled
+    # at step 3 what it sampled there, and the losses of the three steps are its, bit for bit
+    (tmp_path / "uninterrupted").mkdir()
+    _, whole, _ = run_grpo_probe(tmp_path / "uninterrupted", vllm_tiny, "torchrun", None,
+                                 probe_args=("--restart_test", "--max_steps", "3"))
+    assert len(rec["generations"]) == 1 and rec["generations"] == whole["generations"][-1:], "step 3 sampled apart"
+    assert rec["losses"] == whole["losses"] and len(whole["losses"]) == 3, (rec["losses"], whole["losses"])
