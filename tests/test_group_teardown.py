@@ -76,11 +76,12 @@ print("gloo workers", before, gloo_workers(), flush=True)
 def test_destroyed_groups_and_a_freed_ddp_models_group_stay_alive_until_the_rank_exits(tmp_path):
     (tmp_path / "kept.py").write_text(KEPT)
     proc = subprocess.run([sys.executable, "-m", "dualrun.rank.bootstrap", "kept.py"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("gloo workers"))
     before, after = map(int, line.split()[2:])
-    assert before >= 2 and after == before, line
+    # none joined (a thread that names itself late, on a loaded machine, may be counted only after)
+    assert before >= 2 and after >= before, line
 
 
 @pytest.mark.slow
