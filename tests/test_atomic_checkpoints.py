@@ -59,15 +59,24 @@ def test_a_stale_staging_folder_is_set_aside_and_removed_by_the_next_publish(tmp
     assert os.listdir(tmp_path) == ["checkpoint-4"] and os.listdir(tmp_path / "checkpoint-4") == ["trainer_state.json"]
 
 
+CONFIGS = {"ddp": "use_cpu: true\nroles: {train: {gpus: 2}}\nmax_failures: 1\n",
+           "deepspeed": "distributed_type: DEEPSPEED\ndeepspeed_config: {zero_stage: 2}\nmixed_precision: 'no'\n"
+                        "roles: {train: {gpus: 0, processes: 2}}\nmax_failures: 1\n"}
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_a_rank_killed_mid_save_leaves_no_partial_checkpoint_and_resumes_from_the_last_whole_one(tmp_path, tiny):
+@pytest.mark.parametrize("layout", ["ddp", "deepspeed"])
+def test_a_rank_killed_mid_save_leaves_no_partial_checkpoint_and_resumes_from_the_last_whole_one(tmp_path, tiny,
+                                                                                                 layout):
+    """DDP (each rank's RNG state in the folder) and DeepSpeed ZeRO-2 (its sharded optimizer states and `latest`)."""
     out, listing = tmp_path / "out", tmp_path / "listing.json"
-    (tmp_path / "job.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\nmax_failures: 1\n")
+    (tmp_path / "job.yaml").write_text(CONFIGS[layout])
     cmd = [sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml", str(ASSETS / "killed_mid_save.py"),
            "--model_name_or_path", str(tiny / "model"), "--dataset_path", str(tiny / "data" / "sft.jsonl"),
            "--output_dir", str(out), "--kill_step", "4", "--listing", str(listing)]
+    cmd += ["--deepspeed_on_cpu"] if layout == "deepspeed" else []
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=360)
     log = proc.stdout + proc.stderr
@@ -82,3 +91,8 @@ def test_a_rank_killed_mid_save_leaves_no_partial_checkpoint_and_resumes_from_th
         files = set(os.listdir(out / name))
         assert {"trainer_state.json", "model.safetensors", "rng_state_0.pth", "rng_state_1.pth"} <= files, (name, files)
     assert json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["global_step"] == 6
+    if layout == "deepspeed":   # its own checkpoint inside: every rank's optimizer shard, and the tag it resumes from
+        for name in ("checkpoint-4", "checkpoint-6"):
+            assert (out / name / "latest").read_text().strip() == f"global_step{name.split('-')[1]}"
+            shards = sorted(p.name for p in (out / name / f"global_step{name.split('-')[1]}").glob("*optim_states.pt"))
+            assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]

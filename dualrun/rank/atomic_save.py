@@ -6,8 +6,8 @@ Why: transformers' Trainer writes `output_dir/checkpoint-N` in place (weights, o
 is lost, SIGKILL) leaves a partial folder that looks like a checkpoint. Here, for every Trainer of a dualrun job (the
 unchanged script's), `_save_checkpoint` writes into a sibling `tmp-checkpoint-N/checkpoint-N` instead (its
 `_get_output_dir` points there for the call), then, once every rank has written its part (a barrier), one process
-per file system renames the folder to `checkpoint-N` and the ranks meet again. The same holds for every save path
-of the Trainer (plain and DDP, FSDP full or sharded, DeepSpeed): each writes below the folder it is given. A save
+per file system renames the folder to `checkpoint-N` and the ranks meet again. Every save path of the Trainer
+(plain and DDP, FSDP full or sharded, DeepSpeed) writes below the folder it is given, so each is covered. A save
 with `push_to_hub` (whose uploads read the folder in the background) stays in place, as transformers writes it.
 
 Leftovers of a killed save (`tmp-checkpoint-*`) never match `checkpoint-*`: neither transformers'

@@ -2,6 +2,7 @@
 attempt: after the model, optimizer and its RNG state are written, before `trainer_state.json` (what a rank stopped
 mid-save by torchrun or the machine watch would leave). On a restart, rank 0 first writes what the output folder
 holds (`--listing`: each entry, and whether it has a trainer_state.json), before the trainer resumes.
+`--deepspeed_on_cpu`: leave `use_cpu` unset (DeepSpeed picks its CPU accelerator itself).
 
     python killed_mid_save.py --model_name_or_path M --dataset_path D --output_dir O --kill_step 4 --listing L.json
 """
@@ -35,7 +36,8 @@ def main():
         with open(arg("--listing"), "w") as f:
             json.dump(listing, f)
     args = SFTConfig(output_dir=out, max_steps=6, save_steps=2, per_device_train_batch_size=2, learning_rate=1e-3,
-                     max_length=64, bf16=False, use_cpu=True, logging_steps=1, report_to="none", seed=0,
+                     max_length=64, bf16=False, use_cpu="--deepspeed_on_cpu" not in sys.argv, logging_steps=1,
+                     report_to="none", seed=0,
                      activation_checkpointing=False)
     dataset = load_dataset("json", data_files=arg("--dataset_path"), split="train")
     trainer = KilledMidSave(model=arg("--model_name_or_path"), args=args, train_dataset=dataset)
