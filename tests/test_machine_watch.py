@@ -116,3 +116,14 @@ def test_machine_k_names_machine_0_when_its_store_never_listens():
                     f"127.0.0.1:{port}, main_process_ip and main_process_port): it is not started, has ended, or this "
                     "machine cannot reach it; ending this machine's part of the job"]
     assert 2.0 <= time.monotonic() - started < 2.0 + 5 and not w.reached
+
+
+def test_once_machine_0s_workers_started_every_machine_came(store):
+    """A machine that writes nothing (its launch runs no watch) but joined torchrun's rendezvous is no loss."""
+    _, port = store
+    lost: list[str] = []
+    w = MachineWatch("127.0.0.1", port, 0, 2, 60.0, lost.append, join_timeout_s=1.0, workers_started=lambda: True)
+    w.start()
+    time.sleep(2.5)
+    w.stop()
+    assert lost == [] and w.unjoined() == []

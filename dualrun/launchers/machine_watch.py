@@ -34,9 +34,11 @@ class MachineWatch:
     when a machine is taken for lost; `failure` keeps the line."""
 
     def __init__(self, host: str, port: int, machine: int, machines: int, timeout_s: float,
-                 on_lost: Callable[[str], None], join_timeout_s: float | None = None) -> None:
+                 on_lost: Callable[[str], None], join_timeout_s: float | None = None,
+                 workers_started: Callable[[], bool] = lambda: False) -> None:
         self.host, self.port, self.machine, self.machines = host, port, machine, machines
         self.timeout_s, self.on_lost, self.join_timeout_s = timeout_s, on_lost, join_timeout_s
+        self.workers_started = workers_started   # machine 0: its agent's rendezvous is over, every machine came
         self.joined: set[int] = set()   # machine 0: the machines seen in the store so far
         self.reached = False            # this machine's client reached machine 0's store
         self._started = time.monotonic()
@@ -131,9 +133,10 @@ class MachineWatch:
                 silent = self.look()
             except Exception:  # noqa: BLE001 - the store is gone: this machine's agent has ended
                 return
-            missing = self.unjoined()
-            if missing and self.join_timeout_s is not None and \
-                    time.monotonic() - self._started >= self.join_timeout_s:
+            missing = self.unjoined() if self.join_timeout_s is not None else []
+            if missing and self.workers_started():   # they came: one may run no watch (a launch off the main thread)
+                self.joined.update(missing)
+            elif missing and time.monotonic() - self._started >= self.join_timeout_s:
                 self._lost(self.unjoined_line(missing))
                 return
             for k, since in silent.items():

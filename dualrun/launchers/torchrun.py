@@ -234,7 +234,9 @@ class TorchrunLauncher(Launcher):
                     watch = MachineWatch(self._addr(), self._port(), self.cfg.machine_rank, self.cfg.num_machines,
                                          self.cfg.torchrun.machine_timeout_s,
                                          lambda line: _end_job(servers, line, _terminate_process_handler),
-                                         join_timeout_s=self.cfg.torchrun.rendezvous_timeout_s)
+                                         join_timeout_s=self.cfg.torchrun.rendezvous_timeout_s,
+                                         workers_started=lambda: signal.getsignal(signal.SIGTERM)
+                                         is _terminate_process_handler)
                     watch.start()
             if machines is not None:   # the machines' servers meet in torchrun's store
                 machines.share()
