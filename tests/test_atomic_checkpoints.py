@@ -96,3 +96,36 @@ def test_a_rank_killed_mid_save_leaves_no_partial_checkpoint_and_resumes_from_th
             assert (out / name / "latest").read_text().strip() == f"global_step{name.split('-')[1]}"
             shards = sorted(p.name for p in (out / name / f"global_step{name.split('-')[1]}").glob("*optim_states.pt"))
             assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+
+
+BEST = """
+import json, os, sys
+from dualrun.rank.atomic_save import activate
+activate()
+from datasets import load_dataset
+from trl import SFTConfig, SFTTrainer
+tiny, out = sys.argv[1], sys.argv[2]
+data = load_dataset("json", data_files=f"{tiny}/data/sft.jsonl", split="train")
+args = SFTConfig(output_dir=out, max_steps=2, save_steps=1, eval_strategy="steps", eval_steps=1,
+                 load_best_model_at_end=True, metric_for_best_model="loss", save_total_limit=1,
+                 per_device_train_batch_size=2, per_device_eval_batch_size=2, max_length=64, bf16=False,
+                 use_cpu=True, report_to="none", activation_checkpointing=False)
+trainer = SFTTrainer(model=f"{tiny}/model", args=args, train_dataset=data, eval_dataset=data.select(range(4)))
+trainer.train()
+print(json.dumps({"best": trainer.state.best_model_checkpoint, "step": trainer.state.best_global_step}))
+"""
+
+
+@pytest.mark.slow
+def test_one_process_with_the_best_model_kept_names_the_published_folder(tmp_path, tiny):
+    """One process, no torchrun: the best checkpoint's path (in the trainer's state and in each saved
+    trainer_state.json) is the published `checkpoint-N`, never the staging folder; the rotation keeps the best."""
+    proc = subprocess.run([sys.executable, "-c", BEST, str(tiny), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    best = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert best["best"] == str(tmp_path / "out" / f"checkpoint-{best['step']}")
+    assert not [n for n in os.listdir(tmp_path / "out") if n.startswith("tmp-")]
+    for folder in (tmp_path / "out").glob("checkpoint-*"):
+        state = json.loads((folder / "trainer_state.json").read_text())
+        assert "tmp-" not in (state["best_model_checkpoint"] or ""), state["best_model_checkpoint"]
