@@ -5,6 +5,7 @@ no `checkpoint-*` folder is ever partial, the restart resumes from the last comp
 folder is gone at the end."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -67,7 +68,8 @@ CONFIGS = {"ddp": "use_cpu: true\nroles: {train: {gpus: 2}}\nmax_failures: 1\n",
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout", ["ddp", "deepspeed"])
+@pytest.mark.parametrize("layout", ["ddp", pytest.param("deepspeed", marks=pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed"))])
 def test_a_rank_killed_mid_save_leaves_no_partial_checkpoint_and_resumes_from_the_last_whole_one(tmp_path, tiny,
                                                                                                  layout):
     """DDP (each rank's RNG state in the folder) and DeepSpeed ZeRO-2 (its sharded optimizer states and `latest`)."""
