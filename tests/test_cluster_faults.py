@@ -4,8 +4,9 @@ saved its second checkpoint. The job ends on every machine that is left within t
 gives it (plus the agent's stop), not gloo's or HF's 30 minutes, with a line naming the machine gone (its address) and
 why; nothing of the job is left on either machine, and every checkpoint directory in the shared output is complete.
 
-The watch alone (dualrun/launchers/machine_watch.py, no job) is tested first: it is what bounds both faults. Machine 1
-started 20 s after machine 0 (within torchrun's rendezvous wait) trains as if started together."""
+The watch alone (dualrun/launchers/machine_watch.py, no job) is tested first: it is what bounds both faults. A machine
+that never comes ends the other within `torchrun.rendezvous_timeout_s`, naming it (machine 1 never started, or machine
+0 not there); machine 1 started 20 s after machine 0 (within that bound) trains as if started together."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
 
 MAIN = address(0)
 TIMEOUT_S = 10          # torchrun.machine_timeout_s of these jobs
+JOIN_S = 10             # torchrun.rendezvous_timeout_s of the jobs whose other machine never comes
+START_S = 30            # a launcher's start (imports, plan) before it waits, on a loaded 2-core machine
 STOP_S = 45             # the agent's stop of its workers and the launcher's exit, on a loaded 2-core machine
 CONFIG = f"use_cpu: true\nroles: {{train: {{gpus: 2}}}}\ntorchrun: {{machine_timeout_s: {TIMEOUT_S}}}\n"
 
@@ -128,16 +131,41 @@ def test_machine_1s_link_cut_mid_run_ends_the_job_on_both_machines_naming_the_ot
     complete_checkpoints(shared / "out")
 
 
+def test_a_machine_that_never_comes_ends_the_other_within_the_rendezvous_timeout_naming_it(shared, tiny):
+    """Machine 1 alone (machine 0 never started): it ends within `torchrun.rendezvous_timeout_s` naming machine 0 and
+    its address. Then machine 0 alone (machine 1 never started): it ends within the same bound naming machine 1,
+    instead of torchrun's 600 s; nothing is left on either machine."""
+    config = CONFIG.replace("machine_timeout_s:", f"rendezvous_timeout_s: {JOIN_S}, machine_timeout_s:")
+    argv = sft_args(tiny, sft_data(tiny, shared), shared / "out")
+    with VCluster(2, shared=[shared, tiny.parent]) as vc:
+        for k, other in ((1, 0), (0, 1)):
+            work = shared / f"alone{k}"
+            work.mkdir()
+            started = time.monotonic()
+            out = ended(launch_on(vc, work, argv, config, [k])[0], JOIN_S + START_S, work / f"m{k}" / "out")
+            took = time.monotonic() - started
+            assert took >= JOIN_S, out[-3000:]
+            if k == 1:
+                assert (f"dualrun: error: machine 0 ({MAIN}) did not answer within {JOIN_S} s "
+                        "(torchrun.rendezvous_timeout_s") in out, out[-3000:]
+            else:
+                assert (f"dualrun: error: machine 1 did not join within {JOIN_S} s (torchrun.rendezvous_timeout_s)"
+                        in out), out[-3000:]
+            assert "Traceback" not in out and left_on(vc, k) == [], out[-3000:]
+    assert not (shared / "out").exists()
+
+
 def test_machine_1_started_late_within_the_rendezvous_wait_trains_normally(shared, tiny):
-    """Machine 1's launch 20 s after machine 0's (torchrun's static rendezvous waits 600 s for it): the job trains
+    """Machine 1's launch 20 s after machine 0's, within `torchrun.rendezvous_timeout_s` (40 s here): the job trains
     its 3 steps on both machines, and machine 0's watch, which judges only machines that have written once, does
     not take the late one for lost."""
     argv = sft_args(tiny, sft_data(tiny, shared), shared / "out")
+    config = CONFIG.replace("machine_timeout_s:", "rendezvous_timeout_s: 40, machine_timeout_s:")
     with VCluster(2, shared=[shared, tiny.parent]) as vc:
-        first = launch_on(vc, shared, argv, CONFIG, [0])[0]
+        first = launch_on(vc, shared, argv, config, [0])[0]
         time.sleep(20)
         assert first.poll() is None
-        second = launch_on(vc, shared, argv, CONFIG, [1])[0]
+        second = launch_on(vc, shared, argv, config, [1])[0]
         outs = []
         for k, p in ((0, first), (1, second)):
             p.wait(timeout=240)

@@ -77,3 +77,53 @@ def test_settle_names_a_machine_that_beats_no_more_once_the_ranks_failed(store, 
     line = w.settle()
     assert line is not None and line.startswith("machine 1 (10.0.0.2) sent no sign of life for ")
     assert line.endswith(" s after this machine's ranks failed: it was lost or its link is cut") and lost == []
+
+
+def test_a_machine_that_never_joins_is_named_after_the_rendezvous_timeout(store):
+    server, port = store
+    lost: list[str] = []
+    w = MachineWatch("127.0.0.1", port, 0, 3, 60.0, lost.append, join_timeout_s=2.0)
+    started = time.monotonic()
+    w.start()
+    server.set(job_store.machine_key(1), "10.0.0.2")   # machine 1 came; machine 2 never does
+    assert until(lambda: lost, 15)
+    assert lost == [f"machine 2 did not join within 2 s (torchrun.rendezvous_timeout_s): not started, or unable to "
+                    f"reach machine 0's store at 127.0.0.1:{port} (main_process_ip, main_process_port); ending the "
+                    "job"]
+    assert 2.0 <= time.monotonic() - started < 2.0 + 5 and w.unjoined() == [2]
+
+
+def test_machines_that_join_within_the_rendezvous_timeout_are_no_loss(store):
+    server, port = store
+    lost: list[str] = []
+    w = MachineWatch("127.0.0.1", port, 0, 3, 60.0, lost.append, join_timeout_s=2.0)
+    w.start()
+    server.set(job_store.machine_key(1), "10.0.0.2")
+    server.set(job_store.left_key(2), "1")   # came, trained and left before machine 0 looked
+    time.sleep(3.5)
+    w.stop()
+    assert lost == [] and w.unjoined() == []
+
+
+def test_machine_k_names_machine_0_when_its_store_never_listens():
+    port = free_port()   # nothing listens there
+    lost: list[str] = []
+    w = MachineWatch("127.0.0.1", port, 1, 2, 60.0, lost.append, join_timeout_s=2.0)
+    started = time.monotonic()
+    w.start()
+    assert until(lambda: lost, 15)
+    assert lost == [f"machine 0 (127.0.0.1) did not answer within 2 s (torchrun.rendezvous_timeout_s; its store at "
+                    f"127.0.0.1:{port}, main_process_ip and main_process_port): it is not started, has ended, or this "
+                    "machine cannot reach it; ending this machine's part of the job"]
+    assert 2.0 <= time.monotonic() - started < 2.0 + 5 and not w.reached
+
+
+def test_once_machine_0s_workers_started_every_machine_came(store):
+    """A machine that writes nothing (its launch runs no watch) but joined torchrun's rendezvous is no loss."""
+    _, port = store
+    lost: list[str] = []
+    w = MachineWatch("127.0.0.1", port, 0, 2, 60.0, lost.append, join_timeout_s=1.0, workers_started=lambda: True)
+    w.start()
+    time.sleep(2.5)
+    w.stop()
+    assert lost == [] and w.unjoined() == []

@@ -52,6 +52,7 @@ class TorchrunOptions:
     log_dir: str | None = None
     gpus_per_machine: int | None = None   # each machine's GPUs (CPU: process slots); None: not known
     machine_timeout_s: float = 60.0      # several machines: silence before a machine is taken for lost
+    rendezvous_timeout_s: int = 600      # several machines: how long each waits for the others to join
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,10 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
         "(each launcher writes one a second to machine 0's store) before the job ends on every machine that is "
         "left, naming it (lost, or its link cut), instead of its ranks waiting out the collective timeout.",
         backends="torchrun", minimum=1, maximum=MAX_SECONDS),
+    Key("rendezvous_timeout_s", "int", 600, "Several machines: whole seconds each machine waits for the others to "
+        "join the job (torchrun's static rendezvous `--rdzv-conf timeout`, `join_timeout` with `rdzv_backend: "
+        "c10d`) before it ends, naming the machines that did not come (machine 0) or machine 0 (the others).",
+        backends="torchrun", minimum=1, maximum=MAX_SECONDS),
 )
 
 ROLE_KEYS: tuple[Key, ...] = (

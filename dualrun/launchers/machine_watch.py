@@ -11,6 +11,9 @@ when it comes, does not say which machine went away. Here, beside each machine's
   `machine_timeout_s` ends the job, naming the machine and its address. Once ranks failed by themselves,
   `settle` gives each other machine a few seconds to beat again: one that does not is named as the cause.
 A machine whose agent returned says so (`LEFT_KEY`) before its beats stop, so its normal end is no loss.
+Machines are started by hand, so one may never come: machine 0 names each machine that has not shown itself in the
+store (`MACHINE_KEY`) within `torchrun.rendezvous_timeout_s` (`join_timeout_s`), the bound torchrun's rendezvous
+waits too; machine K whose agent gave up on machine 0's store names machine 0 (`absent_line`).
 The store is torchrun's agent store (job_store.py); machine 0's reads go to its own process, so they never wait on
 the network.
 """
@@ -31,9 +34,14 @@ class MachineWatch:
     when a machine is taken for lost; `failure` keeps the line."""
 
     def __init__(self, host: str, port: int, machine: int, machines: int, timeout_s: float,
-                 on_lost: Callable[[str], None]) -> None:
+                 on_lost: Callable[[str], None], join_timeout_s: float | None = None,
+                 workers_started: Callable[[], bool] = lambda: False) -> None:
         self.host, self.port, self.machine, self.machines = host, port, machine, machines
-        self.timeout_s, self.on_lost = timeout_s, on_lost
+        self.timeout_s, self.on_lost, self.join_timeout_s = timeout_s, on_lost, join_timeout_s
+        self.workers_started = workers_started   # machine 0: its agent's rendezvous is over, every machine came
+        self.joined: set[int] = set()   # machine 0: the machines seen in the store so far
+        self.reached = False            # this machine's client reached machine 0's store
+        self._started = time.monotonic()
         self.failure: str | None = None
         self.addresses: dict[int, str] = {0: host}
         self._beats: dict[int, tuple[int, float]] = {}   # machine -> (its counter, when it last changed)
@@ -65,8 +73,12 @@ class MachineWatch:
     def _run(self) -> None:
         from datetime import timedelta
 
+        if self.machine != 0 and not self._await_store():
+            return
         try:   # the store exists once the rendezvous begins (machines are started by hand)
-            self._store = job_store.connect(self.host, self.port)
+            store = job_store.connect(self.host, self.port)
+            self.reached = True
+            self._store = store
             self._store.set_timeout(timedelta(seconds=self.timeout_s))
         except Exception:  # noqa: BLE001 - no store: the rendezvous fails and torchrun names it
             return
@@ -74,6 +86,18 @@ class MachineWatch:
             self._watch_others()
         else:
             self._beat()
+
+    def _await_store(self) -> bool:
+        """Machine K: wait for machine 0's store to listen, up to `join_timeout_s` from the start (a TCPStore client
+        retries past its own timeout); False when it did not (machine 0 named) or the watch was stopped."""
+        deadline = None if self.join_timeout_s is None else self._started + self.join_timeout_s
+        while not job_store.listening(self.host, self.port):
+            if deadline is not None and time.monotonic() >= deadline:
+                self._lost(self.absent_line(self.join_timeout_s))
+                return False
+            if self._stop.wait(BEAT_S / 4):
+                return False
+        return True
 
     def _beat(self) -> None:
         """Machine K: beats on a thread of their own (a store call on a cut link may block past its timeout);
@@ -109,6 +133,12 @@ class MachineWatch:
                 silent = self.look()
             except Exception:  # noqa: BLE001 - the store is gone: this machine's agent has ended
                 return
+            missing = self.unjoined() if self.join_timeout_s is not None else []
+            if missing and self.workers_started():   # they came: one may run no watch (a launch off the main thread)
+                self.joined.update(missing)
+            elif missing and time.monotonic() - self._started >= self.join_timeout_s:
+                self._lost(self.unjoined_line(missing))
+                return
             for k, since in silent.items():
                 if since >= self.timeout_s:
                     self._lost(f"{self.name(k)} sent no sign of life for {self.timeout_s:g} s "
@@ -125,6 +155,9 @@ class MachineWatch:
     def _look(self) -> dict[int, float]:
         now, silent = time.monotonic(), {}
         for k in range(1, self.machines):
+            if k not in self.joined and any(self._store.check([key]) for key in (job_store.machine_key(k),
+                                                                                  job_store.left_key(k))):
+                self.joined.add(k)
             if self._store.check([job_store.left_key(k)]):
                 self._beats.pop(k, None)
                 continue
@@ -161,6 +194,24 @@ class MachineWatch:
         waited = time.monotonic() - start
         return (f"{self.name(k)} sent no sign of life for {waited:.0f} s after this machine's ranks failed: it was "
                 "lost or its link is cut")
+
+    def unjoined(self) -> list[int]:
+        """Machine 0: the other machines not seen in the store (as of the last look)."""
+        return [k for k in range(1, self.machines) if k not in self.joined] if self.machine == 0 else []
+
+    def unjoined_line(self, missing: list[int]) -> str:
+        """Machine 0: the line naming the machines that did not come within the rendezvous bound."""
+        names = ", ".join(str(k) for k in missing)
+        who = f"machine {names}" if len(missing) == 1 else f"machines {names}"
+        bound = f"{self.join_timeout_s:g} s " if self.join_timeout_s is not None else ""
+        return (f"{who} did not join within {bound}(torchrun.rendezvous_timeout_s): not started, or unable to reach "
+                f"machine 0's store at {self.host}:{self.port} (main_process_ip, main_process_port); ending the job")
+
+    def absent_line(self, waited_s: float) -> str:
+        """Machine K whose rendezvous gave up: the line naming machine 0, which never answered."""
+        return (f"machine 0 ({self.host}) did not answer within {waited_s:g} s (torchrun.rendezvous_timeout_s; its "
+                f"store at {self.host}:{self.port}, main_process_ip and main_process_port): it is not started, has "
+                "ended, or this machine cannot reach it; ending this machine's part of the job")
 
     def name(self, k: int) -> str:
         address = self.addresses.get(k)

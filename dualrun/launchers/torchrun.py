@@ -93,6 +93,9 @@ class TorchrunLauncher(Launcher):
         argv += ["--rdzv-id", self.rdzv_id()]
         if cfg.torchrun.rdzv_backend != "static":
             argv += ["--rdzv-endpoint", f"{self._addr()}:{self._port()}"]
+        if cfg.num_machines > 1:   # how long this machine waits for the others (static: its store's timeout)
+            wait = "timeout" if cfg.torchrun.rdzv_backend == "static" else "join_timeout"
+            argv += ["--rdzv-conf", f"{wait}={cfg.torchrun.rendezvous_timeout_s}"]
         log_dir = cfg.torchrun.log_dir or cfg.log_dir
         if log_dir:
             argv += ["--log-dir", log_dir, "--tee", "3"]
@@ -232,7 +235,10 @@ class TorchrunLauncher(Launcher):
                 if self.cfg.num_machines > 1:   # a machine that goes silent ends the job the same way
                     watch = MachineWatch(self._addr(), self._port(), self.cfg.machine_rank, self.cfg.num_machines,
                                          self.cfg.torchrun.machine_timeout_s,
-                                         lambda line: _end_job(servers, line, _terminate_process_handler))
+                                         lambda line: _end_job(servers, line, _terminate_process_handler),
+                                         join_timeout_s=self.cfg.torchrun.rendezvous_timeout_s,
+                                         workers_started=lambda: signal.getsignal(signal.SIGTERM)
+                                         is _terminate_process_handler)
                     watch.start()
             if machines is not None:   # the machines' servers meet in torchrun's store
                 machines.share()
@@ -248,9 +254,13 @@ class TorchrunLauncher(Launcher):
                 finally:
                     if watch is not None:
                         watch.leave()
-            except BaseException:
+            except BaseException as e:
                 if watch is not None:
                     watch.stop()
+                    missed = _not_met(e, watch, self.cfg.torchrun.rendezvous_timeout_s)
+                    if missed is not None:   # torchrun's rendezvous gave up before the watch did
+                        servers.unwatch()
+                        return JobResult(1, wall_time_s=time.monotonic() - start, message=missed)
                 raise
             servers.unwatch()   # every machine's ranks passed torchrun's exit barrier: servers may end now
             if watch is not None:
@@ -337,6 +347,22 @@ def _end_job(servers: ServerSet, failure: "ServerDeath | str", agent_handler: An
     print(f"dualrun: error: {failure}", file=sys.stderr, flush=True)
     servers.stop()
     os._exit(1)
+
+
+def _not_met(e: BaseException, watch: MachineWatch, waited_s: float) -> str | None:
+    """The line for an agent whose rendezvous gave up (`e`, torch's store error) before every machine came: the
+    machines machine 0 never saw, or, on machine K, machine 0 whose store it never reached; None for any other
+    error."""
+    from torch.distributed import DistError
+
+    if not isinstance(e, DistError):
+        return None
+    if watch.machine == 0:
+        missing = watch.unjoined()
+        return watch.unjoined_line(missing) if missing else None
+    if watch.reached:
+        return None
+    return watch.absent_line(waited_s)
 
 
 def _server_died(servers: ServerSet, start: float) -> JobResult:

@@ -44,9 +44,11 @@ def _record(exc: BaseException) -> None:
 
 
 def _activate_plugin() -> None:
+    from dualrun.rank.atomic_save import activate as activate_atomic_saves
     from dualrun.rank.resume import activate as activate_resume
     from dualrun.rank.trainer_defaults import activate as activate_defaults
 
+    activate_atomic_saves()   # no half-written checkpoint-N when a rank is stopped mid-save
     activate_resume()
     activate_defaults()
     from dualrun.contract.protocol import METHOD
