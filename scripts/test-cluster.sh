@@ -16,6 +16,10 @@ bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider -m "
   tests/test_vcluster.py tests/test_cluster_*.py || status=$?
 # The cluster tests that run vLLM (marked `cluster` and `vllm`, in tests/test_cluster_*.py) run here, with the vLLM
 # venv (scripts/setup-vllm.sh: it waits while the vLLM tier makes it), not in the vLLM tier: that tier is the longer.
+# DUALRUN_SKIP_VLLM=1 leaves them out, as it leaves out the vLLM tier.
+if [ "${DUALRUN_SKIP_VLLM:-0}" = 1 ]; then
+  exit "$status"
+fi
 setup_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-setup-vllm.XXXXXX")"
 if bash "$ROOT/scripts/setup-vllm.sh" >"$setup_log" 2>&1; then
   VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"

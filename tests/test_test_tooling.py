@@ -48,7 +48,8 @@ def test_test_sh_runs_xdist_workers_as_dualrun_test_workers_says(recording_venv,
 @pytest.mark.parametrize("skip", ["", "DUALRUN_SKIP_CLUSTER"])
 def test_test_sh_runs_the_cluster_tier_beside_the_main_suite(recording_venv, skip):
     """No argument: scripts/test.sh also runs scripts/test-cluster.sh (the `cluster` marker on the virtual cluster's
-    test files, DUALRUN_CLUSTER_TIER=1), its output after the main suite's; DUALRUN_SKIP_CLUSTER=1 leaves it out."""
+    test files, DUALRUN_CLUSTER_TIER=1; those also marked `vllm` in the vLLM venv, left out here with the vLLM
+    tier by DUALRUN_SKIP_VLLM=1), its output after the main suite's; DUALRUN_SKIP_CLUSTER=1 leaves it out."""
     venv, log = recording_venv
     env = {k: v for k, v in os.environ.items() if k not in ("DUALRUN_TEST_WORKERS", "DUALRUN_SKIP_CLUSTER")}
     env.update(DUALRUN_VENV=str(venv), DUALRUN_SKIP_VLLM="1", **({skip: "1"} if skip else {}))
@@ -61,7 +62,7 @@ def test_test_sh_runs_the_cluster_tier_beside_the_main_suite(recording_venv, ski
     if skip:
         assert len(runs) == 1 and "cluster tier" not in proc.stdout
     else:
-        assert runs[1] == "1 -m pytest -q -p no:cacheprovider -m cluster tests/test_vcluster.py " + " ".join(
+        assert runs[1] == "1 -m pytest -q -p no:cacheprovider -m cluster and not vllm tests/test_vcluster.py " + " ".join(
             sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_cluster_*.py"))), runs
         assert proc.stdout.endswith("=== cluster tier (scripts/test-cluster.sh) ===\n"), proc.stdout
 
