@@ -175,7 +175,7 @@ def test_the_ray_dry_run_says_each_rank_advertises_its_node_address_unless_the_u
     cfg = build_config({"backend": "ray", "use_cpu": True, "num_processes": 2}, str(tmp_path / "c.yaml"))
     launcher = backend_of(cfg).launcher(cfg, Program(str(tmp_path / "job.py")), get_plugin(cfg.method), {})
     text = launcher.describe(launcher.prepare(make_plan(cfg)))
-    rule = "there VLLM_HOST_IP=<auto> for each rank whose env sets none: its node's Ray address"
+    rule = "on nodes of several addresses VLLM_HOST_IP=<auto> for each rank whose env sets none: its node's Ray address"
     assert (rule in text.splitlines()[1]) is said
 
 

@@ -125,9 +125,9 @@ class RayLauncher(Launcher):
                  + ("" if ifname_set(prepared.env) else f"; on nodes of several addresses GLOO_SOCKET_IFNAME={AUTO} "
                     "for each rank and server whose env names no interface: its node's interface holding the node's "
                     "Ray address")
-                 + ("" if prepared.env.get("VLLM_HOST_IP") else f"; there VLLM_HOST_IP={AUTO} for each rank whose "
-                    "env sets none: its node's Ray address (the address trainer rank 0 gives the rollout engines "
-                    "for the weight sync)"),
+                 + ("" if prepared.env.get("VLLM_HOST_IP") else f"; on nodes of several addresses VLLM_HOST_IP={AUTO} "
+                    "for each rank whose env sets none: its node's Ray address (the address trainer rank 0 gives the "
+                    "rollout engines for the weight sync)"),
                  f"# every worker runs, in {prepared.cwd}:",
                  "#   " + join_cmd(redact_argv(prepared.argv)),
                  "# env shared by every worker:"]
