@@ -66,16 +66,21 @@ def _interrupted(signum, frame):
 
 def skip_cluster(items) -> None:
     """The cluster tier (marker `cluster`: tests on tests/vcluster.py's machines) runs on its own, beside the main
-    suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); elsewhere, and where no cluster can be made,
-    its tests are skipped with the reason."""
+    suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); a cluster test of the vLLM tier (also marked
+    `vllm`: it needs .venv-vllm) runs in that tier instead. Elsewhere, and where no cluster can be made, they are
+    skipped with the reason."""
     import vcluster
 
-    why = None if os.environ.get("DUALRUN_CLUSTER_TIER") == "1" else "the cluster tier: bash scripts/test-cluster.sh"
-    why = why or vcluster.available()
-    if why:
-        for item in items:
-            if item.get_closest_marker("cluster") is not None:
-                item.add_marker(pytest.mark.skip(reason=why))
+    tier = os.environ.get("DUALRUN_CLUSTER_TIER") == "1"
+    cannot = vcluster.available()
+    for item in items:
+        if item.get_closest_marker("cluster") is None:
+            continue
+        why = cannot
+        if not tier and item.get_closest_marker("vllm") is None:
+            why = "the cluster tier: bash scripts/test-cluster.sh"
+        if why:
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (its hook turns them into node ids)
@@ -179,3 +184,14 @@ def gkd_one_machine(tiny, tmp_path_factory) -> list[list[float]]:
     (work / "out").mkdir()
     cluster_jobs.one_machine(work, cluster_jobs.gkd_config(tiny), cluster_jobs.gkd_args(tiny, work / "out"))
     return [cluster_jobs.gkd_losses(work / "out", r) for r in (0, 1)]
+
+
+@pytest.fixture(scope="session")
+def grpo_one_machine(vllm_tiny, tmp_path_factory):
+    """The vLLM tier's reference GRPO run: the probe's job (tests/vllm_helpers.py `grpo_job`: one trainer, one vLLM
+    CPU engine in vLLM's own processes) on torchrun on one machine, run once per session: test_vllm_rollout.py
+    compares its other layouts with it, test_vllm_cluster_ray.py the same job across Ray nodes."""
+    from vllm_helpers import ProbeRun, run_grpo_probe
+
+    work = tmp_path_factory.mktemp("grpo-one-machine")
+    return ProbeRun(*run_grpo_probe(work, vllm_tiny, "torchrun", None, processes=True), work)

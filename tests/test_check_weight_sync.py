@@ -11,7 +11,8 @@ import pytest
 from helpers import dualrun
 from dualrun.config.load import build_config
 from dualrun.plan.processes import Cluster, make_plan
-from dualrun.weightsync.group import Member, SyncGroup, advertised_address, port_host, sync_group
+from dualrun.weightsync.group import (Member, SyncGroup, advertised_address, node_host_env, port_host,
+                                      sync_group)
 from dualrun.weightsync.rehearsal import run_local, verdict
 from ray_helpers import FakeGpuCluster, ray_env
 
@@ -123,7 +124,17 @@ def test_a_replica_that_timed_out_dialling_0000_is_told_to_set_vllm_host_ip():
 
 def test_the_master_address_is_the_one_vllm_would_advertise():
     assert advertised_address({"VLLM_HOST_IP": "10.1.2.3", "HOST_IP": "10.9.9.9"}) == "10.1.2.3"
-    assert advertised_address({"HOST_IP": "10.9.9.9"}) == "10.9.9.9"
+    assert advertised_address({"HOST_IP": "10.9.9.9"}) != "10.9.9.9"   # vLLM's get_ip() ignores HOST_IP
+
+
+def test_a_trainer_on_a_node_of_several_advertises_its_node_address_unless_the_user_chose_one():
+    """A job across nodes: VLLM_HOST_IP = the node's address the others reach (its Ray address), so vLLM's
+    get_ip() does not give the route-out interface's; not on one node, not over the user's own VLLM_HOST_IP."""
+    assert node_host_env({}, "192.168.77.2") == {"VLLM_HOST_IP": "192.168.77.2"}
+    assert node_host_env({"HOST_IP": "10.9.9.9"}, "192.168.77.2") == {"VLLM_HOST_IP": "192.168.77.2"}
+    assert node_host_env({"VLLM_HOST_IP": "10.1.2.3"}, "192.168.77.2") == {}
+    assert node_host_env({}, None) == {}
+    assert advertised_address(node_host_env({}, "192.168.77.2")) == "192.168.77.2"
 
 
 @pytest.mark.e2e

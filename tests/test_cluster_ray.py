@@ -14,33 +14,18 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import cluster_ray
 from cluster_jobs import ENV, debian_hosts, gkd_args, gkd_config, gkd_losses, losses, sft_args, sft_data
-from helpers import eventually
-from test_recipes import one_machine_block, run_block, shell_env, substitute, token_mode
-from vcluster import VCluster, address
+from cluster_ray import HEAD, RAY, WORKERS, launch, nothing_left, on_head, pids, readme, table
+from test_recipes import run_block, substitute
+from vcluster import address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
-
-HEAD = address(0)
-RAY = f"{HEAD}:6379"
-WORKERS = {address(1), address(2)}
-
-# The cluster's actors and placement groups, from a driver on the head: each actor's class, name and node address.
-TABLE = """
-import json, sys, ray
-ray.init(address=sys.argv[1], log_to_driver=False)
-actors = [{"cls": a["ActorClassName"], "name": a.get("Name", ""), "ip": a["Address"]["IPAddress"],
-           "state": a["State"]} for a in ray._private.state.actors().values()]
-groups = [g for g in ray.util.placement_group_table().values() if g.get("state") != "REMOVED"]
-print(json.dumps({"actors": actors, "groups": len(groups), "nodes": sorted(n["NodeManagerAddress"]
-                  for n in ray.nodes() if n["Alive"])}))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -48,61 +33,13 @@ def shared(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("shared")
 
 
-def on_head(vc: VCluster, argv: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess:
-    """`argv` on the head, as a user there runs it: this venv's `ray` and `dualrun` on PATH, RAY_ADDRESS set."""
-    return vc.run(0, argv, cwd=cwd, timeout=timeout, env=shell_env(RAY_ADDRESS=RAY, **ENV, **env))
-
-
-def table(vc: VCluster, cwd: Path) -> dict:
-    proc = on_head(vc, [sys.executable, "-c", TABLE, RAY], cwd, 120, **token_mode())
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def readme() -> tuple[list[str], list[str]]:
-    """examples/multi-node/ray-by-hand/README.md, "Try it on a virtual cluster": the lines that start the cluster (after
-    the cluster's own start), and the rest (a config, the check, the launch)."""
-    lines = one_machine_block("ray-by-hand", "## Try it on a virtual cluster")
-    assert lines[0].startswith("python examples/make_tiny_model.py --out /tmp/tiny")
-    assert lines[1].startswith("python tests/vcluster.py --machines 3 --share /tmp/tiny -- bash")
-    rest = next(i for i, line in enumerate(lines) if line.startswith("printf"))
-    return lines[2:rest], lines[rest:]
-
-
 @pytest.fixture(scope="module")
 def ray3(shared, tiny):
     """The head on machine 0, a worker node on machines 1 and 2 (started together), all three alive: the README's
-    lines, in a shell beside the cluster (its pids in VCLUSTER_PIDS, as the README's `vcluster.py` command sets them)."""
-    with VCluster(3, shared=[shared, tiny.parent]) as vc:
-        debian_hosts(vc, 2)
-        start, _ = readme()
-        assert [line.split(" -- ")[-1].split()[:3] for line in start if " on " in line] == [
-            ["ray", "start", "--head"], ["ray", "start", "--address"]], start
-        proc = run_block(start, timeout=240, env=pids(vc))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert eventually(lambda: len(table(vc, shared)["nodes"]) == 3, timeout=60), table(vc, shared)
+    lines, in a shell beside the cluster (its pids in VCLUSTER_PIDS, as the README's `vcluster.py` command sets them);
+    machine 2's /etc/hosts Debian's."""
+    with cluster_ray.ray3(shared, tiny, prepare=lambda vc: debian_hosts(vc, 2)) as vc:
         yield vc
-
-
-def pids(vc: VCluster) -> dict[str, str]:
-    return {"VCLUSTER_PIDS": ",".join(str(vc.pid(k)) for k in range(vc.size)), "VCLUSTER_SWITCH": str(vc.switch[1])}
-
-
-def nothing_left(vc: VCluster, cwd: Path) -> None:
-    """No live actor and no placement group of any job left on the cluster."""
-    assert eventually(lambda: not [a for a in table(vc, cwd)["actors"] if a["state"] != "DEAD"]
-                      and not table(vc, cwd)["groups"], timeout=30), table(vc, cwd)
-
-
-def launch(vc: VCluster, work: Path, config: str, argv: list[str]) -> str:
-    """`dualrun launch --backend ray` on the head in `work`; its output (stdout and stderr)."""
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "ray.yaml").write_text(config)
-    proc = on_head(vc, [sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file", "ray.yaml",
-                        *argv], work, 400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-5000:]
-    return out
 
 
 def test_trl_sft_on_two_worker_nodes_gives_the_losses_of_torchrun(ray3, shared, tiny, sft_one_machine):

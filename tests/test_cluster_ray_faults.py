@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from cluster_jobs import ENV, sft_args, sft_data
+from cluster_ray import RAY, nothing_left, ray3, table
 from helpers import eventually
-from test_cluster_ray import RAY, nothing_left, pids, readme, table
-from test_recipes import run_block, shell_env
+from test_recipes import shell_env
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]
@@ -44,11 +44,7 @@ def shared(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("fault", ["lost", "cut"])
 def test_a_worker_node_lost_mid_run_restarts_the_job_on_the_node_left(shared, tiny, fault):
-    with VCluster(3, shared=[shared, tiny.parent]) as vc:
-        start, _ = readme()
-        proc = run_block(start, timeout=240, env=pids(vc))
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        assert eventually(lambda: len(table(vc, shared)["nodes"]) == 3, timeout=60), table(vc, shared)
+    with ray3(shared, tiny) as vc:
         (shared / "ray.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\nmax_failures: 1\n"
                                          "ray: {placement_strategy: SPREAD}\n")
         argv = sft_args(tiny, sft_data(tiny, shared), shared / "out")

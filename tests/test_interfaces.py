@@ -160,6 +160,25 @@ def test_the_ray_dry_run_says_each_node_gives_gloo_its_interface_unless_the_user
     assert (rule in text.splitlines()[1]) is said
 
 
+@pytest.mark.parametrize("shell, said", [({}, True), ({"VLLM_HOST_IP": "10.1.2.3"}, False)])
+def test_the_ray_dry_run_says_each_rank_advertises_its_node_address_unless_the_user_sets_one(tmp_path, monkeypatch,
+                                                                                              shell, said):
+    """On nodes of several addresses each rank's VLLM_HOST_IP (the weight-sync master's address that vLLM's get_ip()
+    returns) is its node's Ray address: the dry run names the rule, unless the user's env sets one."""
+    from dualrun.backends import backend_of
+    from dualrun.launchers import Program
+    from dualrun.methods.plugin import get_plugin
+
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    for var, value in shell.items():
+        monkeypatch.setenv(var, value)
+    cfg = build_config({"backend": "ray", "use_cpu": True, "num_processes": 2}, str(tmp_path / "c.yaml"))
+    launcher = backend_of(cfg).launcher(cfg, Program(str(tmp_path / "job.py")), get_plugin(cfg.method), {})
+    text = launcher.describe(launcher.prepare(make_plan(cfg)))
+    rule = "on nodes of several addresses VLLM_HOST_IP=<auto> for each rank whose env sets none: its node's Ray address"
+    assert (rule in text.splitlines()[1]) is said
+
+
 def test_a_machine_is_reached_at_its_route_to_machine_0_unless_that_is_loopback_for_a_name():
     """Machine 0 whose own name (main_process_ip) resolves to 127.0.1.1 there (Debian's hosts line) is reached at its
     address on the route out; a loopback address given as such stays (every machine on one host)."""

@@ -14,22 +14,26 @@ from __future__ import annotations
 import pytest
 
 from vllm_helpers import (TIER, assert_async_syncs_landed, assert_every_sync_landed, assert_nothing_left,
-                          run_grpo_probe)
+                          assert_same_training, run_grpo_probe)
 
 pytestmark = [*TIER, pytest.mark.timeout(600)]
 
 RESULTS: dict[str, dict] = {}   # per run, for the same-training check
 # (backend, engines, vLLM's own worker processes): the same job on each launcher, then with 2 engines (in-process
-# workers, unbound threads: another process layout and thread binding, which must change nothing either)
+# workers, unbound threads: another process layout and thread binding, which must change nothing either); the first
+# is the session's reference run, which tests/test_vllm_cluster_ray.py compares the same job across Ray nodes with
 RUNS = [("torchrun", 1, True), ("ray", 1, False), ("torchrun", 2, False)]
 
 
 @pytest.mark.parametrize("backend, engines, processes", RUNS, ids=[f"{b}-{n}" for b, n, _ in RUNS])
 def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_step(tmp_path, vllm_tiny, backend,
                                                                                      engines, processes,
-                                                                                     ray_cluster_if_ray):
+                                                                                     ray_cluster_if_ray, request):
     cluster = ray_cluster_if_ray   # Ray: a running cluster
-    proc, rec, address = run_grpo_probe(tmp_path, vllm_tiny, backend, cluster, gpus=engines, processes=processes)
+    if (backend, engines, processes) == RUNS[0]:   # the session's reference run (conftest.grpo_one_machine)
+        proc, rec, address, tmp_path = request.getfixturevalue("grpo_one_machine")
+    else:
+        proc, rec, address = run_grpo_probe(tmp_path, vllm_tiny, backend, cluster, gpus=engines, processes=processes)
     host, port = address.split(":")
     for i in range(engines):   # the trainer rank 0 and the engines' workers: one group, its store on loopback alone
         assert (f"dualrun gloo weight transfer: rank {i + 1} of {engines + 1} (trainer at 127.0.0.1:"
@@ -53,11 +57,8 @@ def test_grpo_trains_against_the_real_rollout_server_with_weights_synced_every_s
     RESULTS[f"{backend}-{engines}"] = rec
     if len(RESULTS) >= 2:   # the runs so far in this session: the same training, bit for bit
         first, *others = RESULTS.values()
-        same = ("generations", "rewards", "losses")   # sampled, scored, trained on: equal, not close
         for other in others:
-            assert {k: other[k] for k in same} == {k: first[k] for k in same}, list(RESULTS)
-            assert [c["trainer_greedy"] for c in other["checks"]] == [c["trainer_greedy"] for c in first["checks"]]
-            assert [c["moved"] for c in other["checks"]] == [c["moved"] for c in first["checks"]]   # same updates
+            assert_same_training(other, first, list(RESULTS))
 
 
 def test_distillation_trainer_trains_against_the_real_rollout_server_with_weights_synced_every_step(tmp_path,

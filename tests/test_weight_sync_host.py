@@ -22,7 +22,8 @@ def test_no_loopback_across_hosts_without_a_rollout_or_over_the_users_address():
     assert group_host_env(WIRED, {}, one_host=False) == {}             # a replica elsewhere must reach rank 0
     assert group_host_env({}, {}, one_host=True) == {}                 # no weight sync
     assert group_host_env(WIRED, {"VLLM_HOST_IP": "10.0.0.5"}, one_host=True) == {}
-    assert group_host_env(WIRED, {"HOST_IP": "10.0.0.5"}, one_host=True) == {}
+    ignored = group_host_env(WIRED, {"HOST_IP": "10.0.0.5"}, one_host=True)   # vLLM ignores HOST_IP
+    assert ignored == {"VLLM_HOST_IP": "127.0.0.1"}
 
 
 def test_the_checks_rehearsal_advertises_as_the_job_does():

@@ -12,7 +12,9 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -64,24 +66,47 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
     return proc, rank
 
 
+class ProbeRun(NamedTuple):
+    """A finished probe job: its `dualrun launch`, rank 0's record, the rollout's address, its directory."""
+
+    proc: subprocess.CompletedProcess
+    rec: dict
+    address: str
+    work: Path
+
+
+def grpo_job(tiny: Path, gpus: int = 1, method: str = "grpo", processes: bool = False, extra: str = "") -> str:
+    """The probe's job: one trainer and a vLLM rollout of `gpus` engines (`processes`: see ONE_WORKER_ENV), its
+    servers' logs in logs/, `extra` lines appended."""
+    return (f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: 1}}\n"
+            + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400, processes=processes) + extra)
+
+
+def grpo_probe_argv(tiny: Path, probe_args: tuple[str, ...] = ()) -> list[str]:
+    """assets/grpo_server_probe.py and its arguments; it writes out/rank0.json (`out` under the job's directory)."""
+    return [str(ASSETS / "grpo_server_probe.py"), str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out",
+            *probe_args]
+
+
+def rollout_address(log: str) -> str:
+    """The rollout's address (the router's when there are several engines), from the launch's output."""
+    return re.search(r"rollout: server healthy at ([\d.]+:\d+)", log).group(1)
+
+
 def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1, method: str = "grpo",
                    probe_args: tuple[str, ...] = (), processes: bool = False) -> tuple:
     """The probe under a job (`method`) with a vLLM rollout of `gpus` engines: the finished process, rank 0's record
-    and the rollout's address (the router's when there are several engines). `processes`: see ONE_WORKER_ENV."""
+    and the rollout's address. `cluster`: a running Ray cluster to join (conftest.ray_cluster), or None."""
     from ray_helpers import ray_env
 
-    (tmp_path / "job.yaml").write_text(f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: 1}}\n"
-                                       + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400,
-                                                     processes=processes))
+    (tmp_path / "job.yaml").write_text(grpo_job(tiny, gpus, method, processes))
     (tmp_path / "out").mkdir()
-    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", str(ASSETS / "grpo_server_probe.py"),
-                   str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), "out", *probe_args, cwd=tmp_path,
-                   env=ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else ""),
-                   timeout=580)
+    env = ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else "")
+    proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", *grpo_probe_argv(tiny, probe_args),
+                   cwd=tmp_path, env=env, timeout=580)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rec = json.loads((tmp_path / "out" / "rank0.json").read_text())
-    address = re.search(r"rollout: server healthy at ([\d.]+:\d+)", proc.stderr).group(1)
-    return proc, rec, address
+    return proc, rec, rollout_address(proc.stderr)
 
 
 def assert_every_sync_landed(rec: dict, replicas: int, one_tensor: bool = True) -> None:
@@ -101,6 +126,16 @@ def assert_every_sync_landed(rec: dict, replicas: int, one_tensor: bool = True) 
     one = rec["one_tensor"]   # TRL's update_named_param: one tensor in an update of its own
     assert one["moved"] > 100 * LOGPROB_TOLERANCE and len(one["logprob_gap"]) == replicas, one
     assert max(one["logprob_gap"]) < LOGPROB_TOLERANCE, one
+
+
+def assert_same_training(rec: dict, reference: dict, runs: object = "") -> None:
+    """Two probe runs trained alike, bit for bit: the same completions and their log-probabilities at every step,
+    rewards and losses (equal, not close), the same greedy output of the trainer's model and the same weight moves
+    at every check. `runs` names them in the message."""
+    same = ("generations", "rewards", "losses")   # sampled, scored, trained on
+    assert {k: rec[k] for k in same} == {k: reference[k] for k in same}, runs
+    assert [c["trainer_greedy"] for c in rec["checks"]] == [c["trainer_greedy"] for c in reference["checks"]], runs
+    assert [c["moved"] for c in rec["checks"]] == [c["moved"] for c in reference["checks"]], runs   # same updates
 
 
 def assert_async_syncs_landed(rec: dict, replicas: int) -> None:

@@ -23,7 +23,7 @@ from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
 from dualrun.check.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
 from dualrun.plan.processes import Cluster, Plan, make_plan
-from dualrun.weightsync.group import SyncGroup, port_host, sync_group
+from dualrun.weightsync.group import SyncGroup, node_host_env, port_host, sync_group
 from dualrun.weightsync.rehearsal import (is_hard, limit_s, master_endpoint, member_spec, run_local, run_member,
                                           unanswered, verdict)
 
@@ -159,7 +159,7 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: 
     """The weight-sync group on the Ray nodes the plan gives its members: a port picked on trainer rank 0's node,
     then one task per member on its node (with the member's GPUs where NCCL may run), stopped at the first that
     fails on its own, all within the probe's limit. `addresses` (several nodes): each node's Ray address, whose
-    interface a member's gloo gets as the job's do."""
+    interface a member's gloo gets and trainer rank 0 advertises, as the job's do."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -168,7 +168,9 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: 
                 "num_gpus": num_gpus}
 
     endpoint = ray.remote(num_cpus=0, max_retries=0)(master_endpoint)
-    ref = endpoint.options(**on(group.master.node)).remote(port_host(cfg), dict(group.master.env))
+    master_env = {**group.master.env,   # its node's address, as the job's trainer rank 0 advertises it
+                  **node_host_env(group.master.env, addresses[group.master.node] if addresses else None)}
+    ref = endpoint.options(**on(group.master.node)).remote(port_host(cfg), master_env)
     ready, _ = ray.wait([ref], timeout=_PROBE_TIMEOUT_S)
     if not ready:
         return [f"weight sync: {names[group.master.node]}: trainer rank 0's node did not pick a port within "

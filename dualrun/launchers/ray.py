@@ -32,6 +32,7 @@ from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_host_env, group_port_env
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
+from dualrun.weightsync.group import node_host_env
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
 
@@ -123,7 +124,10 @@ class RayLauncher(Launcher):
                  f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank"
                  + ("" if ifname_set(prepared.env) else f"; on nodes of several addresses GLOO_SOCKET_IFNAME={AUTO} "
                     "for each rank and server whose env names no interface: its node's interface holding the node's "
-                    "Ray address"),
+                    "Ray address")
+                 + ("" if prepared.env.get("VLLM_HOST_IP") else f"; on nodes of several addresses VLLM_HOST_IP={AUTO} "
+                    "for each rank whose env sets none: its node's Ray address (the address trainer rank 0 gives the "
+                    "rollout engines for the weight sync)"),
                  f"# every worker runs, in {prepared.cwd}:",
                  "#   " + join_cmd(redact_argv(prepared.argv)),
                  "# env shared by every worker:"]
@@ -280,6 +284,7 @@ class RayLauncher(Launcher):
             r.env.update(wiring)
             r.env.update(group_port_env(wiring, master.group_port))
             r.env.update(group_host_env(wiring, r.env, one_host))
+            r.env.update(node_host_env(r.env, r.info.ip if several else None))   # the weight-sync master's address
             if several and r.info.interface and not ifname_set(r.env):
                 r.env["GLOO_SOCKET_IFNAME"] = r.info.interface
                 given.add(r.info.interface)

@@ -99,11 +99,11 @@ def port_host(cfg: JobConfig) -> str:
 
 def advertised_address(env: Mapping[str, str] | None = None) -> str:
     """The address trainer rank 0 gives the engines as `master_address`: TRL passes vLLM's `get_ip()`, which is
-    VLLM_HOST_IP (or HOST_IP) when set, else this host's address on its route out (no packet is sent), else
-    0.0.0.0 (vLLM warns; only this machine can then reach it)."""
+    VLLM_HOST_IP when set, else this host's address on its route out (no packet is sent), else 0.0.0.0 (vLLM warns;
+    only this machine can then reach it). HOST_IP is not read: vLLM ignores it (it warns that it is deprecated)."""
     env = os.environ if env is None else env
-    if env.get("VLLM_HOST_IP") or env.get("HOST_IP"):
-        return env.get("VLLM_HOST_IP") or env["HOST_IP"]
+    if env.get("VLLM_HOST_IP"):
+        return env["VLLM_HOST_IP"]
     for family, peer in ((socket.AF_INET, "8.8.8.8"), (socket.AF_INET6, "2001:4860:4860::8888")):
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -112,3 +112,15 @@ def advertised_address(env: Mapping[str, str] | None = None) -> str:
         except OSError:
             continue
     return "0.0.0.0"
+
+
+def node_host_env(env: Mapping[str, str], node_address: str | None) -> dict[str, str]:
+    """Pure: what a trainer on a node of a job across several nodes adds to `env` so that, as trainer rank 0, it
+    advertises its node's address to the engines (`node_address`: the one the other nodes reach it at, its Ray
+    address): VLLM_HOST_IP, which vLLM's `get_ip()` returns. Without it `get_ip()` gives the address on this host's
+    route out: another interface's where the default route is not the cluster's network (the engines dial an
+    address they cannot reach and wait out the group's timeout), 0.0.0.0 where there is none (each dials
+    itself). Nothing on one node (no `node_address`) or where the user chose the address (VLLM_HOST_IP)."""
+    if not node_address or env.get("VLLM_HOST_IP"):
+        return {}
+    return {"VLLM_HOST_IP": node_address}

@@ -29,8 +29,8 @@ def master_endpoint(host: str, env: Mapping[str, str]) -> tuple[str, int]:
     from dualrun.light.ports import free_port
 
     env = {**os.environ, **env}
-    chosen = env.get("VLLM_HOST_IP") or env.get("HOST_IP")
-    return ("127.0.0.1" if host == "127.0.0.1" and not chosen else advertised_address(env)), free_port(host)
+    return ("127.0.0.1" if host == "127.0.0.1" and not env.get("VLLM_HOST_IP") else advertised_address(env)), \
+        free_port(host)
 
 
 def member_spec(group: SyncGroup, member: Member, address: str, port: int,
