@@ -98,3 +98,13 @@ def launch_on(vc, work: Path, argv: list[str], config: str, machines=(0, 1), env
                                   cwd=here, env={**os.environ, **ENV, **(env or {})}, stdout=out,
                                   stderr=subprocess.STDOUT))
     return procs
+
+
+def route_out_elsewhere(vc) -> None:
+    """Each machine's route out through an interface of its own, `wan0` (10.99.K.1/24, a veth whose other end
+    carries nothing further), as on nodes whose default route is a management or public network beside the
+    cluster's: the cluster's subnet stays on eth0, where Ray's addresses are, but "this host's address on its route
+    out" (vLLM's `get_ip()`) is the wan0 address, which no other machine reaches."""
+    for k in range(vc.size):
+        vc.run(k, f"ip link add wan0 type veth peer name wan0p && ip addr add 10.99.{k}.1/24 dev wan0 && "
+                  "ip link set wan0 up && ip link set wan0p up && ip route replace default dev wan0", check=True)

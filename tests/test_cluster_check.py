@@ -131,18 +131,20 @@ def test_an_address_machine_1_advertises_that_machine_0_cannot_reach_back(vc, tm
 
 
 def test_a_weight_sync_address_the_rollout_machine_cannot_reach(vc, tmp_path):
-    """Machine 0 without a default route: vLLM's get_ip() finds no route out and gives 0.0.0.0, which the rollout
-    replica on machine 1 would dial as itself. The check names it before forming the group (which would only time
-    out), and setting VLLM_HOST_IP as the line says makes it pass."""
+    """Machine 0 without a default route: vLLM's get_ip() alone would give 0.0.0.0, which the rollout replica on
+    machine 1 would dial as itself. dualrun gives trainer rank 0 VLLM_HOST_IP = machine 0's address on the route to
+    main_process_ip (as `dualrun launch` does), so the check forms the group there. A VLLM_HOST_IP of the user's
+    that machine 1 cannot reach is named before forming the group (which would only time out)."""
     vc.run(0, "ip route del default", check=True)
-    (code0, out0), (code1, out1) = check(vc, tmp_path, GRPO)
+    (code0, out0), (code1, _) = check(vc, tmp_path, GRPO)
+    assert code0 == code1 == 0 and f"weight sync: gloo group of 3 at {MAIN}:" in "\n".join(out0), out0
+    wrong = GRPO.replace("train: {gpus: 2}", "train: {gpus: 2, env: {VLLM_HOST_IP: 0.0.0.0}}")
+    (code0, out0), (code1, out1) = check(vc, tmp_path, wrong)
     assert code0 == code1 == 1 and out0 == out1 and len(out0) == 1, out0 + out1
     assert re.fullmatch(r"dualrun check: machine 0 vc0: trainer rank 0's weight-sync address 0\.0\.0\.0 \(vLLM's "
-                        r"get_ip\(\): VLLM_HOST_IP, else the address on the route out\) is not reachable from machine 1 "
-                        r"vc1 \(a probe of 0\.0\.0\.0:\d+: (Connection refused|another process answered there)\); set "
-                        rf"VLLM_HOST_IP in roles.train.env to machine 0's address the others reach \(eth0 "
-                        rf"{re.escape(MAIN)}\)", out0[0]), out0
-    fixed = GRPO.replace("train: {gpus: 2}", f"train: {{gpus: 2, env: {{VLLM_HOST_IP: {MAIN}}}}}")
-    (code0, out0), _ = check(vc, tmp_path, fixed)
-    assert code0 == 0 and f"weight sync: gloo group of 3 at {MAIN}:" in "\n".join(out0), out0
+                        r"get_ip\(\): VLLM_HOST_IP, which dualrun sets to machine 0's address on the route to "
+                        r"main_process_ip unless the env sets it\) is not reachable from machine 1 vc1 \(a probe of "
+                        r"0\.0\.0\.0:\d+: (Connection refused|another process answered there)\); set VLLM_HOST_IP in "
+                        rf"roles.train.env to machine 0's address the others reach \(eth0 {re.escape(MAIN)}\)",
+                        out0[0]), out0
 

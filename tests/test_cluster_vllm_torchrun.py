@@ -1,7 +1,9 @@
 """GRPO with a real vLLM rollout (the CPU build) across two torchrun machines of the virtual cluster, each with its
 own address: one trainer rank per machine, the rollout's engine on machine 1 (`roles.rollout.machines: [1]`),
-`dualrun launch` by hand on each machine (the accelerate recipe). The weight-sync group crosses the link: trainer
-rank 0 on machine 0 is its master at machine 0's address, the engine on machine 1 joins it, and every sync lands
+`dualrun launch` by hand on each machine (the accelerate recipe). Each machine routes out through an interface no
+other machine reaches (`route_out_elsewhere`), as nodes with a second network do. The weight-sync group crosses the
+link: trainer rank 0 on machine 0 is its master at machine 0's address on the cluster's network (dualrun's
+VLLM_HOST_IP; vLLM's get_ip() alone gives the route-out address), the engine on machine 1 joins it, and every sync lands
 (the engine serves the trainer's weights at every step); the job samples, rewards and trains bit for bit as the
 same job on one machine. Runs in the cluster tier with the vLLM venv (marked `cluster` and `vllm`)."""
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import launch_on
+from cluster_jobs import launch_on, route_out_elsewhere
 from helpers import ASSETS, dualrun, eventually, pids_matching
 from vcluster import VCluster, address
 from vllm_helpers import TIER, assert_every_sync_landed, server_role
@@ -54,6 +56,7 @@ def shared(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def vc(shared, vllm_tiny):
     with VCluster(2, shared=[shared, vllm_tiny.parent]) as cluster:
+        route_out_elsewhere(cluster)   # vLLM's get_ip() alone would give trainer rank 0's wan0 address
         yield cluster
 
 

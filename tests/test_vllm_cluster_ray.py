@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import cluster_ray
+from cluster_jobs import route_out_elsewhere
 from cluster_ray import WORKERS, nothing_left, on_head, table
 from helpers import pids_matching
 from vllm_helpers import (TIER, assert_async_syncs_landed, assert_every_sync_landed, assert_same_training, grpo_job,
@@ -36,16 +37,6 @@ pytestmark = [*TIER, pytest.mark.cluster, pytest.mark.ray, pytest.mark.timeout(9
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("vllm-ray3")
-
-
-def route_out_elsewhere(vc) -> None:
-    """Each machine's route out through an interface of its own, `wan0` (10.99.K.1/24, a veth whose other end
-    carries nothing further), as on nodes whose default route is a management or public network beside the
-    cluster's: the cluster's subnet stays on eth0, where Ray's addresses are, but "this host's address on its route
-    out" (vLLM's `get_ip()`) is the wan0 address, which no other machine reaches."""
-    for k in range(vc.size):
-        vc.run(k, f"ip link add wan0 type veth peer name wan0p && ip addr add 10.99.{k}.1/24 dev wan0 && "
-                  "ip link set wan0 up && ip link set wan0p up && ip route replace default dev wan0", check=True)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from dualrun.check.node_facts import NodeReport
 from dualrun.light.interfaces import (Interface, gloo_address, gloo_ifname, ifname_problems, interfaces, listing, owner,
                                       reached_at, route)
 from dualrun.plan.processes import Plan
-from dualrun.weightsync.group import NET_VARS, SyncGroup, advertised_address, port_host
+from dualrun.weightsync.group import NET_VARS, SyncGroup, advertised_address, node_host_env, port_host
 from dualrun.weightsync.rehearsal import limit_s, master_endpoint, member_spec, run_specs, unanswered, verdict
 
 GREETING = "dualrun-check/1"
@@ -84,9 +84,9 @@ def advertised(cfg: JobConfig, plan: Plan | None, machine: int, ifaces: dict[str
             out.append({"what": "its servers' address", "address": address,
                         "how": f"its address on the route to {main}"})
     if machine == 0 and group is not None and any(m.node != 0 for m in group.members):
-        out.append({"what": "trainer rank 0's weight-sync address", "how": "vLLM's get_ip(): VLLM_HOST_IP, else "
-                    "the address on the route out", "address": advertised_address({**os.environ,
-                                                                                   **group.master.env})})
+        out.append({"what": "trainer rank 0's weight-sync address", "how": "vLLM's get_ip(): VLLM_HOST_IP, which "
+                    "dualrun sets to machine 0's address on the route to main_process_ip unless the env sets it",
+                    "address": advertised_address({**os.environ, **master_env(cfg, group)})})
     for item in out:
         iface = owner(item["address"], ifaces)
         item["interface"] = iface.name if iface else None
@@ -224,9 +224,18 @@ def sync_verdict(group: SyncGroup, results: list[dict[str, Any] | None], names: 
                    model_bytes)
 
 
+def master_env(cfg: JobConfig, group: SyncGroup) -> dict[str, str]:
+    """Trainer rank 0's interface variables as the launcher gives them: on several machines, VLLM_HOST_IP = the
+    address the others reach machine 0 at, unless its env sets one (launchers/torchrun.py)."""
+    env = dict(group.master.env)
+    if cfg.num_machines > 1:
+        env.update(node_host_env(env, reached_at(cfg.main_process_ip or "127.0.0.1")))
+    return env
+
+
 def sync_plan(cfg: JobConfig, group: SyncGroup) -> tuple[str, int, dict[int, list[list[Any]]]]:
     """Machine 0: the master's address and port, picked as the job picks them, and each machine's member specs."""
-    address, port = master_endpoint(port_host(cfg), group.master.env)
+    address, port = master_endpoint(port_host(cfg), master_env(cfg, group))
     by_machine: dict[int, list[list[Any]]] = {}
     for i, m in enumerate(group.members):
         by_machine.setdefault(m.node, []).append([i, member_spec(group, m, address, port)])

@@ -30,6 +30,7 @@ from dualrun.servers.local import LOOPBACK, LocalServers
 from dualrun.servers.machines import BIND, Machines, await_attempt
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
+from dualrun.weightsync.group import node_host_env
 
 
 class TorchrunLauncher(Launcher):
@@ -67,6 +68,14 @@ class TorchrunLauncher(Launcher):
         if self._route is None:   # once: every process of this machine shares the route
             self._route = (reached_at(self._addr()), interfaces())
         return gloo_ifname(env, *self._route)
+
+    def _reached_at(self) -> str | None:
+        """Several machines: the address the other machines reach this one at (its route to machine 0)."""
+        if self.cfg.num_machines < 2:
+            return None
+        self._gloo_interface({})
+        assert self._route is not None
+        return self._route[0]
 
     def gloo_note(self, env: dict[str, str]) -> str | None:
         """The start-up line (and dry-run comment) saying what dualrun gave gloo on this machine, if anything."""
@@ -112,6 +121,7 @@ class TorchrunLauncher(Launcher):
         first = self.node_workers(plan)[0]
         env = self.worker_env(first.env, MASTER_ADDR=self._addr(), MASTER_PORT=str(self._port()))
         env = self.with_gloo(env)
+        env.update(node_host_env(env, self._reached_at()))   # several machines: the weight-sync master's address
         for name in TORCHRUN_NAMES:
             if name in first.env:
                 env.pop(name, None)
