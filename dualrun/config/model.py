@@ -32,7 +32,7 @@ class RoleSpec:
     replica_restarts: int = 3
     server_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=frozen_map)
-    machines: tuple[int, ...] | None = None   # torchrun: the machine ranks a separate role's servers run on
+    machines: tuple[int, ...] | None = None   # torchrun: the machine ranks the role runs on (servers, or ranks)
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,16 @@ class JobConfig:
     @property
     def num_processes(self) -> int:
         return self.primary.processes
+
+    @property
+    def trainer_machines(self) -> tuple[int, ...]:
+        """torchrun: the machines that run trainer ranks, in order (the trainers' `machines`, else all)."""
+        from dualrun.config.role_machines import trainer_machines
+
+        primary = self.primary
+        names = set(self.group_of(primary.name))
+        ordered = [primary] + [r for r in self.roles if r.name in names and r is not primary]
+        return trainer_machines(ordered, [list(names)], self.num_machines)
 
     def group_of(self, name: str) -> tuple[str, ...]:
         """The colocate group a role belongs to (itself alone when separate)."""
