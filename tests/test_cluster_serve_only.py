@@ -139,3 +139,28 @@ def test_check_passes_on_both_machines_and_forms_the_weight_sync_group_across_th
     assert all("dualrun check: 2 node(s) ready for backend=torchrun" in o for o in outs), outs
     assert re.search(rf"weight sync: gloo group of 2 at {re.escape(MAIN)}:\d+ \(trainer rank 0 on machine 0", outs[0]), \
         outs[0]
+
+
+def test_machine_0_lost_ends_the_serving_machine_naming_it(vc, shared, tiny):
+    """Both trainers hold after step 1; machine 0 is lost (every process of it SIGKILLed, its launcher included, so
+    no result is ever written). Machine 1 ends within the machine watch's bound, naming machine 0, and leaves
+    nothing behind. The cluster is the module's last use: machine 0 does not come back."""
+    work = shared / "machine-0-lost"
+    work.mkdir()
+    hold = work / "hold"
+    hold.touch()
+    argv = [*gkd_args(tiny, work / "out"), "--max_steps", "4", "--hold_file", str(hold)]
+    procs = launch_on(vc, work, argv, layout(tiny, work, "torchrun: {machine_timeout_s: 10}\n"))
+    deadline = time.monotonic() + WAIT_S
+    while not all((work / f"hold.held{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+            [(work / f"m{k}" / "out").read_text()[-2000:] for k in (0, 1)]
+        time.sleep(0.2)
+    lost = time.monotonic()
+    vc.kill(0)
+    procs[1].wait(60)
+    took = time.monotonic() - lost
+    out = (work / "m1" / "out").read_text()
+    assert procs[1].returncode != 0 and re.search(rf"dualrun: error: machine 0 \({re.escape(MAIN)}\)", out), out[-3000:]
+    assert took < 45 and left_on(vc, 1) == []
+    procs[0].wait(30)

@@ -8,8 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
 from dualrun.config.backends import TORCHRUN, kind_of
-from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions
-from dualrun.config.role_machines import trainer_machines
+from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions, trainer_machines
 from dualrun.env.installed import vllm_cpu_only
 from dualrun.env.worker import reserved
 from dualrun.contract.errors import ConfigError

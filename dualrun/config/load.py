@@ -11,9 +11,9 @@ from dualrun.config import cross_keys
 
 from dualrun.config import refusals
 from dualrun.config.backends import KINDS, RAY, TORCHRUN, kind_of
-from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
+from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map, trainer_machines
 from dualrun.config.offload import offload_optimizer
-from dualrun.config.role_machines import check_role_machines, parse_machines, trainer_machines
+from dualrun.config.role_machines import check_role_machines, parse_machines
 from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
 from dualrun.config.yamlfile import read_yaml

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from dualrun.config.backends import kind_of, TORCHRUN
+from dualrun.config.model import trainer_group
 from dualrun.contract.errors import ConfigError
 
 
@@ -23,22 +24,6 @@ def parse_machines(source: str, key: str, value: Any) -> tuple[int, ...]:
     if len(set(value)) != len(value):
         raise ConfigError(source, key, expected, f"{value} (a machine written twice)")
     return tuple(value)
-
-
-def trainer_group(roles: Sequence[Any], groups: Sequence[Sequence[str]]) -> set[str]:
-    """The names of the trainers' roles: the primary role (the first) and the roles colocated with it."""
-    primary = roles[0].name
-    return next((set(g) for g in groups if primary in g), {primary})
-
-
-def trainer_machines(roles: Sequence[Any], groups: Sequence[Sequence[str]], num_machines: int) -> tuple[int, ...]:
-    """The machines that run trainer ranks, in order: the trainers' `machines` where one of them gives it, else
-    every machine of the job."""
-    if not roles:
-        return tuple(range(num_machines))
-    names = trainer_group(roles, groups)
-    given = next((r.machines for r in roles if r.name in names and r.machines is not None), None)
-    return tuple(sorted(given)) if given is not None else tuple(range(num_machines))
 
 
 def check_role_machines(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], roles: Sequence[Any],
