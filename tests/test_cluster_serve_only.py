@@ -137,8 +137,8 @@ def test_check_passes_on_both_machines_and_forms_the_weight_sync_group_across_th
     outs = [p.communicate(timeout=280)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert all("dualrun check: 2 node(s) ready for backend=torchrun" in o for o in outs), outs
-    assert re.search(rf"weight sync: gloo group of 2 at {re.escape(MAIN)}:\d+ \(trainer rank 0 on machine 0", outs[0]), \
-        outs[0]
+    group = rf"weight sync: gloo group of 2 at {re.escape(MAIN)}:\d+ \(trainer rank 0 on machine 0"
+    assert re.search(group, outs[0]), outs[0]
 
 
 def test_machine_0_lost_ends_the_serving_machine_naming_it(vc, shared, tiny):

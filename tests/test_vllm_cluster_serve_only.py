@@ -1,10 +1,10 @@
 """GRPO with a real vLLM rollout (the CPU build) alone on machine 1 of the virtual cluster (tests/vcluster.py) and the
-trainer on machine 0, the layout TRL's docs teach (`trl vllm-serve` on one node, training on another):
+both trainer ranks on machine 0, the layout TRL's docs teach (`trl vllm-serve` on one node, training on another):
 `roles.train.machines: [0]`, `roles.rollout.machines: [1]`. Machine 1's launcher runs no torchrun agent; the
 trainer's weights cross the link before every generation over gloo (trainer rank 0 at machine 0's address, the
 engine's worker at machine 1's), every sync lands (the probe's checks, as in tests/test_vllm_rollout.py), and the
-training is the one-machine run's of the same job bit for bit: the same completions, rewards and losses. One trainer
-rank: the probe (assets/grpo_server_probe.py) drives TRL's vLLM client, which only rank 0 holds."""
+training is the one-machine run's of the same job bit for bit: the same completions, rewards and losses (the probe,
+assets/grpo_server_probe.py, records them on rank 0, which alone holds TRL's vLLM client)."""
 from __future__ import annotations
 
 import json
@@ -29,10 +29,10 @@ ENV = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
 def test_grpo_rollout_alone_on_machine_1_syncs_every_step_and_trains_as_one_machine(tmp_path, vllm_tiny):
     one = tmp_path / "one"
     one.mkdir()
-    _, reference, _ = run_grpo_probe(one, vllm_tiny, "torchrun", None)
+    _, reference, _ = run_grpo_probe(one, vllm_tiny, "torchrun", None, trainers=2)
     work = tmp_path / "two"
     work.mkdir()
-    config = ("use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 1, machines: [0]}\n"
+    config = ("use_cpu: true\nmethod: grpo\nlog_dir: logs\nroles:\n  train: {gpus: 2, machines: [0]}\n"
               + server_role("rollout", vllm_tiny / "model", health_timeout_s=400, machines="[1]"))
     main = vcluster.address(0)
     with vcluster.VCluster(2, shared=[tmp_path, vllm_tiny.parent]) as vc:

@@ -65,12 +65,14 @@ def run_gkd_probe(tmp_path: Path, tiny: Path, job_yaml: str, backend: str = "tor
 
 
 def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1, method: str = "grpo",
-                   probe_args: tuple[str, ...] = (), processes: bool = False) -> tuple:
-    """The probe under a job (`method`) with a vLLM rollout of `gpus` engines: the finished process, rank 0's record
-    and the rollout's address (the router's when there are several engines). `processes`: see ONE_WORKER_ENV."""
+                   probe_args: tuple[str, ...] = (), processes: bool = False, trainers: int = 1) -> tuple:
+    """The probe under a job (`method`) with `trainers` ranks and a vLLM rollout of `gpus` engines: the finished
+    process, rank 0's record and the rollout's address (the router's when there are several engines). `processes`:
+    see ONE_WORKER_ENV."""
     from ray_helpers import ray_env
 
-    (tmp_path / "job.yaml").write_text(f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: 1}}\n"
+    (tmp_path / "job.yaml").write_text(f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n"
+                                       f"  train: {{gpus: {trainers}}}\n"
                                        + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400,
                                                      processes=processes))
     (tmp_path / "out").mkdir()

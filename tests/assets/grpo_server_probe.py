@@ -22,6 +22,9 @@ log-probabilities before any sync.
 With `--teacher TEACHER` the trainer is TRL's DistillationTrainer instead of GRPOTrainer (on-policy: the student
 generates through the same server, after the same weight sync), distilling from TEACHER loaded in the trainer.
 
+With several trainer ranks only rank 0 observes, records and checks (TRL's vLLM client is rank 0's alone), and the
+AsyncGRPOTrainer part (1.) is left out.
+
     grpo_server_probe.py MODEL PROMPTS.jsonl OUT [--restart_test --max_steps N --hold_file F --hold_at_step S]
                                                  [--teacher TEACHER]
 """
@@ -193,9 +196,16 @@ def async_grpo() -> None:
     transfer.destroy()
 
 
-if not a.teacher and (not a.restart_test or attempt > 0):   # restarted: into the fresh engines, before the resume
-    async_grpo()
-trainer = make_trainer(model=model, args=config, train_dataset=dataset, callbacks=[SyncProof()])
+# several trainer ranks: only rank 0 holds TRL's vLLM client, so only it observes, records and checks
+alone = os.environ.get("WORLD_SIZE", "1") == "1"
+main = os.environ.get("RANK", "0") == "0"
+if alone and not a.teacher and (not a.restart_test or attempt > 0):   # restarted: into the fresh engines, before
+    async_grpo()                                                        # the resume
+trainer = make_trainer(model=model, args=config, train_dataset=dataset, callbacks=[SyncProof()] if main else [])
+if not main:
+    trainer.train()
+    trainer.vllm_generation.sync_weights()   # as rank 0 does below (no collective without ZeRO-3 / FSDP)
+    raise SystemExit(0)
 rec["generations"] = []   # each generation call's answer: the completions and their sampled tokens' logprobs
 generate = trainer.vllm_generation.vllm_client.generate
 
