@@ -32,9 +32,8 @@ def config(tiny: Path, extra: str = "", machines: str = "") -> str:
 
 
 def probe(tiny: Path, out: Path) -> list[str]:
-    """The GRPO probe (GRPOTrainer, 4 steps, each sync checked), without its AsyncGRPOTrainer part (one rank's)."""
-    return [str(ASSETS / "grpo_server_probe.py"), str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), str(out),
-            "--no_async"]
+    """The GRPO probe (GRPOTrainer, 4 steps, each sync checked; with two ranks, rank 0 records)."""
+    return [str(ASSETS / "grpo_server_probe.py"), str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), str(out)]
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +85,7 @@ def test_grpo_syncs_into_a_vllm_rollout_on_machine_1_with_the_training_of_one_ma
         server_log[-3000:]
     assert rec["grpo"]["vllm_server_host"] == address(1), rec["grpo"]   # the trainers reach it at machine 1's address
     assert not (work / "logs0" / "rollout-server-0.log").exists()
-    assert_every_sync_landed(rec, replicas=1, one_tensor=False)
+    assert_every_sync_landed(rec, replicas=1)
     same = ("generations", "rewards", "losses")   # sampled, scored, trained on: equal, not close
     assert {k: rec[k] for k in same} == {k: one_machine[k] for k in same}
     assert eventually(lambda: not pids_matching(str(vllm_tiny / "model"))), pids_matching(str(vllm_tiny / "model"))

@@ -75,10 +75,11 @@ class ProbeRun(NamedTuple):
     work: Path
 
 
-def grpo_job(tiny: Path, gpus: int = 1, method: str = "grpo", processes: bool = False, extra: str = "") -> str:
-    """The probe's job: one trainer and a vLLM rollout of `gpus` engines (`processes`: see ONE_WORKER_ENV), its
+def grpo_job(tiny: Path, gpus: int = 1, method: str = "grpo", processes: bool = False, extra: str = "",
+             trainers: int = 1) -> str:
+    """The probe's job: `trainers` ranks and a vLLM rollout of `gpus` engines (`processes`: see ONE_WORKER_ENV), its
     servers' logs in logs/, `extra` lines appended."""
-    return (f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: 1}}\n"
+    return (f"use_cpu: true\nmethod: {method}\nlog_dir: logs\nroles:\n  train: {{gpus: {trainers}}}\n"
             + server_role("rollout", tiny / "model", gpus=gpus, health_timeout_s=400, processes=processes) + extra)
 
 
@@ -94,12 +95,13 @@ def rollout_address(log: str) -> str:
 
 
 def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int = 1, method: str = "grpo",
-                   probe_args: tuple[str, ...] = (), processes: bool = False) -> tuple:
-    """The probe under a job (`method`) with a vLLM rollout of `gpus` engines: the finished process, rank 0's record
-    and the rollout's address. `cluster`: a running Ray cluster to join (conftest.ray_cluster), or None."""
+                   probe_args: tuple[str, ...] = (), processes: bool = False, trainers: int = 1) -> tuple:
+    """The probe under a job (`method`) with `trainers` ranks and a vLLM rollout of `gpus` engines: the finished
+    process, rank 0's record and the rollout's address. `cluster`: a running Ray cluster to join
+    (conftest.ray_cluster), or None."""
     from ray_helpers import ray_env
 
-    (tmp_path / "job.yaml").write_text(grpo_job(tiny, gpus, method, processes))
+    (tmp_path / "job.yaml").write_text(grpo_job(tiny, gpus, method, processes, trainers=trainers))
     (tmp_path / "out").mkdir()
     env = ray_env(TRL_EXPERIMENTAL_SILENCE="1", RAY_ADDRESS=cluster.address if cluster else "")
     proc = dualrun("launch", "--backend", backend, "--config_file", "job.yaml", *grpo_probe_argv(tiny, probe_args),
@@ -109,11 +111,10 @@ def run_grpo_probe(tmp_path: Path, tiny: Path, backend: str, cluster, gpus: int 
     return proc, rec, rollout_address(proc.stderr)
 
 
-def assert_every_sync_landed(rec: dict, replicas: int, one_tensor: bool = True) -> None:
+def assert_every_sync_landed(rec: dict, replicas: int) -> None:
     """After the syncs of steps 0..3 every replica serves the trainer's weights of that step (the checks run one
     step behind: at the start of steps 1..3 and at the end), and each step moved the weights far beyond the
-    tolerance, so a missed sync could not pass. `one_tensor`: and TRL's one-tensor update after training (the
-    probe makes it with one rank)."""
+    tolerance, so a missed sync could not pass."""
     checks = rec["checks"]
     assert [c["step"] for c in checks] == [1, 2, 3, 4], checks
     for c in checks:
@@ -121,8 +122,6 @@ def assert_every_sync_landed(rec: dict, replicas: int, one_tensor: bool = True) 
         assert c["greedy"] == [c["trainer_greedy"]] * replicas, c
     assert all(c["moved"] > 100 * LOGPROB_TOLERANCE for c in checks[1:]), checks
     assert any(g != c["greedy"][0] for c in checks for g in rec["initial_greedy"]), "greedy output never changed"
-    if not one_tensor:
-        return
     one = rec["one_tensor"]   # TRL's update_named_param: one tensor in an update of its own
     assert one["moved"] > 100 * LOGPROB_TOLERANCE and len(one["logprob_gap"]) == replicas, one
     assert max(one["logprob_gap"]) < LOGPROB_TOLERANCE, one

@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
 from dualrun.config.backends import TORCHRUN, kind_of
-from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions
+from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions, trainer_machines
 from dualrun.env.installed import vllm_cpu_only
 from dualrun.env.worker import reserved
 from dualrun.contract.errors import ConfigError
@@ -42,7 +42,8 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
     per_machine = kind_of(values.get("backend", TORCHRUN.name)).per_machine   # every machine launched by hand
     machines = int(acc.get("num_machines") or 1)
     if per_machine and roles:
-        _check_machine_size(source, roles, groups, machines, from_flags, torchrun.gpus_per_machine)
+        with_ranks = len(trainer_machines(roles, groups, machines))
+        _check_machine_size(source, roles, groups, with_ranks, from_flags, torchrun.gpus_per_machine)
     rank = int(acc.get("machine_rank") or 0)
     if per_machine and machines > 1 and rank >= 1 and not acc.get("main_process_ip"):
         raise ConfigError(source, "main_process_ip", f"the address of machine 0 (num_machines={machines}, "
@@ -80,7 +81,7 @@ def _check_machine_size(source: str, roles: Sequence[RoleSpec], groups: Sequence
                           "machine on torchrun (raise num_machines, or use the Ray backend)", primary.processes)
     if per_machine is not None and -(-primary.processes // machines) > per_machine:
         raise ConfigError(source, "torchrun.gpus_per_machine", f"at least the {-(-primary.processes // machines)} "
-                          f"trainer processes of each machine (roles.{primary.name} over num_machines={machines}; "
+                          f"trainer processes of each machine (roles.{primary.name} over {machines} machine(s); "
                           "on CPU a slot is a process)", per_machine)
     with_primary = next((set(g) for g in groups if primary.name in g), {primary.name})
     servers = [r for r in roles if r.name not in with_primary and not r.address]

@@ -11,7 +11,7 @@ from dualrun.config import cross_keys
 
 from dualrun.config import refusals
 from dualrun.config.backends import KINDS, RAY, TORCHRUN, kind_of
-from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map
+from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map, trainer_machines
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.role_machines import check_role_machines, parse_machines
 from dualrun.config.swift import convert_device_groups
@@ -119,9 +119,11 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         cpu = bool(acc.get("use_cpu"))
         acc["distributed_type"] = "NO" if acc["num_processes"] <= 1 and acc["num_machines"] <= 1 else (
             "MULTI_CPU" if cpu else "MULTI_GPU")
-    if kind_of(values.get("backend", TORCHRUN.name)).per_machine and acc["num_processes"] % acc["num_machines"]:
-        raise ConfigError(source, "num_processes", f"a multiple of num_machines={acc['num_machines']}",
-                          acc["num_processes"])
+    with_ranks = len(trainer_machines(roles, groups, acc["num_machines"]))
+    if kind_of(values.get("backend", TORCHRUN.name)).per_machine and acc["num_processes"] % with_ranks:
+        across = f"num_machines={acc['num_machines']}" if with_ranks == acc["num_machines"] else \
+            f"the {with_ranks} machines of roles.{roles[0].name}.machines"
+        raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"])
     return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
                      colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
                      ray=ray_opts, torchrun=tr_opts, **values)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 if TYPE_CHECKING:
     from dualrun.config.backends import BackendKind
@@ -32,7 +32,7 @@ class RoleSpec:
     replica_restarts: int = 3
     server_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=frozen_map)
-    machines: tuple[int, ...] | None = None   # torchrun: the machine ranks a separate role's servers run on
+    machines: tuple[int, ...] | None = None   # torchrun: the machine ranks the role runs on (servers, or ranks)
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,14 @@ class JobConfig:
     def num_processes(self) -> int:
         return self.primary.processes
 
+    @property
+    def trainer_machines(self) -> tuple[int, ...]:
+        """torchrun: the machines that run trainer ranks, in order (the trainers' `machines`, else all)."""
+        primary = self.primary
+        names = set(self.group_of(primary.name))
+        ordered = [primary] + [r for r in self.roles if r.name in names and r is not primary]
+        return trainer_machines(ordered, [list(names)], self.num_machines)
+
     def group_of(self, name: str) -> tuple[str, ...]:
         """The colocate group a role belongs to (itself alone when separate)."""
         for group in self.colocate_groups:
@@ -127,3 +135,19 @@ class JobConfig:
         """A role with its own devices and processes (a server), not living inside the trainers."""
         primary = self.primary.name
         return name != primary and primary not in self.group_of(name)
+
+
+def trainer_group(roles: Sequence[Any], groups: Sequence[Sequence[str]]) -> set[str]:
+    """The names of the trainers' roles: the primary role (the first) and the roles colocated with it."""
+    primary = roles[0].name
+    return next((set(g) for g in groups if primary in g), {primary})
+
+
+def trainer_machines(roles: Sequence[Any], groups: Sequence[Sequence[str]], num_machines: int) -> tuple[int, ...]:
+    """torchrun: the machines that run trainer ranks, in order: the trainers' `machines` where one of them gives it,
+    else every machine of the job."""
+    if not roles:
+        return tuple(range(num_machines))
+    names = trainer_group(roles, groups)
+    given = next((r.machines for r in roles if r.name in names and r.machines is not None), None)
+    return tuple(sorted(given)) if given is not None else tuple(range(num_machines))

@@ -193,11 +193,14 @@ ROLE_KEYS: tuple[Key, ...] = (
         "on the inference endpoints by every replica (the CPU engine too) and by the router in front of them, and "
         "the trainers' requests carry it; its value is never printed."),
     Key("env", "dict", {}, "Extra environment for this role's processes."),
-    Key("machines", "list", None, "torchrun: the machine ranks (0 .. num_machines-1) a separate role's engine "
-        "replicas run on, e.g. `[1]`; each replica on the first of them with room, in the list's order (unset: "
-        "machine 0 first, then 1, ...). Without `torchrun.gpus_per_machine` (or CUDA_VISIBLE_DEVICES) the "
-        "role's GPUs are assumed on the first machine listed. Only on a separate role dualrun starts servers for "
-        "(not the trainers, not beside `address`), not on Ray: exit 2.", backends="torchrun"),
+    Key("machines", "list", None, "torchrun: the machine ranks (0 .. num_machines-1) a role runs on, e.g. `[1]`. "
+        "A separate role's engine replicas: each on the first of them with room, in the list's order (unset: "
+        "machine 0 first, then 1, ...); without `torchrun.gpus_per_machine` (or CUDA_VISIBLE_DEVICES) the role's "
+        "GPUs are assumed on the first machine listed; not beside `address` or `gpu_ids`. The trainers (the "
+        "primary role, or a role colocated with it; colocated roles agree): the machines that run ranks, e.g. "
+        "`[0]` (unset: every machine), holding machine 0, the ranks divided evenly over them; a machine left out "
+        "only serves (its launcher starts no torchrun agent and ends with the job), and every machine must run "
+        "ranks or servers. Not on Ray: exit 2.", backends="torchrun"),
 )
 
 # Keys that once promised an effect nothing delivers: refused with what to use instead.

@@ -22,6 +22,8 @@ from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
 from dualrun.launchers.machine_watch import MachineWatch
+from dualrun.launchers.serve_only import announce, serve, serving_machines
+from dualrun.light.held_stores import held_stores
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
@@ -86,6 +88,10 @@ class TorchrunLauncher(Launcher):
                 f"address the other machines reach it at (its route to main_process_ip {self._addr()}; unset, gloo "
                 "takes what the host name resolves to); set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
 
+    def serves_only(self, plan: Plan) -> bool:
+        """This machine runs no trainer rank (the trainers' `machines` leaves it out): it only serves."""
+        return self.cfg.num_machines > 1 and not any(p.node == self.cfg.machine_rank for p in plan.workers)
+
     def node_workers(self, plan: Plan):
         mine = [p for p in plan.workers if p.node == self.cfg.machine_rank]
         if not mine:
@@ -95,8 +101,9 @@ class TorchrunLauncher(Launcher):
     def torchrun_argv(self, plan: Plan) -> list[str]:
         cfg = self.cfg
         nproc = len(self.node_workers(plan))
-        argv = ["--nnodes", str(cfg.num_machines), "--nproc-per-node", str(nproc),
-                "--node-rank", str(cfg.machine_rank), "--master-addr", self._addr(),
+        with_ranks = sorted({p.node for p in plan.workers})   # torchrun's nodes: the machines that run ranks
+        argv = ["--nnodes", str(len(with_ranks)), "--nproc-per-node", str(nproc),
+                "--node-rank", str(with_ranks.index(cfg.machine_rank)), "--master-addr", self._addr(),
                 "--master-port", str(self._port()), "--rdzv-backend", cfg.torchrun.rdzv_backend,
                 "--max-restarts", str(cfg.max_failures), "--monitor-interval", str(cfg.torchrun.monitor_interval)]
         argv += ["--rdzv-id", self.rdzv_id()]
@@ -140,6 +147,10 @@ class TorchrunLauncher(Launcher):
         plan = with_method(plan, self.cfg, self.plugin)
         bind = LOOPBACK.bind if self.cfg.num_machines == 1 else BIND   # as the launch binds them
         servers = server_previews(plan, bind, node=self.cfg.machine_rank)
+        if self.serves_only(plan):   # no torchrun agent here: its servers, the store's exchange, the watch
+            mine = [p for p in plan.servers if p.node == self.cfg.machine_rank]
+            self._gloo_note = self.gloo_note(self.worker_env(mine[0].env))
+            return Prepared(plan, (), {}, os.getcwd(), servers=servers)
         argv = [sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)
         env = self.agent_env(plan)
         self._gloo_note = self.gloo_note(self.worker_env(self.node_workers(plan)[0].env))
@@ -158,6 +169,11 @@ class TorchrunLauncher(Launcher):
             lines.insert(1, f"# {note}")
         for label, argv, shown in prepared.servers:
             lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
+        if not prepared.argv:
+            lines.append(f"# machine {self.cfg.machine_rank} runs no ranks and no torchrun agent: it serves, hands its "
+                         f"servers' addresses to machine 0's store at {self._addr()}:{self._port()} and ends when "
+                         "machine 0's ranks end")
+            return "\n".join(lines)
         lines.append("env -i \\")
         lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(redact(prepared.env).items())]
         lines.append("  " + join_cmd(redact_argv(prepared.argv)))
@@ -189,13 +205,23 @@ class TorchrunLauncher(Launcher):
             servers.not_started(str(error))   # machine K >= 1: machine 0 ends too
 
     def run_attempt(self, prepared: Prepared, attempt: int, servers: Any) -> Outcome:
-        result = self._run_agent(prepared, attempt, servers)
-        # several machines: a dead server ends the attempt on every machine (each watches the others' servers it
-        # depends on), and each restarts; machine K waits for machine 0's new store (`before_restart`)
-        if servers.failure is None:
-            return Outcome(result)
-        return Outcome(result, f"{servers.failure.one_line()}; restarting the job with fresh servers",
-                       (servers.failure,))
+        cfg = self.cfg
+        if self.serves_only(prepared.plan):
+            return serve(servers, self._addr(), self._port(), cfg.machine_rank, cfg.num_machines,
+                         cfg.torchrun.machine_timeout_s, attempt < cfg.max_failures)
+        serving = serving_machines(prepared.plan, cfg.num_machines) if cfg.machine_rank == 0 else []
+        with held_stores() if serving else contextlib.nullcontext([]) as held:   # the store outlives the agent
+            try:
+                result = self._run_agent(prepared, attempt, servers)
+            except BaseException:
+                announce(held, Outcome(JobResult(1, message="machine 0's launcher was stopped")), False, serving)
+                raise
+            # several machines: a dead server ends the attempt on every machine (each watches the others' servers
+            # it depends on), and each restarts; machine K waits for machine 0's new store (`before_restart`)
+            outcome = Outcome(result) if servers.failure is None else Outcome(
+                result, f"{servers.failure.one_line()}; restarting the job with fresh servers", (servers.failure,))
+            announce(held, outcome, attempt < cfg.max_failures, serving)   # the machines that only serve
+        return outcome
 
     def before_restart(self, prepared: Prepared, attempt: int) -> Prepared:
         if self.cfg.num_machines > 1 and self.cfg.machine_rank != 0 and prepared.plan and prepared.plan.servers:

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 
 # Where torch's rendezvous code names TCPStore (modules that imported it by name keep their own reference).
-_HOLDERS = ("torch.distributed", "torch.distributed.rendezvous",
+HOLDERS = ("torch.distributed", "torch.distributed.rendezvous",
             "torch.distributed.elastic.rendezvous.static_tcp_rendezvous",
             "torch.distributed.elastic.rendezvous.c10d_rendezvous_backend")
 _ARGS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
@@ -59,7 +59,7 @@ def _swap() -> tuple[Any, list[Any]]:
     real = dist.TCPStore
     patched = loopback_store_class(real)
     swapped = []
-    for name in _HOLDERS:
+    for name in HOLDERS:
         module = importlib.import_module(name)
         if getattr(module, "TCPStore", None) is real:
             module.TCPStore = patched

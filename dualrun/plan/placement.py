@@ -179,8 +179,9 @@ def _all_free(cluster: Cluster) -> Free:
 
 @dataclass(frozen=True)
 class TorchrunPlacement:
-    """torchrun: one launch per machine, every machine alike (the config's num_machines), a machine's ranks on
-    the devices of that machine (LOCAL_RANK indexes them); separate roles' engines on the GPUs the trainers leave,
+    """torchrun: one launch per machine (the config's num_machines), a machine's ranks on the devices of that
+    machine (LOCAL_RANK indexes them), the same count on every machine that runs ranks (all, unless the trainers'
+    `machines` names some: the others only serve); separate roles' engines on the GPUs the trainers leave,
     machine 0's first; fixed `gpu_ids` are machine 0's and held back from every role placed by count."""
 
     cfg: JobConfig
@@ -213,9 +214,11 @@ class TorchrunPlacement:
         if per_machine is not None:   # every machine alike: the servers fill what the trainers leave, in order
             return Cluster(tuple(Node(i, hosts[i], per_machine) for i in range(n)))
         primary = cfg.primary
-        per_node_primary = primary.gpus // n if primary.gpus else 0
+        with_ranks = cfg.trainer_machines
+        per_node_primary = primary.gpus // len(with_ranks) if primary.gpus else 0
         servers = _server_gpus_by_machine(cfg)
-        nodes = [Node(i, hosts[i], per_node_primary + servers.get(i, 0)) for i in range(n)]
+        nodes = [Node(i, hosts[i], (per_node_primary if i in with_ranks else 0) + servers.get(i, 0))
+                 for i in range(n)]
         ids = [i for r in cfg.roles for i in (r.gpu_ids or ())]
         if ids and n == 1:
             nodes[0] = replace(nodes[0], gpus=max(nodes[0].gpus, max(ids) + 1))
@@ -234,7 +237,8 @@ class TorchrunPlacement:
         nodes = cluster.nodes
         if len(nodes) < n:
             raise ConfigError(self.cfg.source, "num_machines", f"at most {len(nodes)} machines in this cluster", n)
-        return [(nodes[i].index, role.processes // n) for i in range(n)]
+        with_ranks = self.cfg.trainer_machines   # every machine, unless the trainers' `machines` names some
+        return [(nodes[i].index, role.processes // len(with_ranks)) for i in with_ranks]
 
     def rank_view(self, local: int, count: int, devices: tuple[int, ...]) -> RankView:
         return RankView((devices[local],) if devices else (), local, count, devices)

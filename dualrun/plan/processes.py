@@ -108,6 +108,8 @@ class Plan:
                 continue
             mark = " (this machine)" if self.machine_rank == node.index else ""
             lines.append(f"node {node.index} {node.address}{mark}: {node.gpus} {self.slot}(s)")
+            if not any(p.kind == "worker" for p in procs):
+                lines.append("  no ranks: this machine runs only the servers below")
             for p in procs:
                 dev = "GPU " + ",".join(map(str, p.devices)) if p.devices else "CPU"
                 lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
@@ -141,9 +143,26 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
                 external[name] = role.address
             continue
         procs += _place_server(cfg, policy, cluster, free, group, role, unit, common, _cpus_used(policy, procs))
+    _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_share_cpus(cfg, procs)), frozen_map(common),
                 frozen_map(external), policy.machine_rank, slot)
+
+
+def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) -> None:
+    """torchrun with the trainers on some machines only: each other machine must run servers (its launcher would
+    have nothing to run, and machine 0 would wait for it)."""
+    if not cfg.backend_kind.per_machine or cfg.trainer_machines == tuple(range(cfg.num_machines)):
+        return
+    busy = {p.node for p in procs}
+    idle = [n.index for n in cluster.nodes if n.index not in busy]
+    if idle:
+        primary = cfg.primary
+        key = next(f"roles.{r.name}.machines" for r in [primary, *cfg.roles]
+                   if r.name in cfg.group_of(primary.name) and r.machines is not None)
+        raise ConfigError(cfg.source, key, f"every machine of the job running ranks or servers (machine {idle[0]} "
+                          "gets neither: list it here, or give a separate role `machines` that holds it)",
+                          list(cfg.trainer_machines))
 
 
 def _share_cpus(cfg: JobConfig, procs: list[Process]) -> list[Process]:

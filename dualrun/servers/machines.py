@@ -21,9 +21,9 @@ are several machines: where the servers bind and are advertised (`machine_endpoi
 wiring from the store, that a replica's last-replica rule asks its router (another machine's replica may be down),
 the exchange, and the health checks of the other machines' servers; the misses are the supervisor's table's
 (supervision.py), and a death it finds is reported to the set like any other. It is a server set itself
-(serverset.ServerSet): the launcher uses it in the machine's `LocalServers`' place. Every machine hosts trainer
-ranks (torchrun needs `num_processes` to be a multiple of `num_machines`), so a machine that only serves does
-not arise.
+(serverset.ServerSet): the launcher uses it in the machine's `LocalServers`' place. A machine without trainer
+ranks (the trainers' `roles.<name>.machines` leaves it out) uses it the same way, with no torchrun agent beside it
+(launchers/serve_only.py).
 """
 from __future__ import annotations
 

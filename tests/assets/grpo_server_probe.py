@@ -22,8 +22,11 @@ log-probabilities before any sync.
 With `--teacher TEACHER` the trainer is TRL's DistillationTrainer instead of GRPOTrainer (on-policy: the student
 generates through the same server, after the same weight sync), distilling from TEACHER loaded in the trainer.
 
+With several trainer ranks only rank 0 observes, records and checks (TRL's vLLM client is rank 0's alone), and the
+AsyncGRPOTrainer part (1.) is left out.
+
     grpo_server_probe.py MODEL PROMPTS.jsonl OUT [--restart_test --max_steps N --hold_file F --hold_at_step S]
-                                                 [--teacher TEACHER] [--no_async]
+                                                 [--teacher TEACHER]
 """
 import argparse
 import functools
@@ -48,7 +51,6 @@ cli.add_argument("--max_steps", type=int, default=4)
 cli.add_argument("--hold_file", default="")
 cli.add_argument("--hold_at_step", type=int, default=2)
 cli.add_argument("--teacher", default="")
-cli.add_argument("--no_async", action="store_true")   # GRPOTrainer only (several ranks: TRL's async part is one's)
 a = cli.parse_args()
 model, data, out = a.model, a.data, a.out
 attempt = sum(int(os.environ.get(k, "0")) for k in ("TORCHELASTIC_RESTART_COUNT", "DUALRUN_JOB_RESTARTS"))
@@ -119,9 +121,6 @@ class SyncProof(TrainerCallback):
     def __init__(self) -> None:
         self.previous = None
         rec["checks"] = []
-        self.here = os.environ.get("RANK", "0") == "0"   # several ranks: rank 0 checks (the one that syncs)
-        if not self.here:
-            return
         initial = [served(url) for url in replicas()]   # before any sync: the weights each engine loaded
         rec["initial_greedy"] = [i["greedy"] for i in initial]
         rec["initial_logprobs"] = [i["logprobs"] for i in initial]
@@ -136,8 +135,6 @@ class SyncProof(TrainerCallback):
                               "moved": self.previous.get("moved")})
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
-        if not self.here:
-            return
         if a.hold_file and attempt == 0 and state.global_step == a.hold_at_step:
             open(f"{a.hold_file}.held", "w").close()   # checkpoint-<step> is written: the test kills a replica
             while os.path.exists(a.hold_file):
@@ -151,8 +148,7 @@ class SyncProof(TrainerCallback):
         self.previous = now
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        if self.here:
-            self.check(state.global_step)
+        self.check(state.global_step)
 
 
 def async_grpo() -> None:
@@ -200,11 +196,18 @@ def async_grpo() -> None:
     transfer.destroy()
 
 
-if not a.teacher and not a.no_async and (not a.restart_test or attempt > 0):   # restarted: into the fresh engines, before the resume
-    async_grpo()
-trainer = make_trainer(model=model, args=config, train_dataset=dataset, callbacks=[SyncProof()])
+# several trainer ranks: only rank 0 holds TRL's vLLM client, so only it observes, records and checks
+alone = os.environ.get("WORLD_SIZE", "1") == "1"
+main = os.environ.get("RANK", "0") == "0"
+if alone and not a.teacher and (not a.restart_test or attempt > 0):   # restarted: into the fresh engines, before
+    async_grpo()                                                        # the resume
+trainer = make_trainer(model=model, args=config, train_dataset=dataset, callbacks=[SyncProof()] if main else [])
+if not main:
+    trainer.train()
+    trainer.vllm_generation.sync_weights()   # as rank 0 does below (no collective without ZeRO-3 / FSDP)
+    raise SystemExit(0)
 rec["generations"] = []   # each generation call's answer: the completions and their sampled tokens' logprobs
-one_rank = int(os.environ.get("WORLD_SIZE", "1")) == 1   # several: rank 0 alone holds TRL's client
+generate = trainer.vllm_generation.vllm_client.generate
 
 
 def recorded_generate(*args, **kwargs):
@@ -214,22 +217,19 @@ def recorded_generate(*args, **kwargs):
     return answer
 
 
-if hasattr(trainer.vllm_generation, "vllm_client"):
-    generate = trainer.vllm_generation.vllm_client.generate
-    trainer.vllm_generation.vllm_client.generate = recorded_generate
+trainer.vllm_generation.vllm_client.generate = recorded_generate
 trainer.train()
-if one_rank:
-    # TRL's per-tensor call (`update_named_param`, one tensor in its own update) on the same client: one weight changed
-    client = trainer.vllm_generation.vllm_client
-    trainer.vllm_generation.sync_weights()   # first the last step's update, which no generation followed (TRL's sync)
-    before = trainer_side(trainer.model)
-    with torch.no_grad():
-        trainer.model.model.norm.weight.mul_(3.0)
-    client.update_named_param("model.norm.weight", trainer.model.model.norm.weight.data)
-    client.reset_prefix_cache()
-    after = trainer_side(trainer.model)
-    rec["one_tensor"] = {"moved": gap(after["logprobs"], before["logprobs"]),
-                         "logprob_gap": [gap(served(url)["logprobs"], after["logprobs"]) for url in replicas()]}
+# TRL's per-tensor call (`update_named_param`, one tensor in its own update) on the same client: one weight changed
+client = trainer.vllm_generation.vllm_client
+trainer.vllm_generation.sync_weights()   # first the last step's update, which no generation followed (TRL's sync)
+before = trainer_side(trainer.model)
+with torch.no_grad():
+    trainer.model.model.norm.weight.mul_(3.0)
+client.update_named_param("model.norm.weight", trainer.model.model.norm.weight.data)
+client.reset_prefix_cache()
+after = trainer_side(trainer.model)
+rec["one_tensor"] = {"moved": gap(after["logprobs"], before["logprobs"]),
+                     "logprob_gap": [gap(served(url)["logprobs"], after["logprobs"]) for url in replicas()]}
 rec["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 rec["rewards"] = [h["reward"] for h in trainer.state.log_history if "reward" in h]
 with open(path, "w") as f:
