@@ -1,21 +1,24 @@
 """GRPO with a real vLLM rollout (the CPU build) across two torchrun machines of the virtual cluster, each with its
-own address: one trainer rank per machine, the rollout's engine on machine 1 (`roles.rollout.machines: [1]`),
-`dualrun launch` by hand on each machine (the accelerate recipe). Each machine routes out through an interface no
-other machine reaches (`route_out_elsewhere`), as nodes with a second network do. The weight-sync group crosses the
-link: trainer rank 0 on machine 0 is its master at machine 0's address on the cluster's network (dualrun's
-VLLM_HOST_IP; vLLM's get_ip() alone gives the route-out address), the engine on machine 1 joins it, and every sync lands
-(the engine serves the trainer's weights at every step); the job samples, rewards and trains bit for bit as the
-same job on one machine. Runs in the cluster tier with the vLLM venv (marked `cluster` and `vllm`)."""
+own address, in the layout TRL's docs teach (`trl vllm-serve` on one node, training on another): both trainer ranks
+on machine 0 (`roles.train.machines: [0]`), the rollout's engine alone on machine 1 (`roles.rollout.machines: [1]`),
+`dualrun launch` by hand on each machine (the accelerate recipe); machine 1's launcher runs no torchrun agent. Each
+machine routes out through an interface no other machine reaches (`route_out_elsewhere`), as nodes with a second
+network do. The weight-sync group crosses the link: trainer rank 0 is its master at machine 0's address on the
+cluster's network (dualrun's VLLM_HOST_IP; vLLM's get_ip() alone gives the route-out address), the engine on machine 1
+joins it, and every sync lands (the engine serves the trainer's weights at every step); the job samples, rewards and
+trains bit for bit as the same job on one machine (the probe, assets/grpo_server_probe.py, records on rank 0, which
+alone holds TRL's vLLM client). Runs in the cluster tier with the vLLM venv (marked `cluster` and `vllm`)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from cluster_jobs import launch_on, route_out_elsewhere
-from helpers import ASSETS, dualrun, eventually, pids_matching
+from helpers import ASSETS, dualrun, pids_matching
 from vcluster import VCluster, address
 from vllm_helpers import TIER, assert_every_sync_landed, server_role
 
@@ -24,11 +27,12 @@ pytestmark = [*TIER, pytest.mark.cluster, pytest.mark.timeout(900)]
 ENV = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def config(tiny: Path, extra: str = "", machines: str = "") -> str:
-    return (f"use_cpu: true\nmethod: grpo\nroles:\n  train: {{gpus: 2}}\n"
-            + server_role("rollout", tiny / "model", gpus=1, health_timeout_s=400, **({"machines": machines}
-                                                                                       if machines else {}))
-            + extra)
+def config(tiny: Path, extra: str = "", trainers: str = "", rollout: str = "") -> str:
+    """GRPO, two trainer ranks and one vLLM engine; `trainers` / `rollout`: their `machines`."""
+    train = f"{{gpus: 2, machines: {trainers}}}" if trainers else "{gpus: 2}"
+    return (f"use_cpu: true\nmethod: grpo\nroles:\n  train: {train}\n"
+            + server_role("rollout", tiny / "model", gpus=1, health_timeout_s=400,
+                          **({"machines": rollout} if rollout else {})) + extra)
 
 
 def probe(tiny: Path, out: Path) -> list[str]:
@@ -59,13 +63,13 @@ def vc(shared, vllm_tiny):
         yield cluster
 
 
-def test_grpo_syncs_into_a_vllm_rollout_on_machine_1_with_the_training_of_one_machine(vc, shared, vllm_tiny,
-                                                                                        one_machine):
+def test_grpo_rollout_alone_on_machine_1_syncs_every_step_and_trains_as_one_machine(vc, shared, vllm_tiny,
+                                                                                      one_machine):
     work = shared / "grpo"
     work.mkdir()
     out = work / "out"
-    procs = launch_on(vc, work, probe(vllm_tiny, out), config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\n",
-                                                             machines="[1]"), env=ENV)
+    procs = launch_on(vc, work, probe(vllm_tiny, out),
+                      config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\n", trainers="[0]", rollout="[1]"), env=ENV)
     deadline = time.monotonic() + 700
     try:
         for p in procs:
@@ -77,15 +81,19 @@ def test_grpo_syncs_into_a_vllm_rollout_on_machine_1_with_the_training_of_one_ma
                 p.wait()
     outs = [(work / f"m{k}" / "out").read_text() for k in (0, 1)]
     assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
+    left = [vc.run(k, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:] for k in (0, 1)]
+    assert [[r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r] for rows in left] == [[], []]
+    served = re.search(r"rollout server 0: server healthy at ([\d.]+):(\d+) \(machine 1\)", outs[1])
+    assert served and served.group(1) == address(1), outs[1][-3000:]
+    assert "torch.distributed.run" not in outs[1] and "job succeeded" in outs[1]   # machine 1 only serves
     rec = json.loads((out / "rank0.json").read_text())
-    server_log = (work / "logs1" / "rollout-server-0.log").read_text()
-    group_port = rec["grpo"]["vllm_group_port"]
     # the engine on machine 1 joined trainer rank 0's group at machine 0's address, across the link
-    assert f"dualrun gloo weight transfer: rank 1 of 2 (trainer at {address(0)}:{group_port})" in server_log, \
-        server_log[-3000:]
+    server_log = (work / "logs1" / "rollout-server-0.log").read_text()
+    assert (f"dualrun gloo weight transfer: rank 1 of 2 (trainer at {address(0)}:{rec['grpo']['vllm_group_port']})"
+            in server_log), server_log[-3000:]
     assert rec["grpo"]["vllm_server_host"] == address(1), rec["grpo"]   # the trainers reach it at machine 1's address
-    assert not (work / "logs0" / "rollout-server-0.log").exists()
     assert_every_sync_landed(rec, replicas=1)
     same = ("generations", "rewards", "losses")   # sampled, scored, trained on: equal, not close
     assert {k: rec[k] for k in same} == {k: one_machine[k] for k in same}
-    assert eventually(lambda: not pids_matching(str(vllm_tiny / "model"))), pids_matching(str(vllm_tiny / "model"))
+    assert [c["trainer_greedy"] for c in rec["checks"]] == [c["trainer_greedy"] for c in one_machine["checks"]]
+    assert not pids_matching(str(work))
