@@ -79,6 +79,23 @@ def test_settle_names_a_machine_that_beats_no_more_once_the_ranks_failed(store, 
     assert line.endswith(" s after this machine's ranks failed: it was lost or its link is cut") and lost == []
 
 
+def test_settle_takes_a_last_beat_written_since_the_watchs_look_for_no_sign_of_life(store, monkeypatch):
+    """Machine 1 beat once more between the watch's last look and its loss: that beat is old news, not a new one."""
+    monkeypatch.setattr(machine_watch, "SETTLE_S", 1.5)
+    monkeypatch.setattr(machine_watch, "BEAT_S", 60.0)   # the watch's own thread does not look meanwhile
+    server, port = store
+    server.set(job_store.machine_key(1), "10.0.0.2")
+    server.add(job_store.beat_key(1), 1)
+    w = MachineWatch("127.0.0.1", port, 0, 2, 600.0, [].append)
+    w.start()
+    assert until(lambda: w._store is not None)
+    w.look()   # the watch's last look
+    assert 1 in w.addresses
+    server.add(job_store.beat_key(1), 1)   # its last beat, after that look; then it is lost
+    line = w.settle()
+    assert line is not None and line.startswith("machine 1 (10.0.0.2) sent no sign of life for "), line
+
+
 def test_a_machine_that_never_joins_is_named_after_the_rendezvous_timeout(store):
     server, port = store
     lost: list[str] = []

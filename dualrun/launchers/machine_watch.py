@@ -181,6 +181,7 @@ class MachineWatch:
         self._stop.set()
         deadline, start = time.monotonic() + SETTLE_S, time.monotonic()
         try:
+            self.look()   # the counters as they are now: a beat written since the watch's last look is no sign of life
             before = {k: c for k, (c, _) in self._beats.items()}
             while time.monotonic() < deadline:
                 self.look()
