@@ -9,17 +9,16 @@ a reference there keeps its server listening until the list is cleared.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from typing import Any, Iterator
 
-from dualrun.light.loopback_store import HOLDERS
+from dualrun.light.loopback_store import store_args, swapped_store_class
 
 
 def _holding_class(real: Any, held: list[Any]) -> Any:
     class HeldTCPStore(real):   # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            if kwargs.get("is_master", args[3] if len(args) > 3 else False):
+            if store_args(args, kwargs).get("is_master"):
                 held.append(self)
 
     HeldTCPStore.__qualname__ = HeldTCPStore.__name__ = "TCPStore"
@@ -30,19 +29,6 @@ def _holding_class(real: Any, held: list[Any]) -> Any:
 def held_stores() -> Iterator[list[Any]]:
     """While inside, every master TCPStore created in this process (torchrun's agent store) is appended to the
     list given; the caller drops them (`list.clear()`) once nobody needs the store any more."""
-    import torch.distributed as dist
-
     held: list[Any] = []
-    real = dist.TCPStore
-    patched = _holding_class(real, held)
-    swapped = []
-    for name in HOLDERS:
-        module = importlib.import_module(name)
-        if getattr(module, "TCPStore", None) is real:
-            module.TCPStore = patched
-            swapped.append(module)
-    try:
+    with swapped_store_class(lambda real: _holding_class(real, held)):
         yield held
-    finally:
-        for module in swapped:
-            module.TCPStore = real

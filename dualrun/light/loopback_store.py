@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost")
 
@@ -40,7 +40,7 @@ def loopback_store_class(real: Any) -> Any:
 
     class LoopbackTCPStore(real):   # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            given = dict(zip(_ARGS, args), **kwargs)
+            given = store_args(args, kwargs)
             if given.get("is_master") and given.get("master_listen_fd") is None \
                     and given.get("host_name") in LOOPBACK_HOSTS:
                 given["master_listen_fd"] = loopback_listener(given["host_name"], int(given.get("port") or 0))
@@ -50,14 +50,19 @@ def loopback_store_class(real: Any) -> Any:
     return LoopbackTCPStore
 
 
-def _swap() -> tuple[Any, list[Any]]:
-    """torch's TCPStore and the modules where it is now the loopback one."""
+def store_args(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A TCPStore constructor's arguments by name, however they were passed."""
+    return dict(zip(_ARGS, args), **kwargs)
+
+
+def swap_store_class(make: Callable[[Any], Any]) -> tuple[Any, list[Any]]:
+    """torch's TCPStore, and the modules (HOLDERS) where `make(TCPStore)`, a subclass, now stands in its place."""
     import importlib
 
     import torch.distributed as dist
 
     real = dist.TCPStore
-    patched = loopback_store_class(real)
+    patched = make(real)
     swapped = []
     for name in HOLDERS:
         module = importlib.import_module(name)
@@ -68,14 +73,19 @@ def _swap() -> tuple[Any, list[Any]]:
 
 
 @contextlib.contextmanager
-def loopback_stores() -> Iterator[None]:
-    """While inside: every TCPStore master this process creates at a loopback host listens on it alone."""
-    real, swapped = _swap()
+def swapped_store_class(make: Callable[[Any], Any]) -> Iterator[None]:
+    """While inside: `make(TCPStore)` in TCPStore's place (`swap_store_class`), torch's own again after."""
+    real, swapped = swap_store_class(make)
     try:
         yield
     finally:
         for module in swapped:
             module.TCPStore = real
+
+
+def loopback_stores() -> contextlib.AbstractContextManager[None]:
+    """While inside: every TCPStore master this process creates at a loopback host listens on it alone."""
+    return swapped_store_class(loopback_store_class)
 
 
 def activate(environ: Mapping[str, str] | None = None) -> bool:
@@ -84,5 +94,5 @@ def activate(environ: Mapping[str, str] | None = None) -> bool:
     environ = os.environ if environ is None else environ
     if environ.get("MASTER_ADDR") not in LOOPBACK_HOSTS:
         return False
-    _swap()
+    swap_store_class(loopback_store_class)
     return True
