@@ -94,16 +94,6 @@ def group_port_env(wiring: Mapping[str, str], port: int | None) -> dict[str, str
     return {VLLM_GROUP_PORT: str(port)} if port and ROLLOUT_ADDRESS in wiring else {}
 
 
-def group_host_env(wiring: Mapping[str, str], env: Mapping[str, str], one_host: bool) -> dict[str, str]:
-    """The trainers' weight-sync address where every process of the job is on this host: VLLM_HOST_IP=127.0.0.1,
-    so the group's store on trainer rank 0 (at vLLM's `get_ip()`) listens on loopback alone and the engines reach
-    it there; otherwise that store answers anyone on the network. Not where the user chose an address
-    (VLLM_HOST_IP in `env`), nor where any process runs on another host."""
-    if not one_host or ROLLOUT_ADDRESS not in wiring or env.get("VLLM_HOST_IP"):
-        return {}
-    return {"VLLM_HOST_IP": "127.0.0.1"}
-
-
 @dataclass(frozen=True)
 class RoleSettings:
     """What a worker needs to know about one role of the job."""

@@ -29,10 +29,10 @@ from dualrun.launchers.ray_results import first_line
 from dualrun.launchers.ray_sizing import bundle_of, check_fits, embedded_cpus
 from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
-from dualrun.contract.protocol import ActorPlace, group_host_env, group_port_env
+from dualrun.contract.protocol import ActorPlace, group_port_env
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
-from dualrun.weightsync.group import node_host_env
+from dualrun.weightsync.group import group_host_env, node_host_env
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
 

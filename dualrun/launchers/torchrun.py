@@ -32,7 +32,7 @@ from dualrun.servers.local import LOOPBACK, LocalServers
 from dualrun.servers.machines import BIND, Machines, await_attempt
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
-from dualrun.weightsync.group import node_host_env
+from dualrun.weightsync.group import group_host_env, node_host_env
 
 
 class TorchrunLauncher(Launcher):
@@ -245,7 +245,7 @@ class TorchrunLauncher(Launcher):
 
     def _job_env(self, prepared: Prepared, attempt: int, servers: ServerSet) -> dict[str, str]:
         extra = servers.wiring_env()
-        extra.update(protocol.group_host_env(extra, prepared.env, self.cfg.num_machines == 1))
+        extra.update(group_host_env(extra, prepared.env, self.cfg.num_machines == 1))
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         return {**prepared.env, **extra}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from dualrun.config.model import JobConfig
+from dualrun.contract.protocol import ROLLOUT_ADDRESS
 from dualrun.plan.processes import Plan
 from dualrun.plan.engines import engine_of, engine_size
 from dualrun.programs.routing import rank_offsets
@@ -124,3 +125,10 @@ def node_host_env(env: Mapping[str, str], node_address: str | None) -> dict[str,
     if not node_address or env.get("VLLM_HOST_IP"):
         return {}
     return {"VLLM_HOST_IP": node_address}
+
+
+def group_host_env(wiring: Mapping[str, str], env: Mapping[str, str], one_host: bool) -> dict[str, str]:
+    """The trainers' weight-sync address where every process of the job is on this host: `node_host_env` with
+    127.0.0.1, so the group's store on trainer rank 0 listens on loopback alone (wire.tcp_store) and the engines
+    reach it there; otherwise that store answers anyone on the network. Only for a job with a rollout server."""
+    return node_host_env(env, "127.0.0.1" if one_host and ROLLOUT_ADDRESS in wiring else None)
