@@ -30,9 +30,14 @@ LOOK_S = 0.5         # how often the serving machine looks for the result
 ANNOUNCE_S = 30.0    # how long machine 0 keeps its store for the serving machines to read the result
 
 
+def machines_with_ranks(plan: Any) -> list[int]:
+    """The machines of the plan that run trainer ranks, in order (torchrun's nodes)."""
+    return sorted({p.node for p in plan.workers})
+
+
 def serving_machines(plan: Any, num_machines: int) -> list[int]:
     """The machines of the plan that run no trainer rank."""
-    with_ranks = {p.node for p in plan.workers}
+    with_ranks = machines_with_ranks(plan)
     return [k for k in range(num_machines) if k not in with_ranks]
 
 

@@ -22,7 +22,7 @@ from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
 from dualrun.launchers.machine_watch import MachineWatch
-from dualrun.launchers.serve_only import announce, serve, serving_machines
+from dualrun.launchers.serve_only import announce, machines_with_ranks, serve, serving_machines
 from dualrun.light.held_stores import held_stores
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
@@ -62,22 +62,27 @@ class TorchrunLauncher(Launcher):
         found = self._gloo_interface(env)
         return {**env, "GLOO_SOCKET_IFNAME": found.name} if found is not None else env
 
-    def _gloo_interface(self, env: dict[str, str]) -> "Interface | None":
-        from dualrun.light.interfaces import gloo_ifname, interfaces, reached_at
+    def _machine_route(self) -> tuple[str | None, dict] | None:
+        """Several machines: the address the other machines reach this one at (its route to machine 0) and this
+        machine's interfaces, looked up once (every process of this machine shares them); None on one machine."""
+        from dualrun.light.interfaces import interfaces, reached_at
 
         if self.cfg.num_machines < 2:
             return None
-        if self._route is None:   # once: every process of this machine shares the route
+        if self._route is None:
             self._route = (reached_at(self._addr()), interfaces())
-        return gloo_ifname(env, *self._route)
+        return self._route
+
+    def _gloo_interface(self, env: dict[str, str]) -> "Interface | None":
+        from dualrun.light.interfaces import gloo_ifname
+
+        route = self._machine_route()
+        return None if route is None else gloo_ifname(env, *route)
 
     def _reached_at(self) -> str | None:
-        """Several machines: the address the other machines reach this one at (its route to machine 0)."""
-        if self.cfg.num_machines < 2:
-            return None
-        self._gloo_interface({})
-        assert self._route is not None
-        return self._route[0]
+        """Several machines: the address the other machines reach this one at."""
+        route = self._machine_route()
+        return None if route is None else route[0]
 
     def gloo_note(self, env: dict[str, str]) -> str | None:
         """The start-up line (and dry-run comment) saying what dualrun gave gloo on this machine, if anything."""
@@ -90,7 +95,7 @@ class TorchrunLauncher(Launcher):
 
     def serves_only(self, plan: Plan) -> bool:
         """This machine runs no trainer rank (the trainers' `machines` leaves it out): it only serves."""
-        return self.cfg.num_machines > 1 and not any(p.node == self.cfg.machine_rank for p in plan.workers)
+        return self.cfg.num_machines > 1 and self.cfg.machine_rank not in machines_with_ranks(plan)
 
     def node_workers(self, plan: Plan):
         mine = [p for p in plan.workers if p.node == self.cfg.machine_rank]
@@ -101,7 +106,7 @@ class TorchrunLauncher(Launcher):
     def torchrun_argv(self, plan: Plan) -> list[str]:
         cfg = self.cfg
         nproc = len(self.node_workers(plan))
-        with_ranks = sorted({p.node for p in plan.workers})   # torchrun's nodes: the machines that run ranks
+        with_ranks = machines_with_ranks(plan)   # torchrun's nodes
         argv = ["--nnodes", str(len(with_ranks)), "--nproc-per-node", str(nproc),
                 "--node-rank", str(with_ranks.index(cfg.machine_rank)), "--master-addr", self._addr(),
                 "--master-port", str(self._port()), "--rdzv-backend", cfg.torchrun.rdzv_backend,
