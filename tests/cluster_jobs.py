@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import shutil
+import time
 from pathlib import Path
 
 from helpers import ASSETS, dualrun
@@ -108,3 +109,22 @@ def route_out_elsewhere(vc) -> None:
     for k in range(vc.size):
         vc.run(k, f"ip link add wan0 type veth peer name wan0p && ip addr add 10.99.{k}.1/24 dev wan0 && "
                   "ip link set wan0 up && ip link set wan0p up && ip route replace default dev wan0", check=True)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait for every launcher (`timeout_s` for all of them); what is left then is killed, and the wait fails: a hung
+    machine must not outlive the test."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def outputs(work: Path, machines=(0, 1)) -> list[str]:
+    """Each machine's launcher output, as `launch_on` writes it (work/mK/out)."""
+    return [(work / f"m{k}" / "out").read_text() for k in machines]

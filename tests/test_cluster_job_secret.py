@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from cluster_jobs import gkd_args, gkd_config, launch_on
+from cluster_jobs import gkd_args, gkd_config, launch_on, outputs, wait_all
 from dualrun.contract.job_token import HEADER
 from helpers import eventually
 from vcluster import VCluster, address
@@ -86,14 +85,8 @@ def test_a_shared_secret_guards_both_machines_servers(vc, shared, tiny, gkd_one_
         assert [r["address"] for r in table["replicas"]][1] == replica, table
     finally:
         hold.unlink(missing_ok=True)
-        deadline = time.monotonic() + 240
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except Exception:  # noqa: BLE001 - a hung machine must not outlive the test
-                p.kill()
-                p.wait()
-    outs = [(work / f"m{k}" / "out").read_text() for k in (0, 1)]
+        wait_all(procs, 240)
+    outs = outputs(work)
     assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
     ranks = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["losses"] for r in ranks] == gkd_one_machine

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import ENV, gkd_args, gkd_config, launch_on
+from cluster_jobs import ENV, gkd_args, gkd_config, launch_on, outputs, wait_all
 from helpers import eventually, pids_matching
 from vcluster import VCluster, address
 
@@ -49,16 +49,8 @@ def layout(tiny: Path, work: Path, extra: str = "") -> str:
 def ended(procs: list[subprocess.Popen], work: Path, timeout_s: float = WAIT_S) -> list[str]:
     """Each launcher's output once both have ended (one still running after `timeout_s` is killed, and fails the
     test: a machine must not outlive the job)."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(work / f"m{k}" / "out").read_text() for k in (0, 1)]
+    wait_all(procs, timeout_s)
+    return outputs(work)
 
 
 def left_on(vc: VCluster, machine: int) -> list[str]:

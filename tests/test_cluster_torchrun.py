@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 
-from cluster_jobs import (ENV, SFT_CONFIG, debian_hosts, gkd_args, gkd_config, launch_on, losses, sft_args,
-                          sft_data)
+from cluster_jobs import (ENV, SFT_CONFIG, debian_hosts, gkd_args, gkd_config, launch_on, losses, outputs, sft_args,
+                          sft_data, wait_all)
 from helpers import eventually, pids_matching
 from vcluster import VCluster, address
 
@@ -43,16 +42,8 @@ def on_machines(vc: VCluster, work: Path, config: str, argv: list[str], timeout_
     output in work/mK/out); each one's output once both have ended (what is left after `timeout_s` is killed: a hung
     machine must not outlive the test)."""
     procs = launch_on(vc, work, argv, config)
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    outs = [(work / f"m{k}" / "out").read_text() for k in (0, 1)]
+    wait_all(procs, timeout_s)
+    outs = outputs(work)
     assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
     return outs
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 
-from cluster_jobs import launch_on, route_out_elsewhere
+from cluster_jobs import launch_on, outputs, route_out_elsewhere, wait_all
 from helpers import ASSETS, dualrun, pids_matching
 from vcluster import VCluster, address
 from vllm_helpers import TIER, assert_every_sync_landed, server_role
@@ -70,16 +69,8 @@ def test_grpo_rollout_alone_on_machine_1_syncs_every_step_and_trains_as_one_mach
     out = work / "out"
     procs = launch_on(vc, work, probe(vllm_tiny, out),
                       config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\n", trainers="[0]", rollout="[1]"), env=ENV)
-    deadline = time.monotonic() + 700
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    outs = [(work / f"m{k}" / "out").read_text() for k in (0, 1)]
+    wait_all(procs, 700)
+    outs = outputs(work)
     assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
     left = [vc.run(k, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:] for k in (0, 1)]
     assert [[r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r] for rows in left] == [[], []]

@@ -156,16 +156,9 @@ def _two_machines(tmp_path: Path, tiny: Path, program: list[str], extra: str = "
 def _ended(tmp_path: Path, procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[str, str]]:
     """Wait for both machines (killing what is left after `timeout_s`: a hung machine must not outlive the test);
     their (stdout, stderr)."""
-    import time
+    from cluster_jobs import wait_all
 
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    wait_all(procs, timeout_s)
     return [((tmp_path / f"m{r}" / "out").read_text(), (tmp_path / f"m{r}" / "err").read_text()) for r in (0, 1)]
 
 
