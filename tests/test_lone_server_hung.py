@@ -50,17 +50,17 @@ def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster,
                             stderr=(tmp_path / "stderr.txt").open("w"), text=True)
 
 
-def _stop_server_mid_training(tmp_path: Path, tiny: Path, driver: subprocess.Popen,
-                              count: int = 1) -> tuple[int, float] | None:
-    """Wait for both ranks to have trained a step, then SIGSTOP the teacher's engine; (its pid, when). With `count`
-    engines (a router in front), only the wait."""
+def _training(tmp_path: Path, driver: subprocess.Popen) -> None:
+    """Wait for both ranks to have trained a step (each has used the teacher's address)."""
     out = tmp_path / "out"
     assert eventually(lambda: driver.poll() is not None or ((out / "step_0_1").exists() and
                                                             (out / "step_1_1").exists()), timeout=150)
     assert driver.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
-    if count > 1:
-        assert len(_engines(tiny)) == count
-        return None
+
+
+def _stop_server_mid_training(tmp_path: Path, tiny: Path, driver: subprocess.Popen) -> tuple[int, float]:
+    """Once both ranks trained a step, SIGSTOP the teacher's engine; (its pid, when)."""
+    _training(tmp_path, driver)
     (pid,) = _engines(tiny)
     os.kill(pid, signal.SIGSTOP)
     return pid, time.monotonic()
@@ -190,7 +190,8 @@ def test_a_hung_router_ends_the_job_within_its_timeout_naming_it(tmp_path, modul
     driver = _start(tmp_path, module_tiny, backend, 0, cluster, replicas=2)
     pid = None
     try:
-        _stop_server_mid_training(tmp_path, module_tiny, driver, count=2)   # the ranks have used the router
+        _training(tmp_path, driver)   # the ranks have used the router
+        assert len(_engines(module_tiny)) == 2
         address = json.loads((tmp_path / "out" / "address_0_0.json").read_text())
         (pid,) = pids_matching("dualrun.programs.router", f"--port {address.rsplit(':', 1)[1]}")
         os.kill(pid, signal.SIGSTOP)
