@@ -37,6 +37,7 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from benchlib.cpu import CpuMeter  # noqa: E402
 from benchlib.servers import start_router  # noqa: E402
 
 OUT = os.path.join(BENCH, "results", "weight_sync.md")
@@ -46,7 +47,11 @@ CHART = os.path.join(BENCH, "results", "weight_sync.png")
 # replicas one share each.
 SERVER_ARGS = ("--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
                "--worker-extension-cls", "weight_sync_timing.TimingExtension")
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# dualrun's quiet readers, as the plan marks every vLLM CPU engine (dualrun/servers/quiet_readers.py).
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "DUALRUN_VLLM_QUIET_READERS": "1"}
+# The engines at rest before the plain broadcast is timed: a reader still spinning after the sync before (vLLM's
+# own spin a second, dualrun's quiet readers' 20 ms) would take the broadcast's cores and flatter the sync's ratio.
+SETTLE_S = 1.2
 # ~100M parameters: 8 layers of hidden 1024 (16 heads of 64, a head size vLLM's CPU attention supports).
 BIG = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
        "num_key_value_heads": 16, "head_dim": 64}
@@ -75,7 +80,7 @@ def build_models(work: str, which: list[str]) -> dict[str, str]:
 
 
 # -- servers ----------------------------------------------------------------------------------------------------
-def start_servers(model: str, n: int, log_dir: str, stack: list) -> list:
+def start_servers(model: str, n: int, log_dir: str, stack: list, env_extra: dict | None = None) -> list:
     from dualrun.config.model import RoleSpec
     from dualrun.contract.protocol import CPU_SHARE
     from dualrun.light.ports import free_port
@@ -84,7 +89,7 @@ def start_servers(model: str, n: int, log_dir: str, stack: list) -> list:
     from dualrun.servers.process import ServerProcess
 
     role = RoleSpec("rollout", 1, 1, engine="vllm", model=model, server_args=SERVER_ARGS)
-    env = {**os.environ, **ROLLOUT_SERVER_ENV, **SERVER_ENV,
+    env = {**os.environ, **ROLLOUT_SERVER_ENV, **SERVER_ENV, **(env_extra or {}),
            "PYTHONPATH": os.pathsep.join(p for p in (BENCH, ROOT, os.environ.get("PYTHONPATH")) if p)}
     servers = []
     for i in range(n):
@@ -316,9 +321,18 @@ def measure_model(name: str, path: str, reps: int, log_dir: str) -> list[dict]:
             with Baseline(chunks, replicas, reps + 1) as base:
                 base.measure()
                 client.sync(model)   # warm-up: first-call costs
+                meter = CpuMeter({"trainer": [os.getpid()], "receivers": [p.pid for p in base.procs],
+                                  "engines": [s.proc.pid for s in servers], "router": [router.proc.pid]},
+                                 alone=("trainer",))
                 for _ in range(reps):
                     load = os.getloadavg()[0]
-                    runs.append({"baseline": base.measure(), **client.sync(model), "load": load})
+                    time.sleep(SETTLE_S)
+                    meter.read()
+                    baseline = base.measure()
+                    cpu_baseline = meter.read()
+                    synced = client.sync(model)
+                    runs.append({"baseline": baseline, **synced, "load": load, "cpu_baseline": cpu_baseline,
+                                 "cpu_sync": meter.read()})
             check = landed(client, model, servers)
             client.close()
             time.sleep(1)   # the servers' log lines are written by a reader thread

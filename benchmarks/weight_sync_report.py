@@ -69,6 +69,23 @@ def phases_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def cpu_table(rows: list[dict]) -> list[str]:
+    """CPU-seconds per group of processes (benchlib.cpu.CpuMeter), where the runs have them: on few cores a sync is
+    bound by the engines' CPU work when its CPU-seconds outgrow the broadcast's."""
+    if not all("cpu_sync" in x for r in rows for x in r["runs"]):
+        return []
+    lines = ["CPU-seconds of each repetition's plain broadcast (every process) and of its sync (the engines' process "
+             "trees, the trainer's process, the router), median (min–max):", "",
+             "| model | replicas | broadcast: all | sync: engines | sync: trainer | sync: router |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        runs = r["runs"]
+        lines.append(f"| {r['model']} | {r['replicas']} | {_spread([sum(x['cpu_baseline'].values()) for x in runs])} | "
+                     + " | ".join(_spread([x["cpu_sync"][k] for x in runs]) for k in ("engines", "trainer", "router"))
+                     + " |")
+    return lines + [""]
+
+
 def attribution(row: dict) -> str:
     """Pure: one line splitting the sync's time into its parts (medians over the repetitions)."""
     runs = row["runs"]
@@ -157,7 +174,9 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
              "## The full sync on one machine (loopback), against a plain gloo broadcast", "",
              f"Each row: {meta['reps']} repetitions after one untimed sync; each repetition is a plain "
              "torch.distributed gloo broadcast of the same packed chunks (this process to one receiver process per "
-             "replica, buffers allocated once at both ends, nothing loaded) immediately followed by one full sync "
+             "replica, buffers allocated once at both ends, nothing loaded), timed once the engines rest (1.2 s "
+             "after the sync before: a reader still spinning would take the broadcast's cores), immediately "
+             "followed by one full sync "
              "(TRL's unchanged `VLLMClient`, dualrun's gloo path, through dualrun's router: `update_named_params` "
              "of every parameter, then `reset_prefix_cache`, as GRPOTrainer's `sync_weights`). The limit: the "
              f"sync's MB/s >= {TARGET} of the broadcast's, in every repetition (PASS), or in the median only "
@@ -174,7 +193,7 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
              "thread waiting for segments; it overlaps **load**), **load** (views of the chunk into vLLM's "
              "`load_weights`, while the next chunk arrives), **relay** (waiting for the segments passed on to the "
              "next replica), **start**/**finish** (vLLM's layerwise reload init / finalize, the CPU repack).", "",
-             *phases_table(rows), "", *[f"- {attribution(r)}" for r in rows], ""]
+             *phases_table(rows), "", *[f"- {attribution(r)}" for r in rows], "", *cpu_table(rows)]
     wire = wire or {}
     if wire.get("loopback"):
         w = wire["loopback"]
@@ -216,6 +235,8 @@ def fake_rows(reps: int) -> list[dict]:
             nbytes = int(params * 4)
             runs = [{"total": 0.05 + nbytes / 4e8 * replicas, "baseline": 0.002 + nbytes / 1e9 * replicas,
                      "load": 10.0 + i, **{k: 0.01 for k in CLIENT_PHASES},
+                     "cpu_baseline": {"trainer": 0.1, "receivers": 0.1 * replicas, "engines": 0.0, "router": 0.0},
+                     "cpu_sync": {"trainer": 0.1, "receivers": 0.0, "engines": 0.5 * replicas, "router": 0.01},
                      "server": [{k: 0.01 for k in SERVER_PHASES} for _ in range(replicas)]} for i in range(reps)]
             rows.append({"model": name, "params": params, "bytes": nbytes, "chunks": chunks, "replicas": replicas,
                          "runs": runs})

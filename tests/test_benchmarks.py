@@ -45,7 +45,7 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
 
 @pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost",
                                     "replica_throughput", "weight_sync_bench", "router_vs_vllm",
-                                    "replica_restart_bench", "startup_bench"])
+                                    "replica_restart_bench", "startup_bench", "quiet_readers_bench"])
 def test_the_scripts_built_on_benchlib_start(script):
     """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,
@@ -271,7 +271,9 @@ def test_weight_sync_report_on_fake_numbers(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     md = out.read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith(("| tiny |", "| 100M |"))]
-    assert len(rows) == 8, md                        # 2 models x 2 layouts, in both tables
+    assert len(rows) == 12, md                       # 2 models x 2 layouts, in the three tables
+    cpu = "| 100M | 2 | 0.30 (0.30–0.30) | 1.00 (1.00–1.00) | 0.10 (0.10–0.10) | 0.01 (0.01–0.01) |"   # CPU-seconds
+    assert cpu in md, md
     assert sum(ln.endswith(("| PASS |", "| FAIL |", "| PASS (median) |")) for ln in rows) == 4 and "Load average" in md
     assert "| 100M | 101.00M | 404.0 (7) | 2 |" in md
     shaped = [ln for ln in md.splitlines() if ln.startswith(("| 1gbit |", "| 5gbit |"))]
@@ -313,3 +315,17 @@ def test_weight_sync_server_timings_are_grouped_per_update(tmp_path):
     syncs = ws.server_timings(str(log))
     assert [s["start"] for s in syncs] == [0.1, 0.2] and [s["finish"] for s in syncs] == [0.01, 0.02]
     assert syncs[1]["update"] == 2.0 and syncs[1]["relay"] == 0.1 and syncs[0]["bytes"] == 8
+
+
+def test_quiet_readers_report_holds_each_mode_side_by_side():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import quiet_readers_bench as qb
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    results = {mode: {"generate_s": [2.0, 1.9, 2.1], "step_after_s": [step, step, step], "step_rested_s": [1.0] * 3,
+                      "server_cpu_s": [cpu] * 3} for mode, step, cpu in (("spin", 2.0, 1.0), ("quiet", 1.0, 0.02))}
+    md = qb.report(results, {"command": "c", "when": "w", "reps": 3, "load_end": "1", "versions": "v"})
+    assert "| trainer step right after a request (s) | 2.000 (2.000-2.000) | 1.000 (1.000-1.000) |" in md, md
+    assert "| server's CPU-seconds in the second after a request | 1.000 (1.000-1.000) | 0.020 (0.020-0.020) |" in md
+    assert "0.50 of its time with vLLM's readers; generation: 1.00 of its time" in md

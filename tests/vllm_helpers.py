@@ -149,8 +149,17 @@ def assert_async_syncs_landed(rec: dict, replicas: int) -> None:
 
 
 def vllm_processes() -> list[int]:
-    """vLLM's engine processes (they rename themselves `VLLM::...`); only this tier runs vLLM on the machine."""
-    return pids_matching("VLLM::")
+    """vLLM's engine processes (they rename themselves `VLLM::...`) in this test's network namespace: the vLLM tier
+    and the cluster tier's vLLM tests run side by side in CI, each in namespaces of its own
+    (scripts/in-loopback.sh, tests/vcluster.py), so another tier's engines are not this test's leftovers."""
+    return [pid for pid in pids_matching("VLLM::") if _same_netns(pid)]
+
+
+def _same_netns(pid: int) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+    except OSError:   # gone meanwhile, or not ours to read
+        return False
 
 
 def assert_nothing_left(log: str, marker: str) -> None:

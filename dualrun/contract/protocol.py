@@ -36,6 +36,9 @@ GROUP_SIZE = "DUALRUN_GROUP_SIZE"   # the number of workers of the group
 # Several vLLM CPU engines on one machine (dualrun/plan/processes.py): 'j/k' = this engine is the j-th of k there, and binds its
 # OpenMP threads to the j-th k-th of the machine's allowed cores where it starts (dualrun/servers/cpu_share.py).
 CPU_SHARE = "DUALRUN_CPU_SHARE"
+# Every vLLM CPU engine (dualrun/plan/processes.py): '1' = vLLM's shared-memory queue readers wait for the writer's
+# signal instead of spinning a second after each message (dualrun/servers/quiet_readers.py, a vLLM plugin).
+QUIET_READERS = "DUALRUN_VLLM_QUIET_READERS"
 
 # -- trainer wiring ------------------------------------------------------------------------------------------
 # A free port on trainer rank 0's node for TRL's weight-sync rendezvous (the trainer is its master): TRL's default
@@ -63,7 +66,7 @@ PLUGIN_ENTRY_POINTS = "dualrun.plugins"
 
 # Names the driver sets for every process: a config's `env:` must not override them.
 RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, JOB_TOKEN, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN,
-            API_KEY_PATTERN, LOG_DIR)
+            API_KEY_PATTERN, LOG_DIR, QUIET_READERS)
 
 
 def address_env(role: str) -> str:

@@ -145,8 +145,8 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
         procs += _place_server(cfg, policy, cluster, free, group, role, unit, common, _cpus_used(policy, procs))
     _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
-    return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_share_cpus(cfg, procs)), frozen_map(common),
-                frozen_map(external), policy.machine_rank, slot)
+    return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
+                frozen_map(common), frozen_map(external), policy.machine_rank, slot)
 
 
 def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) -> None:
@@ -165,10 +165,10 @@ def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) 
                           list(cfg.trainer_machines))
 
 
-def _share_cpus(cfg: JobConfig, procs: list[Process]) -> list[Process]:
-    """Several vLLM CPU engines on one machine: each marked with its share of the machine's cores ('j/k'), which
-    it binds its OpenMP threads to where it starts (dualrun/servers/cpu_share.py); vLLM alone binds them all to
-    the same cores."""
+def _mark_cpu_engines(cfg: JobConfig, procs: list[Process]) -> list[Process]:
+    """vLLM CPU engines: each marked to wait instead of spin (dualrun/servers/quiet_readers.py), and where a machine
+    has several, each with its share of the machine's cores ('j/k'), which it binds its OpenMP threads to where it
+    starts (dualrun/servers/cpu_share.py); vLLM alone binds them all to the same cores."""
     if not cfg.use_cpu:
         return procs
     on_node: dict[int, list[int]] = {}
@@ -178,8 +178,9 @@ def _share_cpus(cfg: JobConfig, procs: list[Process]) -> list[Process]:
             on_node.setdefault(p.node, []).append(i)
     out = list(procs)
     for engines in on_node.values():
-        for j, i in enumerate(engines if len(engines) > 1 else ()):
-            out[i] = replace(out[i], env=frozen_map({**out[i].env, protocol.CPU_SHARE: f"{j}/{len(engines)}"}))
+        for j, i in enumerate(engines):
+            share = {protocol.CPU_SHARE: f"{j}/{len(engines)}"} if len(engines) > 1 else {}
+            out[i] = replace(out[i], env=frozen_map({**out[i].env, protocol.QUIET_READERS: "1", **share}))
     return out
 
 
