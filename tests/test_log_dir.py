@@ -88,4 +88,35 @@ def test_each_ranks_output_is_in_log_dir_role_rank_log(tmp_path, backend, ray_cl
         assert f"out of rank {rank}" in proc.stdout + proc.stderr   # the terminal still has it
     if backend == "torchrun":   # torchrun's own layout stays beside it
         assert list((tmp_path / "logs").glob("*/attempt_0/0/stdout.log"))
-    assert eventually(lambda: not pids_matching(f"tee -a {tmp_path}"))   # each copier ends with its rank
+    assert eventually(lambda: not pids_matching(str(tmp_path), "log_copier.py"))   # each copier ends with its rank
+
+
+def test_the_file_gets_whole_lines_however_they_reach_the_pipes():
+    from dualrun.rank.log_copier import Lines
+
+    lines = Lines(limit=8)
+    assert [lines.feed(b"err of"), lines.feed(b" rank 1\nout"), lines.feed(b" of rank 1\n")] == [
+        b"", b"err of rank 1\n", b"out of rank 1\n"]
+    assert lines.feed(b"0123456789") == b"0123456789" and lines.rest() == b""   # no newline past the limit: as is
+    assert lines.feed(b"tail") == b"" and lines.rest() == b"tail"               # the end: what is left
+
+
+PIECES = """import os, sys, time
+from dualrun.rank import log_tee
+log_tee.start({"DUALRUN_LOG_DIR": sys.argv[1], "DUALRUN_ROLE": "train", "RANK": "3"})
+for fd, piece in ((2, b"err of rank"), (1, b"out of rank"), (2, b" 3\\n"), (1, b" 3\\n"), (2, b"no newline")):
+    os.write(fd, piece)
+    time.sleep(0.05)   # each piece read on its own
+os._exit(0)            # as the exit guard ends a rank: what is in the pipes is still copied
+"""
+
+
+def test_a_rank_s_pieces_of_lines_reach_the_terminal_as_they_come_and_the_file_uncut(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", PIECES, str(tmp_path)], capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    log = tmp_path / "train_3.log"
+    assert eventually(lambda: log.exists() and log.read_bytes().endswith(b"no newline"), timeout=20), \
+        log.read_bytes() if log.exists() else "no log"
+    assert sorted(log.read_bytes().split(b"\n")) == [b"err of rank 3", b"no newline", b"out of rank 3"]
+    assert proc.stdout == b"out of rank 3\n" and proc.stderr == b"err of rank 3\nno newline"
+    assert eventually(lambda: not pids_matching(str(tmp_path), "log_copier.py"))
