@@ -149,6 +149,25 @@ def wire_shaped_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def wire_cpu_lines(rows: list[dict]) -> list[str]:
+    """Pure: where the runs have them, the CPU-seconds of every member during the stream and the broadcast, and the
+    cores that kept busy (CPU-seconds over the wall time): near this machine's core count, the cores, not the links,
+    set the time."""
+    if not rows or not all("stream_cpu_s" in x for r in rows for x in r["runs"]):
+        return []
+    lines = [f"CPU-seconds of every member (all their threads) during each run, and the cores busy on average "
+             f"(CPU-seconds over the run's wall time; this machine has {os.cpu_count()}):", "",
+             "| link | receivers | stream CPU-s | stream: cores busy | broadcast CPU-s | broadcast: cores busy |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        runs = r["runs"]
+        lines.append(f"| {r['link']} | {r['receivers']} | {_spread([x['stream_cpu_s'] for x in runs])} | "
+                     f"{_spread([x['stream_cpu_s'] / x['stream'] for x in runs])} | "
+                     f"{_spread([x['broadcast_cpu_s'] for x in runs])} | "
+                     f"{_spread([x['broadcast_cpu_s'] / x['broadcast'] for x in runs])} |")
+    return lines + [""]
+
+
 def tree_lines(rows: list[dict]) -> list[str]:
     """Pure: per link rate, gloo's broadcast and dualrun's chain against the number of receivers, as multiples of
     one receiver's time (the tree's copies on the trainer's link show as 1, 2, 3)."""
@@ -203,7 +222,7 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
                   "the same packed chunks, both in the same group, alternating which goes first. On one machine every "
                   "hop is a copy on the same 2 cores, so no algorithm can make 4 receivers as fast as 1 here: this "
                   "table says only that the chain costs no more than the tree where the wire is the CPU.", "",
-                  *wire_loopback_table(w["rows"]), ""]
+                  *wire_loopback_table(w["rows"]), "", *wire_cpu_lines(w["rows"])]
     if wire.get("shaped"):
         w = wire["shaped"]
         lines += ["## Shaped links: the trainer on machine 0, each receiver on a machine of its own", "",
@@ -215,7 +234,7 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
                   f"model's bytes at the link's rate; targets: 1 receiver >= {LINK_TARGET} of the link's rate, 4 "
                   f"receivers <= {FAN_TARGET}x the time of 1. Beside it, gloo's own broadcast of the same chunks "
                   "(its binomial tree: the trainer's link carries 1, 2, 3 copies for 1, 2, 4 receivers).", "",
-                  *wire_shaped_table(w["rows"]), "", *tree_lines(w["rows"]), ""]
+                  *wire_shaped_table(w["rows"]), "", *wire_cpu_lines(w["rows"]), *tree_lines(w["rows"]), ""]
     lines += ["## Machine", "", f"- {platform.platform()}, {os.cpu_count()} cores, shared with other engineers' jobs.",
               f"- Python {platform.python_version()}, {meta['versions']}.", ""]
     return "\n".join(lines)
@@ -248,7 +267,8 @@ def fake_wire(reps: int) -> dict:
     def rows(link: str, rate: float | None, per_s: float) -> list[dict]:
         return [{"link": link, "rate_bps": rate, "load": 9.0, "receivers": n, "bytes": 411_435_008, "chunks": 6,
                  "runs": [{"broadcast": 0.4 * n + i * 0.01, "stream": 411e6 / per_s * (1 + 0.05 * n) + i * 0.01,
-                           "pack_s": 0.2, "send_wait_s": 0.1, "recv_s": 0.3} for i in range(reps)]}
+                           "pack_s": 0.2, "send_wait_s": 0.1, "recv_s": 0.3, "stream_cpu_s": 0.5 * (n + 1),
+                           "broadcast_cpu_s": 0.4 * (n + 1)} for i in range(reps)]}
                 for n in (1, 2, 4)]
     meta = {"when": "2026-01-01 00:00 UTC", "load_end": "9.0 / 9.0 / 9.0 (1/5/15 min)"}
     return {"loopback": {**meta, "command": "weight_sync_wire.py --loopback", "rows": rows("loopback", None, 1e9)},

@@ -76,7 +76,7 @@ def member(spec: dict) -> dict:
         modes = ("broadcast", "stream") if rep % 2 == 0 else ("stream", "broadcast")
         for mode in modes:
             group.barrier().wait()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()   # every thread's CPU: gloo's included
             if mode == "broadcast":
                 for c in chunks:
                     group.broadcast(c, 0).wait()
@@ -88,6 +88,7 @@ def member(spec: dict) -> dict:
                 record["recv_s"] = receiver.stats["recv_s"]
             group.barrier().wait()
             record[mode] = time.perf_counter() - t0
+            record[f"{mode}_cpu_s"] = time.process_time() - cpu0
         if rep:
             runs.append(record)
     expected = int(tensors[0].reshape(-1).view(torch.uint8)[:4096].sum()) if rank == 0 else checksum[0]
@@ -120,7 +121,9 @@ def run_layout(receivers: int, reps: int, spawn, address: str, port: int, segmen
     if bad:
         raise RuntimeError(f"ranks {bad} received other bytes than rank 0 sent")
     return {"receivers": receivers, "bytes": reports[0]["bytes"], "chunks": reports[0]["chunks"],
-            "runs": [{**r0, "recv_s": max(r["runs"][i].get("recv_s", 0.0) for r in reports[1:])}
+            "runs": [{**r0, "recv_s": max(r["runs"][i].get("recv_s", 0.0) for r in reports[1:]),
+                      **{f"{m}_cpu_s": sum(r["runs"][i].get(f"{m}_cpu_s", 0.0) for r in reports)
+                         for m in ("broadcast", "stream")}}
                      for i, r0 in enumerate(reports[0]["runs"])]}
 
 
@@ -201,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text)
     for row in rows:
         for run in row["runs"]:
-            print(f"{row['link']} receivers={row['receivers']}: broadcast {run['broadcast']:.2f} s, "
-                  f"stream {run['stream']:.2f} s (pack {run.get('pack_s', 0):.2f}, load {row['load']:.1f})")
+            print(f"{row['link']} receivers={row['receivers']}: broadcast {run['broadcast']:.2f} s "
+                  f"({run['broadcast_cpu_s']:.2f} CPU-s), stream {run['stream']:.2f} s ({run['stream_cpu_s']:.2f} "
+                  f"CPU-s; pack {run.get('pack_s', 0):.2f}, load {row['load']:.1f})")
     return 0
 
 

@@ -281,6 +281,7 @@ def test_weight_sync_report_on_fake_numbers(tmp_path):
     assert all("<= 1.5x of 1 receiver" in ln for ln in shaped if "| 4 |" in ln), shaped
     # 1 Gbit/s: 411.4 MB at 125 MB/s is 3.29 s; the fake stream (115 MB/s, 5 % more per receiver) reaches 0.87 of it
     assert "| 1gbit | 1 | 411.4 | 3.29 | 3.76 (3.75–3.77) | 0.87 (0.87–0.88) | 1.00x |" in md
+    assert "| 5gbit | 4 | 2.50 (2.50–2.50) |" in md, md   # the members' CPU-seconds during the stream
     wire_loopback = [ln for ln in md.splitlines() if ln.startswith(("| 1 | 411.4 |", "| 2 | 411.4 |", "| 4 | 411.4 |"))]
     assert len(wire_loopback) == 3
     try:
