@@ -321,3 +321,41 @@ def test_empty_tensors_make_empty_chunks_at_both_ends():
     assert Sender(group, buffer_bytes=8).send([torch.empty(0), torch.empty(0, 3)]) == 0 and group.events == []
     loaded: list[int] = []
     assert Receiver(FakeGroup(), 1, 2).receive([[0]], lambda i, c: loaded.append(c.numel())) == 0 and loaded == [0]
+
+
+def _smaps_entry(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    import re
+
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps").read().splitlines():
+        span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
+        elif inside and ":" in line:
+            key, value = line.split(":", 1)
+            fields[key] = value.strip()
+    return fields
+
+
+def test_a_fresh_receive_buffer_is_advised_huge_pages_and_holds_its_bytes():
+    import gc
+    import os
+
+    from dualrun.weightsync.stream import HUGE_PAGE_BYTES, fresh_buffer
+
+    small = fresh_buffer(1000)
+    assert small.dtype == torch.uint8 and small.numel() == 1000
+    buffer = fresh_buffer(3 * HUGE_PAGE_BYTES + 5)
+    assert buffer.dtype == torch.uint8 and buffer.numel() == 3 * HUGE_PAGE_BYTES + 5
+    view = buffer[HUGE_PAGE_BYTES:HUGE_PAGE_BYTES + 16]
+    del buffer
+    gc.collect()
+    view.copy_(torch.arange(16, dtype=torch.uint8))   # the mapping lives as long as a view of it
+    assert view.tolist() == list(range(16))
+    policy = "/sys/kernel/mm/transparent_hugepage/enabled"
+    thp = open(policy).read() if os.path.exists(policy) else "[never]"
+    fields = _smaps_entry(view.data_ptr())
+    if "[never]" in thp or "THPeligible" not in fields:
+        pytest.skip(f"no transparent huge pages here ({thp.strip()})")
+    assert fields["THPeligible"] == "1", fields

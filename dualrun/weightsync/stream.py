@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import mmap
 import queue
 import threading
 import time
@@ -161,6 +162,28 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     numpy_dst[...] = numpy_src
 
 
+HUGE_PAGE_BYTES = 2 << 20   # below this a buffer is left to torch's allocator
+
+
+def fresh_buffer(size: int) -> torch.Tensor:
+    """A new receive buffer of `size` bytes, backed by transparent huge pages where Linux offers them.
+
+    Why: a receiving rank takes a fresh buffer for every chunk vLLM's layerwise reload still holds a view of (most
+    of them), and the kernel fills it on its first touch, while gloo's thread writes the bytes: with 4 KiB pages
+    that is a page fault per 4 KiB, the largest share of the receiving thread's CPU. Where transparent huge pages
+    are `madvise` (a common default), an anonymous mapping advised `MADV_HUGEPAGE` faults in 2 MiB at a time: on 2
+    cores a 411 MB sync to one vLLM CPU engine went from 0.37 to 0.48 of a plain broadcast's speed (median of 4)."""
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if size < HUGE_PAGE_BYTES or advise is None:
+        return torch.empty(size, dtype=torch.uint8)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        memory.madvise(advise)
+    except OSError:   # THP off in this kernel: the mapping still serves, in small pages
+        pass
+    return torch.frombuffer(memory, dtype=torch.uint8)   # the tensor keeps the mapping alive
+
+
 def _wait(works: list[Any]) -> float:
     """Wait for `works` in order, then empty the list (also when one fails); the seconds it took."""
     t0 = time.perf_counter()
@@ -290,7 +313,7 @@ class Receiver:
                 return self.free.pop(fits[0][1])
             if self.free and _retained(size, self.buffer_bytes):
                 self.free.pop(0)
-        return torch.empty(size, dtype=torch.uint8)
+        return fresh_buffer(size)
 
     def _release(self, buffer: torch.Tensor) -> None:
         """Keep `buffer` for a next chunk if no other tensor shares its memory (a view the loader kept)."""
