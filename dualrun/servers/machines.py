@@ -34,12 +34,14 @@ import time
 
 from dualrun.contract import job_store, protocol
 from dualrun.plan.processes import ROUTER, Plan
+from dualrun.programs.rotation import PROBE_TIMEOUT_S
 from dualrun.servers.local import Endpoint, LocalServers
 from dualrun.servers.process import ServerError
 from dualrun.servers.serverset import ServerDeath
-from dualrun.servers.supervision import restartable, restarting, router_of
+from dualrun.servers.supervision import liveness_path, restartable, restarting, router_of
 
 PROBE_EVERY_S = 1.0   # how often another machine's server is health-checked
+CONNECT_S = 1.0       # ... and how long its machine may take to accept the check's connection (the answer: the router's)
 
 
 def others(plan: Plan, machine: int) -> list[int]:
@@ -216,18 +218,22 @@ class Machines:
         return self.servers.failure
 
     def _probe(self) -> ServerDeath | None:
-        from dualrun.servers.process import http_ok
+        """One health check of each watched server, as the router checks a replica: `PROBE_TIMEOUT_S` to answer
+        (a server busy on a loaded machine is not lost), `CONNECT_S` to accept the connection (a live machine's
+        kernel accepts at once, so a lost machine or a dead server is found as fast as before), and a router's
+        table, not its `/health` (503 while its replicas are out, which is their state, not the router's)."""
+        from dualrun.servers.process import probe
 
         with self._probe_lock:
             for index, address in list(self.watched.items()):
                 proc = self.plan.servers[index]
-                assert proc.serving is not None
-                url = f"http://{address}{proc.serving.health_path}"
-                answered = http_ok(url, timeout=1.0) or self._being_restarted(index)
+                url = f"http://{address}{liveness_path(self.plan, index)}"
+                ok, detail = probe(url, PROBE_TIMEOUT_S, connect_s=CONNECT_S)
+                answered = ok or self._being_restarted(index)
                 if self.servers.supervisor.checked(index, answered) and not self.finished_elsewhere(proc.node):
                     return ServerDeath.of(index, ServerError(
-                        proc.label, f"on machine {proc.node} stopped answering its health check ({url}) while the "
-                        "job was running (that machine's launcher, if it is alive, names its exit)"))
+                        proc.label, f"on machine {proc.node} stopped answering its health check ({url}: {detail}) "
+                        "while the job was running (that machine's launcher, if it is alive, names its exit)"))
         return None
 
     def _being_restarted(self, index: int) -> bool:
