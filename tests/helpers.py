@@ -157,3 +157,24 @@ def eventually(check: Callable[[], Any], timeout: float = 15.0, every: float = 0
         if value or time.monotonic() > deadline:
             return value
         time.sleep(every)
+
+
+def health_server(delay_s: float = 0.0, status: dict[str, int] | None = None, default: int = 200) -> Any:
+    """A real HTTP server on loopback, serving in a thread: every GET answered after `delay_s` with its path's code
+    in `status`, else `default`. Another machine's server (or a slow one) as a health check sees it; the caller
+    shuts it down (`shutdown`, `server_close`)."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            time.sleep(delay_s)
+            self.send_response((status or {}).get(self.path, default))
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

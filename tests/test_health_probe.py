@@ -5,35 +5,19 @@ other machines' health checks (servers/machines.py) find a dead server or a lost
 bound, while a server busy on a loaded machine keeps the router's whole answer bound. Real sockets on loopback."""
 from __future__ import annotations
 
-import http.server
 import socket
-import threading
 import time
 
 from dualrun.servers.process import http_ok, probe
+from helpers import health_server
 
 
-def _serving(delay_s: float = 0.0, status: int = 200) -> http.server.ThreadingHTTPServer:
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            time.sleep(delay_s)
-            self.send_response(status if self.path == "/health" else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def _url(server: http.server.ThreadingHTTPServer, path: str = "/health") -> str:
+def _url(server, path: str = "/health") -> str:
     return f"http://127.0.0.1:{server.server_address[1]}{path}"
 
 
 def test_a_slow_answer_passes_within_the_answer_bound_whatever_the_connection_bound():
-    server = _serving(delay_s=0.6)
+    server = health_server(delay_s=0.6)
     try:
         assert probe(_url(server), 5.0, connect_s=0.2) == (True, "health probe answered 200")
         assert probe(_url(server), 0.2) == (False, "health probe not answered within 0.2 s")
@@ -44,7 +28,7 @@ def test_a_slow_answer_passes_within_the_answer_bound_whatever_the_connection_bo
 
 
 def test_an_error_status_and_a_wrong_path_are_failures_named_by_their_code():
-    server = _serving(status=503)
+    server = health_server(status={"/health": 503}, default=404)
     try:
         assert probe(_url(server), 2.0, connect_s=1.0) == (False, "health probe answered 503")
         assert probe(_url(server, "/nope?x=1"), 2.0) == (False, "health probe answered 404")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ASSETS, dualrun, eventually, link_tiny, pids_matching
+from helpers import ASSETS, dualrun, eventually, health_server, link_tiny, pids_matching
 from dualrun.config import build_config
 from dualrun.contract.errors import ConfigError
 from dualrun.plan.processes import ROUTER, make_plan
@@ -274,27 +274,6 @@ def test_machine_1_restarts_its_dead_replica_and_the_job_goes_on(tmp_path, tiny)
 
 
 # -- machine 0 watches the other machines' replicas, and they watch its router ------------------------------
-def _answering(delay_s: float = 0.0, status: dict[str, int] | None = None):
-    """A real HTTP server that answers every GET with 200 (after `delay_s`; `status`: path -> another code):
-    another machine's server, as a health check sees it."""
-    import http.server
-    import threading
-    import time
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - the stdlib's name
-            time.sleep(delay_s)
-            self.send_response((status or {}).get(self.path, 200))
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 PROBE_S = 0.25   # the tests' health-check interval (a launcher's: servers.machines.PROBE_EVERY_S, 1 s): what they
 #                 check is the count of misses and who is named, so they need not wait seconds of silence for it
 
@@ -338,7 +317,7 @@ def test_machine_0_names_another_machines_replica_that_stops_answering(quick_pro
     cfg = _cpu_cfg(2)
     plan = make_plan(cfg)
     for finished in (False, True):
-        server = _answering()
+        server = health_server()
         servers = LocalServers(with_method(plan, cfg, get_plugin("gkd")), dict, stream=None)
         machines = Machines(servers, "127.0.0.1", 1)
         machines.watched[1] = f"127.0.0.1:{server.server_address[1]}"   # what machine 1 published
@@ -366,7 +345,7 @@ def test_a_busy_server_or_a_router_with_no_replica_in_rotation_on_another_machin
     from dualrun.servers.local import LocalServers
     from dualrun.servers.machines import Machines
 
-    for rank, index, server in ((0, 1, _answering(delay_s=1.5)), (1, None, _answering(status={"/health": 503}))):
+    for rank, index, server in ((0, 1, health_server(delay_s=1.5)), (1, None, health_server(status={"/health": 503}))):
         cfg = _cpu_cfg(2, rank)
         plan = make_plan(cfg)
         index = index if index is not None else next(i for i, p in enumerate(plan.servers) if p.kind == ROUTER)
@@ -436,7 +415,7 @@ def test_machine_1_names_machine_0s_router_that_stops_answering(quick_probes):
         store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         cfg = _cpu_cfg(2, 1)
         router = next(i for i, p in enumerate(make_plan(cfg).servers) if p.kind == ROUTER)
-        server = _answering()
+        server = health_server()
         address = f"127.0.0.1:{server.server_address[1]}"
         store.set(job_store.server_key(router), address)          # what machine 0 published
         machine1 = LocalServers(with_method(make_plan(cfg), cfg, get_plugin("gkd")), dict, stream=None)

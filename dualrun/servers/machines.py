@@ -41,7 +41,7 @@ from dualrun.servers.serverset import ServerDeath
 from dualrun.servers.supervision import liveness_path, restartable, restarting, router_of
 
 PROBE_EVERY_S = 1.0   # how often another machine's server is health-checked
-CONNECT_S = 1.0       # ... and how long its machine may take to accept the check's connection (the answer: the router's)
+CONNECT_S = 1.0       # ... how long its machine may take to accept the check's connection (the answer: the router's)
 
 
 def others(plan: Plan, machine: int) -> list[int]:
