@@ -4,16 +4,27 @@
 # run dualrun on the virtual cluster of tests/vcluster.py: machines with addresses of their own on a private bridge
 # (network, mount and PID namespaces held by processes; needs root). The tests themselves run in a loopback-only
 # namespace, as the main suite does; the machines' namespaces are made from there. scripts/test.sh runs this beside
-# the main suite and the vLLM tier; arguments go to pytest.
+# the main suite and the vLLM tier; arguments go to pytest, and test paths among them (`bash
+# scripts/test-cluster.sh tests/test_cluster_faults.py -k teacher`) replace the tier's list.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export DUALRUN_CLUSTER_TIER=1
+# Test paths among the arguments (a file, or file::test) are what runs; without one, the whole tier.
+targets=(tests/test_vcluster.py tests/test_cluster_*.py)
+vllm_targets=(tests/test_cluster_*.py)
+for arg in "$@"; do
+  case "$arg" in
+    -*) ;;
+    *) if [ -e "${arg%%::*}" ]; then targets=(); vllm_targets=(); break; fi ;;
+  esac
+done
 status=0
 bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider -m "cluster and not vllm" "$@" \
-  tests/test_vcluster.py tests/test_cluster_*.py || status=$?
+  "${targets[@]}" || status=$?
+[ "$status" != 5 ] || status=0   # 5: no such test selected (the paths named hold only vLLM ones)
 # The cluster tests that run vLLM (marked `cluster` and `vllm`, in tests/test_cluster_*.py) run here, with the vLLM
 # venv (scripts/setup-vllm.sh: it waits while the vLLM tier makes it), not in the vLLM tier: that tier is the longer.
 # DUALRUN_SKIP_VLLM=1 leaves them out, as it leaves out the vLLM tier.
@@ -25,7 +36,7 @@ if bash "$ROOT/scripts/setup-vllm.sh" >"$setup_log" 2>&1; then
   VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"
   vllm_status=0
   bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m "cluster and vllm" "$@" \
-    tests/test_cluster_*.py || vllm_status=$?
+    "${vllm_targets[@]}" || vllm_status=$?
   [ "$vllm_status" = 0 ] || [ "$vllm_status" = 5 ] || status=$vllm_status   # 5: no such test selected
 else
   cat "$setup_log" >&2
