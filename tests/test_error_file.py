@@ -56,6 +56,7 @@ time.sleep(120)
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_an_error_file_cut_off_mid_write_ends_the_job_with_one_line(tmp_path):
     """A file dualrun did not write (a script's own `@record`) can still be cut off: torchrun's agent then gives up
     parsing it. The job ends with exit 1 and one line saying so, not "unexpected JSONDecodeError while starting"."""

@@ -102,6 +102,7 @@ def test_a_teardown_that_never_returns_still_exits_with_the_programs_code(tmp_pa
         assert "within 1 s" in proc.stderr and "Where it was stuck:" in proc.stderr and " in finish" in proc.stderr
 
 
+@pytest.mark.slow
 def test_destroy_process_group_that_never_returns_is_bounded(tmp_path):
     proc, took = _bootstrap(tmp_path, "destroy", "0", timeout_s="2")   # the line rounds the wait: 2 up to 2.5 s
     assert proc.returncode == 0, proc.stderr

@@ -39,6 +39,7 @@ def until(check, timeout: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_machine_that_stops_beating_is_named_after_the_timeout(store):
     server, port = store
     lost: list[str] = []
@@ -52,6 +53,7 @@ def test_a_machine_that_stops_beating_is_named_after_the_timeout(store):
     assert time.monotonic() - started >= 1.5 and w.failure == lost[0]
 
 
+@pytest.mark.slow
 def test_beats_and_leaving_are_no_loss(store):
     server, port = store
     lost: list[str] = []
@@ -80,7 +82,8 @@ def test_settle_names_a_machine_that_beats_no_more_once_the_ranks_failed(store, 
 
 
 def test_settle_takes_a_last_beat_written_since_the_watchs_look_for_no_sign_of_life(store, monkeypatch):
-    """Machine 1 beat once more between the watch's last look and its loss: that beat is old news, not a new one."""
+    """Machine 1 beat once more between the watch's last look and its loss: that beat is old news, not a new one;
+    and the settle ends after SETTLE_S, not a look interval later."""
     monkeypatch.setattr(machine_watch, "SETTLE_S", 1.5)
     monkeypatch.setattr(machine_watch, "BEAT_S", 60.0)   # the watch's own thread does not look meanwhile
     server, port = store
@@ -92,8 +95,10 @@ def test_settle_takes_a_last_beat_written_since_the_watchs_look_for_no_sign_of_l
     w.look()   # the watch's last look
     assert 1 in w.addresses
     server.add(job_store.beat_key(1), 1)   # its last beat, after that look; then it is lost
+    started = time.monotonic()
     line = w.settle()
     assert line is not None and line.startswith("machine 1 (10.0.0.2) sent no sign of life for "), line
+    assert time.monotonic() - started < 1.5 + 10   # SETTLE_S bounds it, not the look interval (BEAT_S / 2: 30 s)
 
 
 def test_a_machine_that_never_joins_is_named_after_the_rendezvous_timeout(store):
@@ -110,6 +115,7 @@ def test_a_machine_that_never_joins_is_named_after_the_rendezvous_timeout(store)
     assert 2.0 <= time.monotonic() - started < 2.0 + 5 and w.unjoined() == [2]
 
 
+@pytest.mark.slow
 def test_machines_that_join_within_the_rendezvous_timeout_are_no_loss(store):
     server, port = store
     lost: list[str] = []

@@ -239,6 +239,7 @@ def _recorded(record_dir, name):
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("world_sizes", [[1, 2], [2, 1, 2]])
+@pytest.mark.slow
 def test_weight_transfer_fans_out_with_rank_offsets(tmp_path, world_sizes):
     import requests
 

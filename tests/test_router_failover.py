@@ -117,6 +117,7 @@ def test_a_killed_replica_loses_no_request_and_answers_none_twice_then_the_last_
         _stop(router, *replicas)
 
 
+@pytest.mark.slow
 def test_a_stopped_replica_is_found_by_request_timeout_s_and_the_request_retried(tmp_path):
     replicas = _stubs(tmp_path, 2)
     router = _router(tmp_path, replicas, "--request-timeout-s", "3", "--probe-interval-s", "0")  # no probes

@@ -59,6 +59,7 @@ def test_only_env_is_exactly_the_jobs_env_inside_and_ours_after(monkeypatch):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_torchrun_launch_with_a_cached_env_imports_no_accelerate(tmp_path):
     from helpers import loopback_only
 

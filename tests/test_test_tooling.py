@@ -81,6 +81,7 @@ def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_pat
     assert helpers.tiny_assets() == built
 
 
+@pytest.mark.slow
 def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_xdist(tmp_path):
     """The queue of tests/conftest.py reaches pytest-xdist: every slow end-to-end test that starts a Ray cluster of
     its own on one worker, one at a time; those that only join the worker's running cluster (`ray_cluster`, or

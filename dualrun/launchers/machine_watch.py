@@ -188,7 +188,7 @@ class MachineWatch:
                 still = [k for k in before if k in self._beats and self._beats[k][0] == before[k]]
                 if not still:
                     return None
-                time.sleep(BEAT_S / 2)
+                time.sleep(max(0.0, min(BEAT_S / 2, deadline - time.monotonic())))   # not past SETTLE_S
         except Exception:  # noqa: BLE001 - the store is gone: nothing more to learn
             return None
         k = still[0]
