@@ -67,6 +67,24 @@ def test_test_sh_runs_the_cluster_tier_beside_the_main_suite(recording_venv, ski
         assert proc.stdout.endswith("=== cluster tier (scripts/test-cluster.sh) ===\n"), proc.stdout
 
 
+@pytest.mark.parametrize("args,named", [((), False), (("-k", "teacher"), False),
+                                         (("-k", "teacher", "tests/test_cluster_faults.py"), True),
+                                         (("tests/test_vcluster.py::test_x",), True)])
+def test_test_cluster_sh_runs_the_test_paths_named_else_the_whole_tier(recording_venv, args, named):
+    """scripts/test-cluster.sh passes its arguments to pytest; test paths among them (a file, or file::test) replace
+    the tier's list of files, which is what runs without one."""
+    venv, log = recording_venv
+    env = {**os.environ, "DUALRUN_VENV": str(venv), "DUALRUN_SKIP_VLLM": "1"}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "test-cluster.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = log.read_text().splitlines()
+    tier = ["tests/test_vcluster.py",
+            *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_cluster_*.py"))]
+    assert argv == " ".join(["-m pytest -q -p no:cacheprovider -m cluster and not vllm", *args,
+                             *([] if named else tier)]), argv
+
+
 def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_path, monkeypatch):
     builder = tmp_path / "builder.py"   # a stand-in for examples/make_tiny_model.py: what tiny_assets waits for
     builder.write_text("import pathlib, sys\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
