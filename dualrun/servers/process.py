@@ -76,22 +76,21 @@ def probe(url: str, timeout: float, connect_s: float | None = None) -> tuple[boo
     import socket
     from urllib.parse import urlsplit
 
-    connecting = False
     conn = None
     try:
         parts = urlsplit(url)
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port,
                                           timeout=timeout if connect_s is None else connect_s)
-        connecting = connect_s is not None
-        conn.connect()
-        connecting = False
-        conn.sock.settimeout(timeout)
+        if connect_s is not None:   # else `request` connects, bounded by `timeout` as a whole
+            try:
+                conn.connect()
+            except (TimeoutError, socket.timeout):
+                return False, f"health probe: no connection within {connect_s:g} s"
+            conn.sock.settimeout(timeout)
         conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
         status = conn.getresponse().status
         return status == 200, f"health probe answered {status}"
     except (TimeoutError, socket.timeout):
-        if connecting:
-            return False, f"health probe: no connection within {connect_s:g} s"
         return False, f"health probe not answered within {timeout:g} s"
     except (OSError, ValueError, http.client.HTTPException) as e:
         return False, f"health probe: {type(e).__name__}: {e}"
