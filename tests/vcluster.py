@@ -141,6 +141,21 @@ def _ip(pid: int, commands: Iterable[str], tool: str = "ip") -> None:
             raise RuntimeError(f"vcluster: {' '.join(argv)} {text or ''}failed: {done.stderr.strip()}")
 
 
+def _until_up(pid: int, dev: str, timeout: float = 15.0) -> None:
+    """Wait until `dev` (in holder `pid`'s namespace) is operationally up. The kernel refuses a bridge port's state
+    while its carrier is still down ("Network is down"), and a carrier that comes back after `link set up` is
+    reported by the kernel's link watch, deferred up to a second after the last change (longer on a loaded host)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "-o", "link", "show", "dev", dev],
+                               capture_output=True, text=True, timeout=30).stdout
+        if " state UP " in shown:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vcluster: {dev} not up within {timeout:.0f} s: {shown.strip()}")
+        time.sleep(0.05)
+
+
 class VCluster:
     """N machines on one bridge (see the module's docstring). Start with `with VCluster(n) as vc:` or `start()`."""
 
@@ -236,6 +251,7 @@ class VCluster:
     def restore(self, machine: int) -> None:
         """Undo `cut`, `link_down` and `slow`."""
         _ip(self._switch(), [f"link set port{machine} up"])
+        _until_up(self._switch(), f"port{machine}")
         _ip(self._switch(), [f"link set dev port{machine} state 3"], tool="bridge")
         for pid, dev in ((self._switch(), f"port{machine}"), (self.pid(machine), "eth0")):
             subprocess.run(["nsenter", "-t", str(pid), "-n", "tc", "qdisc", "del", "dev", dev, "root"],
