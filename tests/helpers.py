@@ -159,15 +159,24 @@ def eventually(check: Callable[[], Any], timeout: float = 15.0, every: float = 0
         time.sleep(every)
 
 
-def health_server(delay_s: float = 0.0, status: dict[str, int] | None = None, default: int = 200) -> Any:
+def health_server(delay_s: float = 0.0, status: dict[str, int] | None = None, default: int = 200,
+                  gate: Callable[[], Any] | None = None) -> Any:
     """A real HTTP server on loopback, serving in a thread: every GET answered after `delay_s` with its path's code
-    in `status`, else `default`. Another machine's server (or a slow one) as a health check sees it; the caller
-    shuts it down (`shutdown`, `server_close`)."""
+    in `status`, else `default`; with `gate`, called first, a GET whose call raises is answered 500. Another
+    machine's server (or a slow one) as a health check sees it; the caller shuts it down (`shutdown`,
+    `server_close`)."""
     import http.server
     import threading
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - the stdlib's name
+            try:
+                if gate is not None:
+                    gate()
+            except Exception:  # noqa: BLE001 - the gate said no
+                self.send_response(500)
+                self.end_headers()
+                return
             time.sleep(delay_s)
             self.send_response((status or {}).get(self.path, default))
             self.end_headers()

@@ -371,6 +371,39 @@ def test_a_busy_server_or_a_router_with_no_replica_in_rotation_on_another_machin
 
 
 @pytest.mark.e2e
+def test_the_other_machines_servers_are_health_checked_at_once():
+    """One round of machine 0's checks probes every watched server at the same time, so a server that hangs costs
+    the round its own bound, not every server after it its bound as well. Two stand-in replicas answer only once
+    both requests have arrived (a barrier; else 500): probed one after another, the first waits in vain."""
+    import threading
+
+    from dualrun.methods.plugin import get_plugin
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.machines import Machines
+
+    cfg = _cpu_cfg(2)
+    plan = make_plan(cfg)
+    both = threading.Barrier(2, timeout=3.0)   # under the router's 5-s answer bound: a miss, not a hang
+    stand_ins = [health_server(gate=both.wait) for _ in range(2)]
+    servers = LocalServers(with_method(plan, cfg, get_plugin("gkd")), dict, stream=None)
+    machines = Machines(servers, "127.0.0.1", 1)
+    machines.finished_elsewhere = lambda machine: False
+    try:
+        for index, server in enumerate(stand_ins):
+            machines.watched[index] = f"127.0.0.1:{server.server_address[1]}"
+        for _ in range(2):   # two rounds: two misses would be a death
+            machines._next_probe = 0.0
+            both.reset()
+            assert machines.check() is None and not servers.supervisor.missing, (servers.failure,
+                                                                                 servers.supervisor.missing)
+    finally:
+        servers.stop()
+        for server in stand_ins:
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.mark.e2e
 def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
     """The exchange through a real TCPStore (standing in for torchrun's agent store): machine 1's launcher, whose
     replica failed its start, leaves the reason under the replica's key; machine 0's, waiting for that address,

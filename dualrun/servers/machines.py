@@ -222,13 +222,11 @@ class Machines:
         (a server busy on a loaded machine is not lost), `CONNECT_S` to accept the connection (a live machine's
         kernel accepts at once, so a lost machine or a dead server is found as fast as before), and a router's
         table, not its `/health` (503 while its replicas are out, which is their state, not the router's)."""
-        from dualrun.servers.process import probe
-
         with self._probe_lock:
-            for index, address in list(self.watched.items()):
-                proc = self.plan.servers[index]
-                url = f"http://{address}{liveness_path(self.plan, index)}"
-                ok, detail = probe(url, PROBE_TIMEOUT_S, connect_s=CONNECT_S)
+            urls = {index: f"http://{address}{liveness_path(self.plan, index)}"
+                    for index, address in list(self.watched.items())}
+            for index, (ok, detail) in probe_all(urls).items():
+                proc, url = self.plan.servers[index], urls[index]
                 answered = ok or self._being_restarted(index)
                 if self.servers.supervisor.checked(index, answered) and not self.finished_elsewhere(proc.node):
                     return ServerDeath.of(index, ServerError(
@@ -299,6 +297,20 @@ class Machines:
             job_store.connect(self.host, self.port, 5.0).set(job_store.finished_key(self.machine), "1")
         except Exception:  # noqa: BLE001 - no store left: nobody watches this machine's servers any more
             pass
+
+
+def probe_all(urls: dict[int, str]) -> dict[int, tuple[bool, str]]:
+    """`process.probe` of every url at once (as the router probes its replicas): a server that hangs costs the round
+    its own bound, not every server after it its bound as well. Same keys, same order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dualrun.servers.process import probe
+
+    if len(urls) <= 1:
+        return {index: probe(url, PROBE_TIMEOUT_S, connect_s=CONNECT_S) for index, url in urls.items()}
+    with ThreadPoolExecutor(len(urls), thread_name_prefix="dualrun-probe") as pool:
+        pending = {index: pool.submit(probe, url, PROBE_TIMEOUT_S, connect_s=CONNECT_S) for index, url in urls.items()}
+        return {index: future.result() for index, future in pending.items()}
 
 
 def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_store.WAIT_S) -> None:
