@@ -27,13 +27,24 @@ def ensure_installed() -> str | None:
         return None
     if os.geteuid() != 0:
         return f"SLURM is not installed ({', '.join(_missing())} missing) and installing it needs root"
+    import fcntl
+
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = "apt-get update -q && apt-get install -y -q --no-install-recommends slurm-wlm munge"
-    # the loopback-only namespace has no network: the package manager runs in PID 1's namespace
-    for prefix in ([], ["nsenter", "--net=/proc/1/ns/net"]):
-        proc = subprocess.run(prefix + ["bash", "-c", install], env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode == 0 and not _missing():
+    # apt-get fails at once on a lock another apt-get holds: wait for it instead
+    wait = "-o DPkg::Lock::Timeout=600"
+    install = f"apt-get update -q {wait} && apt-get install -y -q {wait} --no-install-recommends slurm-wlm munge"
+    # one installer at a time: the main suite and the cluster tier run side by side and both may need it (in CI
+    # both once skipped, their apt-gets in each other's way); the second finds it installed
+    with open("/tmp/dualrun-slurm-install.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _missing():
             return None
+        # the loopback-only namespace has no network: the package manager runs in PID 1's namespace
+        for prefix in ([], ["nsenter", "--net=/proc/1/ns/net"]):
+            proc = subprocess.run(prefix + ["bash", "-c", install], env=env, capture_output=True, text=True,
+                                  timeout=900)
+            if proc.returncode == 0 and not _missing():
+                return None
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     return f"could not install slurm-wlm and munge with apt-get: {tail[0]}"
 
