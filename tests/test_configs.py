@@ -18,3 +18,29 @@ def test_shipped_config_is_valid(path, backend):
     get_plugin(cfg.method, cfg.source).validate(cfg)
     plan = make_plan(cfg)
     assert plan.workers and all(p.env["DUALRUN_METHOD"] == cfg.method for p in plan.processes)
+
+
+def _doc_yaml(doc: str, heading: str) -> str:
+    """The first ```yaml block under `heading` in README.md or docs/*.md."""
+    import re
+
+    section = (REPO / doc).read_text().split(heading + "\n", 1)[1]
+    return re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.parametrize("doc,heading", [("README.md", "## Config"), ("docs/concepts.md", "## Colocate vs separate")])
+@pytest.mark.parametrize("colocated", [False, True])
+def test_docs_main_config_example_plans_colocated_and_separate(tmp_path, doc, heading, colocated):
+    """The docs' main config examples, as written and with the comment's other choice (colocated <-> separate)."""
+    text = _doc_yaml(doc, heading)
+    assert "colocate_groups:" in text
+    lines = [l for l in text.splitlines() if not l.startswith("colocate_groups:")]
+    if colocated:
+        lines.append("colocate_groups: [[train, rollout]]")
+    path = tmp_path / "example.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = load_config(str(path), backend="torchrun")
+    get_plugin(cfg.method, cfg.source).validate(cfg)
+    table = make_plan(cfg).table()
+    assert "rank 3  (world 4" in table
+    assert ("rollout server" in table) != colocated, table
