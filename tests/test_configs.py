@@ -44,3 +44,25 @@ def test_docs_main_config_example_plans_colocated_and_separate(tmp_path, doc, he
     table = make_plan(cfg).table()
     assert "rank 3  (world 4" in table
     assert ("rollout server" in table) != colocated, table
+
+
+def test_migration_ms_swift_example_needs_only_the_method_line(tmp_path):
+    """docs/migration.md's ms-swift file, side by side: the left column (ms-swift's own) is refused for want of
+    `method:`; the right one (that line added) plans the groups as roles."""
+    from dualrun.contract.errors import ConfigError
+
+    text = _doc_yaml("docs/migration.md", "## From ms-swift `--use_ray true` / `device_groups`")
+    rows = text.splitlines()[1:]
+    width = rows[0].index("use_ray", 1)
+    left, right = (tmp_path / "swift.yaml"), (tmp_path / "dualrun.yaml")
+    left.write_text("\n".join(r[:width].rstrip() for r in rows if r[:width].strip()) + "\n")
+    right.write_text("\n".join(r[width:] for r in rows if r[width:].strip()) + "\n")
+    assert "method: sampling" in right.read_text() and "method" not in left.read_text()
+    with pytest.raises(ConfigError, match="roles.sampler"):
+        cfg = load_config(str(left), backend="torchrun")
+        get_plugin(cfg.method, cfg.source).validate(cfg)
+    cfg = load_config(str(right), backend="torchrun")
+    get_plugin(cfg.method, cfg.source).validate(cfg)
+    roles = {r.name: r.gpus for r in cfg.roles}
+    assert cfg.method == "sampling" and roles == {"sampler": 2, "prm": 2, "orm": 2}, roles
+    assert ["prm", "orm"] in [list(g) for g in cfg.colocate_groups], cfg.colocate_groups
