@@ -185,9 +185,15 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def cmd_env(ns: argparse.Namespace) -> int:
-    from dualrun.env.installed import report
+    from dualrun.env.installed import report, version
 
-    print(report())
+    if version("ray") is None:
+        ray_line = 'no (ray not installed: pip install "ray[default]")'
+    else:
+        from dualrun.raycluster.connect import reachable_line
+
+        ray_line = reachable_line()
+    print(report(ray_line))
     return 0
 
 

