@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the exact commands and env (secrets redacted); start nothing")
     launch.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     launch.add_argument("training_script", help="the script (or module with -m) every worker runs")
-    launch.add_argument("training_script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    script_args = launch.add_argument("training_script_args", nargs=argparse.REMAINDER,
+                                      help="the script's own arguments")
+    script_args.required = False   # argparse marks a REMAINDER positional required; none at all is fine
 
     plan = sub.add_parser("plan", help="print which GPU runs which role and rank")
     _job_flags(plan)

@@ -48,6 +48,15 @@ def test_missing_script_and_missing_config(tmp_path):
     assert "missing.yaml: config_file: expected an existing file" in line
     line = _one_line_error(dualrun("launch", "--bogus-flag", "x.py", cwd=tmp_path))
     assert "unrecognized arguments" in line or "bogus" in line
+    line = _one_line_error(dualrun("launch", "--config_file", str(cfg), cwd=tmp_path))
+    assert line.endswith("required: training_script"), line   # the script's own arguments are optional
+
+
+def test_a_script_without_arguments_parses():
+    from dualrun.cli import build_parser
+
+    ns = build_parser().parse_args(["launch", "--config_file", "c.yaml", "train.py"])
+    assert ns.training_script == "train.py" and ns.training_script_args == []
 
 
 @pytest.mark.slow
