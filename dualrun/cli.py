@@ -211,7 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "config":
             if ns.config_command != "default":
-                parser.error("usage: dualrun config default [PATH | --config_file PATH] [--method sft|pt|grpo|gkd] [--cpu]")
+                parser.error("usage: dualrun config default [PATH | --config_file PATH] [--method sft|pt|grpo|gkd] "
+                             "[--cpu]")
             return cmd_config_default(ns)
         if ns.command not in commands:
             parser.print_help()

