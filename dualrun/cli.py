@@ -50,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
                                       help="the script's own arguments")
     script_args.required = False   # argparse marks a REMAINDER positional required; none at all is fine
 
-    plan = sub.add_parser("plan", help="print which GPU runs which role and rank")
+    plan = sub.add_parser("plan", help="print which GPU runs which role and rank", allow_abbrev=False)
     _job_flags(plan)
     plan.add_argument("--json", action="store_true", help="machine-readable plan")
 
     config = sub.add_parser("config", help="config helpers")
     csub = config.add_subparsers(dest="config_command", parser_class=_Parser)
-    default = csub.add_parser("default", help="write a starter config (never overwrites)")
+    default = csub.add_parser("default", help="write a starter config (never overwrites)", allow_abbrev=False)
     default.add_argument("path", nargs="?", default=None, help="where to write it (default dualrun.yaml)")
     default.add_argument("--config_file", "--config-file", dest="config_file", default=None,
                          help="accelerate's spelling of the path")
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     default.add_argument("--cpu", action="store_true", help="a CPU config (gloo, no GPUs)")
 
     check = sub.add_parser("check", help="pre-flight: every node's versions, directory, GPUs, ports, addresses, and "
-                           "the trainer's weight-sync group")
+                           "the trainer's weight-sync group", allow_abbrev=False)
     _job_flags(check)
     check.add_argument("--wait_s", "--wait-s", dest="wait_s", type=float, default=None,
                        help="several torchrun machines: how long each waits for the others to run the check too "

@@ -39,6 +39,15 @@ def test_bad_input_exits_2_with_one_line_and_starts_nothing(tmp_path, config, fl
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("argv", [["plan", "--num_proc", "2"], ["check", "--num_proc", "2"],
+                                  ["launch", "--num_proc", "2", "x.py"], ["config", "default", "--meth", "gkd", "x.yaml"]])
+def test_no_subcommand_takes_an_abbreviated_flag(tmp_path, argv):
+    """`--num_proc` is no `--num_processes` on any subcommand (a typo is refused, not silently completed)."""
+    line = _one_line_error(dualrun(*argv, cwd=tmp_path))
+    assert "unrecognized arguments: " in line and next(a for a in argv if a.startswith("--")) in line, line
+    assert not (tmp_path / "x.yaml").exists()
+
+
 def test_missing_script_and_missing_config(tmp_path):
     cfg = tmp_path / "ok.yaml"
     cfg.write_text("use_cpu: true\nnum_processes: 1\n")
