@@ -14,7 +14,7 @@ from typing import Mapping
 from dualrun.config.backends import kind_of
 from dualrun.contract import protocol
 from dualrun.config.cross_keys import host_port
-from dualrun.config.schema import MAX_SECONDS
+from dualrun.config.schema import MAX_SECONDS, MIN_TIMEOUT_S
 from dualrun.env.worker import forward_patterns
 from dualrun.contract.errors import ConfigError
 from dualrun.light.progress import MODES
@@ -62,8 +62,8 @@ def _seconds(name: str, text: str) -> float:
         value = float(text) if len(text) < 40 else math.nan
     except ValueError:
         value = math.nan
-    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise ConfigError(SOURCE, name, f"a number of seconds in (0, {MAX_SECONDS:g}]", text)
+    if not math.isfinite(value) or not MIN_TIMEOUT_S <= value <= MAX_SECONDS:
+        raise ConfigError(SOURCE, name, f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_SECONDS:g}]", text)
     return value
 
 

@@ -37,6 +37,7 @@ MAX_CPUS = 4_096.0            # CPUs of one process
 MAX_TOP_K = 1_000_000         # a vocabulary's size
 MAX_ENV_ENTRY_BYTES = 128 * 1024   # one NAME=value for execve (the kernel's MAX_ARG_STRLEN)
 MIN_INTERVAL_S = 0.01         # torchrun's monitor interval: 0 would spin a core
+MIN_TIMEOUT_S = 1.0           # every timeout: a shorter one ends what it guards before it can happen (0: at once)
 LIMITS: tuple[tuple[str, Any, str], ...] = (
     ("config file", f"{MAX_CONFIG_BYTES // 1024} KiB", "a regular file (not a FIFO or device), UTF-8 YAML"),
     ("YAML nesting", MAX_YAML_DEPTH, "levels, aliases expanded"),
@@ -48,7 +49,8 @@ LIMITS: tuple[tuple[str, Any, str], ...] = (
     ("server processes of a separate CPU role", MAX_PER_MACHINE, "one engine each"),
     ("device ids", f"0-{MAX_DEVICE_ID}", "`gpu_ids`, `device_groups` ranks (ranges are bounded before expanding)"),
     ("ports", "1-65535", "`main_process_port`, `address` ports; unset for a free one"),
-    ("timeouts and intervals", f"{MAX_SECONDS:g} s", "finite numbers (no .nan, no .inf)"),
+    ("timeouts and intervals", f"{MAX_SECONDS:g} s", f"finite numbers (no .nan, no .inf); every timeout at least "
+     f"{MIN_TIMEOUT_S:g} s"),
     ("an environment variable", f"{MAX_ENV_ENTRY_BYTES // 1024} KiB", "`NAME=value` of `env:`, `roles.*.env`, "
      "`ray.runtime_env.env_vars` (the kernel's limit); names without `=` or NUL, values without NUL"),
     ("paths", "checked here", "`log_dir`: a directory (or none yet) outside /proc and /sys, not below a file, on "
@@ -62,7 +64,7 @@ LIMITS: tuple[tuple[str, Any, str], ...] = (
 # config keys before anything starts (dualrun/config/environment.py), listed in the reference.
 ENV_VARS: tuple[tuple[str, str, str], ...] = (
     (protocol.PROGRESS, "rank0, all or none", "whose progress bars the console shows (Ray backend); default rank0"),
-    (protocol.EXIT_TIMEOUT_S, f"a number of seconds in (0, {MAX_SECONDS:g}]",
+    (protocol.EXIT_TIMEOUT_S, f"a number of seconds in [{MIN_TIMEOUT_S:g}, {MAX_SECONDS:g}]",
      "how long a finished rank may take to exit before its stacks are printed; default 60"),
     (protocol.FORWARD_ENV, "comma-separated variable names or patterns (`MY_VAR,MY_PREFIX_*`)",
      "more launching-environment variables for the workers; not `*` alone, no `NAME=value`"),
@@ -93,7 +95,7 @@ TOP_KEYS: tuple[Key, ...] = (
     Key("collective_timeout_s", "float", None, "Seconds a collective (all-reduce, barrier, ...) may wait for the "
         "other ranks before failing: TrainingArguments' `ddp_timeout` where left at its default, and "
         "`torch.distributed.init_process_group`'s `timeout` where the script passes none. Unset: the "
-        "libraries' own defaults (HF: 1800 s).", minimum=1, maximum=MAX_SECONDS),
+        "libraries' own defaults (HF: 1800 s).", minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("env", "dict", {}, "Extra environment variables for every worker (values are turned into strings)."),
     Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log` (appended), "
         "and each separate role's server's to `LOG_DIR/<role>-server-<i>.log` (a router's: `<role>-router.log`; "
@@ -110,7 +112,7 @@ RAY_KEYS: tuple[Key, ...] = (
     Key("placement_strategy", "str", "PACK", "First strategy tried for each role's placement group; "
         "PACK falls back to SPREAD.", backends="ray", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")),
     Key("placement_timeout_s", "float", 120.0, "Seconds to wait for a placement group before failing with "
-        "what was asked and what the cluster has.", backends="ray", minimum=0, maximum=MAX_SECONDS),
+        "what was asked and what the cluster has.", backends="ray", minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("num_cpus_per_worker", "float", 1.0, "CPUs reserved for each worker actor.", backends="ray", minimum=0,
         maximum=MAX_CPUS),
     Key("include_dashboard", "bool", False, "Start the dashboard of an embedded cluster.", backends="ray"),
@@ -133,11 +135,11 @@ TORCHRUN_KEYS: tuple[Key, ...] = (
     Key("machine_timeout_s", "float", 60.0, "Several machines: seconds a machine may go without a sign of life "
         "(each launcher writes one a second to machine 0's store) before the job ends on every machine that is "
         "left, naming it (lost, or its link cut), instead of its ranks waiting out the collective timeout.",
-        backends="torchrun", minimum=1, maximum=MAX_SECONDS),
+        backends="torchrun", minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("rendezvous_timeout_s", "int", 600, "Several machines: whole seconds each machine waits for the others to "
         "join the job (torchrun's static rendezvous `--rdzv-conf timeout`, `join_timeout` with `rdzv_backend: "
         "c10d`) before it ends, naming the machines that did not come (machine 0) or machine 0 (the others).",
-        backends="torchrun", minimum=1, maximum=MAX_SECONDS),
+        backends="torchrun", minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
 )
 
 ROLE_KEYS: tuple[Key, ...] = (
@@ -162,8 +164,7 @@ ROLE_KEYS: tuple[Key, ...] = (
         "`request_timeout_s`, `env` and "
         "`colocate_groups` are refused beside it)."),
     Key("health_timeout_s", "float", 600.0, "Seconds a server dualrun starts may take to answer its health check.",
-        minimum=0,
-        maximum=MAX_SECONDS),
+        minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("request_timeout_s", "float", 1800.0, "Seconds a server dualrun starts for the role may go unanswered "
         "before it is taken for hung. Behind a router (a role with several engine replicas): one generation or "
         "scoring request to a replica, after which the router takes it out of rotation until the launcher restores "
@@ -174,7 +175,7 @@ ROLE_KEYS: tuple[Key, ...] = (
         "router); failing them this long, a server is hung too: a replica is restarted (`replica_restarts`), a "
         "role's one engine or a router is stopped and the job ends naming it, or restarts whole with `max_failures`. Lower this to find sooner an "
         "engine that accepts but does not answer (stopped, deadlocked). Weight-transfer calls get the same limit.",
-        minimum=1, maximum=MAX_SECONDS),
+        minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("replica_restarts", "int", 3, "A role with several engine replicas (torchrun, or Ray): "
         "how often each replica that dies while the job runs is restarted on its own devices (a fresh port; on Ray a "
         "fresh actor and placement group on the same node; on several torchrun machines by the machine it ran on; "
