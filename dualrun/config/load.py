@@ -74,8 +74,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     values: dict[str, Any] = {}
     for key in schema.TOP_KEYS:
         if key.name in raw and key.name not in ("roles", "colocate_groups"):
-            values[key.name] = check(source, key.name, key.type, raw[key.name], key.choices, key.minimum,
-                                     key.maximum)
+            values[key.name] = keyed(source, key.name, key, raw[key.name])
     if values.get("offload_optimizer"):
         acc = offload_optimizer(source, acc)
     if values.pop("use_ray", False) and "backend" not in values:
@@ -140,6 +139,14 @@ def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:
     return ConfigError(error.source, f"{schema.SWIFT_KEY}.{group}.{sub}", error.expected, error.got, error.hint)
 
 
+def keyed(source: str, name: str, key: schema.Key, value: Any) -> Any:
+    """One dualrun key's value checked against its schema entry; null for a key whose default is unset (`—` in the
+    reference) leaves it unset, as not writing it does."""
+    if value is None and key.default is None:
+        return None
+    return check(source, name, key.type, value, key.choices, key.minimum, key.maximum)
+
+
 def _accelerate_value(source: str, key: str, value: Any) -> Any:
     """One accelerate key checked for its type, choices and bounds (a flag is named `--key`)."""
     name = f"--{key}" if source == CLI_SOURCE else key
@@ -173,8 +180,7 @@ def _section(source: str, name: str, raw: Mapping[str, Any], keys: tuple[schema.
         if key not in known:
             raise ConfigError(source, f"{name}.{key}", f"a known `{name}` key", "an unknown key",
                               did_you_mean(str(key), known))
-        spec = known[key]
-        out[key] = check(source, f"{name}.{key}", spec.type, value, spec.choices, spec.minimum, spec.maximum)
+        out[key] = keyed(source, f"{name}.{key}", known[key], value)
     if "runtime_env" in out or "env" in out:
         for k in ("runtime_env", "env"):
             if k in out:
@@ -204,12 +210,14 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
                 raise ConfigError(source, f"roles.{name}.{key}", "a known role key", "an unknown key",
                                   did_you_mean(str(key), known))
             k = known[key]
-            if key == "gpu_ids":
+            if value is None and k.default is None:
+                vals[key] = None   # null: unset, as the reference's `—` says
+            elif key == "gpu_ids":
                 vals[key] = parse_ids(source, f"roles.{name}.gpu_ids", value)
             elif key == "machines":
                 vals[key] = parse_machines(source, f"roles.{name}.machines", value)
             else:
-                vals[key] = check(source, f"roles.{name}.{key}", k.type, value, k.choices, k.minimum, k.maximum)
+                vals[key] = keyed(source, f"roles.{name}.{key}", k, value)
         if name == "train" and "num_processes" in overrides:
             vals["gpus"] = overrides["num_processes"]
             vals.pop("processes", None)
