@@ -27,10 +27,26 @@ def test_offload_optimizer_sets_deepspeeds_offload_device():
     assert "offload_optimizer_device" not in plain.accelerate["deepspeed_config"]
 
 
+def test_offload_optimizer_turns_trls_none_into_cpu():
+    """TRL's zero2.yaml (and configs/sft_zero2_cpu.yaml) write `offload_optimizer_device: none`: not offloaded yet,
+    so `offload_optimizer: true` offloads, as the key's doc says; the parameter device stays the file's."""
+    raw = {**ZERO2, "offload_optimizer": True, "deepspeed_config": {
+        "zero_stage": 2, "offload_optimizer_device": "none", "offload_param_device": "none"}}
+    ds = build_config(raw, "zero2.yaml").accelerate["deepspeed_config"]
+    assert ds["offload_optimizer_device"] == "cpu" and ds["offload_param_device"] == "none"
+    assert build_config({**raw, "offload_optimizer": False}, "z.yaml").accelerate["deepspeed_config"][
+        "offload_optimizer_device"] == "none"
+    for stage in (1, 3):
+        raw["deepspeed_config"]["zero_stage"] = stage
+        assert build_config(raw, "z.yaml").accelerate["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+
+
 @pytest.mark.parametrize("raw,key,text", [
     ({"offload_optimizer": True}, "offload_optimizer", "distributed_type: DEEPSPEED"),
-    ({**ZERO2, "offload_optimizer": True, "deepspeed_config": {"zero_stage": 2, "offload_optimizer_device": "none"}},
-     "deepspeed_config.offload_optimizer_device", "cpu or nvme"),
+    ({**ZERO2, "offload_optimizer": True, "deepspeed_config": {"zero_stage": 0}},
+     "deepspeed_config.zero_stage", "stage 0 partitions nothing"),
+    ({**ZERO2, "offload_optimizer": True, "deepspeed_config": {"zero_stage": "0", "offload_optimizer_device": "cpu"}},
+     "deepspeed_config.zero_stage", "ZeRO stage 1, 2 or 3"),
     ({**ZERO2, "offload_optimizer": True, "deepspeed_config": {"deepspeed_config_file": "ds.json"}},
      "offload_optimizer", "DeepSpeed JSON file"),
     ({"sleep_level": 2}, "sleep_level", "level 2"),

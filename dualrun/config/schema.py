@@ -89,7 +89,8 @@ TOP_KEYS: tuple[Key, ...] = (
         "(TRL `vllm_enable_sleep_mode`; TRL 1.16 always sleeps at level 2, discarding weights). Only with a vLLM "
         "rollout colocated with the trainers (`engine: vllm`, method grpo); refused elsewhere."),
     Key("offload_optimizer", "bool", False, "Offload optimizer state to CPU: sets the accelerate DeepSpeed config's "
-        "`offload_optimizer_device: cpu` (needs `distributed_type: DEEPSPEED`; refused otherwise)."),
+        "`offload_optimizer_device: cpu` where it is unset or `none` (TRL's zero*.yaml; `nvme` is kept). Needs "
+        "`distributed_type: DEEPSPEED` with ZeRO stage 1-3 (stage 0 offloads nothing); refused otherwise."),
     Key("max_failures", "int", 0, "Restarts of the whole job after a worker or node failure; the trainer "
         "resumes from the newest checkpoint in its output_dir.", minimum=0, maximum=MAX_RESTARTS),
     Key("collective_timeout_s", "float", None, "Seconds a collective (all-reduce, barrier, ...) may wait for the "
