@@ -72,7 +72,7 @@ BAD = [
     ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["-tp2"]}}},
      "roles.rollout.server_args", "no --tensor-parallel-size"),  # argparse's packed short option
     ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "server_args": ["--port 9000"]}}},
-     "roles.rollout.server_args", "no --port"),  # a flag and its value in one item
+     "roles.rollout.server_args[0]", "a flag and its value as two items"),  # a flag and its value in one item
     ("grpo", {"roles": {"train": {"gpus": 1}, "rollout": {**R, "model": "/no/such/model-dir"}}},
      "roles.rollout.model", "an existing model directory"),
 ]

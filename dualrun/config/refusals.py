@@ -26,8 +26,18 @@ def server_args(source: str, key: str, value: Sequence[Any]) -> tuple[str, ...]:
         if not isinstance(item, str) or not item.strip() or "\0" in item:
             raise ConfigError(source, f"{key}[{i}]", "a non-empty string without NUL (one word of the server's "
                               "command line, e.g. [--max-model-len, '4096'])", item)
+        if packed_flag(item):
+            raise ConfigError(source, f"{key}[{i}]", "a flag and its value as two items (the server gets each item "
+                              "as one word)", item, hint=f"[{', '.join(item.split(None, 1))}]")
         out.append(item)
     return tuple(out)
+
+
+def packed_flag(item: str) -> bool:
+    """A flag with white space in its name (`--dtype float32`, ` --x`): a flag and its value packed into one item,
+    which no shell splits here. A value may hold spaces (`--hf-overrides={"a": 1}`, or a JSON item of its own)."""
+    name = item.split("=", 1)[0]
+    return item.lstrip().startswith("-") and any(c.isspace() for c in name)
 
 
 def env_entry(source: str, key: str, name: str, value: str) -> None:

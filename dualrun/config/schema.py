@@ -56,8 +56,9 @@ LIMITS: tuple[tuple[str, Any, str], ...] = (
     ("paths", "checked here", "`log_dir`: a directory (or none yet) outside /proc and /sys, not below a file, on "
      "a writable file system where dualrun may write; a server `model` written as a local path (`/`, `./`, `../`, `~`): an existing directory, never a URL; "
      "`ray.runtime_env.working_dir`: an existing directory or a URI"),
-    ("`server_args` items", "one word each", "non-empty strings without NUL; dualrun's own flags refused in any "
-     "spelling, abbreviation or packing (`--po 9000`, `-tp2`, `\"--port 9000\"`)"),
+    ("`server_args` items", "one word each", "non-empty strings without NUL; a flag with its value in one item "
+     "(`\"--dtype float32\"`) refused (a value may hold spaces: `'{\"a\": 1}'`); dualrun's own flags refused in "
+     "any spelling, abbreviation or packing (`--po 9000`, `-tp2`)"),
 )
 
 # The variables a user sets for dualrun itself (names in dualrun/contract/protocol.py, plus Ray's RAY_ADDRESS): checked like
@@ -188,8 +189,9 @@ ROLE_KEYS: tuple[Key, ...] = (
         "restarted GRPO `rollout` replica on vLLM is held out of rotation until it "
         "holds the trainer's weights (it joins the weight-sync group at the next sync).",
         minimum=0, maximum=MAX_RESTARTS),
-    Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item "
-        "(only on a separate role dualrun starts a server for); not the flags dualrun sets itself (`--host`, "
+    Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item (a flag "
+        "and its value are two items; only on a separate role dualrun starts a server for); not the flags dualrun "
+        "sets itself (`--host`, "
         "`--port`, `--model`, `--tensor-parallel-size`, `--data-parallel-size`, in any "
         "spelling the server's parser takes, abbreviations included): exit 2. An `--api-key KEY` here is required "
         "on the inference endpoints by every replica (the CPU engine too) and by the router in front of them, and "
