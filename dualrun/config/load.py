@@ -5,9 +5,7 @@ import datetime
 import re
 from typing import Any, Mapping
 
-from dualrun.config import schema
-
-from dualrun.config import cross_keys
+from dualrun.config import accelerate_keys, cross_keys, schema
 
 from dualrun.config import refusals
 from dualrun.config.backends import KINDS, RAY, TORCHRUN, kind_of
@@ -71,6 +69,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         raise ConfigError(CLI_SOURCE if "machine_rank" in overrides else source, "machine_rank",
                           f"an integer in [0, num_machines={acc.get('num_machines') or 1})", acc["machine_rank"])
 
+    accelerate_keys.refuse_launchers(source, acc)
+
     values: dict[str, Any] = {}
     for key in schema.TOP_KEYS:
         if key.name in raw and key.name not in ("roles", "colocate_groups"):
@@ -103,7 +103,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
 
     env = _env(source, "env", values.pop("env", {}))
     ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
-    tr_opts = TorchrunOptions(**_section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS))
+    tr_opts = TorchrunOptions(**accelerate_keys.rendezvous(
+        source, acc, _section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS)))
     cross_keys.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
     check_role_machines(source, acc, values, roles, groups)
     for key, path in (("log_dir", values.get("log_dir")), ("torchrun.log_dir", tr_opts.log_dir)):

@@ -35,11 +35,13 @@ def render() -> str:
     out += [f"| `{name}` | {instead} |" for name, instead in schema.REFUSED.items()]
     out.append("")
     out += ["## accelerate keys", "",
-            "Passed to accelerate's own config loading and env preparation unchanged; dualrun checks their types.",
-            "", "| key | type |", "|---|---|"]
+            "Passed to accelerate's own config loading and env preparation unchanged; dualrun checks their types. "
+            "Where dualrun does more (or accelerate's key does nothing on a torchrun or Ray launch), the last column "
+            "says so.", "", "| key | type | under dualrun |", "|---|---|---|"]
     for name, kind in schema.ACCELERATE_TYPES.items():
         low_high = schema.ACCELERATE_BOUNDS.get(name)
-        out.append(f"| `{name}` | {kind}" + (f", {low_high[0]}-{low_high[1]}" if low_high else "") + " |")
+        out.append(f"| `{name}` | {kind}" + (f", {low_high[0]}-{low_high[1]}" if low_high else "")
+                   + f" | {schema.ACCELERATE_NOTES.get(name, '')} |")
     out += ["", "## ms-swift `device_groups`", "",
             "`device_groups: {nproc_per_node: N, <group>: {device: GPU|CPU, ranks: list(range(a, b)) | [ids] | "
             "count, workers: [roles]}}` is converted to `roles` (workers of one group are colocated). `ranks` is "

@@ -123,7 +123,8 @@ RAY_KEYS: tuple[Key, ...] = (
 )
 
 TORCHRUN_KEYS: tuple[Key, ...] = (
-    Key("rdzv_backend", "str", "static", "torchrun rendezvous backend.", backends="torchrun",
+    Key("rdzv_backend", "str", "static", "torchrun rendezvous backend; unset: accelerate's top-level "
+        "`rdzv_backend` where the file has one (both set: they must agree).", backends="torchrun",
         choices=("static", "c10d")),
     Key("monitor_interval", "float", 0.1, "Seconds between torchrun's checks of its workers.",
         backends="torchrun", minimum=MIN_INTERVAL_S, maximum=MAX_SECONDS),
@@ -254,6 +255,23 @@ ACCELERATE_TYPES: dict[str, str] = {
     # legacy spellings accelerate still converts
     "fp16": "bool",
     "dynamo_backend": "str",
+}
+# What each accelerate key does under dualrun, where that is not simply accelerate's meaning (the reference lists it).
+_NO_EFFECT = "accepted, no effect: accelerate reads it only for a TPU launch (dualrun launches torchrun or Ray)"
+ACCELERATE_NOTES: dict[str, str] = {
+    "num_machines": "torchrun: machines launched by hand; Ray: the planned node count",
+    "machine_rank": "torchrun only; Ray: refused unless 0 (Ray places the ranks across its nodes)",
+    "main_process_ip": "torchrun only; Ray: refused (Ray places rank 0)",
+    "main_process_port": "torchrun: machine 0's store; Ray: rank 0's MASTER_PORT (unset: a free port)",
+    "gpu_ids": "torchrun: the trainers' devices; Ray: `all` or unset; CPU: no effect",
+    "rdzv_backend": "`torchrun.rdzv_backend` where that is unset (static or c10d); Ray: no effect",
+    "same_network": "accepted, no effect: dualrun gives torchrun machine 0's address itself",
+    "main_training_function": _NO_EFFECT,
+    "tpu_name": _NO_EFFECT, "tpu_zone": _NO_EFFECT, "tpu_use_cluster": _NO_EFFECT, "tpu_use_sudo": _NO_EFFECT,
+    "tpu_env": _NO_EFFECT, "tpu_vm": _NO_EFFECT,
+    "commands": "refused unless empty: `accelerate tpu-config` runs them; dualrun runs none",
+    "command_file": "refused unless unset: `accelerate tpu-config` runs it; dualrun runs none",
+    "mpirun_config": "refused unless empty: dualrun never launches mpirun",
 }
 # Bounds dualrun checks on accelerate's counts: (minimum, maximum).
 ACCELERATE_BOUNDS: dict[str, tuple[int, int]] = {
