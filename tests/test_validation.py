@@ -119,7 +119,7 @@ def test_a_separate_vllm_on_cpu_and_a_multi_node_rank_0_stay_valid():
     build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 2}, "rollout": {"gpus": 1,
                   "engine": "vllm", "model": "m"}}}, "ok.yaml")
     build_config({"num_machines": 2, "num_processes": 2, "machine_rank": 0}, "ok.yaml")
-    build_config({"num_machines": 2, "num_processes": 2, "machine_rank": 1, "backend": "ray"}, "ok.yaml")
+    build_config({"num_machines": 2, "num_processes": 2, "machine_rank": 0, "backend": "ray"}, "ok.yaml")
     build_config({"env": {"OMP_NUM_THREADS": 4, "MY_RANK_NAME": "x"}}, "ok.yaml")
 
 

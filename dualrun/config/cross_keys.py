@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from dualrun.config import schema
 from dualrun.config.backends import TORCHRUN, kind_of
@@ -33,6 +33,22 @@ def check_ray_address(source: str, address: str | None) -> None:
     if not host_port(target):
         raise ConfigError(source, "ray.address", "auto, local, HOST:PORT or ray://HOST:PORT (port in 1-65535)",
                           address)
+
+
+def ray_machines(source: str, acc: Mapping[str, Any], flags: Collection[str] = ()) -> None:
+    """accelerate's by-hand multi-machine keys on Ray: Ray places the ranks across its nodes from one launch, so a
+    machine rank or machine 0's address would do nothing (num_machines stays: the planned node count). `flags`: the
+    keys given as command-line flags (named `--key`)."""
+    def where(key: str) -> tuple[str, str]:
+        return ("<command line>", f"--{key}") if key in flags else (source, key)
+
+    if int(acc.get("machine_rank") or 0) != 0:
+        raise ConfigError(*where("machine_rank"), "0 or unset on Ray", acc["machine_rank"],
+                          hint="one launch on any node: Ray places the ranks across its nodes")
+    if acc.get("main_process_ip"):
+        raise ConfigError(*where("main_process_ip"), "unset on Ray", acc["main_process_ip"],
+                          hint="Ray places rank 0 and gives the others its address; join a cluster with ray.address "
+                          "or RAY_ADDRESS")
 
 
 def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], roles: Sequence[RoleSpec],

@@ -84,6 +84,9 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     if "method" in values and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", values["method"]):
         raise ConfigError(source, "method", "a plugin name (letters, digits, _)", values["method"])
 
+    on_ray = kind_of(values.get("backend", TORCHRUN.name)).ray
+    if on_ray:
+        cross_keys.ray_machines(source, acc, set(overrides))
     raw_roles = raw.get("roles")
     raw_groups = raw.get("colocate_groups")
     origin: dict[str, str] = {}
@@ -92,8 +95,10 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
             raise ConfigError(source, schema.SWIFT_KEY, "either `roles` or `device_groups`, not both")
         raw_roles, swift_groups, origin = convert_device_groups(source, raw[schema.SWIFT_KEY])
         raw_groups = (raw_groups or []) + swift_groups
+        if on_ray:   # ms-swift's ranks size the groups; on Ray, Ray picks the devices
+            raw_roles = {n: {k: v for k, v in spec.items() if k != "gpu_ids"} for n, spec in raw_roles.items()}
     try:
-        roles = _roles(source, raw_roles, acc, overrides)
+        roles = _roles(source, raw_roles, acc, overrides, on_ray)
         groups = _groups(source, raw_groups, roles)
         _check_layout(source, roles, groups)
         refusals.external_roles(source, raw_roles or {}, roles, groups)
@@ -189,8 +194,13 @@ def _section(source: str, name: str, raw: Mapping[str, Any], keys: tuple[schema.
     return out
 
 
-def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str, Any]) -> list[RoleSpec]:
+def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str, Any],
+           on_ray: bool = False) -> list[RoleSpec]:
     cpu = bool(acc.get("use_cpu")) or acc.get("distributed_type") == "MULTI_CPU"
+    if on_ray and acc.get("gpu_ids") not in (None, "all"):
+        raise ConfigError(source, "gpu_ids", "all or unset on Ray", acc["gpu_ids"],
+                          hint="Ray gives each rank its GPU; num_processes sizes the job")
+    cpu_by_count: list[str] = []   # roles that asked for `gpus: 0` and no `processes`
     if raw is None:
         raw = {"train": {"gpus": acc.get("num_processes") or 1}}
     if not isinstance(raw, dict) or not raw:
@@ -222,6 +232,13 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
         if name == "train" and "num_processes" in overrides:
             vals["gpus"] = overrides["num_processes"]
             vals.pop("processes", None)
+        if vals.get("gpu_ids") is not None and (cpu or on_ray):
+            raise ConfigError(source, f"roles.{name}.gpu_ids", "no gpu_ids " + (
+                "on Ray" if on_ray else "on a CPU config (use_cpu or MULTI_CPU)"), list(vals["gpu_ids"]),
+                hint="Ray gives each rank and server its GPUs; `gpus: N` sizes the role" if on_ray else
+                "the role runs CPU processes, on no GPU: `gpus` or `processes` counts them")
+        if vals.get("gpus") == 0 and vals.get("processes") is None and not vals.get("address"):
+            cpu_by_count.append(name)
         if vals.get("gpu_ids") is not None and vals.get("gpus") is None:
             vals["gpus"] = len(vals["gpu_ids"])
         if vals.get("gpus") is None and vals.get("processes") is None:
@@ -261,6 +278,10 @@ def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str
         n = acc.get("num_processes")
         if n is not None and "num_processes" not in overrides and n != train.processes:
             raise ConfigError(source, "num_processes", f"the same count as roles.train ({train.processes})", n)
+    if not cpu and roles[0].name in cpu_by_count:
+        raise ConfigError(source, f"roles.{roles[0].name}.gpus", "at least 1 GPU for the trainers on a GPU config "
+                          f"(distributed_type {acc.get('distributed_type') or 'unset'}, no use_cpu)", 0,
+                          hint="for CPU processes: `processes: N` beside `gpus: 0`, or use_cpu: true")
     if acc.get("gpu_ids") not in (None, "all") and roles[0].gpu_ids is None and not cpu:
         ids = parse_ids(source, "gpu_ids", acc["gpu_ids"])
         if ids is not None and len(ids) < roles[0].gpus:  # accelerate would widen nothing: too few GPUs named

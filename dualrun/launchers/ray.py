@@ -71,9 +71,11 @@ class RayLauncher(Launcher):
         return bundle_of(self.cfg, p)
 
     def rank_env(self, plan: Plan, p: Process, base: Mapping[str, str]) -> dict[str, str]:
-        """One rank's env as prepared: `<auto>` where only the launch knows the value (`_placed_env` fills it)."""
-        env = self.worker_env(p.env, base=base, MASTER_ADDR=AUTO, MASTER_PORT=AUTO)
-        env["MASTER_ADDR"], env["MASTER_PORT"] = AUTO, AUTO
+        """One rank's env as prepared: `<auto>` where only the launch knows the value (`_placed_env` fills it); a
+        `main_process_port` is the port rank 0's actor takes as it is (RankActor.info), so it is shown."""
+        port = AUTO if self.cfg.main_process_port is None else str(self.cfg.main_process_port)
+        env = self.worker_env(p.env, base=base, MASTER_ADDR=AUTO, MASTER_PORT=port)
+        env["MASTER_ADDR"], env["MASTER_PORT"] = AUTO, port
         env["TORCHELASTIC_RUN_ID"] = self.run_id
         env["CUDA_VISIBLE_DEVICES"] = AUTO if p.devices else ""
         env["TORCHELASTIC_USE_AGENT_STORE"] = "False"   # rank 0 hosts the TCPStore itself
