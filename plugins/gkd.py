@@ -23,6 +23,9 @@ class GKDPlugin(MethodPlugin):
     name = "gkd"
     roles = ("train", "teacher", "rollout")
     required_roles = ("train",)
+    # workers/gkd.py: a colocated teacher's model fills GKDConfig, a user-run one's gives the vocabulary size; top_k
+    # truncates a colocated teacher and is what a teacher server is asked for
+    role_key_reads = {"teacher": {"model": ("colocated", "address"), "top_k": ("colocated", "separate", "address")}}
 
     def validate(self, cfg: JobConfig) -> None:
         super().validate(cfg)

@@ -36,8 +36,11 @@ BAD = [
     ("gkd", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 1}, "teacher": T}}, "roles.rollout.model",
      "the model being trained"),
     ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 2}}}, "roles.rollout.model", "rollout server"),
-    ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {**R, "gpus": 2}}, "colocate_groups": [["train", "rollout"]]},
+    ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 2}}, "colocate_groups": [["train", "rollout"]]},
      None, None),  # colocated: no server, no model needed -> valid
+    ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {**R, "gpus": 2}}, "colocate_groups": [["train", "rollout"]]},
+     "roles.rollout.model", "no model on a role colocated with the trainers"),  # it generates with the trainers'
+
     ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 1}}, "colocate_groups": [["train", "rollout"]]},
      "colocate_groups[0]", "equal gpus"),
     ("grpo", {"roles": {"train": {"gpu_ids": [0, 1]}, "rollout": {**R, "gpu_ids": [1]}}}, "roles.rollout.gpu_ids",

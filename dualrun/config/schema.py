@@ -151,17 +151,25 @@ ROLE_KEYS: tuple[Key, ...] = (
         maximum=MAX_PROCESSES),
     Key("processes", "int", None, "Processes of the role when it differs from `gpus` (CPU-only roles).", minimum=1,
         maximum=MAX_PROCESSES),
-    Key("gpu_ids", "str-or-null", None, "Fixed device ids on the node (torchrun), e.g. `0,1` or `[0, 1]`."),
-    Key("engine", "str", None, "Inference engine of a server role.", choices=("vllm", "transformers")),
+    Key("gpu_ids", "str-or-null", None, "Fixed device ids on the node (torchrun), e.g. `0,1` or `[0, 1]`, one per "
+        "GPU of the role. Refused on Ray (Ray gives each rank and server its GPUs) and on a CPU config.",
+        backends="torchrun"),
+    Key("engine", "str", None, "Inference engine of a separate role's server, of a colocated rollout (grpo: `vllm` "
+        "is TRL's colocate mode) or of a role program's group; refused where nothing reads it (the trainer role, a "
+        "colocated teacher, beside `address`).", choices=("vllm", "transformers")),
     Key("tensor_parallel_size", "int", 1, "GPUs of one engine of the role; must divide `gpus` (each further multiple is "
         "another replica behind the role's router; the CPU engine is always 1). A separate role's server, or a "
         "colocated vLLM rollout; refused on the trainer role.",
         minimum=1, maximum=MAX_PROCESSES),
     Key("data_parallel_size", "int", 1, "Data-parallel size of the role's engine (a separate role's server only).",
         minimum=1, maximum=MAX_PROCESSES),
-    Key("model", "str-or-null", None, "Model path or name the role serves (teacher, reward model)."),
-    Key("top_k", "int", None, "Teacher: top-k log-probabilities distilled per token (unset or 0: full "
-        "vocabulary, colocated teacher only; a separate teacher needs >= 1).", minimum=0, maximum=MAX_TOP_K),
+    Key("model", "str-or-null", None, "Model path or name the role serves: a separate role's server, a role "
+        "program's group, gkd's teacher (colocated: GKDConfig's teacher; beside `address`: its vocabulary size). "
+        "Refused where nothing reads it: the trainer role (the script loads the trained model), a colocated "
+        "rollout (it generates with the trainers' model), beside `address` elsewhere."),
+    Key("top_k", "int", None, "gkd's teacher only (refused on every other role): top-k log-probabilities distilled "
+        "per token (unset or 0: full vocabulary, colocated teacher only; a separate teacher needs >= 1).", minimum=0,
+        maximum=MAX_TOP_K),
     Key("address", "str-or-null", None, "`host:port` of a server the user started; dualrun starts none (so "
         "`gpus`, `processes`, `gpu_ids`, `engine`, the parallel sizes, `server_args`, `health_timeout_s`, "
         "`request_timeout_s`, `env` and "

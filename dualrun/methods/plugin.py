@@ -25,6 +25,9 @@ class MethodPlugin:
     required_roles: tuple[str, ...] = ("train",)  # roles that must be present
     # roles whose vLLM engine, colocated with the trainers, takes `tensor_parallel_size` and `offload_model`
     colocated_engine_roles: tuple[str, ...] = ()
+    # role keys the worker half reads beyond dualrun's own reading (dualrun/config/role_reads.py):
+    # {role: {key: places}}, places among "trainer", "colocated", "separate", "address"; elsewhere refused
+    role_key_reads: Mapping[str, Mapping[str, tuple[str, ...]]] = {}
 
     # -- driver side (pure) ------------------------------------------------------------------------
     def validate(self, cfg: JobConfig) -> None:
@@ -37,8 +40,11 @@ class MethodPlugin:
             if cfg.role(name) is None:
                 raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")
         from dualrun.config.refusals import inert_keys
+        from dualrun.config.role_reads import unread_role_keys
 
-        inert_keys(cfg, self.colocated_engine_roles, bool(getattr(self, "single_controller", False)))
+        single = bool(getattr(self, "single_controller", False))
+        inert_keys(cfg, self.colocated_engine_roles, single)
+        unread_role_keys(cfg, self.colocated_engine_roles, single, self.role_key_reads)
         router_keys(cfg)
 
     def preflight(self, cfg: JobConfig) -> None:
