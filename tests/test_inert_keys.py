@@ -106,13 +106,13 @@ def test_gpu_ids_only_where_they_pick_devices():
     assert _validated(swift).role("sampler").gpu_ids == (0, 1)
 
 
-def test_ray_refuses_the_by_hand_machine_keys_and_keeps_num_machines():
+def test_ray_refuses_a_machine_rank_and_keeps_num_machines_and_machine_0s_address():
+    """A launch as machine 1 on Ray would start a second job; the rest of a torchrun multi-machine file stays valid
+    (the same file on both backends: Ray gives the ranks rank 0's address itself)."""
     _refused({"num_machines": 2, "num_processes": 2, "machine_rank": 1}, "machine_rank", backend="ray")
     _refused({"num_machines": 2, "num_processes": 2}, "--machine_rank", backend="ray", machine_rank=1)
-    _refused({"num_processes": 2}, "--main_process_ip", backend="ray", main_process_ip="10.0.0.1")
-    _refused({"num_processes": 2, "main_process_ip": "10.0.0.1"}, "main_process_ip", backend="ray")
-    cfg = _validated({"num_machines": 2, "num_processes": 2, "machine_rank": 0, "main_process_port": 1234},
-                     backend="ray")
+    cfg = _validated({"num_machines": 2, "num_processes": 2, "machine_rank": 0, "main_process_port": 1234,
+                      "main_process_ip": "10.0.0.1"}, backend="ray")
     assert cfg.num_machines == 2 and cfg.main_process_port == 1234
     assert _validated({"num_machines": 2, "num_processes": 2, "machine_rank": 1, "main_process_ip": "10.0.0.1"}) \
         .machine_rank == 1   # torchrun: one launch per machine, by hand

@@ -59,7 +59,7 @@ def test_no_room_on_the_machines_listed_is_one_line():
     ({"gpus": 1, "machines": 1}, {}, "roles.rollout.machines", "non-empty list"),
     ({"gpus": 1, "machines": ["1"]}, {}, "roles.rollout.machines", "non-empty list"),
     ({"gpus": 1, "machines": [True]}, {}, "roles.rollout.machines", "non-empty list"),
-    ({"gpus": 1, "machines": [1]}, {"backend": "ray", "main_process_ip": None}, "roles.rollout.machines", "Ray"),
+    ({"gpus": 1, "machines": [1]}, {"backend": "ray"}, "roles.rollout.machines", "Ray"),
     ({"address": "h:1", "machines": [1]}, {}, "roles.rollout.machines", "address"),
     ({"gpus": 1, "gpu_ids": [3], "machines": [1]}, {}, "roles.rollout.machines", "gpu_ids"),
     ({"gpus": 2, "machines": [1]}, {"colocate_groups": [["train", "rollout"]]}, "roles.rollout.machines",
@@ -119,7 +119,7 @@ def test_a_colocated_role_shares_the_trainers_machines():
     ({"gpus": 3, "machines": [0, 1]}, {}, "roles.train.machines", "evenly"),
     ({"gpus": 2, "machines": [0, 2]}, {}, "roles.train.machines", "0..1"),
     ({"gpus": 2, "machines": [0]}, {"num_machines": 3}, "roles.train.machines", "machine 2 runs neither"),
-    ({"gpus": 2, "machines": [0]}, {"backend": "ray", "main_process_ip": None}, "roles.train.machines", "Ray"),
+    ({"gpus": 2, "machines": [0]}, {"backend": "ray"}, "roles.train.machines", "Ray"),
 ])
 def test_trainers_machines_refused_with_one_line(train, top, key, what):
     with pytest.raises(ConfigError) as e:

@@ -36,19 +36,14 @@ def check_ray_address(source: str, address: str | None) -> None:
 
 
 def ray_machines(source: str, acc: Mapping[str, Any], flags: Collection[str] = ()) -> None:
-    """accelerate's by-hand multi-machine keys on Ray: Ray places the ranks across its nodes from one launch, so a
-    machine rank or machine 0's address would do nothing (num_machines stays: the planned node count). `flags`: the
-    keys given as command-line flags (named `--key`)."""
-    def where(key: str) -> tuple[str, str]:
-        return ("<command line>", f"--{key}") if key in flags else (source, key)
-
+    """accelerate's by-hand machine rank on Ray: Ray places the ranks across its nodes from one launch, so a launch
+    as machine 1 would start a second job (num_machines stays: the planned node count; main_process_ip stays too, the
+    same file runs on both backends, and Ray gives the ranks rank 0's address). `flags`: the keys given as
+    command-line flags (named `--key`)."""
+    key = ("<command line>", "--machine_rank") if "machine_rank" in flags else (source, "machine_rank")
     if int(acc.get("machine_rank") or 0) != 0:
-        raise ConfigError(*where("machine_rank"), "0 or unset on Ray", acc["machine_rank"],
+        raise ConfigError(*key, "0 or unset on Ray", acc["machine_rank"],
                           hint="one launch on any node: Ray places the ranks across its nodes")
-    if acc.get("main_process_ip"):
-        raise ConfigError(*where("main_process_ip"), "unset on Ray", acc["main_process_ip"],
-                          hint="Ray places rank 0 and gives the others its address; join a cluster with ray.address "
-                          "or RAY_ADDRESS")
 
 
 def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], roles: Sequence[RoleSpec],
