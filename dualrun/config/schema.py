@@ -269,7 +269,7 @@ _NO_EFFECT = "accepted, no effect: accelerate reads it only for a TPU launch (du
 ACCELERATE_NOTES: dict[str, str] = {
     "num_machines": "torchrun: machines launched by hand; Ray: the planned node count",
     "machine_rank": "torchrun only; Ray: refused unless 0 (Ray places the ranks across its nodes)",
-    "main_process_ip": "torchrun only; Ray: refused (Ray places rank 0)",
+    "main_process_ip": "torchrun: machine 0's address; Ray: no effect (Ray gives the ranks rank 0's address)",
     "main_process_port": "torchrun: machine 0's store; Ray: rank 0's MASTER_PORT (unset: a free port)",
     "gpu_ids": "torchrun: the trainers' devices; Ray: `all` or unset; CPU: no effect",
     "rdzv_backend": "`torchrun.rdzv_backend` where that is unset (static or c10d); Ray: no effect",
