@@ -160,17 +160,14 @@ SAMPLER = {"gpus": 1, "model": "m", "engine": "vllm"}
     ({"method": "grpo", "roles": {"train": 2, "rollout": {"gpus": 1, "model": "m", "top_k": 3}}},
      "roles.rollout.top_k", {"method": "grpo", "roles": {"train": 2, "rollout": {"gpus": 1, "model": "m",
                                                                                   "engine": "vllm"}}}),
-    ({"method": "grpo", "roles": {"train": 2, "rollout": {"gpus": 2, "engine": "vllm", "model": "m"}}, **COLOCATED},
-     "roles.rollout.model", {"method": "grpo", "roles": {"train": 2, "rollout": {"gpus": 2, "engine":
+    ({"method": "grpo", "roles": {"train": 2, "rollout": {"gpus": 2, "engine": "vllm", "top_k": 3}}, **COLOCATED},
+     "roles.rollout.top_k", {"method": "grpo", "roles": {"train": 2, "rollout": {"gpus": 2, "engine":
                                                                                   "transformers"}}, **COLOCATED}),
     ({"method": "grpo", "roles": {"train": 2, "rollout": {"address": "h:8000", "model": "m"}}}, "roles.rollout.model",
      {"method": "grpo", "roles": {"train": 2, "rollout": {"address": "h:8000"}}}),
     ({"method": "grpo", "roles": {"train": 2, "rollout": {"address": "h:8000", "top_k": 4}}}, "roles.rollout.top_k",
      {"method": "gkd", "roles": {"train": 2, "teacher": {"address": "h:1", "model": "m", "top_k": 4}}}),
     # gkd's teacher: colocated, GKDConfig loads its model (no engine); served, top_k is what it is asked for
-    ({"method": "gkd", "roles": {"train": 2, "teacher": {"gpus": 2, "engine": "transformers", "model": "m"}},
-      **WITH_TEACHER}, "roles.teacher.engine",
-     {"method": "gkd", "roles": {"train": 2, "teacher": {"gpus": 2, "model": "m", "top_k": 0}}, **WITH_TEACHER}),
     ({"method": "gkd", "roles": {"train": 2, "teacher": {"gpus": 1, "model": "m", "top_k": 4},
                                  "rollout": {"gpus": 1, "model": "m", "top_k": 4}}}, "roles.rollout.top_k",
      {"method": "gkd", "roles": {"train": 2, "teacher": {"gpus": 1, "model": "m", "top_k": 4, "engine": "vllm"},
@@ -182,3 +179,14 @@ SAMPLER = {"gpus": 1, "model": "m", "engine": "vllm"}
 def test_role_keys_are_refused_exactly_where_nothing_reads_them(unread, key, read):
     assert "nothing reads it there" in _refused(unread, key)
     _validated(read)
+
+
+@pytest.mark.parametrize("method,role,spec", [("grpo", "rollout", {"gpus": 2, "engine": "vllm", "model": "m"}),
+                                              ("gkd", "teacher", {"gpus": 2, "engine": "vllm", "model": "m",
+                                                                  "top_k": 5})])
+def test_colocate_groups_alone_switches_a_file_between_separate_and_colocated(method, role, spec):
+    """A colocated role keeps the keys its separate server reads (`model`, `engine`): the docs' examples switch
+    layouts by the `colocate_groups` line alone."""
+    roles = {"train": 2, role: spec}
+    assert _validated({"method": method, "roles": roles}).is_separate(role)
+    assert not _validated({"method": method, "roles": roles, "colocate_groups": [["train", role]]}).is_separate(role)

@@ -5,6 +5,8 @@ server, a server the user runs at `address`, a role program's group), and a key 
 promise nothing keeps. dualrun itself reads `model` and `engine` for a separate role's server (its command line) and
 for a role program's groups, and `engine` for a colocated engine role (`colocated_engine_roles`: TRL's colocate
 mode); a method plugin names what else its worker half reads (`MethodPlugin.role_key_reads`, e.g. gkd's teacher).
+A colocated role keeps what its separate server reads, so that one line (`colocate_groups`) switches a file between
+the two layouts, as README's and docs/concepts.md's examples do.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ def reads(key: str, role: str, place: str, engine_roles: Sequence[str],
     """Whether `key` of `role` placed at `place` is read (by dualrun, or by the method: `extra`)."""
     if place in READ_BY_DUALRUN[key] or place in extra.get(role, {}).get(key, ()):
         return True
+    if place == "colocated" and reads(key, role, "separate", engine_roles, extra):
+        return True   # kept for the separate layout: `colocate_groups` alone switches a file between the two
     return key == "engine" and place == "colocated" and role in engine_roles
 
 
