@@ -39,7 +39,7 @@ BAD = [
     ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 2}}, "colocate_groups": [["train", "rollout"]]},
      None, None),  # colocated: no server, no model needed -> valid
     ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {**R, "gpus": 2}}, "colocate_groups": [["train", "rollout"]]},
-     "roles.rollout.model", "no model on a role colocated with the trainers"),  # it generates with the trainers'
+     None, None),  # the separate layout's model kept: colocate_groups alone switches the layout
 
     ("grpo", {"roles": {"train": {"gpus": 2}, "rollout": {"gpus": 1}}, "colocate_groups": [["train", "rollout"]]},
      "colocate_groups[0]", "equal gpus"),
