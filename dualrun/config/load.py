@@ -116,6 +116,10 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         refusals.log_dir(source, key, path)
     refusals.runtime_env(source, ray_opts.runtime_env)
 
+    if "num_processes" in overrides and roles[0].name != "train":   # it sizes roles.train, which this job lacks
+        names = ", ".join(r.name for r in roles)
+        raise ConfigError(CLI_SOURCE, "--num_processes", f"no --num_processes for roles {names} (size each with "
+                          "roles.<name>.gpus or processes)", overrides["num_processes"])
     if acc.get("num_processes") is None or "num_processes" in overrides:
         acc["num_processes"] = roles[0].processes
     acc.setdefault("num_machines", 1)

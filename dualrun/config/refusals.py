@@ -176,6 +176,16 @@ _DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "server_args": 
              "request_timeout_s": 1800.0, "replica_restarts": 3}
 
 
+def program_sizes(cfg: Any) -> None:
+    """A role program (`single_controller`: runs once, as the driver, its groups sized by their roles) takes no
+    trainer size: a `num_processes` other than its first role's would be accepted and do nothing (several torchrun
+    machines: roles/driver.py)."""
+    n = cfg.accelerate.get("num_processes")
+    if n is not None and n != cfg.primary.processes:
+        raise ConfigError(cfg.source, "num_processes", f"unset for method {cfg.method} (its roles are sized by "
+                          f"roles.<name>.gpus or processes)", n)
+
+
 def inert_keys(cfg: Any, engine_roles: Sequence[str] = (), single_controller: bool = False) -> None:
     """Keys that take effect only on a server dualrun starts (or on a colocated vLLM engine of `engine_roles`),
     refused where they would do nothing: on the trainer role, on a role colocated with it, in a role program."""

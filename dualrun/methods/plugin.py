@@ -39,11 +39,13 @@ class MethodPlugin:
         for name in self.required_roles:
             if cfg.role(name) is None:
                 raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")
-        from dualrun.config.refusals import inert_keys
+        from dualrun.config.refusals import inert_keys, program_sizes
         from dualrun.config.role_reads import unread_role_keys
 
         single = bool(getattr(self, "single_controller", False))
         inert_keys(cfg, self.colocated_engine_roles, single)
+        if single:
+            program_sizes(cfg)
         unread_role_keys(cfg, self.colocated_engine_roles, single, self.role_key_reads)
         router_keys(cfg)
 
