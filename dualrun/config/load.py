@@ -100,8 +100,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     try:
         roles = _roles(source, raw_roles, acc, overrides, on_ray)
         groups = _groups(source, raw_groups, roles)
+        refusals.external_roles(source, raw_roles or {}, roles, groups)   # first: a server you run takes no gpus
         _check_layout(source, roles, groups)
-        refusals.external_roles(source, raw_roles or {}, roles, groups)
         refusals.server_sizes(source, roles, roles[0].name, groups)
     except ConfigError as e:
         raise as_written(e, origin) from None
