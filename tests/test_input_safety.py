@@ -45,7 +45,7 @@ def test_redaction_of_values_flags_and_urls():
 def test_messages_are_escaped_cut_and_hide_secrets():
     line = ConfigError("a\nb.yaml", "k\x1b[2J", "a string", "x\n" * 100_000 + "Traceback").line()
     assert "\n" not in line and "\x1b" not in line and len(line) < 300 and line.isascii()
-    assert line.startswith("a\\nb.yaml: k\\x1b[2J: expected a string, got 'x\\nx\\n")
+    assert line.startswith("a\\nb.yaml: <a key that is not a name (5 characters)>: expected a string, got 'x\\nx\\n")
     line = ConfigError("c.yaml", "env.HF_TOKEN", "a string", ["hf_abc"]).line()
     assert "hf_abc" not in line and "value hidden" in line
     line = ConfigError("c.yaml", "roles.r.server_args", "a list", ["--api-key", "sk-9", {"AWS_SECRET": "s"}]).line()

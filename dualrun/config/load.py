@@ -16,7 +16,7 @@ from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
 from dualrun.config.yamlfile import read_yaml
 from dualrun.env.worker import reserved
-from dualrun.contract.errors import ConfigError
+from dualrun.contract.errors import ConfigError, Said, type_words
 
 CLI_SOURCE = "<command line>"
 # accelerate's flag names that may override the file, as `accelerate launch` spells them.
@@ -43,7 +43,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
                               did_you_mean(str(key), OVERRIDABLE))
     for key in raw:
         if not isinstance(key, str):
-            raise ConfigError(source, str(key), "string keys", key)
+            raise ConfigError(source, str(key), "string keys", Said(type_words(key)))
 
     refused = next((k for k in raw if k in schema.REFUSED), None)
     if refused is not None:
@@ -175,7 +175,7 @@ def _env(source: str, key: str, raw: Mapping[Any, Any]) -> Mapping[str, str]:
         name = str(name)
         if reserved(name):
             raise ConfigError(source, f"{key}.{name}", "a variable dualrun does not set itself (dualrun sets the "
-                              "rank, address and device variables for every process)", "a reserved name")
+                              "rank, address and device variables for every process)", Said("a reserved name"))
         if not isinstance(value, (str, int, float, datetime.date)):   # (bool is an int) no list, set or binary
             raise ConfigError(source, f"{key}.{name}", "a string, number or boolean", value)
         out[name] = str(value).lower() if isinstance(value, bool) else str(value)

@@ -10,7 +10,8 @@ import re
 from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
-from dualrun.contract.errors import ConfigError
+from dualrun.contract.errors import ConfigError, Said, type_words
+from dualrun.contract.redact import secret_flag
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _SYSTEM_TREES = ("/proc", "/sys")
@@ -24,8 +25,10 @@ def server_args(source: str, key: str, value: Sequence[Any]) -> tuple[str, ...]:
         if isinstance(item, (int, float)) and not isinstance(item, bool):
             item = str(item)
         if not isinstance(item, str) or not item.strip() or "\0" in item:
+            flag = value[i - 1] if i and isinstance(value[i - 1], str) and secret_flag(value[i - 1]) else None
             raise ConfigError(source, f"{key}[{i}]", "a non-empty string without NUL (one word of the server's "
-                              "command line, e.g. [--max-model-len, '4096'])", item)
+                              "command line, e.g. [--max-model-len, '4096'])",
+                              Said(f"{type_words(item)} (the value of {flag}: hidden)") if flag else item)
         if packed_flag(item):
             raise ConfigError(source, f"{key}[{i}]", "a flag and its value as two items (the server gets each item "
                               "as one word)", item, hint=f"[{', '.join(item.split(None, 1))}]")
@@ -44,13 +47,14 @@ def env_entry(source: str, key: str, name: str, value: str) -> None:
     """One variable for `execve`: a name without `=` or NUL, a value without NUL, `NAME=value` within the kernel's
     limit for one variable (else the job would fail only when its first process starts)."""
     if not name or "=" in name or "\0" in name:
-        raise ConfigError(source, key, "a variable name without '=' or NUL", name)
+        raise ConfigError(source, key, "a variable name without '=' or NUL",
+                          Said("an empty name" if not name else "a name with '='" if "=" in name else "a name with NUL"))
     if "\0" in value:
-        raise ConfigError(source, key, "a value without NUL bytes", "a value with NUL")
+        raise ConfigError(source, key, "a value without NUL bytes", Said("a value with NUL"))
     size = len(name.encode("utf-8", "surrogateescape")) + 1 + len(value.encode("utf-8", "surrogateescape"))
     if size >= schema.MAX_ENV_ENTRY_BYTES:
         raise ConfigError(source, key, f"NAME=value under {schema.MAX_ENV_ENTRY_BYTES // 1024} KiB (the kernel's "
-                          "limit for one variable; pass big data as a file)", f"{size} bytes")
+                          "limit for one variable; pass big data as a file)", Said(f"{size} bytes"))
 
 
 def runtime_env(source: str, raw: Mapping[str, Any]) -> None:

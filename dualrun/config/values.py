@@ -7,7 +7,7 @@ import re
 from typing import Any, Iterable
 
 from dualrun.config.schema import MAX_DEVICE_ID, MAX_PROCESSES
-from dualrun.contract.errors import ConfigError
+from dualrun.contract.errors import AsString, ConfigError
 
 _RANGE = re.compile(r"^\s*list\(\s*range\(\s*(-?\d+)\s*(?:,\s*(-?\d+)\s*)?(?:,\s*(-?\d+)\s*)?\)\s*\)\s*$")
 _TYPE_WORDS = {
@@ -30,7 +30,8 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
 def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), minimum: float | None = None,
           maximum: float | None = None) -> Any:
     """Return `value` coerced to `kind`, or raise a ConfigError naming `key`. Numbers must be finite and within
-    [minimum, maximum]."""
+    [minimum, maximum]. A number written as a string (`'60'`, `1e3`, which YAML 1.1 reads as text) is refused for
+    int and float keys alike: accelerate's own config files store numbers as numbers."""
     expected = _TYPE_WORDS.get(kind, kind)
     if kind == "any":
         return value
@@ -38,13 +39,10 @@ def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), min
         return None
     if kind.startswith("int"):
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, str) and re.fullmatch(r"\s*-?\d{1,30}\s*", value):
-                value = int(value)
-            else:
-                raise ConfigError(source, key, expected, value)
+            raise ConfigError(source, key, expected, _got(value), _number_hint(value))
     elif kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(source, key, expected, value)
+            raise ConfigError(source, key, expected, _got(value), _number_hint(value))
         try:
             value = float(value)
         except OverflowError:
@@ -55,7 +53,7 @@ def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), min
         if isinstance(value, str) and value.lower() in ("true", "false"):
             value = value.lower() == "true"
         if not isinstance(value, bool):
-            raise ConfigError(source, key, expected, value)
+            raise ConfigError(source, key, expected, _got(value))
     elif kind.startswith("str"):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and key.endswith(("gpu_ids", "_ip")):
             value = str(value)
@@ -65,12 +63,12 @@ def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), min
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            raise ConfigError(source, key, expected, value)
+            raise ConfigError(source, key, expected, _got(value))
     elif kind == "list":
         if value is None:
             value = []
         if not isinstance(value, list):
-            raise ConfigError(source, key, expected, value)
+            raise ConfigError(source, key, expected, _got(value))
     if choices and value not in choices:
         shown = value
         hint = did_you_mean(str(value)[:100], [str(c) for c in choices])
@@ -81,6 +79,24 @@ def check(source: str, key: str, kind: str, value: Any, choices: tuple = (), min
     if maximum is not None and value is not None and value > maximum:
         raise ConfigError(source, key, f"{word} <= {maximum:g}", value)
     return value
+
+
+def _got(value: Any) -> Any:
+    """A string where another type was expected is shown as one (`the string '1e3'`)."""
+    return AsString(value) if isinstance(value, str) else value
+
+
+def _number_hint(value: Any) -> str:
+    """For a number YAML read as text: how to write it as a number."""
+    if not isinstance(value, str) or len(value) > 40:
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    if "e" in value.lower() and "." not in value:
+        return "YAML reads 1e3 as text: write 1000 or 1.0e+3"
+    return "write it without quotes"
 
 
 def parse_ids(source: str, key: str, value: Any) -> tuple[int, ...] | None:

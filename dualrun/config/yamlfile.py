@@ -12,7 +12,7 @@ import stat
 from typing import Any
 
 from dualrun.config import schema
-from dualrun.contract.errors import ConfigError
+from dualrun.contract.errors import ConfigError, Said, cut, escaped, type_words
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))
@@ -65,7 +65,7 @@ def _check_depth(source: str, text: str) -> None:
             depth += 1
             if depth > schema.MAX_YAML_DEPTH:
                 raise ConfigError(source, "<yaml>", f"at most {schema.MAX_YAML_DEPTH} levels of nesting",
-                                  f"more at line {event.start_mark.line + 1}")
+                                  Said(f"more at line {event.start_mark.line + 1}"))
         elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
             depth -= 1
 
@@ -83,7 +83,7 @@ def _check_nodes(source: str, root: Any) -> None:
             return got
         if level > schema.MAX_YAML_DEPTH:
             raise ConfigError(source, path or "<yaml>", f"at most {schema.MAX_YAML_DEPTH} levels of nesting once "
-                              "aliases are expanded", f"more than {schema.MAX_YAML_DEPTH}")
+                              "aliases are expanded", Said(f"more than {schema.MAX_YAML_DEPTH}"))
         sizes[id(node)] = (1, 1)   # a node met again while walking it (a recursive alias) counts once
         count, depth = 1, 0
         if isinstance(node, yaml.MappingNode):
@@ -96,7 +96,7 @@ def _check_nodes(source: str, root: Any) -> None:
                     if first is not None:
                         where = f"{path}.{name}" if path else name
                         lines = f"lines {first} and {line}" if first != line else f"line {line}"
-                        raise ConfigError(source, where, "each key once per mapping", f"the key twice, {lines}")
+                        raise ConfigError(source, where, "each key once per mapping", Said(f"the key twice, {lines}"))
                     seen[(key.tag, key.value)] = line
                 for child, child_path in ((key, path), (value, f"{path}.{name}" if path else name)):
                     c, d = walk(child, child_path, level + 1)
@@ -107,10 +107,10 @@ def _check_nodes(source: str, root: Any) -> None:
                 count, depth = count + c, max(depth, d)
         if count > schema.MAX_YAML_NODES:
             raise ConfigError(source, path or "<yaml>", f"at most {schema.MAX_YAML_NODES} values once aliases are "
-                              "expanded (a config, not data)", f"more than {schema.MAX_YAML_NODES}")
+                              "expanded (a config, not data)", Said(f"more than {schema.MAX_YAML_NODES}"))
         if depth + 1 > schema.MAX_YAML_DEPTH:
             raise ConfigError(source, path or "<yaml>", f"at most {schema.MAX_YAML_DEPTH} levels of nesting once "
-                              "aliases are expanded", f"{depth + 1} levels")
+                              "aliases are expanded", Said(f"{depth + 1} levels"))
         sizes[id(node)] = (count, depth + 1)
         return count, depth + 1
 
@@ -134,11 +134,12 @@ def parse(source: str, text: str) -> Any:
         mark = getattr(e, "problem_mark", None)
         where = (f"line {mark.line + 1}, column {mark.column + 1}" if mark else
                  f"character {e.position + 1}" if isinstance(getattr(e, "position", None), int) else "unknown position")
-        problem = getattr(e, "problem", None) or getattr(e, "reason", None) or "syntax error"
-        raise ConfigError(source, "<yaml>", "valid YAML", f"{problem} at {where}") from None
+        problem = str(getattr(e, "problem", None) or getattr(e, "reason", None) or "syntax error")
+        # the position is what the user needs most: the problem is cut short, never the line and column
+        raise ConfigError(source, "<yaml>", "valid YAML", Said(f"{cut(escaped(problem), 80)} at {where}")) from None
     except RecursionError:
         raise ConfigError(source, "<yaml>", f"at most {schema.MAX_YAML_DEPTH} levels of nesting",
-                          "too deep to read") from None
+                          Said("too deep to read")) from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -152,5 +153,5 @@ def read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(path, "<top level>", "a mapping of keys to values", "an empty file",
                           "omit --config_file for the defaults")
     if not isinstance(data, dict):
-        raise ConfigError(path, "<top level>", "a mapping of keys to values", type(data).__name__)
+        raise ConfigError(path, "<top level>", "a mapping of keys to values", Said(type_words(data)))
     return data

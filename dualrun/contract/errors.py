@@ -1,6 +1,7 @@
 """Errors that end a command with one clear line instead of a traceback."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -70,6 +71,74 @@ def secret_key(key: str) -> bool:
     return is_secret(key)
 
 
+class Said(str):
+    """What dualrun says it got (`an unknown key`, `a directory`, `a value with NUL`): shown as written (escaped,
+    redacted, cut), never quoted, and shown even where the user's own value would not be (an `env` value)."""
+
+
+class AsString(str):
+    """A user's string where another type was expected (`1e3`, `'60'`: YAML read them as text): shown as
+    `the string '1e3'`, so that it is seen to be text."""
+
+
+_KIND_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+               tuple: "a list", dict: "a mapping", set: "a set", bytes: "binary data", type(None): "null"}
+
+
+def type_words(value: Any) -> str:
+    """`value`'s type in words (`a list`): what an error says of a value it must not show."""
+    return next((word for kind, word in _KIND_WORDS.items() if type(value) is kind), "a " + type(value).__name__)
+
+
+# A key shown in an error is a path of names (`roles.train.gpus`, `colocate_groups[0]`, `--machine_rank`, `<yaml>`):
+# a part that is no name (a line of /etc/shadow read as a key, `HF_TOKEN=hf_...`) is described, not echoed.
+_KEY_PART = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_-]{0,63}|--[A-Za-z0-9][A-Za-z0-9_-]{0,63}|<[a-z ]{1,40}>|"
+                       r"-?\d{1,20})(?:\[\d{1,9}\])*|(?:\[\d{1,9}\])+")
+_OWN_KEYS = frozenset({"accelerate keys"})      # dualrun's own labels for what is no single key
+_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}=")
+# Keys whose values are environment variables' (`env.NAME`, `roles.train.env`, `ray.runtime_env.env_vars.NAME`):
+# any of them may be a credential, whatever its name, so none is shown.
+_ENV_KEY = re.compile(r"^(?:(?:roles\.[^.]+\.)?env|ray\.runtime_env\.env_vars)(?:\..*)?$")
+
+
+def not_a_name(text: str) -> str:
+    """How an error names a key that is no name: by its length, never its text."""
+    return f"<a key that is not a name ({len(text)} characters)>"
+
+
+def shown_key(key: str) -> str:
+    """`key` as an error may show it: its leading parts that are names, then `NAME=...` for an assignment (its
+    value hidden) or a description of the first part that is no name (and all after it)."""
+    if key in _OWN_KEYS:
+        return key
+    parts = key.split(".")
+    good = 0
+    while good < len(parts) and _KEY_PART.fullmatch(parts[good]):
+        good += 1
+    if good == len(parts):
+        return key
+    rest = ".".join(parts[good:])
+    m = _ASSIGNMENT.match(rest)
+    tail = m.group(0) + "..." if m else not_a_name(rest)
+    return ".".join(parts[:good] + [tail])
+
+
+def shown_got(key: str, got: Any) -> str:
+    """What an error shows of the value it got: dualrun's own words as written; nothing of a secret-named key's or
+    an environment variable's value but its type; any other value redacted, escaped and cut short."""
+    from dualrun.contract.redact import redact_data, redact_shown
+
+    if isinstance(got, Said):
+        return cut(escaped(redact_shown(str(got)[:1000])), 120)
+    if secret_key(key):
+        return f"{type_words(got)} (value hidden: a secret-named key)"
+    if _ENV_KEY.search(key):
+        return f"{type_words(got)} (not shown: an environment value)"
+    if isinstance(got, AsString):
+        return "the string '" + cut(escaped(redact_shown(str(got)[:1000])), SHOWN_CHARS).replace("'", "\\'") + "'"
+    return shown(redact_data(got))
+
+
 class DualrunError(Exception):
     """Base class: anything dualrun reports to the user as one line."""
 
@@ -77,8 +146,8 @@ class DualrunError(Exception):
 
 
 class ConfigError(DualrunError):
-    """Bad input: names the file, the key and what was expected; exit code 2. The value is shown escaped and cut
-    short, and never at all for a secret-named key."""
+    """Bad input: names the file, the key and what was expected; exit code 2. The key and the value are shown as
+    `shown_key` and `shown_got` allow: escaped, cut short, secrets never."""
 
     exit_code = 2
 
@@ -87,19 +156,17 @@ class ConfigError(DualrunError):
         super().__init__(self.line())
 
     def line(self) -> str:
-        source = str(self.source) or "''"
-        source = escaped(source if len(source) <= 80 else "..." + source[-77:])
-        msg = f"{source}: {cut(escaped(str(self.key)), 80)}: expected {cut(escaped(self.expected), 140)}"
-        if self.got is not None:
-            if secret_key(str(self.key)):
-                msg += f", got a {type(self.got).__name__} (value hidden: a secret-named key)"
-            else:
-                from dualrun.contract.redact import redact_data
+        from dualrun.contract.redact import redact_shown, redact_text
 
-                got = redact_data(self.got)
-                msg += ", got " + shown(got)
+        source = redact_text(str(self.source)[-1000:]) or "''"
+        source = escaped(source if len(source) <= 80 else "..." + source[-77:])
+        key = str(self.key)
+        expected = redact_shown(str(self.expected)[:1000])   # it may quote the user's values too
+        msg = f"{source}: {cut(escaped(shown_key(key)), 80)}: expected {cut(escaped(expected), 140)}"
+        if self.got is not None:
+            msg += ", got " + shown_got(key, self.got)
         if self.hint:
-            msg += f" ({cut(escaped(self.hint), 200)})"
+            msg += f" ({cut(escaped(redact_shown(str(self.hint)[:1000])), 200)})"
         return cut(msg, LINE_CHARS)
 
 

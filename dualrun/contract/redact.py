@@ -84,12 +84,34 @@ def _hide_url_passwords(text: str) -> str:
     return "".join(out)
 
 
+# `NAME=value` whose NAME is secret-like (`HF_TOKEN=hf_...`, `?password=...` in a URL): an assignment starts a
+# word (a flag's `--api-key=X` is _FLAG_VALUE's); its value runs to whitespace, a quote or the next `&`/`;`.
+_ASSIGNED = re.compile(r"(?<![A-Za-z0-9_.-])([A-Za-z_][A-Za-z0-9_.-]*)=([^\s&;'\"]+)")
+
+
 def redact_text(text: str) -> str:
-    """`text` with the password of any `scheme://user:password@host` and the value after a secret flag
-    (`--api-key X`) hidden. Linear in the length of `text`."""
+    """`text` with the password of any `scheme://user:password@host`, the value after a secret flag
+    (`--api-key X`) and the value of a secret-named `NAME=value` hidden. Linear in the length of `text`."""
     text = _hide_url_passwords(text)
-    return _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if secret_flag(m.group(1)) else m.group(0),
+    text = _FLAG_VALUE.sub(lambda m: m.group(1) + m.group(2) + REDACTED if secret_flag(m.group(1)) else m.group(0),
                            text)
+    if "=" not in text:
+        return text
+    return _ASSIGNED.sub(lambda m: f"{m.group(1)}={REDACTED}" if is_secret(m.group(1)) else m.group(0), text)
+
+
+# What a value shown in an error (not a log line) loses besides: a URL's user (`https://TOKEN@host` is a
+# credential as often as a name) and any query string (`host:80?token=...`, `?sig=...`: names of any kind).
+_URL_USER = re.compile(r"(://)[^/\s@'\"]+@")
+_QUERY = re.compile(r"(?<=[^\s?])\?[^\s'\"]+")
+
+
+def redact_shown(text: str) -> str:
+    """`redact_text` for a user's value shown in an error: URL userinfo and query strings hidden too."""
+    text = redact_text(text)
+    if "@" in text:
+        text = _URL_USER.sub(lambda m: m.group(1) + REDACTED + "@", text)
+    return _QUERY.sub("?" + REDACTED, text) if "?" in text else text
 
 
 def redact_value(name: str, value: str) -> str:
@@ -175,17 +197,22 @@ def hide_values(text: str, values: Sequence[str]) -> str:
 
 
 def redact_data(value: Any, depth: int = 3) -> Any:
-    """A (shortened) copy of a config value safe to print: secret-named mapping keys and secret flags lose their
-    values, URLs their passwords. Looks at no more than 20 items per level, `depth` levels deep."""
+    """A (shortened) copy of a config value safe to show in an error: secret-named mapping keys (and `NAME=value`
+    strings), secret flags (and whatever follows one: `[--api-key, [KEY]]`) lose their values, URLs their
+    credentials and query strings. Looks at no more than 20 items per level, `depth` levels deep."""
     if isinstance(value, str):
-        return redact_text(value[:2000])
+        return redact_shown(value[:2000])
     if depth <= 0:
         return "..." if isinstance(value, (dict, list, tuple)) else value
     if isinstance(value, dict):
-        return {k: (REDACTED if is_secret(str(k)) else redact_data(v, depth - 1))
+        return {redact_shown(k) if isinstance(k, str) else k: (REDACTED if is_secret(str(k)) else
+                                                             redact_data(v, depth - 1))
                 for k, v in list(value.items())[:20]}
     if isinstance(value, (list, tuple)):
         items = list(value[:20])
         flat = redact_argv([a if isinstance(a, str) else "" for a in items])
-        return [redact_data(a, depth - 1) if not isinstance(a, str) else b for a, b in zip(items, flat)]
+        after_flag = {i + 1 for i, a in enumerate(items) if isinstance(a, str) and a.startswith("-")
+                      and "=" not in a and secret_flag(a)}
+        return [REDACTED if i in after_flag else redact_data(a, depth - 1) if not isinstance(a, str)
+                else redact_shown(b) for i, (a, b) in enumerate(zip(items, flat))]
     return value
