@@ -22,6 +22,27 @@ def host_port(text: str) -> bool:
     return bool(m) and 1 <= int(m.group(2)) <= 65535
 
 
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def host_name(text: str) -> bool:
+    """A machine's address as torchrun's `--master-addr` takes it (the resolver's): an IPv4 or IPv6 address, or a
+    host name (`node-1.cluster.local`); no scheme, port, user, path or space. A name all of digits must be a whole
+    IPv4 address (the resolver reads `10` as 0.0.0.10)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        pass
+    name = text[:-1] if text.endswith(".") else text
+    labels = name.split(".")
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        return False
+    return not all(label.isdigit() for label in labels)
+
+
 def check_ray_address(source: str, address: str | None) -> None:
     """`ray.address`: auto, local, HOST:PORT or ray://HOST:PORT (what resolve_address knows how to join)."""
     if address is None or address in ("auto", "local"):

@@ -163,6 +163,9 @@ def _accelerate_value(source: str, key: str, value: Any) -> Any:
     value = check(source, name, schema.ACCELERATE_TYPES[key], value, schema.ACCELERATE_CHOICES.get(key, ()))
     if key == "main_process_port" and value is not None and not 1 <= value <= 65535:
         raise ConfigError(source, name, "a port number in [1, 65535] (unset: a free port)", value)
+    if key == "main_process_ip" and value is not None and not cross_keys.host_name(value):
+        raise ConfigError(source, name, "machine 0's IP address or host name (no scheme, port, user or spaces; "
+                          "the port is main_process_port)", value)
     low, high = schema.ACCELERATE_BOUNDS.get(key, (None, None))
     return check(source, name, schema.ACCELERATE_TYPES[key], value, (), low, high)
 
