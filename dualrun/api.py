@@ -147,7 +147,7 @@ def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, conf
     from dualrun.config import build_config, load_config
     from dualrun.config.environment import check_environment
     from dualrun.contract.calls import load_results, save_call
-    from dualrun.methods.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin, validate
 
     if isinstance(config, JobConfig):
         cfg = config
@@ -159,7 +159,7 @@ def launch(target: "str | Callable[..., Any]", args: Sequence[str] = (), *, conf
         cfg = load_config(config, overrides, backend)
     check_environment(backend=cfg.backend)
     plugin = get_plugin(cfg.method, cfg.source)
-    plugin.validate(cfg)
+    validate(cfg, plugin)
     if callable(target):
         with tempfile.TemporaryDirectory(prefix="dualrun-call-") as tmp:
             call_file = os.path.join(tmp, "call.pkl")

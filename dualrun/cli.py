@@ -90,14 +90,14 @@ def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
 
 def _load(ns: argparse.Namespace):
     from dualrun.config import load_config
-    from dualrun.methods.plugin import get_plugin
+    from dualrun.methods.plugin import get_plugin, validate
 
     from dualrun.config.environment import check_environment
 
     cfg = load_config(ns.config_file, _overrides(ns), ns.backend)
     check_environment(backend=cfg.backend)
     plugin = get_plugin(cfg.method, cfg.source)
-    plugin.validate(cfg)
+    validate(cfg, plugin)
     return cfg, plugin
 
 

@@ -110,8 +110,11 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     ray_opts = RayOptions(**_section(source, "ray", values.pop("ray", {}), schema.RAY_KEYS))
     tr_opts = TorchrunOptions(**accelerate_keys.rendezvous(
         source, acc, _section(source, "torchrun", values.pop("torchrun", {}), schema.TORCHRUN_KEYS)))
-    cross_keys.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
-    check_role_machines(source, acc, values, roles, groups)
+    try:
+        cross_keys.check_job(source, acc, values, roles, groups, ray_opts, tr_opts, "num_processes" in overrides)
+        check_role_machines(source, acc, values, roles, groups)
+    except ConfigError as e:
+        raise as_written(e, origin) from None
     for key, path in (("log_dir", values.get("log_dir")), ("torchrun.log_dir", tr_opts.log_dir)):
         refusals.log_dir(source, key, path)
     refusals.runtime_env(source, ray_opts.runtime_env)
@@ -135,7 +138,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"])
     return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
                      colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
-                     ray=ray_opts, torchrun=tr_opts, **values)
+                     ray=ray_opts, torchrun=tr_opts, written_as=frozen_map(origin), **values)
 
 
 def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:

@@ -73,6 +73,8 @@ class JobConfig:
     log_dir: str | None = None
     ray: RayOptions = field(default_factory=RayOptions)
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
+    # role -> the ms-swift `device_groups` group it was made from: errors about it name what the user wrote
+    written_as: Mapping[str, str] = field(default_factory=frozen_map)
 
     @property
     def backend_kind(self) -> "BackendKind":

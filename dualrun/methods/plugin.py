@@ -77,6 +77,17 @@ class MethodPlugin:
         """Install hooks in a worker before the user's script runs (dualrun/rank/method.py calls it)."""
 
 
+def validate(cfg: JobConfig, plugin: MethodPlugin) -> None:
+    """`plugin.validate(cfg)`, its errors naming what the user wrote: a role made from ms-swift's `device_groups`
+    by its group's key (README: "An error about a role made from ms-swift's device_groups names the group key")."""
+    from dualrun.config.load import as_written
+
+    try:
+        plugin.validate(cfg)
+    except ConfigError as e:
+        raise as_written(e, cfg.written_as) from None
+
+
 def router_keys(cfg: JobConfig) -> None:
     """`replica_restarts` restarts replicas behind a router: a separate role with one engine has none, so the key
     would do nothing there."""
