@@ -14,9 +14,10 @@ from typing import Mapping
 from dualrun.config.backends import kind_of
 from dualrun.contract import protocol
 from dualrun.config.cross_keys import host_port
-from dualrun.config.schema import MAX_SECONDS, MIN_TIMEOUT_S
+from dualrun.config.schema import (ACCELERATE_ENV_FLAGS, ACCELERATE_ENV_INTS, MAX_SECONDS, MIN_JOB_TOKEN_CHARS,
+                                   MIN_TIMEOUT_S, TRUTH_VALUES)
 from dualrun.env.worker import forward_patterns
-from dualrun.contract.errors import ConfigError
+from dualrun.contract.errors import ConfigError, Said
 from dualrun.light.progress import MODES
 
 SOURCE = "<environment>"
@@ -40,6 +41,8 @@ def check_environment(environ: Mapping[str, str] | None = None, backend: str | N
     forward = environ.get(protocol.FORWARD_ENV)
     if forward is not None:
         _forward(forward)
+    _job_token(environ.get(protocol.JOB_TOKEN) or "")
+    _accelerate_inputs(environ)
     if backend is not None and kind_of(backend).ray:
         ray_address(environ.get("RAY_ADDRESS"))
         if not ray_installed():
@@ -78,6 +81,35 @@ def _forward(value: str) -> None:
             hint = "set the value in the launching shell or under `env:`" if "=" in item else ""
             raise ConfigError(SOURCE, protocol.FORWARD_ENV, "comma-separated variable names or patterns "
                               "(MY_VAR,MY_PREFIX_*)", item.split("=", 1)[0] + ("=..." if "=" in item else ""), hint)
+
+
+def _accelerate_inputs(environ: Mapping[str, str]) -> None:
+    """What accelerate reads from the environment while it prepares the workers' env: an integer it gives int()
+    (`OMP_NUM_THREADS=abc` raised ValueError, reported against the config file), a flag its str_to_bool."""
+    for name in ACCELERATE_ENV_INTS:
+        value = environ.get(name)
+        if value is not None and not re.fullmatch(r"\s*[+-]?\d{1,18}\s*", value):
+            raise ConfigError(SOURCE, name, "an integer (accelerate reads it when it prepares the workers' "
+                              "environment)", value)
+    for name in ACCELERATE_ENV_FLAGS:
+        value = environ.get(name)
+        if value is not None and value.lower() not in TRUTH_VALUES:
+            raise ConfigError(SOURCE, name, "1 or 0, true or false, yes or no, on or off (accelerate reads it when "
+                              "it is imported)", value)
+
+
+def _job_token(value: str) -> None:
+    """The job's secret, when the user gives one: long enough not to be guessed, and a valid HTTP header value
+    (the servers compare it in `X-Dualrun-Job-Token`). Its value is never shown (a secret-named variable)."""
+    if not value:
+        return
+    expected = f"at least {MIN_JOB_TOKEN_CHARS} printable ASCII characters without spaces (unset: a fresh secret " \
+               "per launch)"
+    if len(value) < MIN_JOB_TOKEN_CHARS:
+        count = f"{len(value)} character" + "s" * (len(value) > 1)
+        raise ConfigError(SOURCE, protocol.JOB_TOKEN, expected, Said(count))
+    if not all("!" <= c <= "~" for c in value):
+        raise ConfigError(SOURCE, protocol.JOB_TOKEN, expected, Said("a space, control or non-ASCII character"))
 
 
 def ray_address(value: str | None) -> None:

@@ -38,6 +38,7 @@ MAX_TOP_K = 1_000_000         # a vocabulary's size
 MAX_ENV_ENTRY_BYTES = 128 * 1024   # one NAME=value for execve (the kernel's MAX_ARG_STRLEN)
 MIN_INTERVAL_S = 0.01         # torchrun's monitor interval: 0 would spin a core
 MIN_TIMEOUT_S = 1.0           # every timeout: a shorter one ends what it guards before it can happen (0: at once)
+MIN_JOB_TOKEN_CHARS = 16      # a job secret one can guess is none (dualrun's own are 43 characters)
 LIMITS: tuple[tuple[str, Any, str], ...] = (
     ("config file", f"{MAX_CONFIG_BYTES // 1024} KiB", "a regular file (not a FIFO or device), UTF-8 YAML"),
     ("YAML nesting", MAX_YAML_DEPTH, "levels, aliases expanded"),
@@ -71,9 +72,21 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
      "more launching-environment variables for the workers; not `*` alone, no `NAME=value`"),
     (protocol.CACHE, "0 or 1", "0: no on-disk cache of accelerate's environment"),
     (protocol.DEBUG, "0 or 1", "1: print the traceback of an unexpected error"),
+    (protocol.JOB_TOKEN, f"at least {MIN_JOB_TOKEN_CHARS} printable ASCII characters, no spaces (empty: unset)",
+     "the job's secret instead of a fresh one per launch (the same on every machine of a torchrun job started by "
+     "hand, which is otherwise unguarded); never printed"),
     ("RAY_ADDRESS", "HOST:PORT, ray://HOST:PORT, auto or local",
      "the Ray cluster to join (`--backend ray`); the GCS address, not the dashboard's http:// URL"),
 )
+# Variables accelerate's env preparation reads with int() or as a truth value (`accelerate launch` would fail on a
+# bad one, and so did dualrun, blaming the config file): checked with the others, the variable named.
+ACCELERATE_ENV_INTS = ("OMP_NUM_THREADS", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+ACCELERATE_ENV_FLAGS = ("USE_TORCH_XLA",)
+TRUTH_VALUES = ("1", "0", "true", "false", "yes", "no", "y", "n", "t", "f", "on", "off")   # accelerate's str_to_bool
+ENV_VARS += tuple((name, "an integer", "read by accelerate's launch preparation (as `accelerate launch` reads it)")
+                  for name in ACCELERATE_ENV_INTS)
+ENV_VARS += tuple((name, "a truth value (1/0, true/false, yes/no, on/off)", "read by accelerate when it is imported")
+                  for name in ACCELERATE_ENV_FLAGS)
 
 
 TOP_KEYS: tuple[Key, ...] = (
