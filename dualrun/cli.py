@@ -159,7 +159,7 @@ def cmd_config_default(ns: argparse.Namespace) -> int:
                           ns.config_file)
     if os.path.exists(path):
         raise ConfigError(path, "path", "a file that does not exist yet (dualrun never overwrites)",
-                          "an existing file")
+                          "an existing directory" if os.path.isdir(path) else "an existing file")
     if not os.path.isdir(os.path.dirname(path) or "."):   # before detecting devices: that imports torch (seconds)
         raise ConfigError(path, "path", "a new file in an existing, writable folder", os.strerror(errno.ENOENT))
     devices, dist = (0, "NO") if ns.cpu else detected_devices()

@@ -66,7 +66,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         if key in OVERRIDABLE:
             acc[key] = _accelerate_value(CLI_SOURCE, key, value)
     if acc.get("machine_rank") is not None and not 0 <= acc["machine_rank"] < int(acc.get("num_machines") or 1):
-        raise ConfigError(CLI_SOURCE if "machine_rank" in overrides else source, "machine_rank",
+        flag = "machine_rank" in overrides
+        raise ConfigError(CLI_SOURCE if flag else source, "--machine_rank" if flag else "machine_rank",
                           f"an integer in [0, num_machines={acc.get('num_machines') or 1})", acc["machine_rank"])
 
     accelerate_keys.refuse_launchers(source, acc)
