@@ -47,8 +47,8 @@ def env_entry(source: str, key: str, name: str, value: str) -> None:
     """One variable for `execve`: a name without `=` or NUL, a value without NUL, `NAME=value` within the kernel's
     limit for one variable (else the job would fail only when its first process starts)."""
     if not name or "=" in name or "\0" in name:
-        raise ConfigError(source, key, "a variable name without '=' or NUL",
-                          Said("an empty name" if not name else "a name with '='" if "=" in name else "a name with NUL"))
+        what = "an empty name" if not name else "a name with '='" if "=" in name else "a name with NUL"
+        raise ConfigError(source, key, "a variable name without '=' or NUL", Said(what))
     if "\0" in value:
         raise ConfigError(source, key, "a value without NUL bytes", Said("a value with NUL"))
     size = len(name.encode("utf-8", "surrogateescape")) + 1 + len(value.encode("utf-8", "surrogateescape"))
