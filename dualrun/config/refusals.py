@@ -30,9 +30,10 @@ def server_args(source: str, key: str, value: Sequence[Any]) -> tuple[str, ...]:
                               "command line, e.g. [--max-model-len, '4096'])",
                               Said(f"{type_words(item)} (the value of {flag}: hidden)") if flag else item)
         if packed_flag(item):
-            name, rest = item.split(None, 1)
+            name, *rest = item.split(None, 1)   # ' --x': a flag with a space before it, no value
+            shown = [name, *(["***"] if rest and secret_flag(name) else rest)]
             raise ConfigError(source, f"{key}[{i}]", "a flag and its value as two items (the server gets each item "
-                              "as one word)", item, hint=f"[{name}, {'***' if secret_flag(name) else rest}]")
+                              "as one word)", item, hint=f"[{', '.join(shown)}]")
         out.append(item)
     return tuple(out)
 
