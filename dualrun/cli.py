@@ -182,6 +182,9 @@ def cmd_check(ns: argparse.Namespace) -> int:
     cfg, _ = _load(ns)
     if ns.wait_s is not None and not 0 < ns.wait_s <= 3600:
         raise ConfigError("<command line>", "--wait_s", "a number of seconds in (0, 3600]", str(ns.wait_s))
+    if ns.wait_s is not None and not (cfg.backend_kind.per_machine and cfg.num_machines > 1):
+        raise ConfigError("<command line>", "--wait_s", "no --wait_s here (only several torchrun machines wait for "
+                          "each other's check)", str(ns.wait_s))
     backend = backend_of(cfg)
     return run_check(cfg, lambda c: backend.check(c, ns.wait_s))
 
