@@ -108,11 +108,19 @@ def test_swift_nproc_per_node_is_honoured():
     groups = {"nproc_per_node": 2, "nnodes": 2,
               "s": {"device": "GPU", "ranks": [2, 3], "workers": ["sampler"]},
               "r": {"device": "GPU", "ranks": "list(range(0, 2))", "workers": ["prm"]}}
-    cfg = build_config({"device_groups": groups}, "x.yaml")
+    cfg = build_config({"device_groups": groups, "num_machines": 2}, "x.yaml")   # torchrun: nnodes == num_machines
     assert cfg.role("sampler").gpu_ids is None and cfg.role("sampler").gpus == 2   # on node 1: placed by count
     assert cfg.role("prm").gpu_ids == (0, 1)
     span = build_config({"device_groups": {"nproc_per_node": 2, "nnodes": 2,
-                                           "s": {"device": "GPU", "ranks": [1, 2], "workers": ["sampler"]}}}, "x.yaml")
+                                           "s": {"device": "GPU", "ranks": [1, 2], "workers": ["sampler"]}},
+                         "backend": "ray"}, "x.yaml")
+    assert span.role("sampler").gpus == 2
+    with pytest.raises(ConfigError, match="device_groups.nnodes: expected num_machines \\(1\\) on torchrun"):
+        build_config({"device_groups": {"nproc_per_node": 2, "nnodes": 2,
+                                        "s": {"device": "GPU", "ranks": [1, 2], "workers": ["sampler"]}}}, "x.yaml")
+    span = build_config({"device_groups": {"nproc_per_node": 2, "nnodes": 2,
+                                           "s": {"device": "GPU", "ranks": [1, 2], "workers": ["sampler"]}},
+                         "num_machines": 2}, "x.yaml")
     assert span.role("sampler").gpu_ids is None and span.role("sampler").gpus == 2
     with pytest.raises(ConfigError, match="device_groups.s.ranks.*below nproc_per_node \\* nnodes = 4"):
         build_config({"device_groups": {"nproc_per_node": 4, "s": {"device": "GPU", "ranks": [3, 4],

@@ -95,6 +95,11 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         if raw_roles is not None:
             raise ConfigError(source, schema.SWIFT_KEY, "either `roles` or `device_groups`, not both")
         raw_roles, swift_groups, origin = convert_device_groups(source, raw[schema.SWIFT_KEY])
+        nnodes, machines = raw[schema.SWIFT_KEY].get("nnodes") or 1, int(acc.get("num_machines") or 1)
+        if not on_ray and nnodes != machines:   # torchrun: machines are launched by hand, num_machines counts them
+            raise ConfigError(source, f"{schema.SWIFT_KEY}.nnodes", f"num_machines ({machines}) on torchrun, where "
+                              "each machine is launched by hand", nnodes,
+                              hint="--backend ray places the groups across a cluster's nodes")
         raw_groups = (raw_groups or []) + swift_groups
         if on_ray:   # ms-swift's ranks size the groups; on Ray, Ray picks the devices
             raw_roles = {n: {k: v for k, v in spec.items() if k != "gpu_ids"} for n, spec in raw_roles.items()}
