@@ -109,7 +109,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         return _plan_role_program(cfg, ns.json)
     from dualrun.backends import backend_of
 
-    plan = make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ)
+    from dualrun.config.load import errors_as_written
+
+    with errors_as_written(cfg.written_as):
+        plan = make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ)
     print(plan.to_json() if ns.json else plan.table())
     return 0
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import datetime
 import re
-from typing import Any, Mapping
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 from dualrun.config import accelerate_keys, cross_keys, schema
 
@@ -156,6 +157,16 @@ def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:
         return error
     sub = "workers" if len(parts) == 2 else ("ranks" if parts[2] in ("gpus", "gpu_ids", "processes") else parts[2])
     return ConfigError(error.source, f"{schema.SWIFT_KEY}.{group}.{sub}", error.expected, error.got, error.hint)
+
+
+@contextmanager
+def errors_as_written(written_as: Mapping[str, str]) -> Iterator[None]:
+    """Every ConfigError raised inside, through `as_written` (a job's `JobConfig.written_as`): errors found after
+    loading (a method's checks, the placement, the pre-flight) name the device_groups key too."""
+    try:
+        yield
+    except ConfigError as e:
+        raise as_written(e, written_as) from None
 
 
 def keyed(source: str, name: str, key: schema.Key, value: Any) -> Any:

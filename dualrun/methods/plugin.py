@@ -80,12 +80,10 @@ class MethodPlugin:
 def validate(cfg: JobConfig, plugin: MethodPlugin) -> None:
     """`plugin.validate(cfg)`, its errors naming what the user wrote: a role made from ms-swift's `device_groups`
     by its group's key (README: "An error about a role made from ms-swift's device_groups names the group key")."""
-    from dualrun.config.load import as_written
+    from dualrun.config.load import errors_as_written
 
-    try:
+    with errors_as_written(cfg.written_as):
         plugin.validate(cfg)
-    except ConfigError as e:
-        raise as_written(e, cfg.written_as) from None
 
 
 def router_keys(cfg: JobConfig) -> None:
