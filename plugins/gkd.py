@@ -41,6 +41,10 @@ class GKDPlugin(MethodPlugin):
         rollout = cfg.role("rollout")
         if rollout is not None and cfg.is_separate("rollout"):
             validate_server_role(cfg, rollout, ROLLOUT_SERVES)
+        elif rollout is not None:   # the worker half reads a rollout server's address only; colocated it is inert
+            raise ConfigError(cfg.source, "colocate_groups", "no rollout beside the trainers for method gkd (a rollout "
+                              "is a separate vLLM server for DistillationTrainer; colocated, nothing reads it)",
+                              "rollout", hint="remove roles.rollout from colocate_groups, or remove roles.rollout")
 
     def check_program(self, cfg: JobConfig, program: Any) -> None:
         """DistillationTrainer sends its weights to a separate rollout before generating, as GRPOTrainer does."""

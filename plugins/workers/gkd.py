@@ -107,7 +107,7 @@ def serve_gkd_teacher(cls: type, address: str, top_k: int, role_model: str | Non
 
 
 ROLLOUT_UNREAD = ("roles.rollout is a separate vLLM server, but GKDTrainer generates with the student itself and "
-                  "never reads it: remove roles.rollout (or colocate it), or train with TRL's DistillationTrainer, "
+                  "never reads it: remove roles.rollout, or train with TRL's DistillationTrainer, "
                   "whose DistillationConfig dualrun points at the server")
 
 
