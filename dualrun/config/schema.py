@@ -168,8 +168,9 @@ ROLE_KEYS: tuple[Key, ...] = (
         "GPU of the role. Refused on Ray (Ray gives each rank and server its GPUs) and on a CPU config.",
         backends="torchrun"),
     Key("engine", "str", None, "Inference engine of a separate role's server, of a colocated rollout (grpo: `vllm` "
-        "is TRL's colocate mode) or of a role program's group; refused where nothing reads it (the trainer role, a "
-        "colocated teacher, beside `address`).", choices=("vllm", "transformers")),
+        "is TRL's colocate mode) or of a role program's group; refused where nothing reads it (the trainer role, "
+        "beside `address`; a colocated teacher keeps its separate server's, unread).",
+        choices=("vllm", "transformers")),
     Key("tensor_parallel_size", "int", 1, "GPUs of one engine of the role; must divide `gpus` (each further multiple is "
         "another replica behind the role's router; the CPU engine is always 1). A separate role's server, or a "
         "colocated vLLM rollout; refused on the trainer role.",
@@ -178,8 +179,9 @@ ROLE_KEYS: tuple[Key, ...] = (
         minimum=1, maximum=MAX_PROCESSES),
     Key("model", "str-or-null", None, "Model path or name the role serves: a separate role's server, a role "
         "program's group, gkd's teacher (colocated: GKDConfig's teacher; beside `address`: its vocabulary size). "
-        "Refused where nothing reads it: the trainer role (the script loads the trained model), a colocated "
-        "rollout (it generates with the trainers' model), beside `address` elsewhere."),
+        "Refused where nothing reads it: the trainer role (the script loads the trained model), beside `address` "
+        "elsewhere. A role colocated with the trainers keeps it unread (it generates with the trainers' model), so "
+        "that `colocate_groups` alone switches a file between the two layouts."),
     Key("top_k", "int", None, "gkd's teacher only (refused on every other role): top-k log-probabilities distilled "
         "per token (unset or 0: full vocabulary, colocated teacher only; a separate teacher needs >= 1).", minimum=0,
         maximum=MAX_TOP_K),
