@@ -28,24 +28,29 @@ def _accelerate_env(cfg: JobConfig) -> dict[str, str]:
 
 def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bool = False,
             out: TextIO | None = None) -> JobResult:
+    """Check, place and launch a loaded job. Every config error on the way (the program's checks, the placement,
+    the pre-flight) names the ms-swift `device_groups` key the user wrote, where a role came from one."""
+    with errors_as_written(cfg.written_as):
+        return _run_job(cfg, program, plugin, dry_run, out)
+
+
+def _run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bool,
+             out: TextIO | None) -> JobResult:
     out = out or sys.stderr
     started = time.monotonic()
     from dualrun.roles.driver import is_role_job
 
     if is_role_job(program, plugin):  # a role program (docs/roles.md): once, as the driver of its groups
         return _run_role_driver(cfg, program, plugin, dry_run)
-    with errors_as_written(cfg.written_as):
-        plugin.check_program(cfg, program)   # what the program cannot do with this layout (read, never run)
+    plugin.check_program(cfg, program)   # what the program cannot do with this layout (read, never run)
     backend = backend_of(cfg)
     launcher = backend.launcher(cfg, program, plugin)
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
     # config implies (dry runs, and a backend that does not plan onto a live cluster, plan on nothing else), and
     # what the backend checks first (an unreachable Ray address)
-    with errors_as_written(cfg.written_as):
-        early = make_plan(cfg, environ=os.environ) if dry_run or not backend.plans_live else None
-        if not dry_run:
-            plugin.preflight(cfg)   # what this environment lacks (e.g. vLLM for GRPO's rollout), before all
+    early = make_plan(cfg, environ=os.environ) if dry_run or not backend.plans_live else None
     if not dry_run:
+        plugin.preflight(cfg)   # what this environment lacks (e.g. vLLM for GRPO's rollout), before anything starts
         backend.before_launch(cfg)
     if dry_run:
         launcher.accelerate_env = _accelerate_env(cfg)
@@ -64,8 +69,7 @@ def run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: boo
                 launcher.close()
                 raise
     try:   # a plan that does not fit the live cluster is refused: the cluster joined or started is released too
-        with errors_as_written(cfg.written_as):
-            plan = early if cluster is None and early is not None else make_plan(cfg, cluster, environ=os.environ)
+        plan = early if cluster is None and early is not None else make_plan(cfg, cluster, environ=os.environ)
         prepared = launcher.prepare(plan)   # what the dry run prints is what the launch runs
         if dry_run:
             print(plan.table(), file=sys.stdout)

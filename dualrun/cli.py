@@ -108,7 +108,6 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     if getattr(plugin, "single_controller", False):   # what runs is the driver and its groups, not ranks
         return _plan_role_program(cfg, ns.json)
     from dualrun.backends import backend_of
-
     from dualrun.config.load import errors_as_written
 
     with errors_as_written(cfg.written_as):
