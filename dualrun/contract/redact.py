@@ -210,9 +210,8 @@ def redact_data(value: Any, depth: int = 3) -> Any:
                 for k, v in list(value.items())[:20]}
     if isinstance(value, (list, tuple)):
         items = list(value[:20])
-        flat = redact_argv([a if isinstance(a, str) else "" for a in items])
-        after_flag = {i + 1 for i, a in enumerate(items) if isinstance(a, str) and a.startswith("-")
-                      and "=" not in a and secret_flag(a)}
-        return [REDACTED if i in after_flag else redact_data(a, depth - 1) if not isinstance(a, str)
-                else redact_shown(b) for i, (a, b) in enumerate(zip(items, flat))]
+        words = [a if isinstance(a, str) else "" for a in items]
+        taken = _flag_secrets(words)   # where a secret flag's value is: a non-string there is hidden whole too
+        return [redact_shown(b) if isinstance(a, str) else REDACTED if i in taken else redact_data(a, depth - 1)
+                for i, (a, b) in enumerate(zip(items, redact_argv(words)))]
     return value
