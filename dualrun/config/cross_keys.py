@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
 from dualrun.config.backends import TORCHRUN, kind_of
@@ -56,14 +56,13 @@ def check_ray_address(source: str, address: str | None) -> None:
                           address)
 
 
-def ray_machines(source: str, acc: Mapping[str, Any], flags: Collection[str] = ()) -> None:
+def ray_machines(where: tuple[str, str], machine_rank: int | None) -> None:
     """accelerate's by-hand machine rank on Ray: Ray places the ranks across its nodes from one launch, so a launch
     as machine 1 would start a second job (num_machines stays: the planned node count; main_process_ip stays too, the
-    same file runs on both backends, and Ray gives the ranks rank 0's address). `flags`: the keys given as
-    command-line flags (named `--key`)."""
-    key = ("<command line>", "--machine_rank") if "machine_rank" in flags else (source, "machine_rank")
-    if int(acc.get("machine_rank") or 0) != 0:
-        raise ConfigError(*key, "0 or unset on Ray", acc["machine_rank"],
+    same file runs on both backends, and Ray gives the ranks rank 0's address). `where`: the (source, key) an error
+    names (the flag's, or the file's)."""
+    if int(machine_rank or 0) != 0:
+        raise ConfigError(*where, "0 or unset on Ray", machine_rank,
                           hint="one launch on any node: Ray places the ranks across its nodes")
 
 

@@ -67,8 +67,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         if key in OVERRIDABLE:
             acc[key] = _accelerate_value(CLI_SOURCE, key, value)
     if acc.get("machine_rank") is not None and not 0 <= acc["machine_rank"] < int(acc.get("num_machines") or 1):
-        flag = "machine_rank" in overrides
-        raise ConfigError(CLI_SOURCE if flag else source, "--machine_rank" if flag else "machine_rank",
+        raise ConfigError(*_where(source, "machine_rank", overrides),
                           f"an integer in [0, num_machines={acc.get('num_machines') or 1})", acc["machine_rank"])
 
     accelerate_keys.refuse_launchers(source, acc)
@@ -88,7 +87,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
 
     on_ray = kind_of(values.get("backend", TORCHRUN.name)).ray
     if on_ray:
-        cross_keys.ray_machines(source, acc, set(overrides))
+        cross_keys.ray_machines(_where(source, "machine_rank", overrides), acc.get("machine_rank"))
     raw_roles = raw.get("roles")
     raw_groups = raw.get("colocate_groups")
     origin: dict[str, str] = {}
@@ -175,6 +174,11 @@ def keyed(source: str, name: str, key: schema.Key, value: Any) -> Any:
     if value is None and key.default is None:
         return None
     return check(source, name, key.type, value, key.choices, key.minimum, key.maximum)
+
+
+def _where(source: str, key: str, overrides: Mapping[str, Any]) -> tuple[str, str]:
+    """Where an accelerate key's value came from, as an error names it: its flag (`--key`) or the file's key."""
+    return (CLI_SOURCE, f"--{key}") if key in overrides else (source, key)
 
 
 def _accelerate_value(source: str, key: str, value: Any) -> Any:
