@@ -97,3 +97,48 @@ def test_a_method_error_names_the_device_group_the_user_wrote():
         with pytest.raises(ConfigError) as e:
             validate(cfg, get_plugin(cfg.method, cfg.source))
         assert e.value.key == "device_groups.g.workers", e.value.line()
+
+
+def _sampling_error(cfg: dict) -> str | None:
+    cfg = build_config({"method": "sampling", **cfg}, "c.yaml")
+    try:
+        validate(cfg, get_plugin(cfg.method, cfg.source))
+    except ConfigError as e:
+        return e.line()
+    return None
+
+
+def test_an_unknown_role_in_a_device_group_list_is_named_and_a_token_is_hidden():
+    groups = {"nproc_per_node": 4, "a": {"device": "GPU", "ranks": [0, 1], "workers": ["sampler"]},
+              "b": {"device": "GPU", "ranks": [2, 3], "workers": ["prm", "orm", "critic"]}}
+    line = _sampling_error({"device_groups": groups})
+    assert line is not None and "device_groups.b.workers" in line and line.endswith("got critic"), line
+    token = "ghp_" + "x1Y2" * 9
+    groups["b"]["workers"][2] = token
+    line = _sampling_error({"device_groups": groups})
+    assert token not in line and REDACTED in line, line
+    line = _sampling_error({"use_cpu": True, "roles": {"sampler": {"processes": 1}, token: {"processes": 1}}})
+    assert token not in line and "not a name" in line, line
+
+
+@pytest.mark.parametrize("word,token", [("critic", False), ("reward_model_v2_large_ckpt", False),
+                                        ("hf_" + "a1" * 10, True), ("sk-" + "b2" * 10, True),
+                                        ("aB3dE5fG7hJ9kL1mN3pQ5rS7tU9", True)])
+def test_a_token_is_told_from_a_name_by_its_shape(word, token):
+    from dualrun.contract.redact import looks_like_token
+
+    assert looks_like_token(word) is token
+
+
+@pytest.mark.parametrize("written,ok", [(None, True), (3, True), (2, False), (4, False), (1, False)])
+def test_a_role_program_takes_num_processes_as_accelerates_total(written, ok):
+    """2 + 1 processes (prm and orm colocated: one slot) -> the total is 3; any other number names both."""
+    cfg = {"use_cpu": True, "roles": {"sampler": {"processes": 2}, "prm": {"processes": 1}, "orm": {"processes": 1}},
+           "colocate_groups": [["prm", "orm"]]}
+    if written is not None:
+        cfg["num_processes"] = written
+    line = _sampling_error(cfg)
+    if ok:
+        assert line is None
+    else:
+        assert line is not None and "num_processes" in line and "3" in line and f"got {written}" in line, line

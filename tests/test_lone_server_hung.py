@@ -37,11 +37,11 @@ def _engines(tiny: Path) -> list[int]:
     return pids_matching(str(tiny / "teacher"), "cpu_engine")
 
 
-def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster, replicas: int = 1) -> subprocess.Popen:
+def _start(tmp_path: Path, tiny: Path, backend: str, max_failures: int, cluster, replicas: int = 1,
+           timeout: str = f", request_timeout_s: {TIMEOUT_S}") -> subprocess.Popen:
     (tmp_path / "job.yaml").write_text(
         f"use_cpu: true\nmethod: gkd\nmax_failures: {max_failures}\nroles:\n  train: {{gpus: 2}}\n"
-        f"  teacher: {{gpus: {replicas}, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90, "
-        f"request_timeout_s: {TIMEOUT_S}}}\n")
+        f"  teacher: {{gpus: {replicas}, model: {tiny / 'teacher'}, top_k: 5, health_timeout_s: 90{timeout}}}\n")
     (tmp_path / "out").mkdir()
     env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if backend == "ray" else ""))
     return subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
@@ -96,6 +96,7 @@ def test_a_hung_lone_server_ends_the_job_within_its_timeout_naming_it(tmp_path, 
         pid, stopped = _stop_server_mid_training(tmp_path, module_tiny, driver)
         time.sleep(TIMEOUT_S - 1)
         assert driver.poll() is None, "judged hung before request_timeout_s"
+        assert SILENT_LINE in (tmp_path / "stderr.txt").read_text(), "no line while it waits on the server"
         code = driver.wait(timeout=BOUND_S)
         took = time.monotonic() - stopped
     finally:
@@ -115,6 +116,38 @@ def test_a_hung_lone_server_ends_the_job_within_its_timeout_naming_it(tmp_path, 
     assert not (tmp_path / "out" / f"step_0_{STEPS - 1}").exists()
     assert gone(pid), "the stopped engine was left behind"
     assert eventually(lambda: not pids_matching(str(tmp_path / "out"))), pids_matching(str(tmp_path / "out"))
+    _assert_nothing_left(module_tiny, cluster, backend)
+
+
+SILENT_LINE = "dualrun: teacher server 0 has not answered its health check for "
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+def test_a_hung_lone_server_with_the_defaults_says_so_within_10_s(tmp_path, module_tiny, cluster, backend):
+    """request_timeout_s unset (1800 s): the job waits on the stopped server, but not in silence; Ctrl-C (SIGINT to
+    the launcher) then leaves nothing behind."""
+    driver = _start(tmp_path, module_tiny, backend, 0, cluster, timeout="")
+    pid = None
+    try:
+        pid, stopped = _stop_server_mid_training(tmp_path, module_tiny, driver)
+        assert eventually(lambda: SILENT_LINE in (tmp_path / "stderr.txt").read_text(), timeout=10), \
+            (tmp_path / "stderr.txt").read_text()[-3000:]
+        took = time.monotonic() - stopped
+        assert driver.poll() is None, "judged hung long before request_timeout_s (1800 s)"
+        driver.send_signal(signal.SIGINT)
+        driver.wait(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if pid is not None:
+            _release(pid)
+    err = (tmp_path / "stderr.txt").read_text()
+    line = next(ln for ln in err.splitlines() if ln.startswith(SILENT_LINE))
+    assert "request_timeout_s (1800 s)" in line and "health probe not answered within 5 s" in line, line
+    assert took < 10, f"{took:.1f} s"
     _assert_nothing_left(module_tiny, cluster, backend)
 
 

@@ -113,14 +113,14 @@ def test_a_slow_lone_server_that_answers_within_its_timeout_is_not_hung():
     assert table.probed(0, False, FAILED, now=119.0) is None               # a new spell counts from its start
     assert table.probed(0, False, FAILED, now=128.0) is None
     assert table.probed(0, False, FAILED, now=129.0) is not None
-    table.probing(0)                                                       # (a set's probes begin afresh)
+    table.probing(0, 130.0)                                                # (a set's probes begin afresh)
     assert table.lone == []
 
 
 def test_a_lone_servers_probes_begin_afresh_when_its_set_is_watched_again():
     table = Supervision.of(make_plan(_cfg(gpus=1)))
     assert table.probed(0, False, FAILED, now=100.0) is None
-    table.probing(0)                                                       # unwatched meanwhile: forgotten
+    table.probing(0, 150.0)                                                # unwatched meanwhile: forgotten
     assert table.probed(0, False, FAILED, now=200.0) is None
     assert table.probed(0, False, FAILED, now=209.9) is None and table.probed(0, False, FAILED, now=210.0)
 
@@ -173,3 +173,24 @@ def test_the_plans_command_is_the_methods_with_the_runs_host_port_and_replicas_f
     assert templated.argv("h", 7, ["r:1"]) == ["x", "--url=http://h:7/v1", "r:1"]
     with pytest.raises(ValueError, match="2 replica address"):
         templated.argv("h", 7, ["r:1", "r:2"])                   # a router's replicas are the plan's, all of them
+
+
+def test_a_lone_server_unanswered_for_silent_line_s_gets_one_line_and_one_when_it_answers_again():
+    """With the default request_timeout_s (1800 s) a stopped lone server is judged hung only after half an hour:
+    meanwhile the job would sit at its step with no line. The table says so once, SILENT_LINE_S after its last
+    answer, and once when it answers again."""
+    from dualrun.servers.supervision import SILENT_LINE_S
+
+    table = Supervision.of(make_plan(_cfg(gpus=1)))
+    table.probing(0, 100.0)
+    assert table.heard(0, True, "health probe answered 200", 100.5) is None
+    assert table.heard(0, False, FAILED, 100.5 + SILENT_LINE_S - 0.1) is None          # not yet
+    line = table.heard(0, False, FAILED, 100.5 + SILENT_LINE_S + 0.5)
+    assert line == (f"dualrun: teacher server 0 has not answered its health check for 6 s ({FAILED}); the job "
+                    "waits on it and judges it hung after request_timeout_s (10 s)"), line
+    assert table.heard(0, False, FAILED, 130.0) is None                                  # said once
+    assert table.heard(0, True, "health probe answered 200", 131.0) == (
+        "dualrun: teacher server 0 answers its health check again, after 30 s")
+    assert table.heard(0, True, "health probe answered 200", 132.0) is None
+    assert table.heard(0, False, FAILED, 134.0) is None                                  # a new spell, 2 s so far
+    assert table.heard(0, False, FAILED, 137.5) is not None

@@ -129,6 +129,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         names = ", ".join(r.name for r in roles)
         raise ConfigError(CLI_SOURCE, "--num_processes", f"no --num_processes for roles {names} (size each with "
                           "roles.<name>.gpus or processes)", overrides["num_processes"])
+    written = frozenset(k for k, v in acc.items() if v is not None)
     if acc.get("num_processes") is None or "num_processes" in overrides:
         acc["num_processes"] = roles[0].processes
     acc.setdefault("num_machines", 1)
@@ -138,13 +139,13 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         acc["distributed_type"] = "NO" if acc["num_processes"] <= 1 and acc["num_machines"] <= 1 else (
             "MULTI_CPU" if cpu else "MULTI_GPU")
     with_ranks = len(trainer_machines(roles, groups, acc["num_machines"]))
-    if kind_of(values.get("backend", TORCHRUN.name)).per_machine and acc["num_processes"] % with_ranks:
+    if kind_of(values.get("backend", TORCHRUN.name)).per_machine and roles[0].processes % with_ranks:
         across = f"num_machines={acc['num_machines']}" if with_ranks == acc["num_machines"] else \
             f"the {with_ranks} machines of roles.{roles[0].name}.machines"
         raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"])
     return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
                      colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
-                     ray=ray_opts, torchrun=tr_opts, written_as=frozen_map(origin), **values)
+                     ray=ray_opts, torchrun=tr_opts, written_as=frozen_map(origin), written=written, **values)
 
 
 def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:

@@ -75,6 +75,8 @@ class JobConfig:
     torchrun: TorchrunOptions = field(default_factory=TorchrunOptions)
     # role -> the ms-swift `device_groups` group it was made from: errors about it name what the user wrote
     written_as: Mapping[str, str] = field(default_factory=frozen_map)
+    # the accelerate keys the user wrote (file or flag); the rest of `accelerate` is dualrun's defaults
+    written: frozenset[str] = frozenset()
 
     @property
     def backend_kind(self) -> "BackendKind":

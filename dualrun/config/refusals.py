@@ -183,13 +183,20 @@ _DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "server_args": 
 
 
 def program_sizes(cfg: Any) -> None:
-    """A role program (`single_controller`: runs once, as the driver, its groups sized by their roles) takes no
-    trainer size: a `num_processes` other than its first role's would be accepted and do nothing (several torchrun
-    machines: roles/driver.py)."""
-    n = cfg.accelerate.get("num_processes")
-    if n is not None and n != cfg.primary.processes:
-        raise ConfigError(cfg.source, "num_processes", f"unset for method {cfg.method} (its roles are sized by "
-                          f"roles.<name>.gpus or processes)", n)
+    """A role program (`single_controller`: runs once, as the driver, its groups sized by their roles) takes
+    `num_processes` in accelerate's meaning only: the job's total (each colocate group counted once), or unset. Any
+    other number would be accepted and do nothing (several torchrun machines: roles/driver.py)."""
+    if "num_processes" not in cfg.written:
+        return
+    n, sizes = cfg.accelerate.get("num_processes"), {}
+    for role in cfg.roles:
+        group = cfg.group_of(role.name)
+        sizes[group] = max(sizes.get(group, 0), role.processes)
+    total = sum(sizes.values())
+    if n != total:
+        parts = " + ".join(f"{'/'.join(g)} {k}" for g, k in sizes.items())
+        raise ConfigError(cfg.source, "num_processes", f"unset or {total}, the total of method {cfg.method}'s roles "
+                          f"({parts}; each is sized by roles.<name>.gpus or processes)", n)
 
 
 def inert_keys(cfg: Any, engine_roles: Sequence[str] = (), single_controller: bool = False) -> None:

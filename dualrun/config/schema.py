@@ -199,7 +199,10 @@ ROLE_KEYS: tuple[Key, ...] = (
         "call and waits without a limit). A dead or stopped engine is found sooner, by health probes (about once a "
         "second, 5 s to answer; the router's of each replica, the launcher's of a role's one engine and of each "
         "router); failing them this long, a server is hung too: a replica is restarted (`replica_restarts`), a "
-        "role's one engine or a router is stopped and the job ends naming it, or restarts whole with `max_failures`. Lower this to find sooner an "
+        "role's one engine or a router is stopped and the job ends naming it, or restarts whole with `max_failures`. "
+        "Meanwhile the job is not silent: a role's one engine or a router that has not answered its probes for 5 s "
+        "gets a line (`teacher server 0 has not answered its health check for 6 s ...`), and another when it "
+        "answers again. Lower this to find sooner an "
         "engine that accepts but does not answer (stopped, deadlocked). Weight-transfer calls get the same limit.",
         minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("replica_restarts", "int", 3, "A role with several engine replicas (torchrun, or Ray): "

@@ -109,11 +109,13 @@ def not_a_name(text: str) -> str:
 def shown_key(key: str) -> str:
     """`key` as an error may show it: its leading parts that are names, then `NAME=...` for an assignment (its
     value hidden) or a description of the first part that is no name (and all after it)."""
+    from dualrun.contract.redact import looks_like_token
+
     if key in _OWN_KEYS:
         return key
     parts = key.split(".")
     good = 0
-    while good < len(parts) and _KEY_PART.fullmatch(parts[good]):
+    while good < len(parts) and _KEY_PART.fullmatch(parts[good]) and not looks_like_token(parts[good]):
         good += 1
     if good == len(parts):
         return key

@@ -196,12 +196,26 @@ def hide_values(text: str, values: Sequence[str]) -> str:
     return text
 
 
+# A value that looks like a credential whatever key holds it (a token pasted as a role name, a list item): a
+# provider's token prefix, or one long run of mixed-case letters and digits with no word in it.
+_TOKEN_PREFIXED = re.compile(r"(?:hf_|gh[pousr]_|github_pat_|glpat-|sk-|sk_(?:live|test)_|xox[abpr]-|AKIA|ASIA|AIza|"
+                             r"eyJ)[A-Za-z0-9_\-.]{12,}")
+_TOKEN_RUN = re.compile(r"[A-Za-z0-9+/=_\-]{24,}")
+
+
+def looks_like_token(text: str) -> bool:
+    """Is `text` (one word) shaped like a credential? Names (`critic`, `reward_model_v2`) are not."""
+    if _TOKEN_PREFIXED.fullmatch(text):
+        return True
+    return bool(_TOKEN_RUN.fullmatch(text)) and all(re.search(c, text) for c in ("[a-z]", "[A-Z]", "[0-9]"))
+
+
 def redact_data(value: Any, depth: int = 3) -> Any:
     """A (shortened) copy of a config value safe to show in an error: secret-named mapping keys (and `NAME=value`
     strings), secret flags (and whatever follows one: `[--api-key, [KEY]]`) lose their values, URLs their
     credentials and query strings. Looks at no more than 20 items per level, `depth` levels deep."""
     if isinstance(value, str):
-        return redact_shown(value[:2000])
+        return REDACTED if looks_like_token(value[:2000]) else redact_shown(value[:2000])
     if depth <= 0:
         return "..." if isinstance(value, (dict, list, tuple)) else value
     if isinstance(value, dict):

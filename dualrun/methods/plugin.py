@@ -35,7 +35,7 @@ class MethodPlugin:
         for role in cfg.roles:
             if role.name not in self.roles:
                 raise ConfigError(cfg.source, f"roles.{role.name}",
-                                  f"a role of method '{cfg.method}' ({', '.join(self.roles)})", "an unknown role")
+                                  f"a role of method '{cfg.method}' ({', '.join(self.roles)})", role.name)
         for name in self.required_roles:
             if cfg.role(name) is None:
                 raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")

@@ -27,6 +27,7 @@ from typing import Any, Collection, Mapping
 from dualrun.plan.processes import ROUTER, Plan
 from dualrun.programs.rotation import HUNG, RESTARTING, Rotation, judge
 
+SILENT_LINE_S = 5.0  # a lone server unanswered this long gets a line (judged hung only after request_timeout_s)
 HUNG_GRACE_S = 5.0   # a hung replica's SIGTERM -> SIGKILL (a SIGSTOPped one takes only the SIGKILL)
 MISSES = 2           # another machine's server: failed health checks in a row that are a death
 
@@ -102,6 +103,8 @@ class Supervision:
     out_since: dict[int, float] = field(default_factory=dict)   # out of rotation since (the launcher's clock)
     misses: dict[int, int] = field(default_factory=dict)        # another machine's server -> missed checks in a row
     alone: dict[int, Rotation] = field(default_factory=dict)    # a lone server -> its probes, as a router holds them
+    answered_at: dict[int, float] = field(default_factory=dict) # a lone server -> its last answer (or first probe)
+    silent: set[int] = field(default_factory=set)               # lone servers whose silence was told
 
     @classmethod
     def of(cls, plan: Plan, mine: Collection[int] | None = None) -> "Supervision":
@@ -155,10 +158,32 @@ class Supervision:
         """The lone servers this set probes (one judged hung is probed no more)."""
         return list(self.alone)
 
-    def probing(self, index: int) -> None:
+    def probing(self, index: int, now: float) -> None:
         """Probes of lone server `index` begin (again): what earlier ones said is forgotten."""
         if index in self.alone:
             self.alone[index] = Rotation([self.plan.servers[index].label])
+            self.answered_at[index] = now
+            self.silent.discard(index)
+
+    def heard(self, index: int, ok: bool, detail: str, now: float) -> str | None:
+        """One health probe of lone server `index`, for the user: the line to print, once, when it has not answered
+        for `SILENT_LINE_S` (the job waits on it until `request_timeout_s` judges it hung: without the line a
+        stopped server looks like a slow step), and once when it answers again; else None."""
+        label = self.plan.servers[index].label
+        if ok:
+            since = self.answered_at.get(index, now)
+            self.answered_at[index] = now
+            if index in self.silent:
+                self.silent.discard(index)
+                return f"dualrun: {label} answers its health check again, after {now - since:.0f} s"
+            return None
+        silent_for = now - self.answered_at.setdefault(index, now)
+        if index in self.silent or silent_for < SILENT_LINE_S:
+            return None
+        self.silent.add(index)
+        limit = self.plan.servers[index].serving.request_timeout_s   # type: ignore[union-attr]
+        return (f"dualrun: {label} has not answered its health check for {silent_for:.0f} s ({detail}); the job "
+                f"waits on it and judges it hung after request_timeout_s ({limit:g} s)")
 
     def probed(self, index: int, ok: bool, detail: str, now: float) -> str | None:
         """One health probe of lone server `index` (`detail`: what it got), taken as a router takes a replica's: a

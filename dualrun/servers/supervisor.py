@@ -188,7 +188,7 @@ class Supervisor:
 
         with self._lock:
             for index in self.table.lone:
-                self.table.probing(index)
+                self.table.probing(index, time.monotonic())
         while self.events.watching:
             for index in self.table.lone:
                 address = self.address_of(index)
@@ -196,7 +196,11 @@ class Supervisor:
                     continue
                 ok, detail = probe(f"http://{address}{liveness_path(self.plan, index)}", PROBE_TIMEOUT_S)
                 with self._lock:
-                    reason = self.table.probed(index, ok, detail, time.monotonic())
+                    now = time.monotonic()
+                    said = self.table.heard(index, ok, detail, now)
+                    reason = self.table.probed(index, ok, detail, now)
+                if said is not None and reason is None:
+                    print(said, file=sys.stderr, flush=True)
                 if reason is not None and self.events.watching and self.replicas.alive(index):
                     self._stop_hung(index, f"at {address}: {reason}", stopped_answering(address, reason))
             self.events.wait_stopped(PROBE_INTERVAL_S)
