@@ -5,7 +5,7 @@ call, `ray.shutdown()`. What any launcher on an embedded Ray cluster pays before
     python benchmarks/ray_floor.py [--lean]     # writes DIR/floor-PID.json (DIR from DUALRUN_BENCH_PHASES)
 
 Without `--lean`: `ray.init()` as is (Ray's defaults: dashboard, log monitor, autoscaler monitor, metrics).
-`--lean`: the very node dualrun's embedded cluster starts (dualrun.raycluster.connect: no dashboard, no log or
+`--lean`: the very node dualrun's embedded cluster starts (dualrun.backends.ray.connect: no dashboard, no log or
 autoscaler monitor, no metrics export, bound to 127.0.0.1; docs/concepts.md "Ray's idle cost"), so that the
 difference to a dualrun launch is dualrun's own work alone. Times are `time.time()` (the clock of the benchmark's
 spawn time and of the probe's records).
@@ -26,7 +26,7 @@ imported = time.time()
 if lean:
     import logging
 
-    from dualrun.raycluster.connect import lean_node
+    from dualrun.backends.ray.connect import lean_node
 
     with lean_node() as settings:   # as dualrun's embedded start (connect()) does it
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",

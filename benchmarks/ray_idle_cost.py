@@ -6,7 +6,7 @@ Four variants, each in a fresh child process, interleaved (every repetition runs
 
 - **embedded-before**: what dualrun's embedded cluster was before it was made lean: `ray.init(address="local",
   include_dashboard=False, log_to_driver=False)`, usage stats off.
-- **embedded-dualrun**: `dualrun.raycluster.connect.connect` with `ray.address: local` (the lean node: no log
+- **embedded-dualrun**: `dualrun.backends.ray.connect.connect` with `ray.address: local` (the lean node: no log
   monitor, no autoscaler monitor, no metrics export or task events, the agent's stats scan once a minute).
 - **running-default**: a `ray start --head --include-dashboard=false`-like head node (`ray.cluster_utils`),
   joined as dualrun joins one (`log_to_driver=False`).
@@ -78,7 +78,7 @@ def _start(variant: str, temp_dir: str):
 
     import importlib
 
-    rc = importlib.import_module("dualrun.raycluster.connect")   # the package's `connect` is the function
+    rc = importlib.import_module("dualrun.backends.ray.connect")   # the package's `connect` is the function
 
     if variant == "embedded-before":
         os.environ["RAY_USAGE_STATS_ENABLED"] = "0"

@@ -64,9 +64,9 @@ def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
                             stream=None), lambda: None
     import ray
 
-    from dualrun import raycluster as rc
+    from dualrun.backends.ray import cluster as rc
     from dualrun.launchers.base import Program
-    from dualrun.launchers.ray import RayLauncher
+    from dualrun.backends.ray.actor_launcher import RayLauncher
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     launcher = RayLauncher(cfg, Program("bench.py"), {}, plugin=plugin)

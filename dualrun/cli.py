@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config_file", "--config-file", dest="config_file", default=None,
                    help="YAML config: accelerate keys plus dualrun's (backend, method, roles, ...)")
-    p.add_argument("--backend", default=None, help="torchrun or ray (overrides the file)")
+    p.add_argument("--backend", default=None, help="torchrun, ray, or any installed backend (overrides the file)")
     for flag, kind in OVERRIDE_FLAGS:
         p.add_argument(flag, flag.replace("_", "-"), dest=flag[2:], type=str, default=None,
                        help=f"accelerate's {flag[2:]} (overrides the file)")
@@ -192,15 +192,10 @@ def cmd_check(ns: argparse.Namespace) -> int:
 
 
 def cmd_env(ns: argparse.Namespace) -> int:
-    from dualrun.env.installed import report, version
+    from dualrun.config.backends import backend_object, installed
+    from dualrun.env.installed import report
 
-    if version("ray") is None:
-        ray_line = 'no (ray not installed: pip install "ray[default]")'
-    else:
-        from dualrun.raycluster.connect import reachable_line
-
-        ray_line = reachable_line()
-    print(report(ray_line))
+    print(report([line for name in installed() if (line := backend_object(name).env_line()) is not None]))
     return 0
 
 

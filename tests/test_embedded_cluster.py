@@ -1,4 +1,4 @@
-"""The embedded Ray cluster holds every actor of its job's plan (dualrun/launchers/ray_sizing.py), and a plan that
+"""The embedded Ray cluster holds every actor of its job's plan (dualrun/backends/ray/bundles.py), and a plan that
 a cluster cannot hold at once is refused before anything waits on a placement.
 
 The job: GKD on CPU with 2 trainers and a 2-replica CPU-engine teacher, whose plan is 2 ranks, 2 engine replicas and
@@ -18,7 +18,7 @@ import yaml
 from dualrun.config import build_config
 from dualrun.config.load import load_config
 from dualrun.contract.errors import ConfigError
-from dualrun.launchers.ray_sizing import check_fits, embedded_cpus
+from dualrun.backends.ray.bundles import check_fits, embedded_cpus
 from dualrun.plan.placement import Cluster, Node
 from dualrun.plan.processes import make_plan
 from helpers import ASSETS, dualrun, eventually, pids_matching

@@ -161,7 +161,7 @@ def test_last_resort_handler_is_one_line(monkeypatch, capsys, tmp_path, started,
 
 
 def test_dualrun_env_hides_a_password_in_ray_address(monkeypatch):
-    from dualrun.raycluster.connect import reachable_line
+    from dualrun.backends.ray.connect import reachable_line
 
     monkeypatch.setenv("RAY_ADDRESS", "ray://admin:sekrit-pw@127.0.0.1:1\x1b[2J")
     line = reachable_line()

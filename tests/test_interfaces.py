@@ -57,7 +57,7 @@ def _cfg(rank: int, **more):
 
 
 def test_each_machine_advertises_gloos_address_per_process_env_and_its_servers_route_address():
-    from dualrun.check.machines import advertised, process_envs
+    from dualrun.backends.torchrun.machine_check import advertised, process_envs
 
     cfg = _cfg(1)
     plan = make_plan(cfg)

@@ -225,7 +225,7 @@ def test_which_endpoints_need_the_secret():
 def test_ray_servers_listen_on_loopback_only_when_every_node_is_this_machine():
     from types import SimpleNamespace
 
-    from dualrun.servers.ray_server import on_this_host
+    from dualrun.backends.ray.actor_servers import on_this_host
 
     def plan(*addresses):
         return SimpleNamespace(cluster=SimpleNamespace(nodes=[SimpleNamespace(address=a) for a in addresses]))

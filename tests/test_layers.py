@@ -120,14 +120,14 @@ FLOORS = {
     # the plan (pure) and the programs that run as servers
     "dualrun.plan": 3, "dualrun.programs": 3,
     # the methods' driver halves and their servers' command lines, the weight-sync group a job forms and the check's
-    # rehearsal of it, the Ray resource layer
-    "dualrun.methods": 4, "dualrun.plugins": 4, "dualrun.weightsync": 4, "dualrun.raycluster": 4,
-    # the lifecycle: the servers, the role runtime, the Ray actors they start
-    "dualrun.servers": 5, "dualrun.roles": 5, "dualrun.actors": 5,
-    # the launchers and `dualrun check`
+    # rehearsal of it
+    "dualrun.methods": 4, "dualrun.plugins": 4, "dualrun.weightsync": 4,
+    # the lifecycle: the servers, the role runtime
+    "dualrun.servers": 5, "dualrun.roles": 5,
+    # the launchers' contract and `dualrun check`'s table
     "dualrun.launchers": 6, "dualrun.check": 6,
-    # one object per backend, handing out its launcher and its check
-    "dualrun.backends": 7,
+    # the backends: what a backend is (base), then one folder each, all of it there (BACKEND_FLOORS)
+    "dualrun.backends": 7, **{f"dualrun.backends.{name}": 7 for name in ("torchrun", "ray")},
     # the entry points: the API, the command line
     "dualrun.api": 8, "dualrun.cli": 9, "dualrun.__main__": 10,
 }
@@ -154,7 +154,7 @@ def test_no_module_imports_above_its_floor():
     lazy public names, is read by all): the lifecycle never reaches a launcher, a server program never the
     lifecycle that starts it, the worker side never the config or the plan."""
     graph = _graph()
-    assert graph["dualrun.servers.ray_server"] and graph["dualrun.rank.bootstrap"], "the import scan is broken"
+    assert graph["dualrun.backends.ray.actor_servers"] and graph["dualrun.rank.bootstrap"], "the import scan is broken"
     upward = sorted(f"{name} ({_floor(name)}) -> {dep} ({_floor(dep)})" for name, deps in graph.items()
                     if name != "dualrun" for dep in deps if dep != "dualrun" and _floor(dep) > _floor(name))
     assert upward == []
@@ -301,6 +301,39 @@ def test_the_driver_side_imports_nothing_of_the_worker_side():
     graph = _graph()
     driver = {name for name in graph if not _in(name, (*WORKER_SIDE, "dualrun.plugins", "dualrun.methods.plugin"))
               and not _in(name, SHARED_WITH_WORKERS) and name != "dualrun"}
-    assert "dualrun.launchers.ray" in driver and graph["dualrun.launchers.ray"], "the scan is broken"
+    assert "dualrun.backends.ray.actor_launcher" in driver and graph["dualrun.backends.ray.actor_launcher"], "the scan is broken"
     into = sorted(f"{name} -> {dep}" for name in sorted(driver) for dep in graph[name] if _in(dep, WORKER_SIDE))
     assert into == []
+
+
+# Each backend's folder: everything of that backend, and nothing else imports it (the registry loads it by name).
+BACKEND_FOLDERS = ("dualrun.backends.torchrun", "dualrun.backends.ray")
+
+
+def _inside(module: str, folder: str) -> bool:
+    return module == folder or module.startswith(folder + ".")
+
+
+def test_a_backend_is_a_plug_no_module_outside_its_folder_imports_it():
+    """The core, the entry points and the other backends reach a backend through the registry
+    (dualrun/config/backends.py: `BUILT_IN` names its package, an entry point another's), never by an import."""
+    mods = _modules()
+    graph = {name: _imports(name, path, mods) for name, path in mods.items()}
+    assert any(_inside(d, "dualrun.backends.ray") for d in graph["dualrun.backends.ray.ray_backend"]), "scan broken"
+    reached = sorted(f"{name} -> {dep}" for name, deps in graph.items() for dep in deps for folder in BACKEND_FOLDERS
+                     if _inside(dep, folder) and not _inside(name, folder))
+    assert reached == []
+
+
+def _imports_ray(path: Path) -> bool:
+    tree = ast.parse(path.read_text(), str(path))
+    return any((isinstance(n, ast.Import) and any(a.name.split(".")[0] == "ray" for a in n.names)) or
+               (isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").split(".")[0] == "ray")
+               for n in ast.walk(tree))
+
+
+def test_ray_is_imported_only_in_its_backends_folder():
+    mods = _modules()
+    importers = sorted(name for name, path in mods.items() if _imports_ray(path))
+    assert "dualrun.backends.ray.connect" in importers, "the scan found no `import ray`: it is broken"
+    assert [name for name in importers if not _inside(name, "dualrun.backends.ray")] == []

@@ -1,4 +1,4 @@
-"""Machine 0's side of the machine watch (dualrun/launchers/machine_watch.py) against a real TCPStore on 127.0.0.1, the
+"""Machine 0's side of the machine watch (dualrun/backends/torchrun/machine_watch.py) against a real TCPStore on 127.0.0.1, the
 other machine's beats written by hand: silence after a beat is a loss named with the machine's address, a machine
 that never beat or that left is none, and `settle` names one that stops beating once the ranks failed. The network
 side (a cut link, a lost machine) is tests/test_cluster_faults.py's."""
@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 
 from dualrun.contract import job_store
-from dualrun.launchers import machine_watch
-from dualrun.launchers.machine_watch import MachineWatch
+from dualrun.backends.torchrun import machine_watch
+from dualrun.backends.torchrun.machine_watch import MachineWatch
 from dualrun.light.ports import free_port
 
 

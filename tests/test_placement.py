@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dualrun.config import build_config
-from dualrun.plan.placement import RayPlacement, TorchrunPlacement, placement_for
+from dualrun.backends.ray.packing import RayPlacement
+from dualrun.plan.placement import MachinesPlacement, placement_for
 from dualrun.plan.processes import make_plan
 
 GPU2 = {"roles": {"train": {"gpus": 2}}}
@@ -13,7 +14,7 @@ def _devices(plan) -> list[tuple[int, ...]]:
 
 
 def test_the_backend_name_picks_the_policy():
-    assert isinstance(placement_for(build_config(GPU2, "t.yaml")), TorchrunPlacement)
+    assert isinstance(placement_for(build_config(GPU2, "t.yaml")), MachinesPlacement)
     assert isinstance(placement_for(build_config({**GPU2, "backend": "ray"}, "r.yaml")), RayPlacement)
 
 

@@ -1,4 +1,4 @@
-"""A Ray rank's actor reading its program's output (dualrun/actors/rank.py, the class itself, without Ray):
+"""A Ray rank's actor reading its program's output (dualrun/backends/ray/actors/rank_actor.py, the class itself, without Ray):
 a trainer that logs every step is read in a few batches, not a wake-up per line (a wake-up per line costs ~0.01 cores
 of a rank's actor), and a program that writes fast is not held up by the pauses between reads."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import sys
 import threading
 import time
 
-from dualrun.actors import rank as rank_actor
-from dualrun.actors.rank import RankWorker
+from dualrun.backends.ray.actors import rank_actor
+from dualrun.backends.ray.actors.rank_actor import RankWorker
 
 _EVERY_20_MS = "import time\nfor i in range(50):\n    print(f'step {i}', flush=True)\n    time.sleep(0.02)\n"
 _FOUR_MIB = "import sys\nsys.stdout.write(('x' * 1023 + '\\n') * 4096)\nsys.stdout.flush()\n"

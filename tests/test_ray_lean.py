@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dualrun.config.model import RayOptions
-from dualrun.raycluster.connect import LEAN_ENV, connect
+from dualrun.backends.ray.connect import LEAN_ENV, connect
 
 before = {k: os.environ.get(k) for k in LEAN_ENV}
 opts = RayOptions(address="local", runtime_env={"working_dir": sys.argv[2], "env_vars": {"LEAN_TEST": "shipped"}})
@@ -75,7 +75,7 @@ def test_embedded_cluster_runs_only_what_the_job_uses_and_runtime_env_still_work
 def test_lean_node_params_apply_only_inside_the_init_and_the_env_comes_back(monkeypatch):
     from ray._private import parameter
 
-    rc = importlib.import_module("dualrun.raycluster.connect")   # the package's `connect` is the function
+    rc = importlib.import_module("dualrun.backends.ray.connect")   # the package's `connect` is the function
 
     monkeypatch.delenv("REPORTER_UPDATE_INTERVAL_MS", raising=False)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")   # the user's choice wins over the lean default

@@ -280,7 +280,7 @@ PROBE_S = 0.25   # the tests' health-check interval (a launcher's: servers.machi
 
 @pytest.fixture
 def quick_probes(monkeypatch):
-    from dualrun.servers import machines
+    from dualrun.backends.torchrun import machine_servers as machines
 
     monkeypatch.setattr(machines, "PROBE_EVERY_S", PROBE_S)
 
@@ -312,7 +312,7 @@ def test_machine_0_names_another_machines_replica_that_stops_answering(quick_pro
     said its ranks finished (the store's key), the same silence is no failure."""
     from dualrun.methods.plugin import get_plugin
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.machines import Machines
+    from dualrun.backends.torchrun.machine_servers import Machines
 
     cfg = _cpu_cfg(2)
     plan = make_plan(cfg)
@@ -344,7 +344,7 @@ def test_a_busy_server_or_a_router_with_no_replica_in_rotation_on_another_machin
 
     from dualrun.methods.plugin import get_plugin
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.machines import Machines
+    from dualrun.backends.torchrun.machine_servers import Machines
 
     for rank, index, server in ((0, 1, health_server(delay_s=1.2)), (1, None, health_server(status={"/health": 503}))):
         cfg = _cpu_cfg(2, rank)
@@ -379,7 +379,7 @@ def test_the_other_machines_servers_are_health_checked_at_once():
 
     from dualrun.methods.plugin import get_plugin
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.machines import Machines
+    from dualrun.backends.torchrun.machine_servers import Machines
 
     cfg = _cpu_cfg(2)
     plan = make_plan(cfg)
@@ -413,7 +413,7 @@ def test_a_replica_that_did_not_start_on_machine_1_is_named_on_machine_0():
     from dualrun.methods.plugin import get_plugin
     from dualrun.light.ports import free_port
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.machines import Machines
+    from dualrun.backends.torchrun.machine_servers import Machines
 
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)   # noqa: F841 - serves the test
@@ -442,7 +442,7 @@ def test_machine_1_names_machine_0s_router_that_stops_answering(quick_probes):
     from dualrun.methods.plugin import get_plugin
     from dualrun.light.ports import free_port
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.machines import Machines
+    from dualrun.backends.torchrun.machine_servers import Machines
 
     for finished in (True, False):
         port = free_port()
@@ -482,7 +482,7 @@ def test_machine_1_restarts_only_once_the_ending_attempts_store_is_gone_or_repla
 
     from dualrun.contract import job_store
     from dualrun.light.ports import free_port
-    from dualrun.servers.machines import await_attempt
+    from dualrun.backends.torchrun.machine_servers import await_attempt
 
     port = free_port()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)

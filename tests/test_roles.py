@@ -217,8 +217,8 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(local_ray):
     import ray
 
     from dualrun.contract.errors import LaunchError
-    from dualrun.raycluster import Gang
-    from dualrun.roles.ray_backend import make_placement
+    from dualrun.backends.ray.cluster import Gang
+    from dualrun.backends.ray.actor_groups import make_placement
     from dualrun.roles.spec import GroupSpec
 
     from dualrun.config.model import RayOptions

@@ -30,12 +30,12 @@ def local_ray():
 
 def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     from dualrun.config import build_config
-    from dualrun import raycluster as rc
+    from dualrun.backends.ray import cluster as rc
     from dualrun.launchers.base import Program
-    from dualrun.launchers.ray import RayLauncher
+    from dualrun.backends.ray.actor_launcher import RayLauncher
     from dualrun.plan.processes import make_plan
     from dualrun.methods.plugin import get_plugin
-    from dualrun.servers.ray_server import RayServers
+    from dualrun.backends.ray.actor_servers import RayServers
 
     spec = {"gpus": 1, "model": str(tiny / "teacher"), "top_k": 5, "engine": "transformers", "health_timeout_s": 90}
     spec.update(teacher)

@@ -16,7 +16,7 @@ from dualrun.methods import commands
 from dualrun.methods.commands import VLLM_MIDDLEWARE as MIDDLEWARE
 from dualrun.servers.local import LocalServers
 from dualrun.servers.planned import with_method
-from dualrun.servers.ray_server import ServerActor
+from dualrun.backends.ray.actor_servers import ServerActor
 
 GRPO = {"method": "grpo", "roles": {"train": {"gpus": 2},
                                     "rollout": {"gpus": 2, "tensor_parallel_size": 2, "model": "/m/policy",

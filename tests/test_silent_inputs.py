@@ -164,7 +164,7 @@ def test_tmpdir_is_forwarded_only_to_a_node_where_it_exists(tmp_path):
     import os
     import sys
 
-    from dualrun.actors.rank import RankWorker
+    from dualrun.backends.ray.actors.rank_actor import RankWorker
 
     def run(tmpdir: str) -> tuple[str, list[str]]:
         worker = RankWorker("dualrun-test-tmpdir", "rank 0")

@@ -23,9 +23,9 @@ def _modules_after(code: str, env: dict | None = None, cwd=None) -> set[str]:
 
 
 def test_a_rank_actor_imports_nothing_of_the_driver():
-    """Every rank actor's Ray worker imports dualrun.actors.rank: the package must not pull the launcher
+    """Every rank actor's Ray worker imports dualrun.backends.ray.actors.rank_actor: the package must not pull the launcher
     base (config, plan, servers: about 0.25 s a process on 2 cores)."""
-    mods = _modules_after("import dualrun.actors.rank")
+    mods = _modules_after("import dualrun.backends.ray.actors.rank_actor")
     assert not [m for m in mods if m.startswith(_DRIVER_SIDE)]
 
 
@@ -45,7 +45,7 @@ def test_the_launchers_package_still_exports_its_names():
 
 
 def test_only_env_is_exactly_the_jobs_env_inside_and_ours_after(monkeypatch):
-    from dualrun.launchers.torchrun import _only_env
+    from dualrun.backends.torchrun.agent_launcher import _only_env
 
     monkeypatch.setenv("DUALRUN_TEST_OURS", "1")
     before = dict(os.environ)

@@ -131,12 +131,12 @@ def activate() -> None:
 _DRIVER_STEPS = (  # (module, attribute path, step name): the step's start and end are recorded
     ("dualrun.api", "run_job", "run_job"),
     ("dualrun.env.accelerate", "cached_accelerate_env", "accelerate_env"),
-    ("dualrun.raycluster.connect", "connect", "ray_connect"),
+    ("dualrun.backends.ray.connect", "connect", "ray_connect"),
     ("dualrun.launchers.base", "Launcher.launch", "launch"),
-    ("dualrun.launchers.ray", "RayLauncher.place_ranks", "place"),
-    ("dualrun.launchers.ray", "RayLauncher.start_ranks", "start"),
+    ("dualrun.backends.ray.actor_launcher", "RayLauncher.place_ranks", "place"),
+    ("dualrun.backends.ray.actor_launcher", "RayLauncher.start_ranks", "start"),
     ("torch.distributed.run", "run", "agent"),
-    ("dualrun.raycluster.connect", "Connection.close", "ray_shutdown"),
+    ("dualrun.backends.ray.connect", "Connection.close", "ray_shutdown"),
 )
 _side: dict = {}
 
@@ -206,4 +206,4 @@ elif os.environ.get(_DIR_ENV):
 
     _record["side_probe"] = time.time()
     when_imported("dualrun.cli", _on_cli)
-    when_imported("dualrun.actors.rank", _on_rank_worker)
+    when_imported("dualrun.backends.ray.actors.rank_actor", _on_rank_worker)

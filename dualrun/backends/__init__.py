@@ -1,26 +1,33 @@
-"""The backends, one object each: what a launch asks of the backend it runs on.
+"""The backends, one package each (`torchrun/`, `ray/`, or another distribution's, through the entry-point group
+`dualrun.backends`): what a launch asks of the backend it runs on, found by name in the registry
+(dualrun/config/backends.py).
 
 Why objects: the entry points (api.py, cli.py) ask a backend for its launcher (which starts the job's server set),
 the cluster `dualrun plan` places onto, its checks before a launch, `dualrun check`'s look at its nodes, and how
-the ranks' output reaches the terminal, instead of comparing its name. The layers below the launchers read what a
-backend is like from its record (config/backends.py: the plan's placement policy, a role program's groups mode,
-the config's checks); the name is looked up there, once, and the record keys the objects here.
+the ranks' output reaches the terminal, instead of comparing its name.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dualrun.backends.base import Backend
-from dualrun.config.backends import RAY, TORCHRUN, BackendKind, kind_of
+if TYPE_CHECKING:
+    from dualrun.backends.base import Backend
 
 
-def backend_of(cfg_or_name: Any) -> Backend:
+def __getattr__(attr: str) -> Any:
+    """Lazy `Backend`: a worker importing a backend's module (a Ray actor) loads no config."""
+    if attr == "Backend":
+        from dualrun.backends.base import Backend
+
+        return Backend
+    raise AttributeError(attr)
+
+
+def backend_of(cfg_or_name: Any) -> "Backend":
     """The backend of a JobConfig (or the one named so)."""
-    from dualrun.backends.ray import RayBackend
-    from dualrun.backends.torchrun import TorchrunBackend
+    from dualrun.config.backends import backend_object
 
-    kind: BackendKind = kind_of(cfg_or_name) if isinstance(cfg_or_name, str) else cfg_or_name.backend_kind
-    return {TORCHRUN: TorchrunBackend, RAY: RayBackend}[kind]()
+    return backend_object(cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.backend)
 
 
 __all__ = ["Backend", "backend_of"]

@@ -43,6 +43,17 @@ class Backend(ABC):
     def before_launch(self, cfg: "JobConfig") -> None:
         """What must hold before anything heavy starts (a ConfigError for what does not)."""
 
+    def env_line(self) -> str | None:
+        """Its line in `dualrun env` (None: none)."""
+        return None
+
+    def groups_mode(self) -> Any:
+        """How a role program's worker groups run on this backend (roles/modes.py `GroupsMode`): by default the
+        driver's own child processes, on the devices the plan gives each role on this machine."""
+        from dualrun.roles.modes import LOCAL_GROUPS
+
+        return LOCAL_GROUPS
+
     @abstractmethod
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
         """`dualrun check`'s look at the nodes the job would run on: (problems, nodes, notes)."""

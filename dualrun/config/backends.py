@@ -1,14 +1,24 @@
-"""What each backend is like, as the config's checks, the plan, the method plugins and the role runtime need to
-know it: one record per backend, looked up by its name here and nowhere else.
+"""Which backends are installed and what each is like: the one place a backend's name is looked up.
 
-Why a record below everything that runs a backend: the layers under the launchers ask what a backend does (is
-every machine launched by hand? does it place through Ray? how does a role program's group run?), never which
-one it is; the objects that run a backend (dualrun/backends/) sit above them all and carry the same record.
+Why a registry below everything that runs a backend: the layers under the launchers ask what a backend does (is
+every machine launched by hand? does it place through Ray? how does a role program's group run?), never which one
+it is. Each backend is a package of its own (`dualrun/backends/<name>/`, or another distribution's) whose
+`BACKEND` object carries its record (`BackendKind`); the built-in ones are found by their package name, others
+through the entry-point group `dualrun.backends` (as method plugins are through `dualrun.plugins`). Nothing here
+imports a backend's package but by name, at first use, so the core depends on no backend.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import functools
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from dualrun.contract.protocol import BACKEND_ENTRY_POINTS
+
+# The backends that come with dualrun: (name, package holding its BACKEND), in the order `--help` lists them.
+BUILT_IN = (("torchrun", "dualrun.backends.torchrun"), ("ray", "dualrun.backends.ray"))
+DEFAULT = "torchrun"
 
 
 @dataclass(frozen=True)
@@ -17,24 +27,76 @@ class BackendKind:
     launch`): a machine's ranks, servers and a role program's groups run on the machine that launches them.
     `ray`: places its processes through a Ray cluster it joins or starts (needs the ray package; the `ray.*`
     keys apply). `groups`: how a role program's worker groups run, the role runtime's mode (`DUALRUN_ROLES_MODE`):
-    'ray' actors, or 'local' processes of the driver."""
+    'ray' actors, or 'local' processes of the driver. `shared_files`: every machine reads the same file system
+    (a SLURM allocation's usual shared home), so a local model path read here is read everywhere. `placement`:
+    its placement policy, `JobConfig -> plan.placement.Placement` (the core's `MachinesPlacement`, or its own)."""
 
     name: str
     per_machine: bool
     ray: bool
     groups: str
+    placement: Callable[[Any], Any] = field(compare=False, repr=False, default=None)   # type: ignore[assignment]
+    shared_files: bool = False
 
     def files_here(self, cfg: Any) -> bool:
         """Whether a local path of the config (a model) is read on this machine's file system: one launch per
-        machine, or an embedded cluster started here (a joined cluster's nodes have their own)."""
-        return self.per_machine or cfg.ray.address == "local"
+        machine, a shared file system, or an embedded cluster started here (a joined cluster's nodes have their
+        own)."""
+        return self.per_machine or self.shared_files or (self.ray and cfg.ray.address == "local")
 
 
-TORCHRUN = BackendKind("torchrun", per_machine=True, ray=False, groups="local")
-RAY = BackendKind("ray", per_machine=False, ray=True, groups="ray")
-KINDS = {kind.name: kind for kind in (TORCHRUN, RAY)}
+class UnknownBackend(KeyError):
+    """A backend name that is not installed; `str()` names those that are."""
+
+    def __init__(self, name: str, why: str = "") -> None:
+        super().__init__(name)
+        self.name, self.why = name, why
+
+    def __str__(self) -> str:
+        return self.why or f"one of {', '.join(installed())} (the installed backends)"
+
+
+@functools.lru_cache(maxsize=1)
+def _built_in() -> dict[str, Any]:
+    """name -> BACKEND of the backends that come with dualrun (no package metadata read: a launch's start-up)."""
+    return {name: importlib.import_module(package).BACKEND for name, package in BUILT_IN}
+
+
+@functools.lru_cache(maxsize=1)
+def _registered() -> dict[str, Any]:
+    """name -> BACKEND (or why it does not load, a string) of the other distributions' entry points; a built-in
+    name is not replaced. Read only when a name is not built in, or the list is asked for."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, Any] = {}
+    for ep in entry_points(group=BACKEND_ENTRY_POINTS):
+        if ep.name in dict(BUILT_IN) or ep.name in found:
+            continue
+        try:
+            obj = ep.load()
+            found[ep.name] = obj() if isinstance(obj, type) else obj
+        except Exception as e:   # a broken third-party package: said when it is asked for, not before
+            found[ep.name] = f"backend {ep.name!r} is installed but does not load ({type(e).__name__}: {e})"
+    return found
+
+
+def installed() -> tuple[str, ...]:
+    """The names `--backend` and the config's `backend` accept."""
+    return tuple(_built_in()) + tuple(n for n, obj in _registered().items() if not isinstance(obj, str))
+
+
+def backend_object(name: str) -> Any:
+    """The BACKEND object of `name` (a `dualrun.backends.base.Backend`); UnknownBackend when none is."""
+    obj = _built_in().get(name)
+    if obj is None:
+        obj = _registered().get(name)
+    if obj is None:
+        raise UnknownBackend(name)
+    if isinstance(obj, str):
+        raise UnknownBackend(name, obj)
+    return obj
 
 
 def kind_of(name: str) -> BackendKind:
-    """The record of the backend named `name` (the config's `backend`, validated against `KINDS` by the schema)."""
-    return KINDS[name]
+    """The record of the backend named `name` (the config's `backend`, checked against `installed()` on load)."""
+    return backend_object(name).kind

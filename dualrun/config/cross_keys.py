@@ -7,7 +7,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
-from dualrun.config.backends import TORCHRUN, kind_of
+from dualrun.config.backends import DEFAULT, kind_of
 from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions, trainer_machines
 from dualrun.env.installed import vllm_cpu_only
 from dualrun.env.worker import reserved
@@ -70,7 +70,7 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
               groups: Sequence[Sequence[str]], ray: RayOptions, torchrun: TorchrunOptions,
               from_flags: bool = False) -> None:
     """`from_flags`: the primary role's size came from `--num_processes`."""
-    per_machine = kind_of(values.get("backend", TORCHRUN.name)).per_machine   # every machine launched by hand
+    per_machine = kind_of(values.get("backend", DEFAULT)).per_machine   # every machine launched by hand
     machines = int(acc.get("num_machines") or 1)
     if per_machine and roles:
         with_ranks = len(trainer_machines(roles, groups, machines))

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Mapping
 from dualrun.config import accelerate_keys, cross_keys, schema
 
 from dualrun.config import refusals
-from dualrun.config.backends import KINDS, RAY, TORCHRUN, kind_of
+from dualrun.config.backends import DEFAULT, UnknownBackend, installed, kind_of
 from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map, trainer_machines
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.role_machines import check_role_machines, parse_machines
@@ -79,13 +79,18 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     if values.get("offload_optimizer"):
         acc = offload_optimizer(source, acc)
     if values.pop("use_ray", False) and "backend" not in values:
-        values["backend"] = RAY.name
+        values["backend"] = "ray"
     if backend is not None:
-        values["backend"] = check(CLI_SOURCE, "--backend", "str", backend, tuple(KINDS))
+        values["backend"] = check(CLI_SOURCE, "--backend", "str", backend)
     if "method" in values and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", values["method"]):
         raise ConfigError(source, "method", "a plugin name (letters, digits, _)", values["method"])
 
-    on_ray = kind_of(values.get("backend", TORCHRUN.name)).ray
+    name = values.get("backend", DEFAULT)
+    try:
+        on_ray = kind_of(name).ray
+    except UnknownBackend as e:
+        raise ConfigError(*((CLI_SOURCE, "--backend") if backend is not None else (source, "backend")), str(e),
+                          name) from None
     if on_ray:
         cross_keys.ray_machines(_where(source, "machine_rank", overrides), acc.get("machine_rank"))
     raw_roles = raw.get("roles")
@@ -139,7 +144,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         acc["distributed_type"] = "NO" if acc["num_processes"] <= 1 and acc["num_machines"] <= 1 else (
             "MULTI_CPU" if cpu else "MULTI_GPU")
     with_ranks = len(trainer_machines(roles, groups, acc["num_machines"]))
-    if kind_of(values.get("backend", TORCHRUN.name)).per_machine and roles[0].processes % with_ranks:
+    if kind_of(values.get("backend", DEFAULT)).per_machine and roles[0].processes % with_ranks:
         across = f"num_machines={acc['num_machines']}" if with_ranks == acc["num_machines"] else \
             f"the {with_ranks} machines of roles.{roles[0].name}.machines"
         raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"])

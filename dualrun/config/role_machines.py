@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from dualrun.config.backends import kind_of, TORCHRUN
+from dualrun.config.backends import DEFAULT, kind_of
 from dualrun.config.model import trainer_group
 from dualrun.contract.errors import ConfigError
 
@@ -33,7 +33,7 @@ def check_role_machines(source: str, acc: Mapping[str, Any], values: Mapping[str
     placed = [r for r in roles if r.machines is not None]
     if not placed:
         return
-    backend = values.get("backend", TORCHRUN.name)
+    backend = values.get("backend", DEFAULT)
     machines = int(acc.get("num_machines") or 1)
     with_primary = trainer_group(roles, groups)
     for role in placed:

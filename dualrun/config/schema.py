@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dualrun.config.backends import KINDS
+from dualrun.config.backends import BUILT_IN
 from dualrun.contract import protocol
 
 
@@ -90,7 +90,9 @@ ENV_VARS += tuple((name, "a truth value (1/0, true/false, yes/no, on/off)", "rea
 
 
 TOP_KEYS: tuple[Key, ...] = (
-    Key("backend", "str", "torchrun", "Where workers run; `--backend` overrides.", choices=tuple(KINDS)),
+    Key("backend", "str", "torchrun", "Where workers run; `--backend` overrides. Any installed backend: the "
+        f"built-in {', '.join(f'`{n}`' for n, _ in BUILT_IN)}, or one another package registers under the "
+        "entry-point group `dualrun.backends` (docs/plugins.md); another name is refused naming those installed."),
     Key("use_ray", "bool", False, "ms-swift's spelling: `use_ray: true` means `backend: ray` (when `backend` is "
         "not set)."),
     Key("method", "str", "sft", "Method plugin: which roles exist and how the trainer is wired "

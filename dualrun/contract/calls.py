@@ -14,16 +14,13 @@ from typing import Any, Callable
 
 
 def pickler():
-    """cloudpickle where it is installed (it comes with Ray): it ships functions from `__main__` by value."""
+    """cloudpickle (a dependency of dualrun's own, whatever the backend): it ships functions from `__main__` by
+    value; plain pickle where it is missing (a function of an importable module still travels)."""
     try:
-        from ray import cloudpickle
+        import cloudpickle
         return cloudpickle
-    except ImportError:  # pragma: no cover - Ray is a dependency
-        try:
-            import cloudpickle
-            return cloudpickle
-        except ImportError:
-            return pickle
+    except ImportError:  # pragma: no cover - a dependency
+        return pickle
 
 
 def save_call(path: str, fn: Callable[..., Any], args: tuple = (), kwargs: dict | None = None) -> None:

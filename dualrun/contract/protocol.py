@@ -63,6 +63,7 @@ FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns)
 
 # The entry-point group third-party method plugins register under (read by the driver and by every worker).
 PLUGIN_ENTRY_POINTS = "dualrun.plugins"
+BACKEND_ENTRY_POINTS = "dualrun.backends"   # a backend of another distribution (config/backends.py)
 
 # Names the driver sets for every process: a config's `env:` must not override them.
 RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, JOB_TOKEN, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN,

@@ -43,13 +43,13 @@ def package_line(name: str) -> str:
     return f"{name}: {v or 'not installed'}"
 
 
-def report(ray_line: str) -> str:
-    """Every line of `dualrun env`; `ray_line` is whether a Ray cluster is reachable (the caller finds it: the
-    address rules live with the Ray layer, dualrun.raycluster.connect)."""
+def report(backend_lines: list[str]) -> str:
+    """Every line of `dualrun env`; `backend_lines`: each installed backend's own (`Backend.env_line`: Ray's says
+    whether a cluster is reachable)."""
     import platform
 
     lines = [f"python: {sys.version.split()[0]} ({sys.executable})", f"platform: {platform.platform()}"]
     lines += [package_line(name) for name in PACKAGES]
     lines.append(f"devices: {devices()}")
-    lines.append(f"ray cluster reachable: {ray_line}")
+    lines += backend_lines
     return "\n".join(lines)

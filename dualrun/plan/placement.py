@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol, Sequence
 
-from dualrun.config.backends import RAY, TORCHRUN, BackendKind
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError
 
@@ -106,7 +105,7 @@ class Placement(Protocol):
 
 def placement_for(cfg: JobConfig) -> Placement:
     """The placement policy of the job's backend."""
-    return _POLICIES[cfg.backend_kind](cfg)
+    return cfg.backend_kind.placement(cfg)
 
 
 def visible_devices(cfg: JobConfig, environ: Mapping[str, str]) -> tuple[int, ...] | None:
@@ -133,7 +132,7 @@ def _hosts(cfg: JobConfig) -> list[str]:
     return ["127.0.0.1"] if n == 1 else [(cfg.main_process_ip or "HEAD")] + [f"node{i}" for i in range(1, n)]
 
 
-def _on_visible(cfg: JobConfig, visible: tuple[int, ...]) -> Cluster:
+def on_visible(cfg: JobConfig, visible: tuple[int, ...]) -> Cluster:
     """num_machines nodes, each with the ids the shell makes visible (every machine alike)."""
     for role in cfg.roles:
         outside = sorted(set(role.gpu_ids or ()) - set(visible))
@@ -157,12 +156,12 @@ def units(cfg: JobConfig) -> list[tuple[tuple[str, ...], RoleSpec]]:
     return out
 
 
-def _server_gpus(cfg: JobConfig) -> int:
+def server_gpus(cfg: JobConfig) -> int:
     """GPUs of the separate roles dualrun starts servers for (a user-run `address:` takes none here)."""
     return sum(r.gpus for _, r in units(cfg)[1:] if not r.address)
 
 
-def _server_gpus_by_machine(cfg: JobConfig) -> dict[int, int]:
+def server_gpus_by_machine(cfg: JobConfig) -> dict[int, int]:
     """GPUs of the separate roles dualrun starts servers for, on the machine that holds them when the machines'
     sizes are not given: the first of a role's `machines`, else machine 0."""
     out: dict[int, int] = {}
@@ -173,12 +172,12 @@ def _server_gpus_by_machine(cfg: JobConfig) -> dict[int, int]:
     return out
 
 
-def _all_free(cluster: Cluster) -> Free:
+def all_free(cluster: Cluster) -> Free:
     return {n.index: list(n.device_ids or range(n.gpus)) for n in cluster.nodes}
 
 
 @dataclass(frozen=True)
-class TorchrunPlacement:
+class MachinesPlacement:
     """torchrun: one launch per machine (the config's num_machines), a machine's ranks on the devices of that
     machine (LOCAL_RANK indexes them), the same count on every machine that runs ranks (all, unless the trainers'
     `machines` names some: the others only serve); separate roles' engines on the GPUs the trainers leave,
@@ -209,14 +208,14 @@ class TorchrunPlacement:
             raise ConfigError(cfg.source, "torchrun.gpus_per_machine", "the launching shell's "
                               f"CUDA_VISIBLE_DEVICES count, {len(visible)} (or unset it)", per_machine)
         if visible is not None:
-            return _on_visible(cfg, visible)
+            return on_visible(cfg, visible)
         hosts = _hosts(cfg)
         if per_machine is not None:   # every machine alike: the servers fill what the trainers leave, in order
             return Cluster(tuple(Node(i, hosts[i], per_machine) for i in range(n)))
         primary = cfg.primary
         with_ranks = cfg.trainer_machines
         per_node_primary = primary.gpus // len(with_ranks) if primary.gpus else 0
-        servers = _server_gpus_by_machine(cfg)
+        servers = server_gpus_by_machine(cfg)
         nodes = [Node(i, hosts[i], (per_node_primary if i in with_ranks else 0) + servers.get(i, 0))
                  for i in range(n)]
         ids = [i for r in cfg.roles for i in (r.gpu_ids or ())]
@@ -225,7 +224,7 @@ class TorchrunPlacement:
         return Cluster(tuple(nodes))
 
     def free_devices(self, cluster: Cluster) -> Free:
-        free = _all_free(cluster)
+        free = all_free(cluster)
         if cluster.nodes:   # fixed ids are reserved up front, so no role takes them by count: roles never share
             fixed = {gid for r in self.cfg.roles for gid in (r.gpu_ids or ())}
             first = cluster.nodes[0].index
@@ -254,103 +253,3 @@ class TorchrunPlacement:
 
     def cpus(self, kind: str, devices: Sequence[int]) -> float:
         return 0.0
-
-
-@dataclass(frozen=True)
-class RayPlacement:
-    """Ray: one actor per rank holding one GPU (LOCAL_RANK 0, its own GPU visible), packed onto the cluster's
-    nodes in order; a joined cluster owns its GPUs, so the shell's CUDA_VISIBLE_DEVICES counts only for a
-    cluster started for the job; each engine replica on any node with room, the router beside the first."""
-
-    cfg: JobConfig
-
-    @property
-    def master_addr(self) -> str:
-        return AUTO   # the node of rank 0's actor, known once it is placed
-
-    @property
-    def machine_rank(self) -> int | None:
-        return None
-
-    @property
-    def processes_take_slots(self) -> bool:
-        return False
-
-    def assumed_cluster(self, environ: Mapping[str, str]) -> Cluster:
-        """An embedded cluster on the GPUs the shell makes visible when it sets them; otherwise (and for a
-        cluster that is joined) num_machines equal nodes holding what the roles ask for."""
-        cfg = self.cfg
-        joined = cfg.ray.address not in (None, "local") or environ.get("RAY_ADDRESS") or cfg.num_machines > 1
-        visible = None if joined else visible_devices(cfg, environ)
-        if visible is not None:
-            return _on_visible(cfg, visible)
-        total = cfg.primary.gpus + _server_gpus(cfg)
-        return Cluster.uniform(cfg.num_machines, -(-total // cfg.num_machines) if total else 0)
-
-    def free_devices(self, cluster: Cluster) -> Free:
-        return _all_free(cluster)
-
-    def worker_slots(self, cluster: Cluster, free: Free, role: RoleSpec) -> list[tuple[int, int]]:
-        """Pack the ranks node by node: as many as a node has free GPUs (CPU ranks: as its CPUs hold
-        `ray.num_cpus_per_worker`, on a live cluster; a node without CPUs holds none), the rest on the next. With
-        `ray.placement_strategy` SPREAD (or STRICT_SPREAD) one rank per node with room in turn, as Ray spreads them."""
-        nodes = cluster.nodes
-        caps = []
-        for node in nodes:
-            if role.gpus:
-                cap = len(free[node.index])
-            elif cluster.live and self.cfg.ray.num_cpus_per_worker:   # a live cluster: Ray packs CPU
-                cap = int(node.cpus // self.cfg.ray.num_cpus_per_worker)            # ranks too
-                cap = cap if node.index != nodes[-1].index else role.processes
-            else:
-                cap = role.processes
-            caps.append(cap)
-        counts = [0] * len(nodes)
-        left = role.processes
-        if self.cfg.ray.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
-            while left and any(c < cap for c, cap in zip(counts, caps)):
-                for i, cap in enumerate(caps):
-                    if left and counts[i] < cap:
-                        counts[i] += 1
-                        left -= 1
-        else:
-            for i, cap in enumerate(caps):
-                counts[i] = min(cap, left)
-                left -= counts[i]
-        if left:
-            have = sum(len(v) for v in free.values())
-            raise ConfigError(self.cfg.source, f"roles.{role.name}.gpus",
-                              f"at most {have} GPUs (the cluster has {sum(x.gpus for x in nodes)} in "
-                              f"{len(nodes)} node(s))", role.processes)
-        return [(node.index, n) for node, n in zip(nodes, counts) if n]
-
-    def rank_view(self, local: int, count: int, devices: tuple[int, ...]) -> RankView:
-        mine = (devices[local],) if devices else ()
-        return RankView(mine, 0, 1, mine)
-
-    def router_node(self, cluster: Cluster, replicas: Sequence[int]) -> int:
-        return replicas[0]
-
-    @property
-    def server_log_dir(self) -> str | None:
-        return self.cfg.log_dir
-    def cpu_server_node(self, cluster: Cluster, used: Mapping[int, float]) -> int | None:
-        """A live cluster: the node with the most CPUs left (Ray gives a one-bundle placement group the node with the
-        most of what it asks free), where one is left; a planned cluster's CPUs are unknown (None)."""
-        if not cluster.live:
-            return None
-        need = max(self.cfg.ray.num_cpus_per_worker, 1.0)
-        left = {n.index: n.cpus - used.get(n.index, 0.0) for n in cluster.nodes}
-        room = [n.index for n in cluster.nodes if left[n.index] >= need]
-        return max(room, key=lambda i: left[i]) if room else None
-
-    def cpus(self, kind: str, devices: Sequence[int]) -> float:
-        """The CPUs a process's bundle asks for (launchers/ray.py, `bundle`)."""
-        per = self.cfg.ray.num_cpus_per_worker
-        if kind == "server":
-            return 0.0 if devices else max(per, 1.0)
-        return per
-
-
-
-_POLICIES: dict[BackendKind, Callable[[JobConfig], Placement]] = {TORCHRUN: TorchrunPlacement, RAY: RayPlacement}

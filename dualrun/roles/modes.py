@@ -40,33 +40,9 @@ class GroupsMode:
         """A group's started workers (roles/workers.py `Workers`)."""
         raise NotImplementedError
 
-
-class RayGroups(GroupsMode):
-    """One actor per worker, in its unit's placement group (roles/ray_backend.py)."""
-
-    name = "ray"
-    spread = True
-    driver = "Ray driver"
-    where = "each worker a Ray actor on its role's devices"
-
-    def connect(self, spec: RolesSpec) -> Any:
-        from dualrun.roles.ray_backend import ensure_ray
-
-        return ensure_ray(spec)
-
-    def placements(self, spec: RolesSpec) -> Any:
-        from dualrun.raycluster import Gang
-
-        return Gang(spec.ray, spec.source)
-
-    def devices(self, group: GroupSpec) -> str:
-        return f"{group.gpus} GPU(s), one per worker" if group.gpus else "CPU"   # Ray gives each its GPU
-
-    def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
-                kwargs: dict) -> Any:
-        from dualrun.roles.ray_backend import RayWorkers
-
-        return RayWorkers(runtime, spec, factory, args, kwargs)
+    def placement(self, spec: RolesSpec, group: GroupSpec, placements: Any) -> Any:
+        """The placement of `group`'s unit, made once per unit by the runtime (None: nothing to place)."""
+        return None
 
 
 class LocalGroups(GroupsMode):
@@ -87,11 +63,10 @@ class LocalGroups(GroupsMode):
         return LocalWorkers(spec, factory, args, kwargs)
 
 
-RAY_GROUPS = RayGroups()
 LOCAL_GROUPS = LocalGroups()
-# `dualrun.init(backend=...)` names: the modes, and the backends' names for the mode they run groups in
-MODES: dict[str, GroupsMode] = {"ray": RAY_GROUPS, "local": LOCAL_GROUPS, "torchrun": LOCAL_GROUPS,
-                                "python": LOCAL_GROUPS}
+# `dualrun.init(backend=...)` names of the core's own mode; any other is a backend's name, whose object gives its
+# mode (`Backend.groups_mode`: Ray's actors, or these local processes)
+MODES: dict[str, GroupsMode] = {"local": LOCAL_GROUPS, "python": LOCAL_GROUPS}
 
 
 def groups_table(spec: RolesSpec, mode: str = "ray") -> str:
@@ -106,8 +81,12 @@ def groups_table(spec: RolesSpec, mode: str = "ray") -> str:
 
 
 def mode_of(name: str) -> GroupsMode:
-    """The mode named `name`; ValueError naming the known ones."""
-    try:
+    """The mode named `name` (a mode, or an installed backend's name); ValueError naming the known ones."""
+    from dualrun.config.backends import UnknownBackend, backend_object, installed
+
+    if name in MODES:
         return MODES[name]
-    except KeyError:
-        raise ValueError(f"backend={name!r}: expected one of {sorted(MODES)}") from None
+    try:
+        return backend_object(name).groups_mode()
+    except UnknownBackend:
+        raise ValueError(f"backend={name!r}: expected one of {sorted({*MODES, *installed()})}") from None

@@ -13,15 +13,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from dualrun.contract import protocol
-from dualrun.light.ports import free_port
 from dualrun.roles.spec import GroupSpec
-
-
-def pick_address() -> tuple[str, int]:
-    """Run on rank 0's node: its address and a port free there."""
-    import ray
-
-    return ray.util.get_node_ip_address(), free_port("0.0.0.0")   # reachable from the other nodes
 
 
 def group_env(rank: int, size: int, master_addr: str, master_port: int) -> dict[str, str]:

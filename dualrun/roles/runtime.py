@@ -1,5 +1,5 @@
 """The role runtime of this process: which backend groups use, the config's groups, the units' Ray placement groups
-(held by a raycluster.Gang: the Ray resource layer places and removes them).
+(held by a backends.ray.cluster.Gang: the Ray resource layer places and removes them).
 
 `dualrun.init()` sets it explicitly; otherwise it is made on first use from the environment a launch left:
 `DUALRUN_ROLES_MODE=ray` (set by `dualrun launch --backend ray` for a role program) means Ray, anything else
@@ -30,7 +30,7 @@ class Runtime:
         self._pgs: dict[str, Any] = {}      # unit -> its placement group (made by `_placements`)
         self._groups: list[Any] = []
         self._conn: Any = self.mode.connect(spec)
-        self._placements: Any = self.mode.placements(spec)   # Ray: the raycluster.Gang that places and removes `_pgs`
+        self._placements: Any = self.mode.placements(spec)   # Ray: the backends.ray.cluster.Gang that places and removes `_pgs`
 
     def group_spec(self, name: str) -> GroupSpec:
         """The config's group `name`; any name (one worker) when no config is known."""
@@ -50,9 +50,7 @@ class Runtime:
         """One placement group per unit, made when its first group starts and kept until shutdown."""
         with _LOCK:
             if spec.unit_name not in self._pgs:
-                from dualrun.roles.ray_backend import make_placement
-
-                self._pgs[spec.unit_name] = make_placement(self.spec, spec, self._placements)
+                self._pgs[spec.unit_name] = self.mode.placement(self.spec, spec, self._placements)
             return self._pgs[spec.unit_name]
 
     def track(self, group: Any) -> None:

@@ -74,7 +74,7 @@ def member_result(proc: subprocess.Popen, limit_s: float) -> dict[str, Any]:
 def run_member(spec: Mapping[str, Any], node_address: str | None = None) -> dict[str, Any]:
     """One member, start to end (what a Ray task of the check runs on the member's node). `node_address` (a cluster of
     several nodes): the node's Ray address, whose interface gloo gets where the member names none, as the job's
-    processes get it (dualrun/launchers/ray.py)."""
+    processes get it (dualrun/backends/ray/actor_launcher.py)."""
     from dualrun.light.interfaces import holding, ifname_set
 
     name = holding(node_address) if node_address and not ifname_set(spec["env"]) else None

@@ -25,9 +25,9 @@ from dualrun.light.interfaces import ifname_set
 from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
-from dualrun.launchers.ray_results import first_line
-from dualrun.launchers.ray_sizing import bundle_of, check_fits, embedded_cpus
-from dualrun.launchers.ray_supervise import SHUTDOWN_S, Rank, Supervision
+from dualrun.backends.ray.rank_results import first_line
+from dualrun.backends.ray.bundles import bundle_of, check_fits, embedded_cpus
+from dualrun.backends.ray.rank_watch import SHUTDOWN_S, Rank, Supervision
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_port_env
 from dualrun.servers.planned import server_previews, wiring_env, with_method
@@ -55,7 +55,7 @@ class RayLauncher(Launcher):
     # -- cluster -------------------------------------------------------------------------------------------------
     def cluster(self) -> Cluster | None:
         """Connect (or start the embedded cluster) and return its live nodes for the plan."""
-        from dualrun import raycluster
+        from dualrun.backends.ray import cluster as raycluster
 
         if self._conn is None:
             self._conn = raycluster.connect(self.cfg.ray, self.cfg.source, num_cpus=embedded_cpus(self.cfg))
@@ -158,8 +158,8 @@ class RayLauncher(Launcher):
 
     def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> ServerSet:
         """Separate roles: each server in its own placement group and actor (servers/ray_server.py)."""
-        from dualrun.raycluster import Gang
-        from dualrun.servers.ray_server import RayServers
+        from dualrun.backends.ray.cluster import Gang
+        from dualrun.backends.ray.actor_servers import RayServers
 
         return RayServers(plan, self.run_id, env_for=lambda p: self.worker_env(p.env, base=forwarded_env()),
                           wiring=lambda addresses: wiring_env(self.cfg, self.plugin, addresses), bundle=self.bundle,
@@ -210,7 +210,7 @@ class RayLauncher(Launcher):
         it (if one did)."""
         from ray.exceptions import RayError
 
-        from dualrun.raycluster import Gang
+        from dualrun.backends.ray.cluster import Gang
 
         self._stop_time = None
         gang = Gang(self.cfg.ray, self.cfg.source, self._check_signal)
@@ -235,7 +235,7 @@ class RayLauncher(Launcher):
 
     def place_ranks(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
         """One placement group per unit, one actor per rank in it (rank order: rank 0's actor first)."""
-        from dualrun.actors.rank import RankWorker
+        from dualrun.backends.ray.actors.rank_actor import RankWorker
 
         ranks: list[Rank] = []
         by_unit: dict[str, list[Process]] = {}
@@ -264,14 +264,14 @@ class RayLauncher(Launcher):
         argv = list(prepared.argv)
         call = None
         if self.program.call_file:   # Python API: the pickled call travels to each node through its actor
-            from dualrun.actors.rank import CALL
+            from dualrun.backends.ray.actors.rank_actor import CALL
 
             with open(self.program.call_file, "rb") as f:
                 call = f.read()
             argv = [CALL if a == self.program.call_file else a for a in argv]
         log_dir = self.cfg.log_dir
         several = bool(prepared.plan and prepared.plan.cluster.addresses() > 1)
-        from dualrun.servers.ray_server import on_this_host
+        from dualrun.backends.ray.actor_servers import on_this_host
 
         one_host = bool(prepared.plan and on_this_host(prepared.plan))   # every node is this machine
         given: set[str] = set()   # the interfaces dualrun gave gloo
@@ -301,13 +301,13 @@ class RayLauncher(Launcher):
         self._get(refs, "start the program")
 
     def _get(self, refs: list[Any], what: str) -> list[Any]:
-        from dualrun.raycluster import wait_refs
+        from dualrun.backends.ray.cluster import wait_refs
 
         return wait_refs(refs, what, max(60.0, self.cfg.ray.placement_timeout_s), self._check_signal)
 
     def _stop_all(self, ranks: list[Rank], wait: bool = True) -> None:
         """SIGTERM (SIGKILL after a grace) every rank's program; `wait` for them at most SHUTDOWN_S."""
-        from dualrun.raycluster import call_each
+        from dualrun.backends.ray.cluster import call_each
 
         if self._stop_time is None:
             self._stop_time = time.time()

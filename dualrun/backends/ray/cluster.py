@@ -6,10 +6,10 @@ a timeout that exits 2, waits that see signals) and `gang` (placement groups + a
 """
 from __future__ import annotations
 
-from dualrun.raycluster.connect import (Connection, alive_nodes, check_reachable, cluster_of, connect, live_cluster,
+from dualrun.backends.ray.connect import (Connection, alive_nodes, check_reachable, cluster_of, connect, live_cluster,
                                         resolve_address)
-from dualrun.raycluster.gang import Gang, call_each
-from dualrun.raycluster.placement import PLACEMENT_EXIT, check_resources, describe_free, place, placed, wait_refs
+from dualrun.backends.ray.gang import Gang, call_each
+from dualrun.backends.ray.placement_groups import PLACEMENT_EXIT, check_resources, describe_free, place, placed, wait_refs
 
 __all__ = ["Connection", "Gang", "call_each", "PLACEMENT_EXIT", "alive_nodes", "check_reachable", "check_resources", "cluster_of",
            "connect", "describe_free", "live_cluster", "place", "placed", "resolve_address", "wait_refs"]

@@ -2,10 +2,11 @@
 the embedded one it starts)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dualrun.backends.base import Backend
-from dualrun.config.backends import RAY
+from dualrun.backends.ray.packing import RayPlacement
+from dualrun.config.backends import BackendKind
 
 if TYPE_CHECKING:
     from dualrun.check.preflight import Outcome
@@ -15,19 +16,19 @@ if TYPE_CHECKING:
 
 
 class RayBackend(Backend):
-    kind = RAY
+    kind = BackendKind("ray", per_machine=False, ray=True, groups="ray", placement=RayPlacement)
     output = "output prefixed per rank"
     plans_live = True
 
     def launcher_class(self) -> "type[Launcher]":
-        from dualrun.launchers.ray import RayLauncher
+        from dualrun.backends.ray.actor_launcher import RayLauncher
 
         return RayLauncher
 
     def plan_cluster(self, cfg: "JobConfig") -> "Cluster | None":
         """The running cluster's nodes when one answers (an address that names one must)."""
         from dualrun.contract.errors import ConfigError
-        from dualrun.raycluster import live_cluster
+        from dualrun.backends.ray.cluster import live_cluster
 
         cluster = live_cluster(cfg.ray, cfg.source)
         if cluster is None and cfg.ray.address not in (None, "auto", "local"):
@@ -37,11 +38,30 @@ class RayBackend(Backend):
 
     def before_launch(self, cfg: "JobConfig") -> None:
         """An address given in the config or RAY_ADDRESS answers (about 2 s for a wrong one)."""
-        from dualrun.raycluster import check_reachable
+        from dualrun.backends.ray.cluster import check_reachable
 
         check_reachable(cfg.ray.address, cfg.source)
 
+    def env_line(self) -> str | None:
+        """Whether a Ray cluster is reachable from here."""
+        from dualrun.env.installed import version
+
+        if version("ray") is None:
+            return 'ray cluster reachable: no (ray not installed: pip install "ray[default]")'
+        from dualrun.backends.ray.connect import reachable_line
+
+        return f"ray cluster reachable: {reachable_line()}"
+
+    def groups_mode(self) -> Any:
+        """Each worker a Ray actor in its unit's placement group."""
+        from dualrun.backends.ray.actor_groups import RAY_GROUPS
+
+        return RAY_GROUPS
+
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
-        from dualrun.check.preflight import check_ray
+        from dualrun.backends.ray.node_check import check_ray
 
         return check_ray(cfg)
+
+
+BACKEND = RayBackend()

@@ -23,8 +23,8 @@ from typing import Any, Callable, Sequence
 
 from dualrun.contract import job_store
 from dualrun.launchers.base import JobResult, Outcome, stopped_by
-from dualrun.launchers.machine_watch import MachineWatch
-from dualrun.servers.machines import Machines
+from dualrun.backends.torchrun.machine_watch import MachineWatch
+from dualrun.backends.torchrun.machine_servers import Machines
 
 LOOK_S = 0.5         # how often the serving machine looks for the result
 ANNOUNCE_S = 30.0    # how long machine 0 keeps its store for the serving machines to read the result

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dualrun.launchers.base import JobResult, RankResult
-from dualrun.launchers.ray_results import failure, first_line, rank_results, value
+from dualrun.backends.ray.rank_results import failure, first_line, rank_results, value
 from dualrun.plan.processes import Process
 from dualrun.contract.protocol import ActorPlace, RankExit
 from dualrun.servers.serverset import ServerDeath, ServerSet

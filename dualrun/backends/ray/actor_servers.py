@@ -31,7 +31,7 @@ from typing import Any, Callable, Collection, Mapping
 from dualrun.contract.protocol import ActorPlace
 from dualrun.light.interfaces import ifname_set
 from dualrun.servers.process import ServerError
-from dualrun.actors.server import ServerActor
+from dualrun.backends.ray.actors.server_actor import ServerActor
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
 from dualrun.servers.supervisor import Supervisor
 
@@ -50,7 +50,7 @@ class RayServers(ServerSetBase):
     """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown.
 
     From the launcher: `env_for` (a server's env), `wiring` (the trainers' env for the addresses), `bundle` (a
-    server's resources), `gang` (a `raycluster.Gang` on the job's cluster, given the check it calls while it
+    server's resources), `gang` (a `backends.ray.cluster.Gang` on the job's cluster, given the check it calls while it
     waits), `wait_s` (how long placing and starting the actors may take), `check` (raises to interrupt a wait)."""
 
     def __init__(self, plan: Any, run_id: str, env_for: Callable[[Any], dict[str, str]],
@@ -183,7 +183,7 @@ class RayServers(ServerSetBase):
         """Start the servers `todo` (their actors placed), each on a free port of its node; index -> address.
         A port taken between picking and binding it is picked again; any other failure: LaunchError."""
         from dualrun.contract.errors import LaunchError
-        from dualrun.raycluster import wait_refs
+        from dualrun.backends.ray.cluster import wait_refs
 
         check = check or self.check
         done: dict[int, str] = {}
@@ -369,7 +369,7 @@ class RayServers(ServerSetBase):
         A replica being restarted is not asked to stop: its fresh actor may still be starting (a new Ray worker
         process: 10 s and more on a loaded machine, measured), and a call to it waits for that. Its actor is killed
         with the others below; a server it had started gets SIGTERM from its parent's death (process.py)."""
-        from dualrun.raycluster.gang import call_each
+        from dualrun.backends.ray.gang import call_each
 
         with self._lock:
             restarting = {id(self._actors[i]) for i in self.supervisor.restarting if i < len(self._actors)}

@@ -1,6 +1,6 @@
 """Ray execution of a group: one placement group per unit (a role, or colocated roles), one actor per worker.
 
-Each actor (dualrun/actors/role.py) holds one instance of the worker class and serves calls by name. Payloads are
+Each actor (dualrun/backends/ray/actors/role_actor.py) holds one instance of the worker class and serves calls by name. Payloads are
 put in the object store by the driver (one object per distinct share) and passed boxed, so each actor pulls only the
 share it was given.
 """
@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from dualrun.actors.role import RoleActor
+from dualrun.backends.ray.actors.role_actor import RoleActor
 from dualrun.roles.context import RemoteFailure, WorkerError, method_name
 from dualrun.roles.dispatch import CollectFn
+from dualrun.roles.modes import GroupsMode
 from dualrun.roles.workers import Calls, GroupFuture, Workers
-from dualrun.roles.rendezvous import member_env, pick_address
+from dualrun.light.ports import free_port
+from dualrun.roles.rendezvous import member_env
 from dualrun.roles.spec import GroupSpec, RolesSpec
 
 # A worker with one GPU asks for this fraction of its bundle's GPU: the placement group already reserves the
@@ -36,7 +38,7 @@ def ensure_ray(spec: RolesSpec) -> Any:
 
     import ray
 
-    from dualrun.raycluster import connect
+    from dualrun.backends.ray.cluster import connect
 
     if ray.is_initialized():
         return None
@@ -45,7 +47,7 @@ def ensure_ray(spec: RolesSpec) -> Any:
 
 
 def make_placement(spec: RolesSpec, group: GroupSpec, gang: Any) -> Any:
-    """The placement group of `group`'s unit, placed by `gang` (a raycluster.Gang, which removes it again): one
+    """The placement group of `group`'s unit, placed by `gang` (a backends.ray.cluster.Gang, which removes it again): one
     bundle per worker, waited for with the configured timeout (the Ray layer's placement: the same message and
     exit code as the launcher's)."""
     per_worker = group.gpus / group.size if group.gpus else 0
@@ -66,7 +68,7 @@ class RayWorkers(Workers):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from dualrun.raycluster import Gang
+        from dualrun.backends.ray.cluster import Gang
 
         self.spec, self.factory = spec, factory
         pg = runtime.placement(spec)   # the unit's, shared with colocated groups: the runtime removes it
@@ -149,3 +151,40 @@ class RayWorkers(Workers):
 
     def shutdown(self) -> None:
         self.gang.stop()   # its actors; the unit's placement group is the runtime's
+
+
+def pick_address() -> tuple[str, int]:
+    """Run on a group's rank 0 node: its address and a port free there (reachable from the other nodes)."""
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port("0.0.0.0")
+
+
+class RayGroups(GroupsMode):
+    """One actor per worker, in its unit's placement group (this module)."""
+
+    name = "ray"
+    spread = True
+    driver = "Ray driver"
+    where = "each worker a Ray actor on its role's devices"
+
+    def connect(self, spec: RolesSpec) -> Any:
+        return ensure_ray(spec)
+
+    def placements(self, spec: RolesSpec) -> Any:
+        from dualrun.backends.ray.cluster import Gang
+
+        return Gang(spec.ray, spec.source)
+
+    def devices(self, group: GroupSpec) -> str:
+        return f"{group.gpus} GPU(s), one per worker" if group.gpus else "CPU"   # Ray gives each its GPU
+
+    def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
+                kwargs: dict) -> Any:
+        return RayWorkers(runtime, spec, factory, args, kwargs)
+
+    def placement(self, spec: RolesSpec, group: GroupSpec, placements: Any) -> Any:
+        return make_placement(spec, group, placements)
+
+
+RAY_GROUPS = RayGroups()

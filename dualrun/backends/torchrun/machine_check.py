@@ -49,7 +49,7 @@ def name_of(machine: int, host: str) -> str:
 
 def with_gloo_default(env: dict[str, str], main: str) -> dict[str, str]:
     """`env` as `dualrun launch` completes it on this machine: GLOO_SOCKET_IFNAME, where it names no interface, is
-    the interface holding the address the other machines reach this one at (dualrun.launchers.torchrun,
+    the interface holding the address the other machines reach this one at (dualrun.backends.torchrun.agent_launcher,
     `with_gloo`)."""
     found = gloo_ifname(env, reached_at(main), interfaces())
     return {**env, "GLOO_SOCKET_IFNAME": found.name} if found is not None else env

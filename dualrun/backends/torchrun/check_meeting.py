@@ -1,4 +1,4 @@
-"""The meeting of `dualrun check` on several torchrun machines (dualrun/check/machines.py says why and how, and holds
+"""The meeting of `dualrun check` on several torchrun machines (dualrun/backends/torchrun/machine_check.py says why and how, and holds
 its parts): `meet`, then machine 0 hosts it at `main_process_port` and every other machine joins it at
 `main_process_ip`."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from dualrun.check.machines import (GREETING, WAIT_S, ProbeListener, Wire, advertised, deadline_after, local_problems,
+from dualrun.backends.torchrun.machine_check import (GREETING, WAIT_S, ProbeListener, Wire, advertised, deadline_after, local_problems,
                                     name_of, probe_all, report_of, rendezvous_port, sync_here, sync_plan, sync_verdict,
                                     view)
 from dualrun.config.model import JobConfig
@@ -32,7 +32,7 @@ def renamed(problem: str, old: tuple[str, ...], name: str) -> str:
 
 def meet(cfg: JobConfig, plan: Plan | None, here: NodeReport, problems: list[str],
          wait_s: float = WAIT_S) -> Outcome:
-    """This machine's side of the meeting (dualrun/check/machines.py); `here` and `problems` are its own checks."""
+    """This machine's side of the meeting (dualrun/backends/torchrun/machine_check.py); `here` and `problems` are its own checks."""
     ifaces = interfaces()
     machine = cfg.machine_rank
     before, here.name = here.name, name_of(machine, socket.gethostname())

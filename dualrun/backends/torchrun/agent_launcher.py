@@ -21,15 +21,15 @@ from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
-from dualrun.launchers.machine_watch import MachineWatch
-from dualrun.launchers.serve_only import announce, machines_with_ranks, serve, serving_machines
+from dualrun.backends.torchrun.machine_watch import MachineWatch
+from dualrun.backends.torchrun.serve_only import announce, machines_with_ranks, serve, serving_machines
 from dualrun.light.held_stores import held_stores
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
 from dualrun.light.loopback_store import LOOPBACK_HOSTS, loopback_stores
 from dualrun.servers.local import LOOPBACK, LocalServers
-from dualrun.servers.machines import BIND, Machines, await_attempt
+from dualrun.backends.torchrun.machine_servers import BIND, Machines, await_attempt
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
 from dualrun.weightsync.group import group_host_env, node_host_env

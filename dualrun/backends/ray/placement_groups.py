@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from dualrun.config.model import RayOptions
 from dualrun.contract.errors import ConfigError, LaunchError
-from dualrun.raycluster.connect import alive_nodes
+from dualrun.backends.ray.connect import alive_nodes
 
 PLACEMENT_EXIT = 2   # a layout or resource problem the user must fix, like any other bad input
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dualrun.config.model import RayOptions
-from dualrun.raycluster.placement import place
+from dualrun.backends.ray.placement_groups import place
 
 
 class Gang:
