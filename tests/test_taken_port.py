@@ -1,0 +1,131 @@
+"""A `main_process_port` another process holds is refused before anything starts, on both backends: exit 2 and one
+line naming the key (`--main_process_port` when the flag gave it) and the port, no traceback, the script never run.
+Real processes: the test holds the port with a listening socket, as any other program would.
+
+The check itself (dualrun.light.ports.port_taken) binds as the rendezvous store does (SO_REUSEADDR, then listen),
+so a port another process listens on is taken and one only lingering in TIME_WAIT after a previous job is not."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dualrun.config import build_config
+from dualrun.contract.errors import ConfigError
+from dualrun.light.ports import EVERY_ADDRESS, port_taken
+from ray_helpers import ray_env
+
+# it marks that it ran, then forms the group whose store rank 0 binds at main_process_port
+SCRIPT = ("import pathlib, sys\npathlib.Path(sys.argv[1]).write_text('ran')\n"
+          "import torch.distributed as dist\ndist.init_process_group('gloo')\ndist.destroy_process_group()\n")
+
+
+def _held(host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a free port of `host`, as another program holding it would."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind((host, 0))
+    s.listen()
+    return s
+
+
+# -- the pure check ------------------------------------------------------------------------------------------------
+def test_a_port_another_socket_listens_on_is_taken_there_and_on_every_address():
+    with _held() as held:
+        port = held.getsockname()[1]
+        assert port_taken(port, "127.0.0.1") == "Address already in use"
+        assert port_taken(port, EVERY_ADDRESS) == "Address already in use"   # torch's store binds every address
+    assert port_taken(port, "127.0.0.1") is None and port_taken(port, EVERY_ADDRESS) is None
+
+
+def test_a_port_left_in_time_wait_is_free_as_the_store_binds_it():
+    """The side that closes first keeps the port in TIME_WAIT: a plain bind fails, the store's (SO_REUSEADDR) not."""
+    server = _held()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    server.close()
+    conn.close()   # the listening side closes first: its port lingers in TIME_WAIT
+    client.recv(1)
+    client.close()
+    with socket.socket() as plain:
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    assert port_taken(port, "127.0.0.1") is None
+
+
+def test_an_address_that_does_not_resolve_is_said_so():
+    assert port_taken(29500, "no-such-host.invalid") == "no-such-host.invalid does not resolve"
+
+
+# -- what the torchrun backend refuses before its launch ------------------------------------------------------------
+def _torchrun_check(raw: dict, overrides: dict | None = None) -> None:
+    from dualrun.backends import backend_of
+
+    cfg = build_config(raw, "job.yaml", overrides)
+    backend_of(cfg).before_launch(cfg)
+
+
+def test_torchrun_machine_0_names_the_files_key_or_the_flag():
+    with _held() as held:
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError) as e:
+            _torchrun_check({"use_cpu": True, "main_process_port": port})
+        assert str(e.value).startswith(f"job.yaml: main_process_port: expected a port free on this machine "), e.value
+        assert f"got {port}, taken on this machine (Address already in use)" in str(e.value), e.value
+        with pytest.raises(ConfigError) as e:
+            _torchrun_check({"use_cpu": True}, {"main_process_port": port})
+        assert str(e.value).startswith("<command line>: --main_process_port: expected a port free"), e.value
+
+
+def test_torchrun_machines_1_to_n_bind_no_store_and_do_not_refuse():
+    with _held() as held:   # machine 0's store binds it; this machine only connects to main_process_ip
+        port = held.getsockname()[1]
+        raw = {"use_cpu": True, "num_machines": 2, "num_processes": 2, "main_process_ip": "127.0.0.1",
+               "main_process_port": port}
+        _torchrun_check({**raw, "machine_rank": 1})
+        with pytest.raises(ConfigError, match=f"main_process_port: .*got {port}, taken"):
+            _torchrun_check({**raw, "machine_rank": 0})
+
+
+# -- the whole launch, both backends -------------------------------------------------------------------------------
+@pytest.fixture
+def cluster(ray_cluster_if_ray):
+    """The Ray case: this worker's running cluster (conftest.ray_cluster); the torchrun one starts none."""
+    return ray_cluster_if_ray
+
+
+def _launch(tmp_path: Path, backend: str, cluster, config: str, *flags: str) -> subprocess.CompletedProcess:
+    (tmp_path / "job.yaml").write_text(config)
+    (tmp_path / "script.py").write_text(SCRIPT)
+    env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address if backend == "ray" else ""))
+    return subprocess.run([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file", "job.yaml",
+                           *flags, "script.py", str(tmp_path / "ran.txt")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["torchrun", "ray"])
+@pytest.mark.parametrize("given", ["file", "flag"])
+def test_a_taken_main_process_port_is_refused_before_anything_starts(tmp_path, cluster, backend, given):
+    with _held() as held:
+        port = held.getsockname()[1]
+        config = "use_cpu: true\nroles: {train: {gpus: 2}}\n"
+        if given == "file":
+            proc = _launch(tmp_path, backend, cluster, config + f"main_process_port: {port}\n")
+        else:
+            proc = _launch(tmp_path, backend, cluster, config, "--main_process_port", str(port))
+    key = "job.yaml: main_process_port" if given == "file" else "<command line>: --main_process_port"
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith(f"dualrun: error: {key}: expected a port free on this machine"), \
+        proc.stderr[-3000:]
+    assert f"got {port}, taken on this machine (Address already in use)" in lines[0], lines
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "ran.txt").exists()
+    if backend == "ray":
+        cluster.assert_nothing_left()
