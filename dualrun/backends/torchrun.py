@@ -21,6 +21,12 @@ class TorchrunBackend(Backend):
 
         return TorchrunLauncher
 
+    def before_launch(self, cfg: "JobConfig") -> None:
+        """Machine 0: main_process_port is free where its store will bind it (a taken one is one line, exit 2)."""
+        from dualrun.launchers.rendezvous_port import check_torchrun
+
+        check_torchrun(cfg)
+
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
         from dualrun.check.preflight import check_torchrun
 
