@@ -138,3 +138,34 @@ def test_a_taken_main_process_port_is_refused_before_anything_starts(tmp_path, c
     assert not (tmp_path / "ran.txt").exists()
     if backend == "ray":
         cluster.assert_nothing_left()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(120)
+def test_rank_0s_actor_says_its_port_is_taken_where_its_store_binds_it(ray_cluster):
+    """Where rank 0's node is not this machine the driver cannot look: the actor says it before any program starts,
+    and the driver turns that into the same one line, naming the node."""
+    import ray
+
+    from dualrun.actors.rank import RankWorker
+    from dualrun.launchers.rendezvous_port import RANK0_STORE, taken_error
+
+    ray_cluster.connect()
+    actor = ray.remote(RankWorker).options(num_cpus=0).remote("dualrun-test-taken-port", "train rank 0")
+    try:
+        with _held() as held:
+            port = held.getsockname()[1]
+            taken = ray.get(actor.info.remote(True, port, "127.0.0.1"), timeout=60)
+            everywhere = ray.get(actor.info.remote(True, port, EVERY_ADDRESS), timeout=60)
+        free = ray.get(actor.info.remote(True, port, "127.0.0.1"), timeout=60)
+        other = ray.get(actor.info.remote(False, port, "127.0.0.1"), timeout=60)   # not rank 0: binds nothing
+    finally:
+        ray.kill(actor)
+    assert (taken.port, taken.taken, everywhere.taken) == (port, "Address already in use", "Address already in use")
+    assert free.taken is None and other.taken is None
+    cfg = build_config({"use_cpu": True, "backend": "ray", "main_process_port": port}, "job.yaml")
+    line = str(taken_error(cfg, port, taken.taken, f"rank 0's node {taken.ip}", RANK0_STORE))
+    assert line == (f"job.yaml: main_process_port: expected a port free on rank 0's node {taken.ip} (trainer rank "
+                    f"0's store listens on it), got {port}, taken on rank 0's node {taken.ip} (Address already in use) "
+                    "(free it, or choose another port)")
+    ray_cluster.assert_nothing_left()
