@@ -98,7 +98,8 @@ def test_torchrun_check_finds_a_busy_port_and_an_unreachable_master(tmp_path):
                                             f"127.0.0.1\nmain_process_port: {port}\n")
         proc = dualrun("check", "--config_file", "busy.yaml", cwd=tmp_path)
     assert proc.returncode == 1 and proc.stdout.strip().splitlines() == [
-        f"dualrun check: main_process_port: 127.0.0.1:{port} cannot be listened on here (Address already in use)"]
+        f"dualrun check: main_process_port: {port} is taken on this machine (Address already in use): machine 0's "
+        "torchrun store listens on it"]
     (tmp_path / "far.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\nnum_machines: 2\nmachine_rank: 1\n"
                                        "main_process_ip: 10.255.255.1\n")
     far = dualrun("check", "--config_file", "far.yaml", cwd=tmp_path)

@@ -274,7 +274,7 @@ def test_machine_1_restarts_its_dead_replica_and_the_job_goes_on(tmp_path, tiny)
 
 
 # -- machine 0 watches the other machines' replicas, and they watch its router ------------------------------
-PROBE_S = 0.25   # the tests' health-check interval (a launcher's: servers.machines.PROBE_EVERY_S, 1 s): what they
+PROBE_S = 0.25   # the tests' health-check interval (a launcher's: backends.torchrun.machine_servers.PROBE_EVERY_S, 1 s): what they
 #                 check is the count of misses and who is named, so they need not wait seconds of silence for it
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from dualrun.env.installed import version
+from dualrun.light.ports import port_taken
 
 CHECKED_PACKAGES = ("torch", "transformers", "trl", "accelerate", "dualrun")
 # Packages whose declared ranges for each other decide whether a trainer and its rollout engine work together:
@@ -81,15 +82,9 @@ def reaches(host: str, port: int, timeout: float = 3.0) -> str | None:
 
 
 def can_bind(host: str, port: int) -> str | None:
-    """None when this machine can listen on host:port (a free port on one of its addresses), else why not."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, int(port)))
-        except socket.gaierror:
-            return f"{host} does not resolve"
-        except OSError as e:
-            return e.strerror or type(e).__name__
-    return None
+    """None when this machine can listen on host:port (a free port on one of its addresses), else why not: bound as
+    the job's store binds it (dualrun.light.ports.port_taken), so the check and the launch agree."""
+    return port_taken(port, host)
 
 
 def routes_to(host: str) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
 from dualrun.check.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
+from dualrun.launchers.rendezvous_port import TORCHRUN_STORE, store_host
 from dualrun.plan.processes import Cluster, Plan, make_plan
 from dualrun.weightsync.group import SyncGroup, node_host_env, port_host, sync_group
 from dualrun.weightsync.rehearsal import (is_hard, limit_s, master_endpoint, member_spec, run_local, run_member,
@@ -104,10 +105,14 @@ def check_here(cfg: JobConfig) -> Outcome:
     plan = plan_or_problem(cfg, None, problems)
     node, here = this_machine(cfg, plan, problems)
     master = cfg.main_process_ip or "127.0.0.1"
-    if cfg.main_process_port:
-        why = can_bind(master if cfg.main_process_ip else "0.0.0.0", cfg.main_process_port)
+    why = can_bind(master, 0) if cfg.main_process_ip else None
+    if why:
+        problems.append(f"main_process_ip: {master} is not an address of this machine ({why})")
+    if cfg.main_process_port:   # as the launch refuses it (dualrun.launchers.rendezvous_port), where the store binds
+        why = can_bind(store_host(True, master), cfg.main_process_port)
         if why:
-            problems.append(f"main_process_port: {master}:{cfg.main_process_port} cannot be listened on here ({why})")
+            problems.append(f"main_process_port: {cfg.main_process_port} is taken on this machine ({why}): "
+                            f"{TORCHRUN_STORE} listens on it")
     group = sync_group(cfg, plan) if plan else None
     notes: list[str] = []
     if group is not None and here["versions"]["torch"]:

@@ -10,7 +10,8 @@ from dualrun.config import accelerate_keys, cross_keys, schema
 
 from dualrun.config import refusals
 from dualrun.config.backends import DEFAULT, UnknownBackend, installed, kind_of
-from dualrun.config.model import JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map, trainer_machines
+from dualrun.config.model import (CLI_SOURCE, JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map,
+                                  key_origin, trainer_machines)
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.role_machines import check_role_machines, parse_machines
 from dualrun.config.swift import convert_device_groups
@@ -19,7 +20,6 @@ from dualrun.config.yamlfile import read_yaml
 from dualrun.env.worker import reserved
 from dualrun.contract.errors import ConfigError, Said, type_words
 
-CLI_SOURCE = "<command line>"
 # accelerate's flag names that may override the file, as `accelerate launch` spells them.
 OVERRIDABLE = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
                "mixed_precision")
@@ -67,7 +67,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         if key in OVERRIDABLE:
             acc[key] = _accelerate_value(CLI_SOURCE, key, value)
     if acc.get("machine_rank") is not None and not 0 <= acc["machine_rank"] < int(acc.get("num_machines") or 1):
-        raise ConfigError(*_where(source, "machine_rank", overrides),
+        raise ConfigError(*key_origin(source, "machine_rank", overrides),
                           f"an integer in [0, num_machines={acc.get('num_machines') or 1})", acc["machine_rank"])
 
     accelerate_keys.refuse_launchers(source, acc)
@@ -92,7 +92,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         raise ConfigError(*((CLI_SOURCE, "--backend") if backend is not None else (source, "backend")), str(e),
                           name) from None
     if on_ray:
-        cross_keys.ray_machines(_where(source, "machine_rank", overrides), acc.get("machine_rank"))
+        cross_keys.ray_machines(key_origin(source, "machine_rank", overrides), acc.get("machine_rank"))
     raw_roles = raw.get("roles")
     raw_groups = raw.get("colocate_groups")
     origin: dict[str, str] = {}
@@ -150,7 +150,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"])
     return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
                      colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
-                     ray=ray_opts, torchrun=tr_opts, written_as=frozen_map(origin), written=written, **values)
+                     ray=ray_opts, torchrun=tr_opts, written_as=frozen_map(origin), written=written,
+                     flags=frozenset(k for k in overrides if k in OVERRIDABLE), **values)
 
 
 def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:
@@ -180,11 +181,6 @@ def keyed(source: str, name: str, key: schema.Key, value: Any) -> Any:
     if value is None and key.default is None:
         return None
     return check(source, name, key.type, value, key.choices, key.minimum, key.maximum)
-
-
-def _where(source: str, key: str, overrides: Mapping[str, Any]) -> tuple[str, str]:
-    """Where an accelerate key's value came from, as an error names it: its flag (`--key`) or the file's key."""
-    return (CLI_SOURCE, f"--{key}") if key in overrides else (source, key)
 
 
 def _accelerate_value(source: str, key: str, value: Any) -> Any:

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Mapping, Sequence
 
 if TYPE_CHECKING:
     from dualrun.config.backends import BackendKind
+
+
+CLI_SOURCE = "<command line>"   # what an error names as the source of a value a flag gave
 
 
 def frozen_map(d: Mapping[str, Any] | None = None) -> Mapping[str, Any]:
@@ -77,6 +80,12 @@ class JobConfig:
     written_as: Mapping[str, str] = field(default_factory=frozen_map)
     # the accelerate keys the user wrote (file or flag); the rest of `accelerate` is dualrun's defaults
     written: frozenset[str] = frozenset()
+    # the accelerate keys given as command-line flags: errors found after loading name them `--key` too
+    flags: frozenset[str] = frozenset()
+
+    def where(self, key: str) -> tuple[str, str]:
+        """Where an accelerate key's value came from, as an error names it (`key_origin`)."""
+        return key_origin(self.source, key, self.flags)
 
     @property
     def backend_kind(self) -> "BackendKind":
@@ -139,6 +148,12 @@ class JobConfig:
         """A role with its own devices and processes (a server), not living inside the trainers."""
         primary = self.primary.name
         return name != primary and primary not in self.group_of(name)
+
+
+def key_origin(source: str, key: str, flags: Collection[str]) -> tuple[str, str]:
+    """Where an accelerate key's value came from, as an error names it: its flag (`<command line>`, `--key`) when
+    `flags` holds it, else the file's key."""
+    return (CLI_SOURCE, f"--{key}") if key in flags else (source, key)
 
 
 def trainer_group(roles: Sequence[Any], groups: Sequence[Sequence[str]]) -> set[str]:

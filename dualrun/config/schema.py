@@ -290,7 +290,8 @@ ACCELERATE_NOTES: dict[str, str] = {
     "num_machines": "torchrun: machines launched by hand; Ray: the planned node count",
     "machine_rank": "torchrun only; Ray: refused unless 0 (Ray places the ranks across its nodes)",
     "main_process_ip": "torchrun: machine 0's address; Ray: no effect (Ray gives the ranks rank 0's address)",
-    "main_process_port": "torchrun: machine 0's store; Ray: rank 0's MASTER_PORT (unset: a free port)",
+    "main_process_port": "torchrun: machine 0's store; Ray: rank 0's MASTER_PORT (unset: a free port); one held by "
+                         "another process is refused before anything starts (exit 2)",
     "gpu_ids": "torchrun: the trainers' devices; Ray: `all` or unset; CPU: no effect",
     "rdzv_backend": "`torchrun.rdzv_backend` where that is unset (static or c10d); Ray: no effect",
     "same_network": "accepted, no effect: dualrun gives torchrun machine 0's address itself",

@@ -166,6 +166,7 @@ class ActorPlace:
     tmp: str | None = None                      # a rank's temp dir on its node
     visible_devices: str | None = None          # CUDA_VISIBLE_DEVICES as the actor sees it
     interface: str | None = None                # its node's interface holding `ip` (gloo's, on several nodes)
+    taken: str | None = None                    # rank 0: why its `port` (main_process_port) cannot be listened on
 
     @property
     def address(self) -> str:

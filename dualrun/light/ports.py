@@ -42,3 +42,23 @@ def route_address(peer: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return socket.gethostbyname(socket.gethostname())
+
+
+EVERY_ADDRESS = ""   # bind's "every address of this machine", as torch's store listens when not on loopback alone
+
+
+def port_taken(port: int, host: str = EVERY_ADDRESS) -> str | None:
+    """Why `port` cannot be listened on at `host` right now (`Address already in use`), or None when it is free.
+    Bound as a rendezvous store binds it (SO_REUSEADDR, then listen): a port another process listens on is taken;
+    one only lingering in TIME_WAIT after a previous job is not, since the store would take it too. The launch checks
+    before anything starts, so a port held by another program is one line, not an OSError from deep in torch."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+            s.listen(1)
+        except socket.gaierror:
+            return f"{host} does not resolve"
+        except OSError as e:
+            return e.strerror or type(e).__name__
+    return None

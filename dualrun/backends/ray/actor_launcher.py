@@ -28,6 +28,7 @@ from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, boot
 from dualrun.backends.ray.rank_results import first_line
 from dualrun.backends.ray.bundles import bundle_of, check_fits, embedded_cpus
 from dualrun.backends.ray.rank_watch import SHUTDOWN_S, Rank, Supervision
+from dualrun.launchers.rendezvous_port import RANK0_STORE, refuse_taken, store_host, taken_error
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_port_env
 from dualrun.servers.planned import server_previews, wiring_env, with_method
@@ -108,6 +109,7 @@ class RayLauncher(Launcher):
         assert plan is not None
         if plan.cluster.live:
             check_fits(self.cfg, plan)
+            self._check_port_here(plan)
         plan = with_method(plan, self.cfg, self.plugin)
         base = forwarded_env()
         envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
@@ -116,6 +118,19 @@ class RayLauncher(Launcher):
         servers = server_previews(plan, AUTO, devices=AUTO)   # Ray picks node and GPUs
         return Prepared(plan, tuple(bootstrap_cmd(self.program, PYTHON)), shared, os.getcwd(), rank_envs=envs,
                         servers=servers)
+
+    def _check_port_here(self, plan: Plan) -> None:
+        """Every node is this machine: rank 0 binds main_process_port here, so a taken one is refused before
+        anything starts (elsewhere rank 0's actor checks it on its node: `start_ranks`)."""
+        from dualrun.backends.ray.actor_servers import on_this_host
+
+        if self.cfg.main_process_port is not None and on_this_host(plan):
+            refuse_taken(self.cfg, self.cfg.main_process_port, self._store_host(plan), RANK0_STORE)
+
+    @staticmethod
+    def _store_host(plan: Plan | None) -> str:
+        """Where rank 0's store binds: loopback alone on a one-node cluster (`start_ranks`), else every address."""
+        return store_host(bool(plan) and len(plan.cluster.nodes) == 1)
 
     def describe(self, prepared: Prepared) -> str:
         plan = prepared.plan
@@ -252,11 +267,15 @@ class RayLauncher(Launcher):
 
     def start_ranks(self, prepared: Prepared, ranks: list[Rank], attempt: int, wiring: Mapping[str, str]) -> None:
         """Phase 1: where did each actor land (rank 0 picks the port); phase 2: start every program."""
-        infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.cfg.main_process_port) for r in ranks],
+        host = self._store_host(prepared.plan)
+        infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.cfg.main_process_port, host) for r in ranks],
                           "start their actors")
         for r, info in zip(ranks, infos):
             r.info = info
         master = next(r.info for r in ranks if r.proc.rank == 0)
+        if master.taken is not None:   # nothing started yet: the actors go, the job ends with the one line
+            raise taken_error(self.cfg, int(master.port or 0), master.taken, f"rank 0's node {master.ip}",
+                              RANK0_STORE)
         order: list[str] = []   # node ids in rank order: the node ranks
         for info in infos:
             if info.node_id not in order:

@@ -221,7 +221,7 @@ class RayServers(ServerSetBase):
         env = dict(self.env_for(p))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
         if self.plan.cluster.addresses() > 1 and info.interface and not ifname_set(env):
-            env["GLOO_SOCKET_IFNAME"] = info.interface   # as the ranks get it (launchers/ray.py): the weight sync
+            env["GLOO_SOCKET_IFNAME"] = info.interface   # as the ranks get it (backends/ray/actor_launcher.py): the weight sync
         log = os.path.abspath(serving.log_path) if serving.log_path else None
         return self.actors[i].start.remote(argv, env, host, info.port, serving.health_path,
                                            serving.health_timeout_s, log, os.getcwd())

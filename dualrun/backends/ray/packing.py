@@ -100,7 +100,7 @@ class RayPlacement:
         return max(room, key=lambda i: left[i]) if room else None
 
     def cpus(self, kind: str, devices: Sequence[int]) -> float:
-        """The CPUs a process's bundle asks for (launchers/ray.py, `bundle`)."""
+        """The CPUs a process's bundle asks for (backends/ray/bundles.py, `bundle_of`)."""
         per = self.cfg.ray.num_cpus_per_worker
         if kind == "server":
             return 0.0 if devices else max(per, 1.0)

@@ -27,7 +27,8 @@ from dualrun.light.held_stores import held_stores
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface
 from dualrun.light.ports import free_port
-from dualrun.light.loopback_store import LOOPBACK_HOSTS, loopback_stores
+from dualrun.light.loopback_store import loopback_stores
+from dualrun.launchers.rendezvous_port import DEFAULT_PORT, on_loopback
 from dualrun.servers.local import LOOPBACK, LocalServers
 from dualrun.backends.torchrun.machine_servers import BIND, Machines, await_attempt
 from dualrun.servers.planned import server_previews, wiring_env, with_method
@@ -48,7 +49,7 @@ class TorchrunLauncher(Launcher):
         if self._rdzv_port is None:
             port = self.cfg.main_process_port
             if port is None:
-                port = free_port() if self.cfg.num_machines == 1 else 29500
+                port = free_port() if self.cfg.num_machines == 1 else DEFAULT_PORT
             self._rdzv_port = port
         return self._rdzv_port
 
@@ -313,7 +314,7 @@ class TorchrunLauncher(Launcher):
 
     def _rendezvous_binding(self) -> "contextlib.AbstractContextManager[None]":
         """One machine: the agent's store listens on loopback alone (torch's would listen on every interface)."""
-        if self.cfg.num_machines == 1 and self._addr() in LOOPBACK_HOSTS:
+        if on_loopback(self.cfg.num_machines == 1, self._addr()):
             return loopback_stores()
         return contextlib.nullcontext()
 

@@ -22,6 +22,12 @@ class TorchrunBackend(Backend):
 
         return TorchrunLauncher
 
+    def before_launch(self, cfg: "JobConfig") -> None:
+        """Machine 0: main_process_port is free where its store will bind it (a taken one is one line, exit 2)."""
+        from dualrun.launchers.rendezvous_port import check_torchrun
+
+        check_torchrun(cfg)
+
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
         """This machine against the plan; on several machines, then the meeting with the others (check_meeting)."""
         from dualrun.check.preflight import check_here, plan_or_problem, this_machine

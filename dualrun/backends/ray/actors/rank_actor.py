@@ -30,7 +30,7 @@ from dualrun.light.line_queue import STDERR, STDOUT, LineQueue
 from dualrun.light.parent_death import die_with_parent
 from dualrun.light.progress import Collapser, show_progress
 from dualrun.contract.protocol import PROGRESS, ActorPlace, RankExit
-from dualrun.light.ports import free_ports
+from dualrun.light.ports import EVERY_ADDRESS, free_ports, port_taken
 from dualrun.light.interpreter import resolve
 from dualrun.light.interfaces import holding
 
@@ -65,19 +65,24 @@ class RankWorker:
         self.call_file: str | None = None
         self.rank = "0"
 
-    def info(self, pick_port: bool = False, master_port: int | None = None) -> ActorPlace:
+    def info(self, pick_port: bool = False, master_port: int | None = None,
+             master_host: str = EVERY_ADDRESS) -> ActorPlace:
         """Where this actor landed: node IP and id, its GPUs, a temp dir; rank 0 also picks free ports on its node
         (MASTER_PORT, and the vLLM weight-sync port for which the trainer is the rendezvous master). A
-        `master_port` (the config's `main_process_port`) is used as it is: firewalled clusters open one port."""
+        `master_port` (the config's `main_process_port`) is used as it is: firewalled clusters open one port; the
+        place says whether another process holds it where the store binds it (`master_host`), before any
+        program starts (the driver refuses it in one line)."""
         import ray
 
         ctx = ray.get_runtime_context()
         port, group_port = free_ports(2, "") if pick_port else (None, None)
+        taken = None
         if pick_port and master_port is not None:
             port, group_port = master_port, (port if group_port == master_port else group_port)
+            taken = port_taken(master_port, master_host)
         ip = ray.util.get_node_ip_address()
         return ActorPlace(ip, ctx.get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()), os.getpid(), port,
-                          group_port, tmp=self.tmp, interface=holding(ip))
+                          group_port, tmp=self.tmp, interface=holding(ip), taken=taken)
 
     def start(self, argv: list[str], env: dict[str, str], cwd: str, log_path: str | None = None,
               call: bytes | None = None) -> int:
