@@ -53,12 +53,15 @@ def test_each_launch_has_its_own_secret_in_every_process_env_and_never_shown(tmp
     one = _cfg("use_cpu: true\nroles: {train: {gpus: 2}}\n", tmp_path)
     assert job_token_for(one) != job_token_for(one) and len(job_token_for(one)) >= 40
     assert redact({protocol.JOB_TOKEN: "abcdef"})[protocol.JOB_TOKEN] != "abcdef"
-    # torchrun on several machines (each its own launcher): only a token the user gives every machine is shared
+    # torchrun on several machines (each its own launcher): machine 0 makes one, the others read it from its store
+    # at launch (tests/test_cluster_job_secret.py); a token the user gives is every machine's own
     two = _cfg("use_cpu: true\nnum_machines: 2\nmain_process_ip: 10.0.0.1\nmain_process_port: 29500\n"
                "roles: {train: {gpus: 2}}\n", tmp_path)
-    assert job_token_for(two) == ""
+    other = _cfg("use_cpu: true\nnum_machines: 2\nmachine_rank: 1\nmain_process_ip: 10.0.0.1\n"
+                 "main_process_port: 29500\nroles: {train: {gpus: 2}}\n", tmp_path)
+    assert len(job_token_for(two)) >= 40 and job_token_for(other) == ""
     monkeypatch.setenv(protocol.JOB_TOKEN, "given-on-every-machine")
-    assert job_token_for(two) == job_token_for(one) == "given-on-every-machine"
+    assert job_token_for(two) == job_token_for(one) == job_token_for(other) == "given-on-every-machine"
 
 
 def test_dry_run_masks_the_secret(tmp_path):
