@@ -53,12 +53,45 @@ def test_each_launch_has_its_own_secret_in_every_process_env_and_never_shown(tmp
     one = _cfg("use_cpu: true\nroles: {train: {gpus: 2}}\n", tmp_path)
     assert job_token_for(one) != job_token_for(one) and len(job_token_for(one)) >= 40
     assert redact({protocol.JOB_TOKEN: "abcdef"})[protocol.JOB_TOKEN] != "abcdef"
-    # torchrun on several machines (each its own launcher): only a token the user gives every machine is shared
+    # torchrun on several machines (each its own launcher): machine 0 makes one, the others read it from its store
+    # at launch (tests/test_cluster_job_secret.py); a token the user gives is every machine's own
     two = _cfg("use_cpu: true\nnum_machines: 2\nmain_process_ip: 10.0.0.1\nmain_process_port: 29500\n"
                "roles: {train: {gpus: 2}}\n", tmp_path)
-    assert job_token_for(two) == ""
+    other = _cfg("use_cpu: true\nnum_machines: 2\nmachine_rank: 1\nmain_process_ip: 10.0.0.1\n"
+                 "main_process_port: 29500\nroles: {train: {gpus: 2}}\n", tmp_path)
+    assert len(job_token_for(two)) >= 40 and job_token_for(other) == ""
     monkeypatch.setenv(protocol.JOB_TOKEN, "given-on-every-machine")
-    assert job_token_for(two) == job_token_for(one) == "given-on-every-machine"
+    assert job_token_for(two) == job_token_for(one) == job_token_for(other) == "given-on-every-machine"
+
+
+@pytest.mark.e2e
+def test_machine_k_takes_machine_0s_secret_from_its_store_or_names_why_not():
+    """What machine K's launch reads before its servers start (servers.machines.take_token), through a real TCPStore
+    standing in for torchrun's agent store: the secret machine 0 put there; one line and exit 2 when machine 0's is
+    the user's (set there alone: not handed out); one line naming machine 0 when its store never answers."""
+    from torch.distributed import TCPStore
+
+    from dualrun.contract import job_store
+    from dualrun.contract.errors import LaunchError
+    from dualrun.backends.torchrun.machine_servers import take_token
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set(job_store.TOKEN_KEY, "made-by-machine-0-" * 3)
+    assert take_token("127.0.0.1", port, 1, 10.0) == "made-by-machine-0-" * 3
+    store.set(job_store.TOKEN_KEY, "")
+    with pytest.raises(LaunchError) as given:
+        take_token("127.0.0.1", port, 2, 10.0)
+    assert given.value.exit_code == 2 and str(given.value) == (
+        "DUALRUN_JOB_TOKEN: expected the same value on every machine, got unset on machine 2 while machine 0 has "
+        "one (set it on every machine, or on none)")
+    closed = free_port()
+    with pytest.raises(LaunchError) as absent:
+        take_token("127.0.0.1", closed, 1, 2.0)
+    assert absent.value.exit_code == 1 and str(absent.value).startswith(
+        f"machine 0 (127.0.0.1) did not hand over the job's secret within 2 s (torchrun.rendezvous_timeout_s; its "
+        f"store at 127.0.0.1:{closed}, main_process_ip and main_process_port): it is not started, has ended, or this "
+        "machine cannot reach it ("), str(absent.value)
 
 
 def test_dry_run_masks_the_secret(tmp_path):

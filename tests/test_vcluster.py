@@ -94,8 +94,10 @@ def test_tmp_is_each_machines_own_and_shared_directories_are_shared(vc):
     assert vc.run(0, f"echo zero > {mine} && echo ok > /dev/shm/x && echo zero > {vc.shared_dir}/note").returncode == 0
     assert vc.run(0, f"cat {mine} /dev/shm/x").stdout == "zero\nok\n"
     assert "No such file" in vc.run(1, f"cat {mine}").stderr and not os.path.exists(mine)
-    assert vc.run(1, "ls /dev/shm").stdout == "" and vc.run(1, "ls -A /tmp").stdout.split() == [
-        ".vcluster", str(vc.shared_dir).split("/")[2]]   # its own files and the shared directory's mount point
+    # its own files and the shared directories' mount points (a checkout or venv under /tmp too: vcluster.image)
+    assert vc.run(1, "ls /dev/shm").stdout == "" and sorted(vc.run(1, "ls -A /tmp").stdout.split()) == sorted(
+        {".vcluster"} | {d.split("/")[2] for d in vc.shared if d.startswith("/tmp/")})
+    assert str(vc.shared_dir) in vc.shared
     assert vc.run(1, f"cat {vc.shared_dir}/note").stdout == "zero\n" == (vc.shared_dir / "note").read_text()
 
 

@@ -12,7 +12,8 @@ on any network above 127, where a 10.x network would hide it while one machine m
   and its /etc/hosts names every machine (vc0 192.168.77.1, vc1 192.168.77.2, ...). /tmp and /dev/shm are private tmpfs
   mounts (Ray keeps its session under /tmp: nothing is shared through them that two real machines would not
   share); the directories given as `shared` that lie under them are bound in at the same path, like a shared
-  filesystem. /sys shows the machine's own interfaces. Everything else (the repository, the venv, $HOME) is the host's, as on machines with one image.
+  filesystem. /sys shows the machine's own interfaces. Everything else (the repository, the venv, $HOME) is the host's, as on machines with one image:
+  a checkout or a venv that lies under /tmp (`image()`) is bound in at the same path too.
 - the switch: a process with a network namespace of its own holding the bridge `br0` (192.168.77.254/24) and one
   veth port per machine, `port{K}`, whose other end is the machine's `eth0`. It has no other interface and does not
   forward: a packet for any other address ends there. Nothing is created in the namespace of the process that
@@ -88,6 +89,13 @@ def under_private(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in PRIVATE)
 
 
+def image() -> list[str]:
+    """What every machine runs from, as machines with one image do: this checkout, this interpreter's environment and
+    the venvs the tiers name. Bound back in where they lie under /tmp, which each machine's own tmpfs would hide."""
+    named = [os.environ.get(v) for v in ("VIRTUAL_ENV", "DUALRUN_VENV", "DUALRUN_VLLM_VENV")]
+    return [str(Path(__file__).resolve().parents[1]), sys.prefix, sys.exec_prefix, *filter(None, named)]
+
+
 # -- the cluster, from the outside --------------------------------------------------------------------------------
 INSIDE = str(Path(__file__).resolve().parent / "vcluster_ns.py")
 
@@ -161,7 +169,8 @@ class VCluster:
 
     def __init__(self, machines: int, shared: Iterable[str | os.PathLike] = (), default_route: bool = True) -> None:
         self.size = machines
-        self.shared = sorted({os.path.realpath(p) for p in shared if under_private(os.path.realpath(p))})
+        wanted = [*shared, *(p for p in image() if os.path.isdir(p))]
+        self.shared = sorted({os.path.realpath(p) for p in wanted if under_private(os.path.realpath(p))})
         self.default_route = default_route
         self.switch: tuple[subprocess.Popen, int] | None = None
         self.machines: dict[int, tuple[subprocess.Popen, int]] = {}

@@ -73,8 +73,10 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
     (protocol.CACHE, "0 or 1", "0: no on-disk cache of accelerate's environment"),
     (protocol.DEBUG, "0 or 1", "1: print the traceback of an unexpected error"),
     (protocol.JOB_TOKEN, f"at least {MIN_JOB_TOKEN_CHARS} printable ASCII characters, no spaces (empty: unset)",
-     "the job's secret instead of a fresh one per launch (the same on every machine of a torchrun job started by "
-     "hand, which is otherwise unguarded); never printed"),
+     "the job's secret instead of a fresh one per launch; never printed. torchrun on several machines: unset, "
+     "machine 0 makes one and hands it to the others through its store at `main_process_ip:main_process_port` "
+     "(whoever reaches that store can read it, as with torchrun's store itself); set, the same value on every "
+     "machine, never put in the store"),
     ("RAY_ADDRESS", "HOST:PORT, ray://HOST:PORT, auto or local",
      "the Ray cluster to join (`--backend ray`); the GCS address, not the dashboard's http:// URL"),
 )

@@ -6,6 +6,8 @@ share is the TCPStore that torchrun's agent on machine 0 serves at `main_process
 rendezvous begins (static rendezvous, the default: it lives as long as that agent, across torchrun's own worker
 restarts, so the keys below need no attempt number; a restart dualrun makes itself runs a new agent, a new store,
 which machine 0 marks with `ATTEMPT_KEY` so that machine K does not join the ending attempt's store).
+Whoever reaches that store reads every key, the job's secret (`TOKEN_KEY`) included, as they could join torchrun's
+rendezvous itself: the store's port is the job's trust boundary across machines.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from datetime import timedelta
 
 SERVER_KEY = "dualrun/server/{index}"   # `host:port` of plan.servers[index] (routers too), set by its machine,
 FAILED = "failed: "                     # or this prefix and one line when it did not start there
+TOKEN_KEY = "dualrun/job_token"        # the job's secret machine 0 made, for the other machines' servers and ranks
+                                        # (empty: the user set DUALRUN_JOB_TOKEN there, which is not handed out)
 WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by machine 0 once every server answers
 FINISHED_KEY = "dualrun/finished/{machine}"   # set by a machine whose ranks succeeded, before it stops its servers
 ATTEMPT_KEY = "dualrun/attempt"         # set by machine 0 in each attempt's store: which dualrun attempt it serves

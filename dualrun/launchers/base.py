@@ -96,6 +96,7 @@ class Launcher(ABC):
         self.plugin = plugin
         self.run_id = f"dualrun-{uuid.uuid4().hex[:10]}"
         self.job_token = job_token_for(cfg)
+        self.token_given = bool(os.environ.get(protocol.JOB_TOKEN))   # the user's: never handed to other machines
 
     def cluster(self) -> "Cluster | None":
         """The live cluster to plan onto (None: the one the config implies). May connect; never at dry run."""
@@ -226,13 +227,13 @@ def _in_environ(name: str, value: str) -> "Iterator[None]":
 
 
 def job_token_for(cfg: JobConfig) -> str:
-    """The job's secret: the launching env's DUALRUN_JOB_TOKEN, else a fresh one; torchrun on several machines
-    (started by hand, each its own launcher) has none unless that variable gives every machine the same, and its
-    servers are then unguarded."""
+    """The job's secret: the launching env's DUALRUN_JOB_TOKEN, else a fresh one; on torchrun's machines 1..N
+    (started by hand, each its own launcher) "" until the launch reads machine 0's from its store
+    (`servers.machines.take_token`)."""
     given = os.environ.get(protocol.JOB_TOKEN)
     if given:
         return given
-    return "" if cfg.backend_kind.per_machine and cfg.num_machines > 1 else new_token()
+    return "" if cfg.backend_kind.per_machine and cfg.num_machines > 1 and cfg.machine_rank else new_token()
 
 
 def failed_job(ranks: list[RankResult], own: list[RankResult], fallback: RankResult, wall_time_s: float = 0.0) -> JobResult:

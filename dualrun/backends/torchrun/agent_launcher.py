@@ -30,7 +30,7 @@ from dualrun.light.ports import free_port
 from dualrun.light.loopback_store import loopback_stores
 from dualrun.launchers.rendezvous_port import DEFAULT_PORT, on_loopback
 from dualrun.servers.local import LOOPBACK, LocalServers
-from dualrun.backends.torchrun.machine_servers import BIND, Machines, await_attempt
+from dualrun.backends.torchrun.machine_servers import BIND, Machines, await_attempt, take_token
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
 from dualrun.weightsync.group import group_host_env, node_host_env
@@ -165,7 +165,17 @@ class TorchrunLauncher(Launcher):
     def launch(self, prepared: Prepared) -> JobResult:
         if self._gloo_note:
             print(f"dualrun: {self._gloo_note}", file=sys.stderr, flush=True)
+        if not self.job_token and self._machines(prepared.plan):   # machine K >= 1: machine 0's, before any server
+            try:
+                self.job_token = take_token(self._addr(), self._port(), self.cfg.machine_rank,
+                                            self.cfg.torchrun.rendezvous_timeout_s)
+            except LaunchError as e:
+                return JobResult(e.exit_code, message=str(e))
         return super().launch(prepared)
+
+    def _machines(self, plan: Plan | None) -> bool:
+        """Several machines whose servers meet in torchrun's store (machines.py), the job's secret with them."""
+        return self.cfg.num_machines > 1 and plan is not None and bool(plan.servers)
 
     def describe(self, prepared: Prepared) -> str:
         lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "
@@ -192,8 +202,8 @@ class TorchrunLauncher(Launcher):
         several machines with servers meet in torchrun's store (machines.py)."""
         assert plan is not None
         local = LocalServers(plan, lambda p: self.with_gloo(self.worker_env(p.env)), self._wiring, avoid=avoid)
-        if self.cfg.num_machines > 1 and plan.servers:
-            return Machines(local, self._addr(), self._port(), attempt)
+        if self._machines(plan):   # machine 0 hands out the secret it made, not one the user gave it
+            return Machines(local, self._addr(), self._port(), attempt, "" if self.token_given else self.job_token)
         return local
 
     def _wiring(self, addresses: Mapping[str, str]) -> dict[str, str]:
@@ -250,7 +260,7 @@ class TorchrunLauncher(Launcher):
         return args
 
     def _job_env(self, prepared: Prepared, attempt: int, servers: ServerSet) -> dict[str, str]:
-        extra = servers.wiring_env()
+        extra = {protocol.JOB_TOKEN: self.job_token, **servers.wiring_env()}   # machine K: read at launch
         extra.update(group_host_env(extra, prepared.env, self.cfg.num_machines == 1))
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)

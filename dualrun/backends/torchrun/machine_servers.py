@@ -72,8 +72,9 @@ class Machines:
     servers (`check`, `settle`), and the marks of a machine that finished (`finish`) or whose servers never
     started (`not_started`). The rest of the server-set interface is the local set's."""
 
-    def __init__(self, servers: LocalServers, host: str, port: int, attempt: int = 0) -> None:
+    def __init__(self, servers: LocalServers, host: str, port: int, attempt: int = 0, token: str = "") -> None:
         self.servers, self.host, self.port, self.attempt = servers, host, port, attempt
+        self.token = token   # machine 0: the secret it hands the others (`take_token`); "": the user gave one
         self.plan = servers.plan
         self.machine = self.plan.machine_rank or 0
         self.watched: dict[int, str] = {}    # another machine's server health-checked from here -> its address
@@ -166,6 +167,7 @@ class Machines:
         try:
             store = job_store.connect(self.host, self.port, _wait_s(servers))
             if self.machine == 0:
+                store.set(job_store.TOKEN_KEY, self.token)   # the others' servers wait for it (`take_token`)
                 store.set(job_store.ATTEMPT_KEY, str(self.attempt))   # this store serves that attempt (`await_attempt`)
             for index, address in self.own().items():
                 store.set(job_store.server_key(index), address)
@@ -326,6 +328,26 @@ def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_sto
         except Exception:  # noqa: BLE001 - the store went away meanwhile: the next look sees it gone
             pass
         time.sleep(0.5)
+
+
+def take_token(host: str, port: int, machine: int, timeout_s: float) -> str:
+    """Machine K >= 1 with no DUALRUN_JOB_TOKEN of its own, before its servers start: the secret machine 0 made, from
+    its store at `host:port` (machine 0 puts it there once its agent's store listens: `Machines._exchange`), so the
+    servers here refuse whoever lacks it. LaunchError when machine 0 does not hand it over within `timeout_s`, or
+    set DUALRUN_JOB_TOKEN itself (that one is not handed out: every machine needs the same)."""
+    from dualrun.contract.errors import LaunchError
+
+    try:
+        value = job_store.connect(host, port, timeout_s).get(job_store.TOKEN_KEY).decode()
+    except Exception as e:  # noqa: BLE001 - no store, or no key, within the bound: machine 0 is not there
+        raise LaunchError(
+            f"machine 0 ({host}) did not hand over the job's secret within {timeout_s:g} s "
+            f"(torchrun.rendezvous_timeout_s; its store at {host}:{port}, main_process_ip and main_process_port): it "
+            f"is not started, has ended, or this machine cannot reach it ({type(e).__name__})") from None
+    if not value:
+        raise LaunchError(f"{protocol.JOB_TOKEN}: expected the same value on every machine, got unset on machine "
+                          f"{machine} while machine 0 has one (set it on every machine, or on none)", 2)
+    return value
 
 
 def _finished(host: str, port: int, machine: int, gone_is_finished: bool) -> bool:
