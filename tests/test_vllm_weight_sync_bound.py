@@ -3,7 +3,8 @@ real vLLM rollout server on CPU whose trainer rank 0 advertises an address no me
 the trainers: 192.0.2.1, a documentation address with no route in the tier's loopback-only namespace), as an
 interface or a filter between machines would. Before, both ends sat in the group's rendezvous for 600 s each (the
 store's, then gloo's); now `weight_sync_timeout_s` bounds forming on both ends: the trainer's GroupNotFormed names
-trainer rank 0's address and port and the rollout server, and the server's log names its worker's side."""
+trainer rank 0's address and port and the rollout server, and the server's log names its worker's side. The probe
+(`--restart_test`: GRPOTrainer first, as a script does) forms the group through TRL's VLLMClient."""
 from __future__ import annotations
 
 import os
@@ -31,7 +32,7 @@ def test_a_group_that_cannot_form_ends_the_job_within_its_bound_naming_both_ends
     (tmp_path / "job.yaml").write_text(job)
     (tmp_path / "out").mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
-                             *grpo_probe_argv(vllm_tiny)], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                             *grpo_probe_argv(vllm_tiny, ("--restart_test",))], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env={**os.environ, **ray_env(TRL_EXPERIMENTAL_SILENCE="1")})
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout))

@@ -34,7 +34,7 @@ class GlooWeightTransferClient(WeightTransferClient):
         self.model_update_group = open_endpoint(
             get_open_port(), self.vllm.get_world_size(),
             lambda info: self.vllm.init_weight_transfer_engine(info, timeout=self.weight_sync_timeout),
-            getattr(self.vllm, "base_url", "the rollout server"))
+            getattr(self.vllm, "server_url", None) or getattr(self.vllm, "base_url", "the rollout server"))
 
     def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
         """TRL's sequence (start, update posted while this process broadcasts, finish), the broadcast over gloo."""
