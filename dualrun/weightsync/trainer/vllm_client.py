@@ -66,18 +66,29 @@ def open_endpoint(port: int, server_world_size: int, join: Callable[[dict], Any]
     init_info = {"master_address": get_ip(), "master_port": port, "rank_offset": 1,
                  "world_size": server_world_size + 1, "packed": True,
                  "packed_buffer_size_bytes": PACKED_BUFFER_BYTES}
-    pool = ThreadPoolExecutor(max_workers=1)
+    joined = in_daemon(join, init_info)   # a post that never returns (TRL's client retries) must not hold the exit
     try:
-        joined = pool.submit(join, init_info)
-        try:
-            group = open_group(init_info["master_address"], port, 0, init_info["world_size"])
-        except GroupNotFormed as e:
-            raise GroupNotFormed(not_formed_line(init_info["master_address"], port, server, server_world_size,
-                                                 form_timeout_s(), str(e.__cause__ or e), answer(joined))) from None
-        joined.result()
-    finally:
-        pool.shutdown(wait=False)   # a server that never answers the post must not hold this process
+        group = open_group(init_info["master_address"], port, 0, init_info["world_size"])
+    except GroupNotFormed as e:
+        raise GroupNotFormed(not_formed_line(init_info["master_address"], port, server, server_world_size,
+                                             form_timeout_s(), str(e.__cause__ or e), answer(joined))) from None
+    joined.result()
     return GlooEndpoint(group, PACKED_BUFFER_BYTES)
+
+
+def in_daemon(fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+    """`fn(*args)` in a daemon thread: unlike a ThreadPoolExecutor's, the interpreter does not wait for it at exit."""
+    import threading
+
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the future
+            future.set_exception(e)
+    threading.Thread(target=run, name="dualrun-weight-sync-join", daemon=True).start()
+    return future
 
 
 def answer(joined: "Future[Any]", grace_s: float = 10.0) -> str:
