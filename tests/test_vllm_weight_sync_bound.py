@@ -51,11 +51,11 @@ def test_a_group_that_cannot_form_ends_the_job_within_its_bound_naming_both_ends
     # answer); the old code waited 600 s
     assert ended - healthy < BOUND_S + 90, (ended - healthy, out[-3000:])
     server = re.search(r"rollout: server healthy at ([\d.]+:\d+)", out).group(1)
-    failed = re.search(r"dualrun: train rank 0 failed \(exit code 1\): .*", out)
+    failed = re.search(r"dualrun: error: train rank 0 failed \(exit code 1\): .*", out)
     assert failed, out[-4000:]
     assert re.search(rf"GroupNotFormed: the weight-sync group did not form within {BOUND_S} s "
                      rf"\(weight_sync_timeout_s\): trainer rank 0 at 192\.0\.2\.1:\d+ and the rollout server at "
-                     rf"http://{re.escape(server)} \(rank 1 of 2\)", failed.group(0)), failed.group(0)
+                     rf"http://{re.escape(server)} \(rank 1 of 2\); trainer rank 0: .*; the server: ", failed.group(0)), failed.group(0)
     log = (tmp_path / "logs" / "rollout-server-0.log").read_text()
     assert re.search(rf"dualrun gloo weight transfer: this replica's worker rank 1 of 2 did not form the weight-sync "
                      rf"group with trainer rank 0 at 192\.0\.2\.1:\d+ within {BOUND_S} s", log), log[-3000:]

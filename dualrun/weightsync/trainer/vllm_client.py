@@ -96,7 +96,7 @@ def answer(joined: "Future[Any]", grace_s: float = 10.0) -> str:
     try:
         joined.result(timeout=grace_s)
     except FutureTimeout:
-        return f"no answer {grace_s:g} s after"
+        return f"no answer to the join {grace_s:g} s later (its log says its side)"
     except Exception as e:  # noqa: BLE001 - the server's refusal, whatever the HTTP client raises
         lines = str(e).strip().splitlines()
         return f"{type(e).__name__}: {' '.join(lines)[:400]}" if lines else type(e).__name__
