@@ -33,7 +33,8 @@ def test_a_group_that_cannot_form_ends_the_job_within_its_bound_naming_both_ends
     (tmp_path / "out").mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
                              *grpo_probe_argv(vllm_tiny, ("--restart_test",))], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**os.environ, **ray_env(TRL_EXPERIMENTAL_SILENCE="1")})
+                            stderr=subprocess.STDOUT,
+                            env={**os.environ, **ray_env(TRL_EXPERIMENTAL_SILENCE="1")})
     lines: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout))
     reader.start()
@@ -55,7 +56,8 @@ def test_a_group_that_cannot_form_ends_the_job_within_its_bound_naming_both_ends
     assert failed, out[-4000:]
     assert re.search(rf"GroupNotFormed: the weight-sync group did not form within {BOUND_S} s "
                      rf"\(weight_sync_timeout_s\): trainer rank 0 at 192\.0\.2\.1:\d+ and the rollout server at "
-                     rf"http://{re.escape(server)} \(rank 1 of 2\); trainer rank 0: .*; the server: ", failed.group(0)), failed.group(0)
+                     rf"http://{re.escape(server)} \(rank 1 of 2\); trainer rank 0: .*; the server: ",
+                     failed.group(0)), failed.group(0)
     log = (tmp_path / "logs" / "rollout-server-0.log").read_text()
     assert re.search(rf"dualrun gloo weight transfer: this replica's worker rank 1 of 2 did not form the weight-sync "
                      rf"group with trainer rank 0 at 192\.0\.2\.1:\d+ within {BOUND_S} s", log), log[-3000:]
