@@ -32,7 +32,8 @@ def test_a_group_that_cannot_form_ends_the_job_within_its_bound_naming_both_ends
     (tmp_path / "job.yaml").write_text(job)
     (tmp_path / "out").mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--config_file", "job.yaml",
-                             *grpo_probe_argv(vllm_tiny, ("--restart_test",))], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                             *grpo_probe_argv(vllm_tiny, ("--restart_test",))], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT,
                             env={**os.environ, **ray_env(TRL_EXPERIMENTAL_SILENCE="1")})
     lines: list[tuple[float, str]] = []
