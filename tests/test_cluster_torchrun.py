@@ -5,11 +5,13 @@ with the same world size; a GKD job whose teacher has a CPU-engine replica on ea
 router, which reaches machine 1's replica at machine 1's address, with the losses of one machine. Only the output
 directory and the tiny assets are shared between the machines (their /tmp is their own), as on machines with a shared
 filesystem. Machine 1's /etc/hosts is Debian's (its name on 127.0.1.1): no GLOO_SOCKET_IFNAME is set anywhere, so the
-jobs train only because dualrun gives gloo the interface of each machine's route to machine 0."""
+jobs train only because dualrun gives gloo the interface of each machine's route to machine 0; a `lo` the user left
+in GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME is refused on both machines before anything starts."""
 from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,27 @@ def test_a_teacher_placed_on_machine_1_serves_both_machines_ranks(vc, shared, ti
     assert not (work / "logs0" / "teacher-server-0.log").exists()
     assert (work / "logs1" / "teacher-server-0.log").read_text().count('"POST /v1/completions') >= 2
     assert [r["losses"] for r in ranks] == gkd_one_machine
+
+
+@pytest.mark.parametrize("variable", ["GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"])
+def test_a_loopback_interface_left_exported_is_refused_on_both_machines_in_seconds(vc, shared, tiny, variable):
+    """`GLOO_SOCKET_IFNAME=lo` (or NCCL's) left exported from a one-machine recipe (issue 49): gloo would advertise
+    127.0.0.1, and the job failed naming another cause after a minute, or hung. Each machine refuses on its own,
+    before anything starts: exit 2, one line naming the variable, the interface and why."""
+    work = shared / f"loopback-{variable}"
+    work.mkdir()
+    data = sft_data(tiny, work)
+    start = time.monotonic()
+    procs = launch_on(vc, work, sft_args(tiny, data, work / "out"), SFT_CONFIG, env={variable: "lo"})
+    wait_all(procs, 60)
+    took = time.monotonic() - start
+    outs = outputs(work)
+    assert [p.returncode for p in procs] == [2, 2], [o[-2000:] for o in outs]
+    for k, out in enumerate(outs):
+        assert out.strip().splitlines()[-1] == (
+            f"dualrun: error: {variable}=lo names lo (127.0.0.1), a loopback interface: on a job across machines "
+            "(num_machines 2) the other machines cannot reach it, and the job would hang or fail in its first "
+            "collective; unset it (dualrun then gives gloo eth0, the interface the other machines reach this one at) "
+            "or name that interface (set in the launching shell)"), out[-2000:]
+    assert took < 30, took
+    assert not (work / "out").exists()

@@ -72,6 +72,7 @@ class JobConfig:
     offload_optimizer: bool = False
     max_failures: int = 0
     collective_timeout_s: float | None = None
+    weight_sync_timeout_s: float = 120.0   # forming the trainer<->vLLM weight-sync group (weightsync/wire.py)
     env: Mapping[str, str] = field(default_factory=frozen_map)
     log_dir: str | None = None
     ray: RayOptions = field(default_factory=RayOptions)

@@ -115,6 +115,11 @@ TOP_KEYS: tuple[Key, ...] = (
         "other ranks before failing: TrainingArguments' `ddp_timeout` where left at its default, and "
         "`torch.distributed.init_process_group`'s `timeout` where the script passes none. Unset: the "
         "libraries' own defaults (HF: 1800 s).", minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
+    Key("weight_sync_timeout_s", "float", 120.0, "Seconds the trainer's weight-sync group with the vLLM rollout "
+        "engines dualrun starts may take to form (trainer rank 0 and every replica's workers meeting at rank 0's "
+        "address and `vllm_group_port`), on both ends: past it the job ends with one line naming trainer rank 0's "
+        "address and port and the replica. Each transfer once formed keeps its own 600 s bound.",
+        minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("env", "dict", {}, "Extra environment variables for every worker (values are turned into strings)."),
     Key("log_dir", "str-or-null", None, "Also write each rank's output to `LOG_DIR/<role>_<rank>.log` (appended), "
         "and each separate role's server's to `LOG_DIR/<role>-server-<i>.log` (a router's: `<role>-router.log`; "

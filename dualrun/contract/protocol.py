@@ -44,6 +44,9 @@ QUIET_READERS = "DUALRUN_VLLM_QUIET_READERS"
 # A free port on trainer rank 0's node for TRL's weight-sync rendezvous (the trainer is its master): TRL's default
 # 51216 makes two jobs with rollout servers on one node collide.
 VLLM_GROUP_PORT = "DUALRUN_VLLM_GROUP_PORT"
+# Seconds the weight-sync group may take to form, on both ends (the trainer's rank 0 and each vLLM worker's
+# extension): the `weight_sync_timeout_s` key, in the env of the trainers and the rollout servers.
+WEIGHT_SYNC_TIMEOUT_S = "DUALRUN_WEIGHT_SYNC_TIMEOUT_S"
 # Multi-node torchrun: the servers' addresses travel through torchrun's store (dualrun/rank/store_wiring.py).
 WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # 'host:port' of the store to read the wiring from (machine 0's launcher
                                             # puts it there: main_process_ip:main_process_port, whatever rdzv_backend)

@@ -128,6 +128,47 @@ def ifname_problems(env: Mapping[str, str], ifaces: Mapping[str, Interface]) -> 
     return out
 
 
+def _loopback(name: str, ifaces: Mapping[str, Interface]) -> bool:
+    """Whether interface `name` is this machine's loopback: `lo`, or one holding only a 127.x address."""
+    found = ifaces.get(name)
+    return name == "lo" or bool(found is not None and found.address and found.address.startswith("127."))
+
+
+def loopback_named(env: Mapping[str, str], ifaces: Mapping[str, Interface]) -> list[tuple[str, str, str]]:
+    """Pure: (variable, its value, the loopback interface it names) for each interface variable of `env` that puts
+    a transport on loopback, where no other machine can reach it: gloo makes a device of every name, TensorPipe uses
+    the first, NCCL any interface matching its prefixes (a `^` list excludes: it cannot name loopback)."""
+    out = []
+    for var in IFNAME_VARS:
+        value = env.get(var, "").strip()
+        if not value or (var == "NCCL_SOCKET_IFNAME" and value.startswith("^")):
+            continue
+        names = _names(value.lstrip("=") if var == "NCCL_SOCKET_IFNAME" else value)
+        if var == "TP_SOCKET_IFNAME":
+            names = names[:1]
+        for name in names:
+            if var == "NCCL_SOCKET_IFNAME" and not value.startswith("="):   # a prefix: what it matches here
+                hits = [n for n in (*ifaces, "lo") if n.startswith(name) and _loopback(n, ifaces)]
+            else:
+                hits = [name] if _loopback(name, ifaces) else []
+            if hits:
+                out.append((var, value, hits[0]))
+                break
+    return out
+
+
+def loopback_line(var: str, value: str, name: str, ifaces: Mapping[str, Interface], machines: str,
+                  instead: str | None = None) -> str:
+    """Why `var=value` cannot work on a job across machines (`machines`: 'num_machines 2', '2 Ray nodes'), and what
+    to do; `instead`: the interface dualrun would give gloo here (the one the other machines reach this one at)."""
+    found = ifaces.get(name)
+    held = f" ({found.address})" if found is not None and found.address else ""
+    fix = f"unset it (dualrun then gives gloo {instead}, the interface the other machines reach this one at) or " \
+          f"name that interface" if instead else "unset it or name the interface the other machines reach this one at"
+    return (f"{var}={value} names {name}{held}, a loopback interface: on a job across machines ({machines}) the other "
+            f"machines cannot reach it, and the job would hang or fail in its first collective; {fix}")
+
+
 def gloo_address(env: Mapping[str, str], ifaces: Mapping[str, Interface],
                  hostname: str | None = None) -> tuple[str | None, str]:
     """(the address gloo binds and advertises to the other ranks, why that one), as torch's gloo picks it: the first

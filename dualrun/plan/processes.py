@@ -193,6 +193,9 @@ def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, st
             data_parallel_size=r.data_parallel_size, model=r.model, top_k=r.top_k, separate=cfg.is_separate(r.name))
             for r in cfg.roles})
     env = {protocol.BACKEND: cfg.backend, protocol.METHOD: cfg.method, protocol.RUN_ID: AUTO, **settings.to_env()}
+    rollout = cfg.role("rollout")
+    if rollout is not None and cfg.is_separate("rollout") and not rollout.address and role_takes_weights(cfg, rollout):
+        env[protocol.WEIGHT_SYNC_TIMEOUT_S] = f"{cfg.weight_sync_timeout_s:g}"   # both ends of the weight sync
     env.update(cfg.env)
     env.update(extra or {})
     return env

@@ -23,6 +23,27 @@ SEGMENT_BYTES = 4 * 1024 * 1024
 # ones (norms, biases) are packed together.
 ALONE_BYTES = 1024 * 1024
 GROUP_TIMEOUT_S = 600   # one collective of the weight-sync group (a chunk); a vanished peer fails within it
+# Forming the group, on every end (the `weight_sync_timeout_s` key, passed in DUALRUN_WEIGHT_SYNC_TIMEOUT_S): a member
+# that never comes (a wrong address or port, an interface or filter between the machines) ends the job in this time
+# instead of the store's and gloo's own 600 s each, one after the other.
+FORM_TIMEOUT_S = 120.0
+FORM_TIMEOUT_ENV = "DUALRUN_WEIGHT_SYNC_TIMEOUT_S"   # contract.protocol.WEIGHT_SYNC_TIMEOUT_S (kept import-free here)
+
+
+class GroupNotFormed(RuntimeError):
+    """The weight-sync group did not form within its bound; the message names this end and the other."""
+
+
+def form_timeout_s(environ: "dict[str, str] | None" = None) -> float:
+    """The bound on forming the group: DUALRUN_WEIGHT_SYNC_TIMEOUT_S where the job set it, else FORM_TIMEOUT_S."""
+    import os
+
+    text = (os.environ if environ is None else environ).get(FORM_TIMEOUT_ENV, "")
+    try:
+        value = float(text)
+    except ValueError:
+        return FORM_TIMEOUT_S
+    return value if 0 < value < float("inf") else FORM_TIMEOUT_S
 
 
 def cut_chunks(items: Iterable[T], size_of: Callable[[T], int], buffer_bytes: int) -> Iterator[list[T]]:
@@ -104,13 +125,32 @@ def group_store(store: Any, address: str, port: int) -> Any:
     return PrefixStore(f"dualrun-gloo:{address}:{port}", store)
 
 
-def open_group(address: str, port: int, rank: int, world_size: int) -> Any:
-    """This process's member of the weight-sync group (gloo, as vLLM's own utility builds one)."""
+def open_group(address: str, port: int, rank: int, world_size: int, form_s: float | None = None) -> Any:
+    """This process's member of the weight-sync group (gloo, as vLLM's own utility builds one), formed within
+    `form_s` (default `form_timeout_s()`: reaching rank 0's store, every member's address, gloo's full mesh) or
+    GroupNotFormed naming rank 0's address and port; each collective after that has GROUP_TIMEOUT_S."""
+    import time
+
     from vllm.distributed.utils import init_gloo_process_group
 
-    timeout = timedelta(seconds=GROUP_TIMEOUT_S)
-    store = tcp_store(address, port, rank, world_size, timeout)
-    return init_gloo_process_group(group_store(store, address, port), rank, world_size, timeout)
+    form_s = form_timeout_s() if form_s is None else form_s
+    start = time.monotonic()
+    try:
+        store = tcp_store(address, port, rank, world_size, timedelta(seconds=form_s))
+        left = max(1.0, form_s - (time.monotonic() - start))
+        group = init_gloo_process_group(group_store(store, address, port), rank, world_size,
+                                        timedelta(seconds=left))
+    except Exception as e:   # torch's DistStoreError / RuntimeError (gloo): the bound, or a refusal within it
+        raise GroupNotFormed(f"rank {rank} of {world_size} did not form the weight-sync group with trainer rank 0 at "
+                             f"{address}:{port} within {form_s:g} s (weight_sync_timeout_s; it waited "
+                             f"{time.monotonic() - start:.0f} s): {_first_line(e)}") from e
+    group.set_timeout(timedelta(seconds=GROUP_TIMEOUT_S))   # formed: each transfer gets the group's own bound
+    return group
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
 def close_group(group: Any) -> None:

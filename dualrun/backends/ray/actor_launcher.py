@@ -21,7 +21,8 @@ from dualrun.contract import protocol
 from dualrun.env.worker import forwarded_env
 from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
-from dualrun.light.interfaces import ifname_set
+from dualrun.light.interfaces import ifname_set, interfaces
+from dualrun.launchers.loopback import refuse_loopback
 from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
@@ -113,6 +114,9 @@ class RayLauncher(Launcher):
         plan = with_method(plan, self.cfg, self.plugin)
         base = forwarded_env()
         envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
+        if plan.cluster.addresses() > 1:   # nodes of their own addresses: loopback reaches none of the others
+            refuse_loopback([*envs.values(), *({**base, **p.env} for p in plan.servers)],
+                            f"{plan.cluster.addresses()} Ray nodes of their own addresses", interfaces())
         first = next(iter(envs.values()), {})
         shared = {k: v for k, v in first.items() if all(e.get(k) == v for e in envs.values())}
         servers = server_previews(plan, AUTO, devices=AUTO)   # Ray picks node and GPUs

@@ -25,7 +25,8 @@ from dualrun.backends.torchrun.machine_watch import MachineWatch
 from dualrun.backends.torchrun.serve_only import announce, machines_with_ranks, serve, serving_machines
 from dualrun.light.held_stores import held_stores
 from dualrun.plan.processes import AUTO, Plan
-from dualrun.light.interfaces import Interface
+from dualrun.light.interfaces import Interface, gloo_ifname
+from dualrun.launchers.loopback import refuse_loopback
 from dualrun.light.ports import free_port
 from dualrun.light.loopback_store import loopback_stores
 from dualrun.launchers.rendezvous_port import DEFAULT_PORT, on_loopback
@@ -75,8 +76,6 @@ class TorchrunLauncher(Launcher):
         return self._route
 
     def _gloo_interface(self, env: dict[str, str]) -> "Interface | None":
-        from dualrun.light.interfaces import gloo_ifname
-
         route = self._machine_route()
         return None if route is None else gloo_ifname(env, *route)
 
@@ -93,6 +92,17 @@ class TorchrunLauncher(Launcher):
         return (f"GLOO_SOCKET_IFNAME={found.name} for this machine's processes: {found.name} holds {found.address}, the "
                 f"address the other machines reach it at (its route to main_process_ip {self._addr()}; unset, gloo "
                 "takes what the host name resolves to); set GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME to choose yourself")
+
+    def refuse_loopback(self, plan: Plan) -> None:
+        """Several machines: exit 2 where a process of this machine would get an interface variable naming loopback
+        (launchers/loopback.py), before anything starts; each machine refuses on its own."""
+        route = self._machine_route()
+        if route is None or (route[0] or "127.").startswith("127."):   # machine 0 on this host's loopback: lo works
+            return
+        mine = [p for p in plan.processes if p.node == self.cfg.machine_rank]
+        found = gloo_ifname({}, *route)
+        refuse_loopback((self.worker_env(p.env) for p in mine), f"num_machines {self.cfg.num_machines}", route[1],
+                        found.name if found is not None else None)
 
     def serves_only(self, plan: Plan) -> bool:
         """This machine runs no trainer rank (the trainers' `machines` leaves it out): it only serves."""
@@ -153,6 +163,7 @@ class TorchrunLauncher(Launcher):
         plan = with_method(plan, self.cfg, self.plugin)
         bind = LOOPBACK.bind if self.cfg.num_machines == 1 else BIND   # as the launch binds them
         servers = server_previews(plan, bind, node=self.cfg.machine_rank)
+        self.refuse_loopback(plan)
         if self.serves_only(plan):   # no torchrun agent here: its servers, the store's exchange, the watch
             mine = [p for p in plan.servers if p.node == self.cfg.machine_rank]
             self._gloo_note = self.gloo_note(self.worker_env(mine[0].env))

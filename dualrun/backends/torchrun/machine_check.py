@@ -28,8 +28,8 @@ from typing import Any, Callable
 
 from dualrun.config.model import JobConfig
 from dualrun.check.node_facts import NodeReport
-from dualrun.light.interfaces import (Interface, gloo_address, gloo_ifname, ifname_problems, interfaces, listing, owner,
-                                      reached_at, route)
+from dualrun.light.interfaces import (Interface, gloo_address, gloo_ifname, ifname_problems, interfaces, listing,
+                                      loopback_line, loopback_named, owner, reached_at, route)
 from dualrun.plan.processes import Plan
 from dualrun.weightsync.group import NET_VARS, SyncGroup, advertised_address, node_host_env, port_host
 from dualrun.weightsync.rehearsal import limit_s, master_endpoint, member_spec, run_specs, unanswered, verdict
@@ -74,6 +74,8 @@ def advertised(cfg: JobConfig, plan: Plan | None, machine: int, ifaces: dict[str
     out: list[dict[str, Any]] = []
     if cfg.use_cpu:
         for env in process_envs(cfg, plan, machine):
+            if loopback_refused(cfg, env, ifaces):   # named as this machine's own problem (local_problems)
+                continue
             address, how = gloo_address(env, ifaces)
             if address:
                 out.append({"what": "gloo's address", "address": address, "how": how})
@@ -196,14 +198,25 @@ def report_of(v: dict[str, Any]) -> NodeReport:
     return NodeReport(v["name"], v["gpus"], v["planned"], v["facts"], ports={int(k): w for k, w in v["ports"].items()})
 
 
+def loopback_refused(cfg: JobConfig, env: dict[str, str], ifaces: dict[str, Interface]) -> list[tuple[str, str, str]]:
+    """The interface variables of `env` naming loopback that `dualrun launch` refuses on this machine: several
+    machines whose machine 0 this one reaches off loopback (launchers/torchrun.py, `refuse_loopback`)."""
+    here = reached_at(cfg.main_process_ip or "127.0.0.1") if cfg.num_machines > 1 else None
+    return loopback_named(env, ifaces) if here and not here.startswith("127.") else []
+
+
 def local_problems(cfg: JobConfig, plan: Plan | None, machine: int, name: str,
                    ifaces: dict[str, Interface]) -> list[str]:
     """This machine's own: an interface variable it cannot honour, `main_process_ip` that is its own (machine K)."""
     main, port = cfg.main_process_ip or "127.0.0.1", rendezvous_port(cfg)
     out = []
+    instead = gloo_ifname({}, reached_at(main), ifaces)
     for env in process_envs(cfg, plan, machine):
         for phrase in ifname_problems(env, ifaces):
             out.append(f"{name}: {phrase} (it has {listing(ifaces)}); the job's processes meet at {main}:{port}")
+        machines = f"num_machines {cfg.num_machines}"
+        out += [f"{name}: {loopback_line(*named, ifaces, machines, instead.name if instead else None)}"
+                for named in loopback_refused(cfg, env, ifaces)]
     mine = owner(main, ifaces)
     if machine != 0 and mine is not None:
         out.append(f"{name}: main_process_ip {main} is this machine's own address ({mine.name}); it must be machine "

@@ -26,7 +26,7 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
                                                    WeightTransferUpdateInfo)
 
 from dualrun.weightsync.stream import Receiver, unpack
-from dualrun.weightsync.wire import PACKED_BUFFER_BYTES, chunk_bounds, close_group, open_group
+from dualrun.weightsync.wire import PACKED_BUFFER_BYTES, GroupNotFormed, chunk_bounds, close_group, open_group
 
 
 @dataclass(kw_only=True)
@@ -87,7 +87,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.packed, self.buffer_bytes = init_info.packed, init_info.packed_buffer_size_bytes
-        self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+        try:   # bounded by the job's weight_sync_timeout_s (DUALRUN_WEIGHT_SYNC_TIMEOUT_S in this server's env)
+            self.group = open_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+        except GroupNotFormed as e:
+            # the server's log says it too: the trainer's line names this replica by its address
+            print(f"dualrun gloo weight transfer: this replica's worker {e}", file=sys.stderr, flush=True)
+            raise
         self.receiver = Receiver(self.group, rank, init_info.world_size, self.buffer_bytes)
         # stderr, not vLLM's logger: the line must reach the server's log whatever vLLM's logging is set to
         print(f"dualrun gloo weight transfer: rank {rank} of {init_info.world_size} (trainer at "

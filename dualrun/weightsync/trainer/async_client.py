@@ -33,7 +33,8 @@ class GlooWeightTransferClient(WeightTransferClient):
         self.vllm.wait_for_server_ready()
         self.model_update_group = open_endpoint(
             get_open_port(), self.vllm.get_world_size(),
-            lambda info: self.vllm.init_weight_transfer_engine(info, timeout=self.weight_sync_timeout))
+            lambda info: self.vllm.init_weight_transfer_engine(info, timeout=self.weight_sync_timeout),
+            getattr(self.vllm, "server_url", None) or getattr(self.vllm, "base_url", "the rollout server"))
 
     def send_weights(self, iterator: Iterator[tuple[str, Any]]) -> None:
         """TRL's sequence (start, update posted while this process broadcasts, finish), the broadcast over gloo."""

@@ -14,7 +14,8 @@ The protocol is TRL's: the same `init_info` (the trainer is rank 0, the workers 
 from __future__ import annotations
 
 import atexit
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator
 
 from dualrun.weightsync.wire import GLOO_BACKEND, PACKED_BUFFER_BYTES
@@ -52,29 +53,72 @@ def server_backend(client: Any) -> str | None:
     return config.get("backend") if isinstance(config, dict) else None
 
 
-def open_endpoint(port: int, server_world_size: int, join: Callable[[dict], Any]) -> GlooEndpoint:
+def open_endpoint(port: int, server_world_size: int, join: Callable[[dict], Any],
+                  server: str = "the rollout server") -> GlooEndpoint:
     """The trainer's end of a gloo weight-sync group (rank 0, the server's workers from `rank_offset` 1): `join`
-    posts TRL's init_info to the server, which joins while this process opens the group. TRL's VLLMClient and
-    AsyncGRPOTrainer's client (dualrun/weightsync/trainer/async_client.py) differ only in how they post it."""
+    posts TRL's init_info to `server` (its URL), which joins while this process opens the group. TRL's VLLMClient
+    and AsyncGRPOTrainer's client (dualrun/weightsync/trainer/async_client.py) differ only in how they post it.
+    Forming is bounded (`weight_sync_timeout_s`): past it, GroupNotFormed names both ends."""
     from vllm.utils.network_utils import get_ip
 
-    from dualrun.weightsync.wire import open_group
+    from dualrun.weightsync.wire import GroupNotFormed, form_timeout_s, open_group
 
     init_info = {"master_address": get_ip(), "master_port": port, "rank_offset": 1,
                  "world_size": server_world_size + 1, "packed": True,
                  "packed_buffer_size_bytes": PACKED_BUFFER_BYTES}
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        joined = pool.submit(join, init_info)
-        group = open_group(init_info["master_address"], init_info["master_port"], 0, init_info["world_size"])
-        joined.result()
+    joined = in_daemon(join, init_info)   # a post that never returns (TRL's client retries) must not hold the exit
+    try:
+        group = open_group(init_info["master_address"], port, 0, init_info["world_size"])
+    except GroupNotFormed as e:
+        raise GroupNotFormed(not_formed_line(init_info["master_address"], port, server, server_world_size,
+                                             form_timeout_s(), str(e.__cause__ or e), answer(joined))) from None
+    joined.result()
     return GlooEndpoint(group, PACKED_BUFFER_BYTES)
+
+
+def in_daemon(fn: Callable[..., Any], *args: Any) -> "Future[Any]":
+    """`fn(*args)` in a daemon thread: unlike a ThreadPoolExecutor's, the interpreter does not wait for it at exit."""
+    import threading
+
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the future
+            future.set_exception(e)
+    threading.Thread(target=run, name="dualrun-weight-sync-join", daemon=True).start()
+    return future
+
+
+def answer(joined: "Future[Any]", grace_s: float = 10.0) -> str:
+    """What the server said to the join post, once the group failed here (its side has the same bound)."""
+    try:
+        joined.result(timeout=grace_s)
+    except FutureTimeout:
+        return f"no answer to the join {grace_s:g} s later (its log says its side)"
+    except Exception as e:  # noqa: BLE001 - the server's refusal, whatever the HTTP client raises
+        lines = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {' '.join(lines)[:400]}" if lines else type(e).__name__
+    return "it joined"
+
+
+def not_formed_line(address: str, port: int, server: str, workers: int, bound_s: float, here: str,
+                    said: str) -> str:
+    """Pure: the one line that ends a job whose weight-sync group did not form, naming both ends."""
+    ranks = "rank 1" if workers == 1 else f"ranks 1-{workers}"
+    here = " ".join(here.strip().splitlines())[:300]
+    return (f"the weight-sync group did not form within {bound_s:g} s (weight_sync_timeout_s): trainer rank 0 at "
+            f"{address}:{port} and the rollout server at {server} ({ranks} of {workers + 1}); trainer rank 0: "
+            f"{here}; the server: {said}")
 
 
 def init_gloo(client: Any) -> None:
     """TRL's `init_communicator`, over gloo: the server joins while this process opens the group as rank 0."""
     client.communicator = open_endpoint(
         client.group_port, client.get_world_size(),
-        lambda info: client._post(f"{client.base_url}/init_weight_transfer_engine", json={"init_info": info}))
+        lambda info: client._post(f"{client.base_url}/init_weight_transfer_engine", json={"init_info": info}),
+        client.base_url)
     atexit.register(client.close_communicator)
 
 
