@@ -10,6 +10,8 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+from dualrun.contract.protocol import WEIGHT_SYNC_TIMEOUT_S
+
 T = TypeVar("T")
 
 GLOO_BACKEND = "gloo"   # the name in `--weight-transfer-config` and in the server's reported config
@@ -22,12 +24,13 @@ SEGMENT_BYTES = 4 * 1024 * 1024
 # A tensor this big travels in segments of its own, sent from the trainer's tensor itself (no copy); the smaller
 # ones (norms, biases) are packed together.
 ALONE_BYTES = 1024 * 1024
+
 GROUP_TIMEOUT_S = 600   # one collective of the weight-sync group (a chunk); a vanished peer fails within it
 # Forming the group, on every end (the `weight_sync_timeout_s` key, passed in DUALRUN_WEIGHT_SYNC_TIMEOUT_S): a member
 # that never comes (a wrong address or port, an interface or filter between the machines) ends the job in this time
 # instead of the store's and gloo's own 600 s each, one after the other.
 FORM_TIMEOUT_S = 120.0
-FORM_TIMEOUT_ENV = "DUALRUN_WEIGHT_SYNC_TIMEOUT_S"   # contract.protocol.WEIGHT_SYNC_TIMEOUT_S (kept import-free here)
+FORM_TIMEOUT_ENV = WEIGHT_SYNC_TIMEOUT_S
 
 
 class GroupNotFormed(RuntimeError):
