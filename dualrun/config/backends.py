@@ -76,7 +76,8 @@ def _registered() -> dict[str, Any]:
             obj = ep.load()
             found[ep.name] = obj() if isinstance(obj, type) else obj
         except Exception as e:   # a broken third-party package: said when it is asked for, not before
-            found[ep.name] = f"backend {ep.name!r} is installed but does not load ({type(e).__name__}: {e})"
+            found[ep.name] = (f"a backend that loads (backend {ep.name!r} is installed but does not load: "
+                              f"{type(e).__name__}: {e})")
     return found
 
 
