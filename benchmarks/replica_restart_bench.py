@@ -65,7 +65,7 @@ def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
     import ray
 
     from dualrun.backends.ray import cluster as rc
-    from dualrun.launchers.base import Program
+    from dualrun.launchers.launcher import Program
     from dualrun.backends.ray.actor_launcher import RayLauncher
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)

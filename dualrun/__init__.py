@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "launch": ("dualrun.api", "launch"),
-    "JobResult": ("dualrun.launchers.base", "JobResult"),
+    "JobResult": ("dualrun.launchers.launcher", "JobResult"),
     "load_config": ("dualrun.config", "load_config"),
     "ConfigError": ("dualrun.contract.errors", "ConfigError"),
     # role-splitting API (docs/roles.md)

@@ -138,7 +138,7 @@ def _plan_role_program(cfg: Any, as_json: bool) -> int:
 
 def cmd_launch(ns: argparse.Namespace) -> int:
     from dualrun.api import run_job
-    from dualrun.launchers.base import Program
+    from dualrun.launchers.launcher import Program
 
     cfg, plugin = _load(ns)
     program = Program(ns.training_script, tuple(ns.training_script_args), ns.module)

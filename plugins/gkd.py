@@ -3,7 +3,7 @@
 A colocated teacher lives in the trainer processes and supports full-vocabulary distillation (no `top_k`) or
 top-k (`top_k: K`). A separate teacher is served on its own GPUs (vLLM; the transformers CPU engine where there
 are none) and is top-k only: the server returns the top-k log-probabilities of each position. A separate `rollout`
-is served as GRPO's. The worker half (plugins/workers/gkd.py) gives the unchanged GKDTrainer the teacher server
+is served as GRPO's. The worker half (plugins/workers/gkd_worker.py) gives the unchanged GKDTrainer the teacher server
 and points DistillationConfig at the servers.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError
 from dualrun.methods.plugin import MethodPlugin
 from dualrun.plugins.grpo import ROLLOUT_SERVES, refuse_cpu_engine_training, require_vllm
-from dualrun.plugins.workers.gkd import FULL_VOCAB_HINT
+from dualrun.plugins.workers.gkd_worker import FULL_VOCAB_HINT
 from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
 
 

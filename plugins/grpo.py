@@ -2,7 +2,7 @@
 or vLLM colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs
 (the CPU engine where there are none, or vLLM's CPU build with `engine: vllm`), and a separate rollout without vLLM
 installed is refused at launch (`require_vllm`), as is a program that builds GRPOTrainer against dualrun's CPU
-engine, which serves generation only (`check_program`). The worker half (plugins/workers/grpo.py) points the
+engine, which serves generation only (`check_program`). The worker half (plugins/workers/grpo_worker.py) points the
 unchanged GRPOConfig at that server."""
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from dualrun.roles.spec import GroupSpec, RolesSpec
 
 TORCHRUN, RAY = kind_of("torchrun"), kind_of("ray")
 NAMES = set(installed())
-# The weight-sync group's host and devices (weightsync/group.py) still read the name: its package moves alone.
+# The weight-sync group's host and devices (weightsync/sync_group.py) still read the name: its package moves alone.
 STILL_BY_NAME: set[str] = set()
 
 

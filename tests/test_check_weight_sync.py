@@ -11,7 +11,7 @@ import pytest
 from helpers import dualrun
 from dualrun.config.load import build_config
 from dualrun.plan.processes import Cluster, make_plan
-from dualrun.weightsync.group import (Member, SyncGroup, advertised_address, node_host_env, port_host,
+from dualrun.weightsync.sync_group import (Member, SyncGroup, advertised_address, node_host_env, port_host,
                                       sync_group)
 from dualrun.weightsync.rehearsal import run_local, verdict
 from ray_helpers import FakeGpuCluster, ray_env

@@ -40,7 +40,7 @@ def _printed_env(lines: list[str]) -> dict[str, str]:
 
 def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path, monkeypatch):
     from dualrun.contract.redact import REDACTED, redact
-    from dualrun.launchers.base import join_cmd
+    from dualrun.launchers.launcher import join_cmd
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)   # torchrun's rule: 1 when a node runs several processes
     launcher, plan = _launcher("torchrun", tmp_path, args=("--lr", "1"))
@@ -56,7 +56,7 @@ def test_torchrun_dry_run_prints_the_prepared_command_and_env(tmp_path, monkeypa
 
 def test_ray_dry_run_prints_each_prepared_rank_env(tmp_path):
     from dualrun.contract.redact import redact
-    from dualrun.launchers.base import join_cmd
+    from dualrun.launchers.launcher import join_cmd
 
     launcher, plan = _launcher("ray", tmp_path)
     prepared = launcher.prepare(plan)
@@ -78,7 +78,7 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
     from dualrun.config import build_config
     from dualrun.backends import backend_of
     from dualrun.launchers import Program
-    from dualrun.launchers.base import join_cmd
+    from dualrun.launchers.launcher import join_cmd
     from dualrun.plan.processes import AUTO, make_plan
     from dualrun.methods.plugin import get_plugin
     from dualrun.servers.planned import server_command

@@ -20,7 +20,7 @@ def test_the_plugin_module_imports_neither_vllm_nor_torch():
     """vLLM loads it in every one of its processes on a machine with dualrun installed, and dualrun's driver imports
     it for the backend's name: it is standard library only, and registering adds one entry to vLLM's registry (the
     engine module loads only when a server asks for `gloo`)."""
-    code = ("import sys, dualrun.weightsync.engine.plugin, dualrun.weightsync.wire; "
+    code = ("import sys, dualrun.weightsync.engine.vllm_plugin, dualrun.weightsync.wire; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -71,7 +71,7 @@ def test_refused_key_is_one_line_and_exit_code_2(tmp_path):
 def test_gkd_trainer_refuses_a_rollout_server_it_never_reads():
     from trl.experimental.gkd import GKDTrainer
 
-    from dualrun.plugins.workers.gkd import ROLLOUT_UNREAD, refuse_rollout_server
+    from dualrun.plugins.workers.gkd_worker import ROLLOUT_UNREAD, refuse_rollout_server
 
     class Trainer(GKDTrainer):  # a subclass: the real class stays untouched for other tests
         pass

@@ -47,7 +47,7 @@ def _cfg(text: str, tmp_path):
 
 def test_each_launch_has_its_own_secret_in_every_process_env_and_never_shown(tmp_path, monkeypatch):
     from dualrun.contract.redact import redact
-    from dualrun.launchers.base import job_token_for
+    from dualrun.launchers.launcher import job_token_for
 
     monkeypatch.delenv(protocol.JOB_TOKEN, raising=False)
     one = _cfg("use_cpu: true\nroles: {train: {gpus: 2}}\n", tmp_path)

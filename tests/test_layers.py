@@ -162,7 +162,7 @@ def test_no_module_imports_above_its_floor():
 
 def test_the_floor_checker_sees_an_import_upward():
     assert _floor("dualrun.servers.local") == 5 and _floor("dualrun.weightsync.wire") == 0
-    assert _floor("dualrun.weightsync.group") == 4 and _floor("dualrun.plugins.workers.gkd") == 1
+    assert _floor("dualrun.weightsync.sync_group") == 4 and _floor("dualrun.plugins.workers.gkd_worker") == 1
     assert _floor("dualrun.launchers") == 6 and _floor("dualrunx") is None
 
 
@@ -274,7 +274,7 @@ def test_the_worker_side_reaches_no_driver_side_module():
     rank imports, even through another module, is the config, the plan, a plugin's driver half or a server."""
     graph = _graph()
     side = {name for name in graph if _in(name, WORKER_SIDE)}
-    assert {"dualrun.rank.bootstrap", "dualrun.plugins.workers.gkd"} <= side and graph["dualrun.rank.bootstrap"], \
+    assert {"dualrun.rank.bootstrap", "dualrun.plugins.workers.gkd_worker"} <= side and graph["dualrun.rank.bootstrap"], \
         "the import scan found nothing: it is broken"
     outside = sorted(f"{name} -> {dep}" for name in sorted(side) for dep in _reached(graph, {name})
                      if dep != "dualrun" and not _in(dep, WORKER_READS))
@@ -337,3 +337,14 @@ def test_ray_is_imported_only_in_its_backends_folder():
     importers = sorted(name for name, path in mods.items() if _imports_ray(path))
     assert "dualrun.backends.ray.connect" in importers, "the scan found no `import ray`: it is broken"
     assert [name for name in importers if not _inside(name, "dualrun.backends.ray")] == []
+
+
+def test_no_two_modules_share_a_file_name():
+    """A name says what a module is wherever it is read (a traceback, an import line): no `group.py` meaning a
+    role program's group in one package and the weight-sync group in another."""
+    names: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(name)
+    assert len(names) > 100, "the scan found too little: it is broken"
+    assert {n: mods for n, mods in names.items() if len(mods) > 1} == {}

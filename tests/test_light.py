@@ -41,7 +41,7 @@ def test_the_probe_sees_a_heavy_import():
 def test_a_worker_activates_a_plugin_without_its_driver_half():
     """rank/bootstrap.py's path: the worker half of gkd (which imports grpo's) and nothing of the config, the
     driver halves or the servers' command lines."""
-    loaded = _imported_by(["dualrun.rank.method", "dualrun.plugins.workers.gkd"])
+    loaded = _imported_by(["dualrun.rank.method", "dualrun.plugins.workers.gkd_worker"])
     driver = [m for m in loaded if m.startswith(("dualrun.config", "dualrun.programs",
                                                  "dualrun.servers", "dualrun.plan.processes", "dualrun.launchers"))
               or m in ("dualrun.methods.plugin", "dualrun.plugins.gkd", "dualrun.plugins.grpo")]
@@ -50,7 +50,7 @@ def test_a_worker_activates_a_plugin_without_its_driver_half():
 
 
 def test_the_worker_half_of_each_method():
-    assert worker_half("grpo").__name__ == "dualrun.plugins.workers.grpo"
-    assert worker_half("gkd").__name__ == "dualrun.plugins.workers.gkd"
+    assert worker_half("grpo").__name__ == "dualrun.plugins.workers.grpo_worker"
+    assert worker_half("gkd").__name__ == "dualrun.plugins.workers.gkd_worker"
     assert worker_half("sft") is None and worker_half("sampling") is None and worker_half("pt") is None
     assert worker_half("workers") is None and worker_half("_x") is None

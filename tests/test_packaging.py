@@ -23,8 +23,8 @@ SKIP = shutil.ignore_patterns(".git", ".venv*", "venv", "build", "dist", "*.egg-
 
 MUST_HAVE = ["dualrun/__init__.py", "dualrun/cli.py", "dualrun/rank/bootstrap.py", "dualrun/config/schema.py",
              "dualrun/plugins/__init__.py", "dualrun/plugins/sft.py", "dualrun/plugins/grpo.py",
-             "dualrun/plugins/gkd.py", "dualrun/plugins/sampling.py", "dualrun/plugins/workers/grpo.py",
-             "dualrun/plugins/workers/gkd.py", "dualrun/backends/ray/actor_launcher.py",
+             "dualrun/plugins/gkd.py", "dualrun/plugins/sampling.py", "dualrun/plugins/workers/grpo_worker.py",
+             "dualrun/plugins/workers/gkd_worker.py", "dualrun/backends/ray/actor_launcher.py",
              "dualrun/backends/ray/actors/rank_actor.py", "dualrun/backends/torchrun/agent_launcher.py"]
 MUST_HAVE_DIRS = ["dualrun/servers/", "dualrun/programs/", "dualrun/light/", "dualrun/roles/", "dualrun/launchers/",
                   "dualrun/config/", "dualrun/plugins/", "dualrun/weightsync/engine/", "dualrun/backends/ray/actors/"]

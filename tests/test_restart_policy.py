@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dualrun.config import build_config
 from dualrun.contract.errors import LaunchError
-from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, Program
+from dualrun.launchers.launcher import JobResult, Launcher, Outcome, Prepared, Program
 from dualrun.servers.serverset import ServerDeath, ServerSet, ServerSetBase
 
 

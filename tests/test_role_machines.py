@@ -143,7 +143,7 @@ def test_a_machine_the_servers_leave_idle_is_refused_by_the_plan():
 
 
 def test_torchruns_nodes_are_the_machines_with_ranks(tmp_path):
-    from dualrun.launchers.base import Program
+    from dualrun.launchers.launcher import Program
     from dualrun.backends.torchrun.agent_launcher import TorchrunLauncher
 
     argv = {}

@@ -142,7 +142,7 @@ def test_unknown_group_is_a_clear_error():
 
 def test_torchrun_groups_get_their_planned_gpus():
     from dualrun.config.load import build_config
-    from dualrun.roles.processes import worker_devices
+    from dualrun.roles.child_workers import worker_devices
 
     swift = {"method": "sampling", "device_groups": {
         "nproc_per_node": 4, "s": {"device": "GPU", "ranks": "list(range(0, 2))", "workers": ["sampler"]},

@@ -31,7 +31,7 @@ def local_ray():
 def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     from dualrun.config import build_config
     from dualrun.backends.ray import cluster as rc
-    from dualrun.launchers.base import Program
+    from dualrun.launchers.launcher import Program
     from dualrun.backends.ray.actor_launcher import RayLauncher
     from dualrun.plan.processes import make_plan
     from dualrun.methods.plugin import get_plugin

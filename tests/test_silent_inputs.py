@@ -188,7 +188,7 @@ def test_a_rollout_server_the_script_turns_off_is_named_unused(capfd):
     import dataclasses
     import types
 
-    from dualrun.plugins.workers.grpo import wire_rollout
+    from dualrun.plugins.workers.grpo_worker import wire_rollout
 
     @dataclasses.dataclass
     class GRPOConfig:   # the fields TRL's GRPOConfig has for this, with its defaults

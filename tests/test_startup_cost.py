@@ -12,7 +12,7 @@ import pytest
 
 from helpers import REPO
 
-_DRIVER_SIDE = ("dualrun.launchers.base", "dualrun.config", "dualrun.plan.processes", "dualrun.servers", "torch", "accelerate")
+_DRIVER_SIDE = ("dualrun.launchers.launcher", "dualrun.config", "dualrun.plan.processes", "dualrun.servers", "torch", "accelerate")
 
 
 def _modules_after(code: str, env: dict | None = None, cwd=None) -> set[str]:
@@ -32,7 +32,7 @@ def test_a_rank_actor_imports_nothing_of_the_driver():
 def test_the_launchers_package_still_exports_its_names():
     from dualrun.backends import backend_of
     from dualrun.launchers import JobResult, Launcher, Program, RankResult
-    from dualrun.launchers import base
+    from dualrun.launchers import launcher as base
 
     assert (JobResult, Launcher, Program, RankResult) == (base.JobResult, base.Launcher, base.Program,
                                                           base.RankResult)

@@ -8,7 +8,7 @@ import socket
 from datetime import timedelta
 
 from dualrun.contract.protocol import ROLLOUT_ADDRESS
-from dualrun.weightsync.group import group_host_env
+from dualrun.weightsync.sync_group import group_host_env
 from dualrun.weightsync.rehearsal import master_endpoint
 from dualrun.weightsync.wire import tcp_store
 

@@ -10,7 +10,7 @@ import pytest
 
 from dualrun.config import build_config
 from dualrun.plan.processes import make_plan
-from dualrun.plugins.workers.grpo import colocate_fields
+from dualrun.plugins.workers.grpo_worker import colocate_fields
 
 PROBE = """
 import json, os, sys

@@ -132,7 +132,7 @@ _DRIVER_STEPS = (  # (module, attribute path, step name): the step's start and e
     ("dualrun.api", "run_job", "run_job"),
     ("dualrun.env.accelerate", "cached_accelerate_env", "accelerate_env"),
     ("dualrun.backends.ray.connect", "connect", "ray_connect"),
-    ("dualrun.launchers.base", "Launcher.launch", "launch"),
+    ("dualrun.launchers.launcher", "Launcher.launch", "launch"),
     ("dualrun.backends.ray.actor_launcher", "RayLauncher.place_ranks", "place"),
     ("dualrun.backends.ray.actor_launcher", "RayLauncher.start_ranks", "start"),
     ("torch.distributed.run", "run", "agent"),

@@ -24,7 +24,7 @@ from dualrun.contract.errors import DualrunError
 from dualrun.check.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
 from dualrun.launchers.rendezvous_port import TORCHRUN_STORE, store_host
 from dualrun.plan.processes import Cluster, Plan, make_plan
-from dualrun.weightsync.group import SyncGroup, node_host_env, port_host, sync_group
+from dualrun.weightsync.sync_group import SyncGroup, node_host_env, port_host, sync_group
 from dualrun.weightsync.rehearsal import (is_hard, limit_s, master_endpoint, member_spec, run_local, run_member,
                                           unanswered, verdict)
 

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from dualrun.contract.redact import redact_argv, redact_value
-from dualrun.launchers.base import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
+from dualrun.launchers.launcher import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
 from dualrun.plan.processes import Plan
 from dualrun.contract.protocol import ROLES_MODE, ROLES_SPEC
 from dualrun.roles.driver import driver_env, roles_mode

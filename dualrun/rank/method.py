@@ -4,7 +4,7 @@ Why apart from `dualrun.methods.plugin` (the driver half): a plugin's driver hal
 servers' command lines (dualrun.methods.commands); a worker only installs import hooks. Resolving the worker half
 here keeps a rank from importing the config, the plan or anything that starts a server.
 
-A built-in method's worker half is the module `dualrun.plugins.workers.<method>` (its `activate(settings)`); a
+A built-in method's worker half is the module `dualrun.plugins.workers.<method>_worker` (its `activate(settings)`); a
 built-in method without one activates nothing. A third-party method (entry-point group `dualrun.plugins`) keeps
 both halves in its `MethodPlugin`: its `activate` runs here.
 """
@@ -29,9 +29,9 @@ def worker_half(method: str) -> Any | None:
     if method.startswith("_"):
         return None
     try:
-        return importlib.import_module(f"{WORKER_PACKAGE}.{method}")
+        return importlib.import_module(f"{WORKER_PACKAGE}.{method}_worker")
     except ModuleNotFoundError as e:
-        if e.name != f"{WORKER_PACKAGE}.{method}":
+        if e.name != f"{WORKER_PACKAGE}.{method}_worker":
             raise
     if importlib.util.find_spec(f"dualrun.plugins.{method}") is not None:   # built-in, nothing for workers
         return None

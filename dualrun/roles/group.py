@@ -1,7 +1,7 @@
 """`WorkerGroup`: the workers of one role, and calls on them under the dispatch/execute/collect rules.
 
 The group is the same object on both backends; only its workers differ: Ray actors placed on the role's
-devices (`dualrun.backends.ray.actor_groups`), or without Ray one child process per worker (`dualrun.roles.processes`;
+devices (`dualrun.backends.ray.actor_groups`), or without Ray one child process per worker (`dualrun.roles.child_workers`;
 a group of one worker: an instance in this process, `dualrun.roles.workers.LocalWorkers`), so a program gets
 the same results, and its groups the same process groups, with or without Ray.
 """

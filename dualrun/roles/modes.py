@@ -46,7 +46,7 @@ class GroupsMode:
 
 
 class LocalGroups(GroupsMode):
-    """A group of one worker in the driver itself; a larger one a child process per worker (roles/processes.py),
+    """A group of one worker in the driver itself; a larger one a child process per worker (roles/child_workers.py),
     on the devices the plan gives its role on this machine."""
 
     name = "local"
@@ -55,7 +55,7 @@ class LocalGroups(GroupsMode):
     def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
                 kwargs: dict) -> Any:
         if spec.size > 1:   # its workers run at the same time, each its own process (a process group of theirs)
-            from dualrun.roles.processes import ProcessWorkers
+            from dualrun.roles.child_workers import ProcessWorkers
 
             return ProcessWorkers(runtime, spec, factory, args, kwargs)
         from dualrun.roles.workers import LocalWorkers

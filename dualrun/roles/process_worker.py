@@ -1,4 +1,4 @@
-"""Runs inside each child process of a local group (roles/processes.py): build the worker, then serve calls.
+"""Runs inside each child process of a local group (roles/child_workers.py): build the worker, then serve calls.
 
 Why a module of its own: it is what the spawned interpreter imports, so it stays small (no Ray, no torch: a
 worker that needs torch imports it itself). Messages are cloudpickle bytes over one pipe: the parent

@@ -49,7 +49,7 @@ class GroupFuture:
 class Workers(ABC):
     """The workers of one group, whatever runs them: `WorkerGroup` (group.py) talks to this and nothing else.
 
-    Implemented by `LocalWorkers` (one worker, in this process), `ProcessWorkers` (roles/processes.py: a child
+    Implemented by `LocalWorkers` (one worker, in this process), `ProcessWorkers` (roles/child_workers.py: a child
     process per worker) and `RayWorkers` (roles/ray_backend.py: an actor per worker)."""
 
     backend: str   # "local" or "ray": what `WorkerGroup.backend` reports
@@ -76,7 +76,7 @@ class Workers(ABC):
 
 
 class LocalWorkers(Workers):
-    """A one-worker group as an instance in this process (groups of more: roles/processes.py)."""
+    """A one-worker group as an instance in this process (groups of more: roles/child_workers.py)."""
 
     backend = "local"
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from typing import Any, Mapping, Sequence
 
-from dualrun.weightsync.group import Member, SyncGroup, advertised_address
+from dualrun.weightsync.sync_group import Member, SyncGroup, advertised_address
 
 TIMEOUT_S = 30.0          # forming the group and the broadcast, per member
 _START_S = 90.0           # on top: a fresh interpreter importing torch on a busy node

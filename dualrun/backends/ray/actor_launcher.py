@@ -24,17 +24,17 @@ from dualrun.contract.errors import LaunchError
 from dualrun.light.interfaces import ifname_set, interfaces
 from dualrun.launchers.loopback import refuse_loopback
 from dualrun.light.interpreter import PYTHON
-from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
+from dualrun.launchers.launcher import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
 from dualrun.backends.ray.rank_results import first_line
 from dualrun.backends.ray.bundles import bundle_of, check_fits, embedded_cpus
-from dualrun.backends.ray.rank_watch import SHUTDOWN_S, Rank, Supervision
+from dualrun.backends.ray.rank_watch import SHUTDOWN_S, Rank, RankWatch
 from dualrun.launchers.rendezvous_port import RANK0_STORE, refuse_taken, store_host, taken_error
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_port_env
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
-from dualrun.weightsync.group import group_host_env, node_host_env
+from dualrun.weightsync.sync_group import group_host_env, node_host_env
 
 _STOP_GRACE_S = 3.0     # SIGTERM -> SIGKILL for a worker's process group
 
@@ -238,7 +238,7 @@ class RayLauncher(Launcher):
             try:
                 ranks = self.place_ranks(prepared.plan, attempt, gang)
                 self.start_ranks(prepared, ranks, attempt, servers.wiring_env() if servers is not None else {})
-                watch = Supervision(ranks, servers, lambda: self._stop_all(ranks, wait=False),
+                watch = RankWatch(ranks, servers, lambda: self._stop_all(ranks, wait=False),
                                     self._check_signal).run()
                 dead = (watch.server_failure,) if watch.server_failure is not None else ()
                 return watch.result(self._stop_time), dead

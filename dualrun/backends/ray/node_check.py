@@ -12,7 +12,7 @@ from dualrun.check.preflight import (PROBE_TIMEOUT_S, check_here, compare, model
                                      planned_gpus, rank0_ports)
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
-from dualrun.weightsync.group import SyncGroup, node_host_env, port_host, sync_group
+from dualrun.weightsync.sync_group import SyncGroup, node_host_env, port_host, sync_group
 from dualrun.weightsync.rehearsal import is_hard, limit_s, master_endpoint, member_spec, run_member, unanswered, verdict
 
 

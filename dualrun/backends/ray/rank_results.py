@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Sequence
 
-from dualrun.launchers.base import JobResult, RankResult, failed_job
+from dualrun.launchers.launcher import JobResult, RankResult, failed_job
 from dualrun.contract.protocol import RankExit
 
 

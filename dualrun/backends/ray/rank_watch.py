@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from dualrun.launchers.base import JobResult, RankResult
+from dualrun.launchers.launcher import JobResult, RankResult
 from dualrun.backends.ray.rank_results import failure, first_line, rank_results, value
 from dualrun.plan.processes import Process
 from dualrun.contract.protocol import ActorPlace, RankExit
@@ -36,7 +36,7 @@ class Rank:
     result: RankExit | None = None
 
 
-class Supervision:
+class RankWatch:
     """One attempt's wait (`run`) and what it came to (`result`, `server_failure`)."""
 
     def __init__(self, ranks: list[Rank], servers: ServerSet | None, stop_all: Callable[[], None],
@@ -48,7 +48,7 @@ class Supervision:
         self.server_failure: ServerDeath | None = None   # the server whose death ended the attempt
         self.poll_s = SERVER_POLL_S if servers is not None and servers.plan.servers else POLL_S
 
-    def run(self) -> "Supervision":
+    def run(self) -> "RankWatch":
         import ray
 
         for i, r in enumerate(self.ranks):

@@ -11,7 +11,7 @@ from dualrun.config.backends import BackendKind
 if TYPE_CHECKING:
     from dualrun.check.preflight import Outcome
     from dualrun.config.model import JobConfig
-    from dualrun.launchers.base import Launcher
+    from dualrun.launchers.launcher import Launcher
     from dualrun.plan.processes import Cluster
 
 

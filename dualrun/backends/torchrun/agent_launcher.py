@@ -19,7 +19,7 @@ from dualrun.contract import protocol
 from dualrun.env.worker import TORCHRUN_NAMES
 from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
-from dualrun.launchers.base import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
+from dualrun.launchers.launcher import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
                                     failed_job, join_cmd, server_preview_line, stopped_by)
 from dualrun.backends.torchrun.machine_watch import MachineWatch
 from dualrun.backends.torchrun.serve_only import announce, machines_with_ranks, serve, serving_machines
@@ -34,7 +34,7 @@ from dualrun.servers.local import LOOPBACK, LocalServers
 from dualrun.backends.torchrun.machine_servers import BIND, Machines, await_attempt, take_token
 from dualrun.servers.planned import server_previews, wiring_env, with_method
 from dualrun.servers.serverset import ServerDeath, ServerSet
-from dualrun.weightsync.group import group_host_env, node_host_env
+from dualrun.weightsync.sync_group import group_host_env, node_host_env
 
 
 class TorchrunLauncher(Launcher):
@@ -221,7 +221,7 @@ class TorchrunLauncher(Launcher):
         """The trainers' env (the same on every machine): the method's wiring of the servers' addresses and a free
         weight-sync port on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's
         value is used)."""
-        from dualrun.weightsync.group import port_host
+        from dualrun.weightsync.sync_group import port_host
 
         env = wiring_env(self.cfg, self.plugin, addresses)
         env.update(protocol.group_port_env(env, free_port(port_host(self.cfg))))

@@ -16,7 +16,7 @@ from dualrun.config.model import JobConfig
 from dualrun.light.interfaces import Interface, interfaces, listing, owner, route
 from dualrun.check.node_facts import NodeReport, Outcome, can_bind, version_differences
 from dualrun.plan.processes import Plan
-from dualrun.weightsync.group import SyncGroup, sync_group
+from dualrun.weightsync.sync_group import SyncGroup, sync_group
 from dualrun.weightsync.rehearsal import limit_s
 
 _REPLY_S = 30.0   # a machine's answer to one request (its probes: a few seconds each)

@@ -13,7 +13,7 @@ it has: its facts, its own problems, and the addresses it advertises, each with 
 Machine 0 connects back to each such address (a probe answers with the machine's number and a token, so reaching
 some other listener does not pass), then sends every machine its own advertised addresses to probe the same way
 and, when the job has a weight-sync group across the machines, the members each machine runs
-(`dualrun.weightsync.group`). Machine 0 gathers every line; every machine prints the same list (exit 1) or table (0).
+(`dualrun.weightsync.sync_group`). Machine 0 gathers every line; every machine prints the same list (exit 1) or table (0).
 Messages are JSON lines over the one TCP connection.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dualrun.check.node_facts import NodeReport
 from dualrun.light.interfaces import (Interface, gloo_address, gloo_ifname, ifname_problems, interfaces, listing,
                                       loopback_line, loopback_named, owner, reached_at, route)
 from dualrun.plan.processes import Plan
-from dualrun.weightsync.group import NET_VARS, SyncGroup, advertised_address, node_host_env, port_host
+from dualrun.weightsync.sync_group import NET_VARS, SyncGroup, advertised_address, node_host_env, port_host
 from dualrun.weightsync.rehearsal import limit_s, master_endpoint, member_spec, run_specs, unanswered, verdict
 
 GREETING = "dualrun-check/1"

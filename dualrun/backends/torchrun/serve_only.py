@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from dualrun.contract import job_store
-from dualrun.launchers.base import JobResult, Outcome, stopped_by
+from dualrun.launchers.launcher import JobResult, Outcome, stopped_by
 from dualrun.backends.torchrun.machine_watch import MachineWatch
 from dualrun.backends.torchrun.machine_servers import Machines
 

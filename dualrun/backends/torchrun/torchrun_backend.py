@@ -10,7 +10,7 @@ from dualrun.plan.placement import MachinesPlacement
 if TYPE_CHECKING:
     from dualrun.check.preflight import Outcome
     from dualrun.config.model import JobConfig
-    from dualrun.launchers.base import Launcher
+    from dualrun.launchers.launcher import Launcher
 
 
 class TorchrunBackend(Backend):

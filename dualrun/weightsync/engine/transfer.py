@@ -1,6 +1,6 @@
 """vLLM's weight-transfer engine over gloo: the trainer's weights reach a vLLM CPU engine without CUDA or NCCL.
 
-Loaded inside vLLM's worker processes (registered by `dualrun.weightsync.engine.plugin`, created by the worker from
+Loaded inside vLLM's worker processes (registered by `dualrun.weightsync.engine.vllm_plugin`, created by the worker from
 `--weight-transfer-config '{"backend": "gloo"}'`). The same `init_info` fields as vLLM's NCCL engine
 (`master_address`, `master_port`, `rank_offset`, `world_size`, `packed`), so TRL's client and dualrun's router
 drive it unchanged: the trainer is rank 0 of a stateless torch.distributed group (vLLM's

@@ -15,7 +15,7 @@ import inspect
 import os
 from typing import Any, Mapping
 
-from dualrun.plugins.workers.grpo import seed_rollout, wire_rollout
+from dualrun.plugins.workers.grpo_worker import seed_rollout, wire_rollout
 from dualrun.contract.protocol import ROLLOUT_ADDRESS, TEACHER_ADDRESS
 from dualrun.weightsync.trainer.vllm_client import install as install_gloo_client
 from dualrun.rank.hooks import when_imported
