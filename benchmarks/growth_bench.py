@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "DUALRUN_BENCH_UNSHARED")}
         env["PYTHONUNBUFFERED"] = "1"
-        # accelerate's env is cached per config (dualrun/env/accelerate.py): a dry run fills the cache, so the
+        # accelerate's env is cached per config (dualrun/launchers/accelerate_env.py): a dry run fills the cache, so the
         # timed runs show the launcher's recurring cost, not the one-time torch import of a new config
         for n in sorted(set(ranks) | set(t_ranks)):
             subprocess.run([sys.executable, "-m", "dualrun", "launch", "--dry_run", "--config_file",

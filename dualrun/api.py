@@ -16,7 +16,7 @@ from dualrun.methods.plugin import MethodPlugin
 
 
 def _accelerate_env(cfg: JobConfig) -> dict[str, str]:
-    from dualrun.env.accelerate import cached_accelerate_env
+    from dualrun.launchers.accelerate_env import cached_accelerate_env
 
     try:
         return cached_accelerate_env(cfg)

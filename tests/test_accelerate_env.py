@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from dualrun.env.accelerate import accelerate_env, cached_accelerate_env
+from dualrun.launchers.accelerate_env import accelerate_env, cached_accelerate_env
 from dualrun.config import build_config
 
 
@@ -25,7 +25,7 @@ def test_cache_gives_the_same_env_without_importing_torch(tmp_path):
     assert first == accelerate_env(cfg, environ)
     assert list(tmp_path.glob("dualrun/accelerate-env/*.json"))
     code = ("import sys, os; from dualrun.config import build_config; "
-            "from dualrun.env.accelerate import cached_accelerate_env; "
+            "from dualrun.launchers.accelerate_env import cached_accelerate_env; "
             "cfg = build_config({'use_cpu': True, 'roles': {'train': {'gpus': 2}}}, 'x.yaml'); "
             f"env = cached_accelerate_env(cfg, {{'XDG_CACHE_HOME': {str(tmp_path)!r}}}); "
             "print(env['ACCELERATE_USE_CPU'], 'torch' in sys.modules, 'accelerate' in sys.modules, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import dualrun
-from dualrun.env.accelerate import accelerate_env
+from dualrun.launchers.accelerate_env import accelerate_env
 from dualrun.config import build_config
 from dualrun.config.schema import REFUSED
 from dualrun.contract.errors import ConfigError

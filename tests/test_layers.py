@@ -12,6 +12,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "dualrun"
 # the built-in method plugins: the top-level `plugins/` folder, installed as `dualrun.plugins` (pyproject.toml)
+# imports under `if TYPE_CHECKING:` count too: an annotation naming a module above is a seam the wrong way round
+COUNT_TYPE_CHECKING = True
 PACKAGES = {PKG: ("dualrun",), REPO / "plugins": ("dualrun", "plugins")}
 
 
@@ -32,7 +34,7 @@ def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _type_checking(block.test)
                    for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not COUNT_TYPE_CHECKING:
             continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)

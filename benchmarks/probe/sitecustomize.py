@@ -130,7 +130,7 @@ def activate() -> None:
 # Wrapping, not editing dualrun: the same probe measures every revision.
 _DRIVER_STEPS = (  # (module, attribute path, step name): the step's start and end are recorded
     ("dualrun.api", "run_job", "run_job"),
-    ("dualrun.env.accelerate", "cached_accelerate_env", "accelerate_env"),
+    ("dualrun.launchers.accelerate_env", "cached_accelerate_env", "accelerate_env"),
     ("dualrun.backends.ray.connect", "connect", "ray_connect"),
     ("dualrun.launchers.launcher", "Launcher.launch", "launch"),
     ("dualrun.backends.ray.actor_launcher", "RayLauncher.place_ranks", "place"),

@@ -16,7 +16,6 @@ the plan puts rank 0 (Ray; its placement group decides the final node). A server
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Callable
 
 from dualrun.config.model import JobConfig
@@ -24,9 +23,8 @@ from dualrun.contract.errors import DualrunError
 from dualrun.check.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
 from dualrun.launchers.rendezvous_port import TORCHRUN_STORE, store_host
 from dualrun.plan.processes import Cluster, Plan, make_plan
-from dualrun.weightsync.sync_group import SyncGroup, node_host_env, port_host, sync_group
-from dualrun.weightsync.rehearsal import (is_hard, limit_s, master_endpoint, member_spec, run_local, run_member,
-                                          unanswered, verdict)
+from dualrun.weightsync.sync_group import port_host, sync_group
+from dualrun.weightsync.rehearsal import master_endpoint, run_local
 
 PROBE_TIMEOUT_S = 60.0   # a node's answer to the check
 

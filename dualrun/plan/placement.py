@@ -9,7 +9,7 @@ Pure: the launching shell's environment (CUDA_VISIBLE_DEVICES, RAY_ADDRESS) come
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Protocol, Sequence
+from typing import Mapping, Protocol, Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError

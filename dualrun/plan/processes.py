@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from dualrun.contract import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
@@ -19,7 +19,7 @@ from dualrun.env.worker import rank_env
 from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
 from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
-from dualrun.plan.servers import Serving
+from dualrun.plan.servers import HOST, PORT, Serving, replica_slot
 
 __all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
 
@@ -317,3 +317,17 @@ def _visible_note(node: Node | None) -> str:
     if node is None or not node.device_ids:
         return ""
     return f" (the launching shell's CUDA_VISIBLE_DEVICES={','.join(map(str, node.device_ids))})"
+
+
+def with_commands(plan: Plan, command: Callable[[Process, str, str, list[str]], Sequence[str]],
+                  health_path: Callable[[Process], str]) -> Plan:
+    """`plan` with each server's command (`command(proc, HOST, PORT, [replica_slot(i), ...])`) and health path
+    (`health_path(proc)`) filled in; its other processes as they are."""
+    procs = []
+    for p in plan.processes:
+        if p.serving is not None:
+            slots = [replica_slot(i) for i in range(p.world_size)] if p.kind == "router" else []
+            p = replace(p, serving=replace(p.serving, command=tuple(command(p, HOST, PORT, slots)),
+                                           health_path=health_path(p)))
+        procs.append(p)
+    return replace(plan, processes=tuple(procs))

@@ -3,17 +3,15 @@
 Why in the plan: a server set (either backend) starts, checks, restarts and logs the plan's servers from this
 record and from what only the run knows (the port picked free, the node's address, the replicas' addresses for a
 router), never from the config. `make_plan` fills in what the config decides; the command and the health path are
-the method's (its plugin builds the command for a host and port) and are filled in by `with_commands` when a
+the method's (its plugin builds the command for a host and port) and are filled in by `plan.processes.with_commands` when a
 launch is prepared (`dualrun plan` shows the layout without them). Pure.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from dualrun.plan.processes import Plan, Process
 
 HOST = "<host>"   # where a server's command takes the address it binds
 PORT = "<port>"   # ... and the port picked free for it
@@ -29,7 +27,7 @@ class Serving:
     """One server of the plan, as every backend starts, checks and restarts it.
 
     `command`: its argv with `HOST`, `PORT` and (a router's) `replica_slot(i)` where the run puts its values;
-    empty until `with_commands`. `restarts`: how often a dead or hung replica is started again (0: its death ends
+    empty until `plan.processes.with_commands`. `restarts`: how often a dead or hung replica is started again (0: its death ends
     the job; a router, and an engine without one, have none). `takes_weights`: a restarted replica waits out of
     rotation until the trainer's weights reach it. `log_dir`: where its log goes (None: the backend picks)."""
 
@@ -55,17 +53,3 @@ class Serving:
             raise ValueError(f"{len(slots)} replica address(es) for a command with "
                              f"{sum(a.startswith('<replica ') for a in self.command)} replica slot(s)")
         return [slots.get(a) or a.replace(HOST, host).replace(PORT, str(port)) for a in self.command]
-
-
-def with_commands(plan: "Plan", command: "Callable[[Process, str, str, list[str]], Sequence[str]]",
-                  health_path: "Callable[[Process], str]") -> "Plan":
-    """`plan` with each server's command (`command(proc, HOST, PORT, [replica_slot(i), ...])`) and health path
-    (`health_path(proc)`) filled in; its other processes as they are."""
-    procs = []
-    for p in plan.processes:
-        if p.serving is not None:
-            slots = [replica_slot(i) for i in range(p.world_size)] if p.kind == "router" else []
-            p = replace(p, serving=replace(p.serving, command=tuple(command(p, HOST, PORT, slots)),
-                                           health_path=health_path(p)))
-        procs.append(p)
-    return replace(plan, processes=tuple(procs))

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import LaunchError
 from dualrun.plan.processes import AUTO, ROUTER, Plan, Process
-from dualrun.plan.servers import with_commands
+from dualrun.plan.processes import with_commands
 
 
 def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:

@@ -13,39 +13,14 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from dualrun.servers.process import ServerError
+from dualrun.servers.server_death import ServerDeath
 
 if TYPE_CHECKING:
     from dualrun.servers.supervisor import Supervisor
 
 START_TRIES = 3   # a server whose free port was taken between picking and binding it is started again, this often
-
-
-@dataclass(frozen=True)
-class ServerDeath:
-    """One server of the set ended (or stopped answering) while the job ran.
-
-    `index`: its place in `plan.servers` (None: not one server, e.g. the machines' address exchange failed).
-    `text`: the full error (its label, exit code or signal, its log's last lines); `str()` gives it."""
-
-    index: int | None
-    label: str
-    text: str
-    line: str
-
-    @classmethod
-    def of(cls, index: int | None, error: ServerError) -> "ServerDeath":
-        return cls(index, error.label, str(error), error.one_line())
-
-    def one_line(self) -> str:
-        """Label, how it ended, and its log's last line: for the restart line."""
-        return self.line
-
-    def __str__(self) -> str:
-        return self.text
 
 
 class ServerSet(Protocol):

@@ -13,18 +13,30 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Collection, Protocol
+from typing import Callable, Collection, Protocol
 
 from dualrun.plan.processes import Plan
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S
 from dualrun.servers.process import ServerError
+from dualrun.servers.server_death import ServerDeath
 from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, liveness_path,
                                          restarting_line, router_of, stopped_answering)
 
-if TYPE_CHECKING:
-    from dualrun.servers.serverset import ServerDeath, ServerSetBase
-
 HUNG_EVERY_S = 1.0   # how often the routers are asked for hung replicas (they probe about once a second)
+
+
+class Events(Protocol):
+    """What the supervisor asks of its server set (serverset.py's `ServerSetBase`): one way, so the set holds its
+    supervisor without the two importing each other."""
+
+    @property
+    def watching(self) -> bool: ...
+
+    def report(self, death: ServerDeath) -> None: ...
+
+    def fatal(self, death: ServerDeath) -> None: ...
+
+    def wait_stopped(self, timeout: float | None = None) -> bool: ...
 
 
 class Replicas(Protocol):
@@ -52,7 +64,7 @@ class Supervisor:
     `replicas`: the backend's primitives; `address_of`: a server's address as the set knows it (a router's, for
     the restart's steps). `others_serving` (several machines: its router's view) is asked before a restart."""
 
-    def __init__(self, plan: Plan, events: "ServerSetBase", replicas: Replicas,
+    def __init__(self, plan: Plan, events: "Events", replicas: Replicas,
                  address_of: Callable[[int], str | None], mine: Collection[int] | None = None) -> None:
         self.plan, self.events, self.replicas, self.address_of = plan, events, replicas, address_of
         self.table = Supervision.of(plan, mine)
@@ -83,7 +95,7 @@ class Supervisor:
             return self.table.missing
 
     # -- a death ---------------------------------------------------------------------------------------------
-    def report(self, death: "ServerDeath") -> None:
+    def report(self, death: ServerDeath) -> None:
         """A server ended: restarted (in a thread of its own) when the job survives it, else the job's (`fatal`)."""
         index = death.index
         ask = index is not None and self.table.supervises(index) and self.events.watching
@@ -97,10 +109,8 @@ class Supervisor:
         print(line, file=sys.stderr, flush=True)
         threading.Thread(target=self._replace, args=(death,), name="dualrun-replace", daemon=True).start()
 
-    def _replace(self, death: "ServerDeath") -> None:
+    def _replace(self, death: ServerDeath) -> None:
         """Restart the dead replica, have its router take it back; any failure on the way ends the job, naming it."""
-        from dualrun.servers.serverset import ServerDeath
-
         index = death.index
         assert index is not None
         label = self.plan.servers[index].label
@@ -207,8 +217,6 @@ class Supervisor:
 
     def _stop_hung(self, index: int, reason: str, why: str) -> None:
         """Stop hung server `index` (its line first) and report its death (`why`: after its label)."""
-        from dualrun.servers.serverset import ServerDeath
-
         label = self.plan.servers[index].label
         print(hung_line(label, reason), file=sys.stderr, flush=True)
         tail, log_path = self.replicas.kill(index, HUNG_GRACE_S)
