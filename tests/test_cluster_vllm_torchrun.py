@@ -88,3 +88,36 @@ def test_grpo_rollout_alone_on_machine_1_syncs_every_step_and_trains_as_one_mach
     assert {k: rec[k] for k in same} == {k: one_machine[k] for k in same}
     assert [c["trainer_greedy"] for c in rec["checks"]] == [c["trainer_greedy"] for c in one_machine["checks"]]
     assert not pids_matching(str(work))
+
+
+BOUND_S = 20
+
+
+def test_a_group_that_cannot_form_across_machines_ends_within_its_bound_naming_both_ends(vc, shared, vllm_tiny):
+    """The engine on machine 1 answers HTTP, but trainer rank 0 advertises an address machine 1 has no route to
+    (VLLM_HOST_IP 192.0.2.1, as an interface or a filter between the machines would): both machines end within
+    `weight_sync_timeout_s` (and the trainer's model load) instead of 600 s twice, trainer rank 0's error names its
+    address and port and the rollout server on machine 1, and nothing is left on either machine."""
+    import time
+
+    work = shared / "grpo-unformed"
+    work.mkdir()
+    job = config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\nweight_sync_timeout_s: {BOUND_S}\n",
+                 trainers="[0]", rollout="[1]")
+    job = job.replace("train: {gpus: 2, machines: [0]}",
+                      "train: {gpus: 2, machines: [0], env: {VLLM_HOST_IP: 192.0.2.1}}")
+    assert "VLLM_HOST_IP" in job
+    started = time.monotonic()
+    procs = launch_on(vc, work, probe(vllm_tiny, work / "out"), job, env=ENV)
+    wait_all(procs, 600)
+    took = time.monotonic() - started
+    outs = outputs(work)
+    assert procs[0].returncode == 1 and procs[1].returncode != 0, [o[-3000:] for o in outs]
+    served = re.search(r"rollout server 0: server healthy at ([\d.]+:\d+) \(machine 1\)", outs[1])
+    assert served and served.group(1).startswith(address(1) + ":"), outs[1][-3000:]
+    assert re.search(rf"GroupNotFormed: the weight-sync group did not form within {BOUND_S} s "
+                     rf"\(weight_sync_timeout_s\): trainer rank 0 at 192\.0\.2\.1:\d+ and the rollout server at "
+                     rf"http://{re.escape(served.group(1))}", outs[0]), outs[0][-4000:]
+    assert took < 400 + BOUND_S + 120, took   # the server's start (health_timeout_s 400 at most), the bound, teardown
+    left = [vc.run(k, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:] for k in (0, 1)]
+    assert [[r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r] for rows in left] == [[], []]
