@@ -27,8 +27,7 @@ class BackendKind:
     launch`): a machine's ranks, servers and a role program's groups run on the machine that launches them.
     `ray`: places its processes through a Ray cluster it joins or starts (needs the ray package; the `ray.*`
     keys apply). `groups`: how a role program's worker groups run, the role runtime's mode (`DUALRUN_ROLES_MODE`):
-    'ray' actors, or 'local' processes of the driver. `shared_files`: every machine reads the same file system
-    (a SLURM allocation's usual shared home), so a local model path read here is read everywhere. `placement`:
+    'ray' actors, or 'local' processes of the driver. `placement`:
     its placement policy, `JobConfig -> plan.placement.Placement` (the core's `MachinesPlacement`, or its own)."""
 
     name: str
@@ -36,13 +35,11 @@ class BackendKind:
     ray: bool
     groups: str
     placement: Callable[[Any], Any] = field(compare=False, repr=False, default=None)   # type: ignore[assignment]
-    shared_files: bool = False
 
     def files_here(self, cfg: Any) -> bool:
         """Whether a local path of the config (a model) is read on this machine's file system: one launch per
-        machine, a shared file system, or an embedded cluster started here (a joined cluster's nodes have their
-        own)."""
-        return self.per_machine or self.shared_files or (self.ray and cfg.ray.address == "local")
+        machine, or an embedded cluster started here (a joined cluster's nodes have their own)."""
+        return self.per_machine or (self.ray and cfg.ray.address == "local")
 
 
 class UnknownBackend(KeyError):

@@ -21,8 +21,6 @@ def _directory(cfg: JobConfig) -> str | None:
     return None if cfg.ray.runtime_env.get("working_dir") else os.getcwd()
 
 
-
-
 def check_ray(cfg: JobConfig) -> Outcome:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
