@@ -58,7 +58,7 @@ def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
     plugin.validate(cfg)
     if backend == "torchrun":
         from dualrun.servers.local import LocalServers
-        from dualrun.servers.planned import with_method
+        from dualrun.plan.server_commands import with_method
 
         return LocalServers(with_method(make_plan(cfg), cfg, plugin), lambda p: dict(os.environ, **p.env),
                             stream=None), lambda: None

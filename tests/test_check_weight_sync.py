@@ -9,6 +9,7 @@ import socket
 import pytest
 
 from helpers import dualrun
+from dualrun.plan.meeting import rendezvous_of
 from dualrun.config.load import build_config
 from dualrun.plan.processes import Cluster, make_plan
 from dualrun.weightsync.sync_group import (Member, SyncGroup, advertised_address, node_host_env, port_host,
@@ -33,11 +34,11 @@ def test_the_group_is_trainer_rank_0_then_every_replica_from_its_rank_offset():
         ("rollout server 1", 1, (3, 4), {"GLOO_SOCKET_IFNAME": "eth1"})]
     assert [m.name for m in group.members] == ["trainer rank 0", "rollout server 0 (ranks 1-2)",
                                                "rollout server 1 (ranks 3-4)"]
-    assert port_host(cfg) == "0.0.0.0"                                      # as the Ray rank 0 actor picks it
+    assert port_host(rendezvous_of(cfg)) == "0.0.0.0"                                      # as the Ray rank 0 actor picks it
     one = _cfg({"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m"}})
     solo = sync_group(one, make_plan(one))
     assert solo is not None and solo.world_size == 2 and [m.ranks for m in solo.members] == [(0,), (1,)]
-    assert port_host(one) == "127.0.0.1"                                    # one torchrun machine: loopback
+    assert port_host(rendezvous_of(one)) == "127.0.0.1"                                    # one torchrun machine: loopback
 
 
 @pytest.mark.parametrize("roles, top", [

@@ -81,14 +81,14 @@ def test_dry_run_prints_each_servers_prepared_command(tmp_path, backend):
     from dualrun.launchers.launcher import join_cmd
     from dualrun.plan.processes import AUTO, make_plan
     from dualrun.methods.plugin import get_plugin
-    from dualrun.servers.planned import server_command
+    from dualrun.plan.server_commands import server_command
 
     cfg = build_config({"backend": backend, "method": "gkd", "roles": {"train": {"gpus": 2}, "teacher": {
         "gpus": 2, "model": "m/teacher", "top_k": 20}}}, str(tmp_path / "c.yaml"))
     plugin = get_plugin("gkd")
     plugin.validate(cfg)
     launcher = backend_of(cfg).launcher(cfg, Program(str(tmp_path / "t.py")), plugin, {})
-    plan = make_plan(cfg)
+    plan = make_plan(cfg, method=plugin)
     prepared = launcher.prepare(plan)
     text = launcher.describe(prepared)
     assert [label for label, _, _ in prepared.servers] == [p.label for p in plan.servers] == [

@@ -46,12 +46,12 @@ def test_a_plan_the_cluster_cannot_hold_at_once_is_refused_with_the_numbers():
     cfg = build_config(yaml.safe_load(_gkd_yaml("t")), "gkd.yaml", backend="ray")
     small = Cluster((Node(0, "127.0.0.1", 0, 3.0),), source="ray")
     with pytest.raises(ConfigError) as refused:
-        check_fits(cfg, make_plan(cfg, small))
+        check_fits(make_plan(cfg, small))
     assert refused.value.exit_code == 2
     assert str(refused.value) == ("gkd.yaml: ray.num_cpus_per_worker: expected at most 3 CPUs held at once by the "
                                   "plan's actors (the Ray cluster has 3 in 1 node(s)), got 5 (the plan: 2 train "
                                   "ranks, 2 teacher servers, 1 teacher router)")
-    check_fits(cfg, make_plan(cfg, Cluster((Node(0, "127.0.0.1", 0, 5.0),), source="ray")))   # 5 fit
+    check_fits(make_plan(cfg, Cluster((Node(0, "127.0.0.1", 0, 5.0),), source="ray")))   # 5 fit
 
 
 @pytest.mark.slow

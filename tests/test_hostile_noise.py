@@ -13,7 +13,7 @@ import pytest
 
 from dualrun.light.noise import DROPPED, MALFORMED, Noise
 from dualrun.servers.process import ServerProcess
-from dualrun.programs.router import router_argv
+from dualrun.plan.server_commands import router_argv
 from helpers import ASSETS, free_port
 
 sys.path.insert(0, str(ASSETS))

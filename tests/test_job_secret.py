@@ -48,10 +48,11 @@ def _cfg(text: str, tmp_path):
 def test_each_launch_has_its_own_secret_in_every_process_env_and_never_shown(tmp_path, monkeypatch):
     from dualrun.contract.redact import redact
     from dualrun.launchers.launcher import job_token_for
+    from dualrun.plan.meeting import rendezvous_of
 
     monkeypatch.delenv(protocol.JOB_TOKEN, raising=False)
     one = _cfg("use_cpu: true\nroles: {train: {gpus: 2}}\n", tmp_path)
-    assert job_token_for(one) != job_token_for(one) and len(job_token_for(one)) >= 40
+    assert job_token_for(rendezvous_of(one)) != job_token_for(rendezvous_of(one)) and len(job_token_for(rendezvous_of(one))) >= 40
     assert redact({protocol.JOB_TOKEN: "abcdef"})[protocol.JOB_TOKEN] != "abcdef"
     # torchrun on several machines (each its own launcher): machine 0 makes one, the others read it from its store
     # at launch (tests/test_cluster_job_secret.py); a token the user gives is every machine's own
@@ -59,9 +60,9 @@ def test_each_launch_has_its_own_secret_in_every_process_env_and_never_shown(tmp
                "roles: {train: {gpus: 2}}\n", tmp_path)
     other = _cfg("use_cpu: true\nnum_machines: 2\nmachine_rank: 1\nmain_process_ip: 10.0.0.1\n"
                  "main_process_port: 29500\nroles: {train: {gpus: 2}}\n", tmp_path)
-    assert len(job_token_for(two)) >= 40 and job_token_for(other) == ""
+    assert len(job_token_for(rendezvous_of(two))) >= 40 and job_token_for(rendezvous_of(other)) == ""
     monkeypatch.setenv(protocol.JOB_TOKEN, "given-on-every-machine")
-    assert job_token_for(two) == job_token_for(one) == job_token_for(other) == "given-on-every-machine"
+    assert job_token_for(rendezvous_of(two)) == job_token_for(rendezvous_of(one)) == job_token_for(rendezvous_of(other)) == "given-on-every-machine"
 
 
 @pytest.mark.e2e
@@ -121,7 +122,7 @@ def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]
 def guarded_router(tmp_path):
     """A router holding the job's secret in front of two recording replicas (and a third engine a hostile client
     would point it at)."""
-    from dualrun.programs.router import router_argv
+    from dualrun.plan.server_commands import router_argv
     from test_router import _server, _start_all
 
     token = job_token.new_token()
@@ -219,8 +220,8 @@ def test_trainers_requests_to_the_jobs_servers_carry_its_headers_and_no_others()
 
 def test_a_roles_api_key_reaches_the_router_and_the_trainers(tmp_path):
     from dualrun.methods.plugin import MethodPlugin
-    from dualrun.methods.commands import api_key_of
-    from dualrun.servers.planned import server_command
+    from dualrun.contract.redact import api_key_of
+    from dualrun.plan.server_commands import server_command
     from dualrun.plan.processes import ROUTER
 
     assert api_key_of(["--verbose", "--api-key", "k1"]) == "k1" and api_key_of(["--api_key=k2"]) == "k2"

@@ -169,11 +169,13 @@ def test_the_floor_checker_sees_an_import_upward():
 
 
 # The plan is pure: placement and env from the config and a cluster, below everything that starts a process.
-PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines", "dualrun.plan.servers"}
+PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines", "dualrun.plan.servers",
+              "dualrun.plan.meeting", "dualrun.plan.server_commands"}
 # ... and it reads values only: the config's model and the backends' records, the protocol's names, the env
 # builders, the errors.
 PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.config.backends", "dualrun.contract.protocol",
-                           "dualrun.env.worker", "dualrun.contract.errors", "dualrun.contract.redact"}
+                           "dualrun.env.worker", "dualrun.contract.errors", "dualrun.contract.redact",
+                           "dualrun.light.interpreter"}
 # The config sits below the plan: it reads the file and checks values, and imports nothing that uses it.
 CONFIG_READS = ("dualrun.config", "dualrun.contract.errors", "dualrun.contract.redact", "dualrun.env.worker",
                 "dualrun.env.installed", "dualrun.contract.protocol", "dualrun.light.progress")

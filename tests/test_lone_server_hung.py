@@ -185,7 +185,7 @@ def test_a_slow_lone_server_is_left_alone_and_a_stopped_one_is_stopped(tmp_path)
     from dualrun.config import build_config
     from dualrun.methods.plugin import get_plugin
     from dualrun.plan.processes import make_plan
-    from dualrun.plan.processes import with_commands
+    from dualrun.plan.server_commands import with_commands
     from dualrun.servers.local import LocalServers
 
     cfg = build_config({"method": "gkd", "use_cpu": True, "log_dir": str(tmp_path), "roles": {

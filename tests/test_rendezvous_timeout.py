@@ -39,7 +39,7 @@ def _rdzv_handler(launcher, plan):
 
 def test_the_default_is_torchruns_own_wait(tmp_path):
     launcher, plan = _launcher(tmp_path)
-    assert launcher.cfg.torchrun.rendezvous_timeout_s == 600
+    assert launcher.rdzv.options.rendezvous_timeout_s == 600
     assert _rdzv_handler(launcher, plan).timeout == timedelta(seconds=600)
 
 

@@ -14,7 +14,8 @@ from helpers import REPO, dualrun
 from dualrun.config import build_config
 from dualrun.contract.errors import ConfigError
 from dualrun.plan.processes import ROUTER, Cluster, make_plan
-from dualrun.servers.planned import addresses, phases, replica_addresses, server_command, with_method
+from dualrun.plan.server_commands import server_command, with_method
+from dualrun.servers.planned import addresses, phases, replica_addresses
 
 
 def _cfg(teacher: dict, backend: str = "torchrun", **top) -> object:

@@ -23,7 +23,7 @@ from helpers import ASSETS, dualrun, eventually, health_server, link_tiny, pids_
 from dualrun.config import build_config
 from dualrun.contract.errors import ConfigError
 from dualrun.plan.processes import ROUTER, make_plan
-from dualrun.servers.planned import with_method
+from dualrun.plan.server_commands import with_method
 from dualrun.servers.supervision import restartable
 
 

@@ -89,7 +89,7 @@ def _start_all(servers):
 
 
 def _router(replicas, log):
-    from dualrun.programs.router import router_argv
+    from dualrun.plan.server_commands import router_argv
 
     return _start_all([_server("router", router_argv("127.0.0.1", free_port(), replicas), log)])[0]
 

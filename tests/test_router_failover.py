@@ -35,7 +35,7 @@ def _stubs(tmp_path: Path, count: int, first: int = 0) -> list:
 
 
 def _router(tmp_path: Path, replicas, *flags: str):
-    from dualrun.programs.router import router_argv
+    from dualrun.plan.server_commands import router_argv
 
     argv = router_argv("127.0.0.1", free_port(), [r.address for r in replicas]) + list(flags)
     return _start_all([_server("router", argv, tmp_path / "router.log")])[0]

@@ -44,7 +44,7 @@ def _servers(tiny: Path, ray_opts: dict | None = None, **teacher: object):
     plugin = get_plugin("gkd")
     plugin.validate(cfg)
     launcher = RayLauncher(cfg, Program("t.py"), {}, plugin=plugin)
-    plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()))).plan   # the method's commands in it
+    plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()), plugin)).plan   # the method's commands in it
     servers = launcher.server_set(plan, 0, frozenset())
     assert isinstance(servers, RayServers)
     return plan, servers

@@ -15,7 +15,7 @@ from dualrun.methods.plugin import get_plugin
 from dualrun.methods import commands
 from dualrun.methods.commands import VLLM_MIDDLEWARE as MIDDLEWARE
 from dualrun.servers.local import LocalServers
-from dualrun.servers.planned import with_method
+from dualrun.plan.server_commands import with_method
 from dualrun.backends.ray.actor_servers import ServerActor
 
 GRPO = {"method": "grpo", "roles": {"train": {"gpus": 2},

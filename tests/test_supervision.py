@@ -13,7 +13,7 @@ from dualrun.plan.servers import HOST, PORT, Serving, replica_slot
 from dualrun.programs import rotation
 from dualrun.programs.rotation import HUNG, OUT, RESTARTING, SERVING, Rotation, judge
 from dualrun.programs.routing import STATS_PATH
-from dualrun.servers.planned import server_command, with_method
+from dualrun.plan.server_commands import server_command, with_method
 from dualrun.servers.supervision import MISSES, Supervision, liveness_path, lone, restartable
 
 

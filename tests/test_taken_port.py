@@ -149,6 +149,7 @@ def test_rank_0s_actor_says_its_port_is_taken_where_its_store_binds_it(ray_clust
 
     from dualrun.backends.ray.actors.rank_actor import RankWorker
     from dualrun.launchers.rendezvous_port import RANK0_STORE, taken_error
+    from dualrun.plan.meeting import rendezvous_of
 
     ray_cluster.connect()
     actor = ray.remote(RankWorker).options(num_cpus=0).remote("dualrun-test-taken-port", "train rank 0")
@@ -164,7 +165,7 @@ def test_rank_0s_actor_says_its_port_is_taken_where_its_store_binds_it(ray_clust
     assert (taken.port, taken.taken, everywhere.taken) == (port, "Address already in use", "Address already in use")
     assert free.taken is None and other.taken is None
     cfg = build_config({"use_cpu": True, "backend": "ray", "main_process_port": port}, "job.yaml")
-    line = str(taken_error(cfg, port, taken.taken, f"rank 0's node {taken.ip}", RANK0_STORE))
+    line = str(taken_error(rendezvous_of(cfg), port, taken.taken, f"rank 0's node {taken.ip}", RANK0_STORE))
     assert line == (f"job.yaml: main_process_port: expected a port free on rank 0's node {taken.ip} (trainer rank "
                     f"0's store listens on it), got {port}, taken on rank 0's node {taken.ip} (Address already in use) "
                     "(free it, or choose another port)")

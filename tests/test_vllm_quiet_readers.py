@@ -89,7 +89,7 @@ def test_a_vllm_cpu_engine_from_the_plan_rests_after_a_request(tmp_path, vllm_ti
     from dualrun.methods.plugin import get_plugin
     from dualrun.plan.processes import make_plan
     from dualrun.servers.local import LocalServers
-    from dualrun.servers.planned import with_method
+    from dualrun.plan.server_commands import with_method
 
     rollout = {"gpus": 1, "engine": "vllm", "model": str(vllm_tiny / "model"), "health_timeout_s": 300,
                "server_args": yaml.safe_load(SERVER_ARGS),

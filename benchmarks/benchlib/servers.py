@@ -39,7 +39,7 @@ def start_router(replicas: list, stack: list, health_timeout_s: float = 120):
     """dualrun's router on a free loopback port in front of `replicas` (started `ServerProcess`es), healthy;
     appended to `stack`, which the caller stops."""
     from dualrun.light.ports import free_port
-    from dualrun.programs.router import router_argv
+    from dualrun.plan.server_commands import router_argv
 
     port = free_port()
     r = _start("router", router_argv("127.0.0.1", port, [s.address for s in replicas]), port, stack,

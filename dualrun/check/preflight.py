@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+from dualrun.plan.meeting import rendezvous_of
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
 from dualrun.check.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
@@ -114,7 +115,7 @@ def check_here(cfg: JobConfig) -> Outcome:
     group = sync_group(cfg, plan) if plan else None
     notes: list[str] = []
     if group is not None and here["versions"]["torch"]:
-        address, port = master_endpoint(port_host(cfg), group.master.env)
+        address, port = master_endpoint(port_host(rendezvous_of(cfg)), group.master.env)
         found, said = run_local(group, address, port, {0: node.name}, model_bytes=model_file_bytes(cfg))
         problems += found
         notes += said

@@ -229,3 +229,15 @@ def redact_data(value: Any, depth: int = 3) -> Any:
         return [redact_shown(b) if isinstance(a, str) else REDACTED if i in taken else redact_data(a, depth - 1)
                 for i, (a, b) in enumerate(zip(items, redact_argv(words)))]
     return value
+
+
+def api_key_of(server_args: Sequence[str]) -> str | None:
+    """The `--api-key` a role's `server_args` give (any spelling argparse takes: `--api-key X`, `--api_key=X`,
+    `--api-k X`), None without one; the last one given wins, as argparse's."""
+    found = None
+    args = [str(a) for a in server_args]
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if abbreviates(flag, ("--api-key",)) == "--api-key":
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return found

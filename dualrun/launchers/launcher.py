@@ -17,6 +17,7 @@ from dualrun.contract.redact import redact_argv
 from dualrun.contract.errors import LaunchError, killed_by
 from dualrun.contract.job_token import new_token
 from dualrun.plan.processes import AUTO, Cluster, Plan
+from dualrun.plan.meeting import Rendezvous, rendezvous_of
 from dualrun.servers.serverset import ServerDeath, ServerSet
 
 
@@ -88,14 +89,16 @@ class Launcher(ABC):
 
     name = "base"
 
-    def __init__(self, cfg: JobConfig, program: Program, accelerate_env: Mapping[str, str] | None = None,
-                 plugin: Any = None) -> None:
-        self.cfg = cfg
+    def __init__(self, job: "Rendezvous | JobConfig", program: Program,
+                 accelerate_env: Mapping[str, str] | None = None, plugin: Any = None) -> None:
+        """`job`: the rendezvous the plan carries (plan/meeting.py; a config is read into one here): all the
+        launcher knows of the config. What it runs comes with the plan (`prepare`)."""
+        self.rdzv = job if isinstance(job, Rendezvous) else rendezvous_of(job)
         self.program = program
         self.accelerate_env = dict(accelerate_env or {})
         self.plugin = plugin
         self.run_id = f"dualrun-{uuid.uuid4().hex[:10]}"
-        self.job_token = job_token_for(cfg)
+        self.job_token = job_token_for(self.rdzv)
         self.token_given = bool(os.environ.get(protocol.JOB_TOKEN))   # the user's: never handed to other machines
 
     def cluster(self) -> "Cluster | None":
@@ -132,10 +135,10 @@ class Launcher(ABC):
                             break
                     outcome = self.run_attempt(prepared, attempt, servers)
                     result = outcome.result
-                    if outcome.restart is None or attempt >= self.cfg.max_failures:
+                    if outcome.restart is None or attempt >= self.rdzv.max_failures:
                         break
                     attempt += 1
-                    print(f"dualrun: {outcome.restart} ({attempt}/{self.cfg.max_failures})", file=sys.stderr,
+                    print(f"dualrun: {outcome.restart} ({attempt}/{self.rdzv.max_failures})", file=sys.stderr,
                           flush=True)
                     if outcome.dead and servers is not None:   # fresh servers; never the dead one's address
                         avoid |= servers.used()
@@ -226,14 +229,14 @@ def _in_environ(name: str, value: str) -> "Iterator[None]":
             os.environ[name] = before
 
 
-def job_token_for(cfg: JobConfig) -> str:
+def job_token_for(rdzv: Rendezvous) -> str:
     """The job's secret: the launching env's DUALRUN_JOB_TOKEN, else a fresh one; on torchrun's machines 1..N
     (started by hand, each its own launcher) "" until the launch reads machine 0's from its store
     (`servers.machines.take_token`)."""
     given = os.environ.get(protocol.JOB_TOKEN)
     if given:
         return given
-    return "" if cfg.backend_kind.per_machine and cfg.num_machines > 1 and cfg.machine_rank else new_token()
+    return "" if rdzv.per_machine and rdzv.several and rdzv.machine_rank else new_token()
 
 
 def failed_job(ranks: list[RankResult], own: list[RankResult], fallback: RankResult, wall_time_s: float = 0.0) -> JobResult:

@@ -9,10 +9,10 @@ rank 0's actor before its program starts (`RankWorker.info`) wherever it is.
 """
 from __future__ import annotations
 
-from dualrun.config.model import JobConfig
 from dualrun.contract.errors import ConfigError, Said
 from dualrun.light.loopback_store import LOOPBACK_HOSTS
 from dualrun.light.ports import EVERY_ADDRESS, port_taken
+from dualrun.plan.meeting import Rendezvous
 
 DEFAULT_PORT = 29500   # torchrun's rendezvous port on several machines when main_process_port is unset
 THIS_MACHINE = "this machine"
@@ -31,28 +31,17 @@ def store_host(one_node: bool, master_addr: str = "127.0.0.1") -> str:
     return "127.0.0.1" if on_loopback(one_node, master_addr) else EVERY_ADDRESS
 
 
-def taken_error(cfg: JobConfig, port: int, why: str, where: str = THIS_MACHINE, who: str = "the job's store") -> \
+def taken_error(job: Rendezvous, port: int, why: str, where: str = THIS_MACHINE, who: str = "the job's store") -> \
         ConfigError:
     """The one line for `port` taken `where` (`why`: the bind's error), naming the key as the user gave it."""
-    unset = "" if cfg.main_process_port else " (main_process_port unset: torchrun's default)"
-    return ConfigError(*cfg.where("main_process_port"), f"a port free on {where} ({who} listens on it)",
+    unset = "" if job.master_port else " (main_process_port unset: torchrun's default)"
+    return ConfigError(*job.port_origin, f"a port free on {where} ({who} listens on it)",
                        Said(f"{port}{unset}, taken on {where} ({why})"),
                        hint="free it, or choose another port")
 
 
-def refuse_taken(cfg: JobConfig, port: int, host: str, who: str) -> None:
+def refuse_taken(job: Rendezvous, port: int, host: str, who: str) -> None:
     """A ConfigError when `port` cannot be listened on at `host` on this machine."""
     why = port_taken(port, host)
     if why is not None:
-        raise taken_error(cfg, port, why, who=who)
-
-
-def check_torchrun(cfg: JobConfig) -> None:
-    """Machine 0, which hosts torchrun's store: its port is free where the store binds it (one machine without
-    main_process_port picks a free one; machines 1..N bind nothing)."""
-    if cfg.machine_rank != 0:
-        return
-    port = cfg.main_process_port or (DEFAULT_PORT if cfg.num_machines > 1 else None)
-    if port is not None:
-        refuse_taken(cfg, port, store_host(cfg.num_machines == 1, cfg.main_process_ip or "127.0.0.1"),
-                     TORCHRUN_STORE)
+        raise taken_error(job, port, why, who=who)

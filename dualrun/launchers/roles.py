@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dualrun.contract.redact import redact_argv, redact_value
 from dualrun.launchers.launcher import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
@@ -21,9 +21,18 @@ from dualrun.roles.driver import driver_env, roles_mode
 from dualrun.roles.modes import groups_table
 from dualrun.roles.spec import spec_from_config
 
+if TYPE_CHECKING:
+    from dualrun.config.model import JobConfig
+
 
 class RoleDriverLauncher(Launcher):
+    """Built from the config itself: a role program has no plan of ranks (its groups are placed as it runs)."""
+
     name = "roles"
+
+    def __init__(self, cfg: "JobConfig", *args: Any, **kwargs: Any) -> None:
+        super().__init__(cfg, *args, **kwargs)
+        self.cfg = cfg
 
     def prepare(self, plan: Plan | None = None) -> Prepared:
         """The driver's command and its whole env (ours, the plan's common env, the groups)."""

@@ -108,20 +108,6 @@ def guarded(argv: list[str], model: str) -> list[str]:
     return [*argv[:at], "--middleware", VLLM_MIDDLEWARE, *argv[at:]]
 
 
-def api_key_of(server_args: Sequence[str]) -> str | None:
-    """The `--api-key` a role's `server_args` give (any spelling argparse takes: `--api-key X`, `--api_key=X`,
-    `--api-k X`), None without one; the last one given wins, as argparse's."""
-    from dualrun.contract.redact import abbreviates
-
-    found = None
-    args = [str(a) for a in server_args]
-    for i, arg in enumerate(args):
-        flag, eq, value = arg.partition("=")
-        if abbreviates(flag, ("--api-key",)) == "--api-key":
-            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
-    return found
-
-
 # The flags dualrun itself puts on a server's command line (the builders above), and the key that sets each.
 # The same flag again in `server_args` would win (argparse: the last one), and the trainers would be wired to
 # a port, host or model the server no longer has. vLLM's parser takes `_` for `-` and these short aliases too.

@@ -66,7 +66,7 @@ class MethodPlugin:
 
     def wiring_env(self, cfg: JobConfig, servers: Mapping[str, str]) -> dict[str, str]:
         """Env for the trainer ranks, given each separate role's `host:port`."""
-        from dualrun.methods.commands import api_key_of
+        from dualrun.contract.redact import api_key_of
 
         keys = {api_key_env(name): api_key_of(role.server_args) for name in servers
                 if (role := cfg.role(name)) is not None and api_key_of(role.server_args)}

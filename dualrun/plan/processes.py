@@ -8,6 +8,7 @@ master port, a server's address, the run id) appear as `<auto>` until the launch
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -19,11 +20,11 @@ from dualrun.env.worker import rank_env
 from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
 from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
-from dualrun.plan.servers import HOST, PORT, Serving, replica_slot
+from dualrun.plan.meeting import Rendezvous, rendezvous_of
+from dualrun.plan.servers import ROUTER, Serving
 
 __all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
 
-ROUTER = "router"   # the kind of the process that puts a separate role's engine replicas behind one address
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,15 @@ class Plan:
     external: Mapping[str, str] = field(default_factory=frozen_map)  # role -> address of a user-run server
     machine_rank: int | None = None    # torchrun: the node this launch is for
     slot: str = "GPU"                  # what a node's count counts: GPUs, or process slots on a CPU plan
+    rendezvous: Rendezvous | None = None   # how the processes meet (plan/meeting.py): all a launcher reads
+    # the method's wiring of the servers' addresses into the trainers' env (role -> host:port => env), given a
+    # method: the launchers call it once the servers run
+    wiring: Callable[[Mapping[str, str]], Mapping[str, str]] | None = field(default=None, compare=False,
+                                                                             repr=False)
+
+    def wiring_env(self, addresses: Mapping[str, str]) -> dict[str, str]:
+        """The trainers' env for the servers at `addresses` (role -> host:port): the method's wiring."""
+        return dict(self.wiring(addresses)) if self.wiring is not None and addresses else {}
 
     @property
     def workers(self) -> tuple[Process, ...]:
@@ -119,10 +129,22 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping[str, str] | None = None,
-              environ: Mapping[str, str] | None = None) -> Plan:
+def make_plan(cfg: JobConfig, cluster: Cluster | None = None, method: Any = None,
+              extra_env: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> Plan:
     """Place every process of `cfg` on `cluster` (default: the cluster the config implies, on the GPUs the
-    launching shell's `environ` makes visible; pass os.environ where the shell counts, None: it sets nothing)."""
+    launching shell's `environ` makes visible; pass os.environ where the shell counts, None: it sets nothing),
+    with the rendezvous; given the `method` (its plugin), every server's command and health path and the trainers'
+    wiring too: the whole of what a launcher runs."""
+    plan = _placed(cfg, cluster, extra_env, environ)
+    if method is None:
+        return plan
+    from dualrun.plan.server_commands import with_method
+
+    return replace(with_method(plan, cfg, method), wiring=functools.partial(method.wiring_env, cfg))
+
+
+def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str] | None,
+            environ: Mapping[str, str] | None) -> Plan:
     policy = placement_for(cfg)
     cluster = cluster or policy.assumed_cluster({} if environ is None else environ)
     common = _common_env(cfg, extra_env)
@@ -146,7 +168,7 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, extra_env: Mapping
     _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
-                frozen_map(common), frozen_map(external), policy.machine_rank, slot)
+                frozen_map(common), frozen_map(external), policy.machine_rank, slot, rendezvous_of(cfg))
 
 
 def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) -> None:
@@ -317,17 +339,3 @@ def _visible_note(node: Node | None) -> str:
     if node is None or not node.device_ids:
         return ""
     return f" (the launching shell's CUDA_VISIBLE_DEVICES={','.join(map(str, node.device_ids))})"
-
-
-def with_commands(plan: Plan, command: Callable[[Process, str, str, list[str]], Sequence[str]],
-                  health_path: Callable[[Process], str]) -> Plan:
-    """`plan` with each server's command (`command(proc, HOST, PORT, [replica_slot(i), ...])`) and health path
-    (`health_path(proc)`) filled in; its other processes as they are."""
-    procs = []
-    for p in plan.processes:
-        if p.serving is not None:
-            slots = [replica_slot(i) for i in range(p.world_size)] if p.kind == "router" else []
-            p = replace(p, serving=replace(p.serving, command=tuple(command(p, HOST, PORT, slots)),
-                                           health_path=health_path(p)))
-        procs.append(p)
-    return replace(plan, processes=tuple(procs))

@@ -3,8 +3,8 @@
 Why in the plan: a server set (either backend) starts, checks, restarts and logs the plan's servers from this
 record and from what only the run knows (the port picked free, the node's address, the replicas' addresses for a
 router), never from the config. `make_plan` fills in what the config decides; the command and the health path are
-the method's (its plugin builds the command for a host and port) and are filled in by `plan.processes.with_commands` when a
-launch is prepared (`dualrun plan` shows the layout without them). Pure.
+the method's (its plugin builds the command for a host and port) and are filled in by `make_plan(cfg, cluster, method)`
+(plan/server_commands.py; `dualrun check` places without them). Pure.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Sequence
 
 HOST = "<host>"   # where a server's command takes the address it binds
 PORT = "<port>"   # ... and the port picked free for it
+ROUTER = "router"   # the kind of the process that puts a separate role's engine replicas behind one address
 
 
 def replica_slot(index: int) -> str:
@@ -27,7 +28,7 @@ class Serving:
     """One server of the plan, as every backend starts, checks and restarts it.
 
     `command`: its argv with `HOST`, `PORT` and (a router's) `replica_slot(i)` where the run puts its values;
-    empty until `plan.processes.with_commands`. `restarts`: how often a dead or hung replica is started again (0: its death ends
+    empty until `make_plan` is given the method (`server_commands.with_commands`). `restarts`: how often a dead or hung replica is started again (0: its death ends
     the job; a router, and an engine without one, have none). `takes_weights`: a restarted replica waits out of
     rotation until the trainer's weights reach it. `log_dir`: where its log goes (None: the backend picks)."""
 

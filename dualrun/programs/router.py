@@ -373,16 +373,6 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
-def router_argv(host: str, port: int, replicas: Sequence[str], request_timeout_s: float | None = None,
-                api_key: str | None = None) -> list[str]:
-    """The router's command line (for a ServerProcess; health at `/health`)."""
-    argv = [PYTHON, "-m", "dualrun.programs.router", "--host", host, "--port", str(port)]
-    for address in replicas:
-        argv += ["--replica", address]
-    argv += [] if request_timeout_s is None else ["--request-timeout-s", f"{request_timeout_s:g}"]
-    return argv + ([] if api_key is None else ["--api-key", api_key])
-
-
 def _event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's loop where it is installed (it comes with vLLM): the router's time is the loop's and the sockets'."""
     try:

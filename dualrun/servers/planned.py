@@ -8,49 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from dualrun.config.model import JobConfig, RoleSpec
-from dualrun.contract.errors import LaunchError
-from dualrun.plan.processes import AUTO, ROUTER, Plan, Process
-from dualrun.plan.processes import with_commands
-
-
-def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
-    """The role whose settings a server process uses: the first of its unit."""
-    role = cfg.role(proc.roles[0])
-    assert role is not None
-    return role
-
-
-def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: "int | str",
-                   replicas: Sequence[str] = ()) -> list[str]:
-    """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
-    router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
-    if proc.kind == ROUTER:
-        from dualrun.methods.commands import api_key_of
-        from dualrun.programs.router import router_argv
-
-        role = server_role(cfg, proc)
-        return router_argv(host, port, list(replicas) or [AUTO] * proc.world_size,  # type: ignore[arg-type]
-                           role.request_timeout_s, api_key_of(role.server_args))
-    for name in proc.roles:
-        role = cfg.role(name)
-        argv = plugin.server_command(cfg, role, host, port) if plugin is not None and role is not None else None
-        if argv:
-            return [str(a) for a in argv]
-    raise LaunchError(f"method '{cfg.method}' has no server for the separate role(s) {', '.join(proc.roles)}", 2)
-
-
-def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
-    from dualrun.methods.commands import HEALTH_PATH  # the router's too (routing.ROUTES)
-
-    return HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
-
-
-def with_method(plan: Plan, cfg: JobConfig, plugin: Any) -> Plan:
-    """`plan` with each server's command and health path, as the method (`plugin`) builds them: what a launch
-    prepares before anything starts (plan/servers.py)."""
-    return with_commands(plan, lambda p, host, port, replicas: server_command(cfg, plugin, p, host, port, replicas),
-                         lambda p: server_health_path(plugin, server_role(cfg, p), p))
+from dualrun.config.model import JobConfig
+from dualrun.plan.processes import AUTO, ROUTER, Plan
 
 
 def server_previews(plan: Plan, host: str, node: int | None = None,

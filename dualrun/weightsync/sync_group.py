@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from dualrun.plan.meeting import Rendezvous
 from dualrun.config.model import JobConfig
 from dualrun.contract.protocol import ROLLOUT_ADDRESS
 from dualrun.plan.processes import Plan
@@ -92,10 +93,10 @@ def net_env(env: Mapping[str, str], devices: bool = False) -> dict[str, str]:
     return {k: v for k, v in env.items() if k in NET_VARS or (devices and k == "CUDA_VISIBLE_DEVICES")}
 
 
-def port_host(cfg: JobConfig) -> str:
+def port_host(rdzv: Rendezvous) -> str:
     """Where the job picks its free weight-sync port on trainer rank 0's node: loopback for one torchrun machine,
     every address otherwise (the Ray rank 0 actor picks on all of them too)."""
-    return "127.0.0.1" if cfg.backend_kind.per_machine and cfg.num_machines == 1 else "0.0.0.0"
+    return "127.0.0.1" if rdzv.per_machine and rdzv.num_machines == 1 else "0.0.0.0"
 
 
 def advertised_address(env: Mapping[str, str] | None = None) -> str:

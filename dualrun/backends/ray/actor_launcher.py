@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from dualrun.contract import protocol
 from dualrun.env.worker import forwarded_env
@@ -27,12 +27,12 @@ from dualrun.light.interpreter import PYTHON
 from dualrun.launchers.launcher import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd, join_cmd,
                                     server_preview_line, stopped_by)
 from dualrun.backends.ray.rank_results import first_line
-from dualrun.backends.ray.bundles import bundle_of, check_fits, embedded_cpus
+from dualrun.backends.ray.bundles import bundle_of, check_fits
 from dualrun.backends.ray.rank_watch import SHUTDOWN_S, Rank, RankWatch
 from dualrun.launchers.rendezvous_port import RANK0_STORE, refuse_taken, store_host, taken_error
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_port_env
-from dualrun.servers.planned import server_previews, wiring_env, with_method
+from dualrun.servers.planned import server_previews
 from dualrun.servers.serverset import ServerDeath, ServerSet
 from dualrun.weightsync.sync_group import group_host_env, node_host_env
 
@@ -48,8 +48,11 @@ class _Interrupted(Exception):
 class RayLauncher(Launcher):
     name = "ray"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, embedded_cpus: "Callable[[], int] | None" = None, **kwargs: Any) -> None:
+        """`embedded_cpus`: the logical CPUs an embedded cluster declares (the backend works it out from the
+        config: every actor of the plan at once), asked only when one is started."""
         super().__init__(*args, **kwargs)
+        self._embedded_cpus = embedded_cpus or (lambda: 1)
         self._conn = None
         self._signal: int | None = None
         self._stop_time: float | None = None   # when this attempt's ranks were told to stop
@@ -60,7 +63,7 @@ class RayLauncher(Launcher):
         from dualrun.backends.ray import cluster as raycluster
 
         if self._conn is None:
-            self._conn = raycluster.connect(self.cfg.ray, self.cfg.source, num_cpus=embedded_cpus(self.cfg))
+            self._conn = raycluster.connect(self.rdzv.options, self.rdzv.source, num_cpus=self._embedded_cpus())
         return raycluster.cluster_of(raycluster.alive_nodes())
 
     def close(self) -> None:
@@ -70,12 +73,12 @@ class RayLauncher(Launcher):
 
     # -- env -----------------------------------------------------------------------------------------------------
     def bundle(self, p: Process) -> dict[str, float]:
-        return bundle_of(self.cfg, p)
+        return bundle_of(self.rdzv.options, p)
 
     def rank_env(self, plan: Plan, p: Process, base: Mapping[str, str]) -> dict[str, str]:
         """One rank's env as prepared: `<auto>` where only the launch knows the value (`_placed_env` fills it); a
         `main_process_port` is the port rank 0's actor takes as it is (RankActor.info), so it is shown."""
-        port = AUTO if self.cfg.main_process_port is None else str(self.cfg.main_process_port)
+        port = AUTO if self.rdzv.master_port is None else str(self.rdzv.master_port)
         env = self.worker_env(p.env, base=base, MASTER_ADDR=AUTO, MASTER_PORT=port)
         env["MASTER_ADDR"], env["MASTER_PORT"] = AUTO, port
         env["TORCHELASTIC_RUN_ID"] = self.run_id
@@ -84,7 +87,7 @@ class RayLauncher(Launcher):
         env.pop(protocol.LOG_DIR, None)   # the rank's actor writes log_dir/<role>_<rank>.log
         env["TORCHELASTIC_ERROR_FILE"] = AUTO
         env["TORCHELASTIC_RESTART_COUNT"] = "0"
-        omp = self.omp_threads(len(plan.workers) // max(1, self.cfg.num_machines))
+        omp = self.omp_threads(len(plan.workers) // max(1, self.rdzv.num_machines))
         if omp is None:
             env.pop("OMP_NUM_THREADS", None)
         else:
@@ -109,9 +112,8 @@ class RayLauncher(Launcher):
         cluster is refused here (exit 2) when the cluster cannot hold all its actors at once."""
         assert plan is not None
         if plan.cluster.live:
-            check_fits(self.cfg, plan)
+            check_fits(plan)
             self._check_port_here(plan)
-        plan = with_method(plan, self.cfg, self.plugin)
         base = forwarded_env()
         envs = {p.label: self.rank_env(plan, p, base) for p in plan.workers}
         if plan.cluster.addresses() > 1:   # nodes of their own addresses: loopback reaches none of the others
@@ -128,8 +130,8 @@ class RayLauncher(Launcher):
         anything starts (elsewhere rank 0's actor checks it on its node: `start_ranks`)."""
         from dualrun.backends.ray.actor_servers import on_this_host
 
-        if self.cfg.main_process_port is not None and on_this_host(plan):
-            refuse_taken(self.cfg, self.cfg.main_process_port, self._store_host(plan), RANK0_STORE)
+        if self.rdzv.master_port is not None and on_this_host(plan):
+            refuse_taken(self.rdzv, self.rdzv.master_port, self._store_host(plan), RANK0_STORE)
 
     @staticmethod
     def _store_host(plan: Plan | None) -> str:
@@ -139,10 +141,10 @@ class RayLauncher(Launcher):
     def describe(self, prepared: Prepared) -> str:
         plan = prepared.plan
         assert plan is not None
-        addr = self.cfg.ray.address or "a running cluster if reachable, else an embedded local one"
+        addr = self.rdzv.options.address or "a running cluster if reachable, else an embedded local one"
         lines = [f"# dualrun dry run: backend=ray, cluster {addr}; nothing was started",
-                 f"# placement: one placement group per unit, strategy {self.cfg.ray.placement_strategy}, "
-                 f"timeout {self.cfg.ray.placement_timeout_s:g} s; one actor per rank"
+                 f"# placement: one placement group per unit, strategy {self.rdzv.options.placement_strategy}, "
+                 f"timeout {self.rdzv.options.placement_timeout_s:g} s; one actor per rank"
                  + ("" if ifname_set(prepared.env) else f"; on nodes of several addresses GLOO_SOCKET_IFNAME={AUTO} "
                     "for each rank and server whose env names no interface: its node's interface holding the node's "
                     "Ray address")
@@ -181,9 +183,9 @@ class RayLauncher(Launcher):
         from dualrun.backends.ray.actor_servers import RayServers
 
         return RayServers(plan, self.run_id, env_for=lambda p: self.worker_env(p.env, base=forwarded_env()),
-                          wiring=lambda addresses: wiring_env(self.cfg, self.plugin, addresses), bundle=self.bundle,
-                          gang=lambda check: Gang(self.cfg.ray, self.cfg.source, check),
-                          wait_s=max(60.0, self.cfg.ray.placement_timeout_s), check=self._check_signal,
+                          wiring=plan.wiring_env, bundle=self.bundle,
+                          gang=lambda check: Gang(self.rdzv.options, self.rdzv.source, check),
+                          wait_s=max(60.0, self.rdzv.options.placement_timeout_s), check=self._check_signal,
                           attempt=attempt, avoid=avoid)
 
     def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
@@ -232,7 +234,7 @@ class RayLauncher(Launcher):
         from dualrun.backends.ray.cluster import Gang
 
         self._stop_time = None
-        gang = Gang(self.cfg.ray, self.cfg.source, self._check_signal)
+        gang = Gang(self.rdzv.options, self.rdzv.source, self._check_signal)
         ranks: list[Rank] = []
         try:
             try:
@@ -272,13 +274,13 @@ class RayLauncher(Launcher):
     def start_ranks(self, prepared: Prepared, ranks: list[Rank], attempt: int, wiring: Mapping[str, str]) -> None:
         """Phase 1: where did each actor land (rank 0 picks the port); phase 2: start every program."""
         host = self._store_host(prepared.plan)
-        infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.cfg.main_process_port, host) for r in ranks],
+        infos = self._get([r.actor.info.remote(r.proc.rank == 0, self.rdzv.master_port, host) for r in ranks],
                           "start their actors")
         for r, info in zip(ranks, infos):
             r.info = info
         master = next(r.info for r in ranks if r.proc.rank == 0)
         if master.taken is not None:   # nothing started yet: the actors go, the job ends with the one line
-            raise taken_error(self.cfg, int(master.port or 0), master.taken, f"rank 0's node {master.ip}",
+            raise taken_error(self.rdzv, int(master.port or 0), master.taken, f"rank 0's node {master.ip}",
                               RANK0_STORE)
         order: list[str] = []   # node ids in rank order: the node ranks
         for info in infos:
@@ -292,7 +294,7 @@ class RayLauncher(Launcher):
             with open(self.program.call_file, "rb") as f:
                 call = f.read()
             argv = [CALL if a == self.program.call_file else a for a in argv]
-        log_dir = self.cfg.log_dir
+        log_dir = self.rdzv.log_dir
         several = bool(prepared.plan and prepared.plan.cluster.addresses() > 1)
         from dualrun.backends.ray.actor_servers import on_this_host
 
@@ -326,7 +328,7 @@ class RayLauncher(Launcher):
     def _get(self, refs: list[Any], what: str) -> list[Any]:
         from dualrun.backends.ray.cluster import wait_refs
 
-        return wait_refs(refs, what, max(60.0, self.cfg.ray.placement_timeout_s), self._check_signal)
+        return wait_refs(refs, what, max(60.0, self.rdzv.options.placement_timeout_s), self._check_signal)
 
     def _stop_all(self, ranks: list[Rank], wait: bool = True) -> None:
         """SIGTERM (SIGKILL after a grace) every rank's program; `wait` for them at most SHUTDOWN_S."""

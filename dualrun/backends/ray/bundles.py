@@ -16,10 +16,11 @@ from dualrun.plan.processes import ROUTER, Plan, Process, make_plan
 _KINDS = {"worker": "rank", "server": "server", ROUTER: "router"}
 
 
-def bundle_of(cfg: Any, p: Process) -> dict[str, float]:
+def bundle_of(options: Any, p: Process) -> dict[str, float]:
     """One actor's resources: a rank holds one GPU (if it has one) and `ray.num_cpus_per_worker` CPUs; an engine
-    replica holds its GPUs, or at least one CPU when it has none; a router holds CPUs only."""
-    cpus = cfg.ray.num_cpus_per_worker
+    replica holds its GPUs, or at least one CPU when it has none; a router holds CPUs only. `options`: the
+    config's `ray:` section."""
+    cpus = options.num_cpus_per_worker
     if p.kind == "server":
         return {"GPU": float(len(p.devices))} if p.devices else {"CPU": max(cpus, 1.0)}
     out = {"CPU": float(cpus)} if cpus else {}
@@ -28,11 +29,11 @@ def bundle_of(cfg: Any, p: Process) -> dict[str, float]:
     return out or {"CPU": 0.001}
 
 
-def demand(cfg: Any, plan: Plan) -> dict[str, float]:
+def demand(options: Any, plan: Plan) -> dict[str, float]:
     """CPUs and GPUs every actor of the plan holds at once."""
     total = {"CPU": 0.0, "GPU": 0.0}
     for p in plan.processes:
-        for res, amount in bundle_of(cfg, p).items():
+        for res, amount in bundle_of(options, p).items():
             total[res] = total.get(res, 0.0) + amount
     return total
 
@@ -40,7 +41,7 @@ def demand(cfg: Any, plan: Plan) -> dict[str, float]:
 def embedded_cpus(cfg: Any) -> int:
     """Logical CPUs to declare for an embedded cluster: every actor of the plan at once (ranks, every engine
     replica, routers), planned on the cluster the config implies; a count for Ray's bookkeeping, not cores."""
-    return max(1, math.ceil(demand(cfg, make_plan(cfg))["CPU"] - 1e-9))
+    return max(1, math.ceil(demand(cfg.ray, make_plan(cfg))["CPU"] - 1e-9))
 
 
 def _who(plan: Plan) -> str:
@@ -51,13 +52,14 @@ def _who(plan: Plan) -> str:
     return ", ".join(f"{n} {k}{'s' if n > 1 else ''}" for k, n in counts.items())
 
 
-def check_fits(cfg: Any, plan: Plan) -> None:
+def check_fits(plan: Plan) -> None:
     """One line (exit 2) when the plan's cluster cannot hold every actor of the plan at once (its totals)."""
-    cluster = plan.cluster
-    want = demand(cfg, plan)
+    cluster, job = plan.cluster, plan.rendezvous
+    assert job is not None
+    want = demand(job.options, plan)
     have = {"CPU": sum(n.cpus for n in cluster.nodes), "GPU": float(sum(n.gpus for n in cluster.nodes))}
     for res, key in (("GPU", "roles"), ("CPU", "ray.num_cpus_per_worker")):
         if want[res] > have[res] + 1e-6:
-            raise ConfigError(cfg.source, key, f"at most {have[res]:g} {res}s held at once by the plan's actors (the "
+            raise ConfigError(job.source, key, f"at most {have[res]:g} {res}s held at once by the plan's actors (the "
                               f"Ray cluster has {have[res]:g} in {len(cluster.nodes)} node(s))", f"{want[res]:g}",
                               hint=f"the plan: {_who(plan)}")

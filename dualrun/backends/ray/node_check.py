@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+from dualrun.plan.meeting import rendezvous_of
 from dualrun.check.node_facts import NodeReport, Outcome, facts
 from dualrun.check.preflight import (PROBE_TIMEOUT_S, check_here, compare, model_file_bytes, plan_or_problem,
                                      planned_gpus, rank0_ports)
@@ -100,7 +101,7 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: 
     endpoint = ray.remote(num_cpus=0, max_retries=0)(master_endpoint)
     master_env = {**group.master.env,   # its node's address, as the job's trainer rank 0 advertises it
                   **node_host_env(group.master.env, addresses[group.master.node] if addresses else None)}
-    ref = endpoint.options(**on(group.master.node)).remote(port_host(cfg), master_env)
+    ref = endpoint.options(**on(group.master.node)).remote(port_host(rendezvous_of(cfg)), master_env)
     ready, _ = ray.wait([ref], timeout=PROBE_TIMEOUT_S)
     if not ready:
         return [f"weight sync: {names[group.master.node]}: trainer rank 0's node did not pick a port within "

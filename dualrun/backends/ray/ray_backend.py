@@ -11,7 +11,7 @@ from dualrun.config.backends import BackendKind
 if TYPE_CHECKING:
     from dualrun.check.preflight import Outcome
     from dualrun.config.model import JobConfig
-    from dualrun.launchers.launcher import Launcher
+    from dualrun.launchers.launcher import Launcher, Program
     from dualrun.plan.processes import Cluster
 
 
@@ -24,6 +24,17 @@ class RayBackend(Backend):
         from dualrun.backends.ray.actor_launcher import RayLauncher
 
         return RayLauncher
+
+    def launcher(self, cfg: "JobConfig", program: "Program", plugin: Any,
+                 accelerate_env: dict[str, str] | None = None) -> "Launcher":
+        """Ray's launcher, told how many CPUs an embedded cluster declares (every actor of the plan at once)."""
+        import functools
+
+        from dualrun.backends.ray.bundles import embedded_cpus
+        from dualrun.plan.meeting import rendezvous_of
+
+        return self.launcher_class()(rendezvous_of(cfg), program, accelerate_env, plugin=plugin,
+                                     embedded_cpus=functools.partial(embedded_cpus, cfg))
 
     def plan_cluster(self, cfg: "JobConfig") -> "Cluster | None":
         """The running cluster's nodes when one answers (an address that names one must)."""

@@ -32,7 +32,7 @@ from dualrun.light.loopback_store import loopback_stores
 from dualrun.launchers.rendezvous_port import DEFAULT_PORT, on_loopback
 from dualrun.servers.local import LOOPBACK, LocalServers
 from dualrun.backends.torchrun.machine_servers import BIND, Machines, await_attempt, take_token
-from dualrun.servers.planned import server_previews, wiring_env, with_method
+from dualrun.servers.planned import server_previews
 from dualrun.servers.serverset import ServerDeath, ServerSet
 from dualrun.weightsync.sync_group import group_host_env, node_host_env
 
@@ -48,14 +48,14 @@ class TorchrunLauncher(Launcher):
 
     def _port(self) -> int:
         if self._rdzv_port is None:
-            port = self.cfg.main_process_port
+            port = self.rdzv.master_port
             if port is None:
-                port = free_port() if self.cfg.num_machines == 1 else DEFAULT_PORT
+                port = free_port() if self.rdzv.num_machines == 1 else DEFAULT_PORT
             self._rdzv_port = port
         return self._rdzv_port
 
     def _addr(self) -> str:
-        return self.cfg.main_process_ip or "127.0.0.1"
+        return self.rdzv.master_addr or "127.0.0.1"
 
     def with_gloo(self, env: dict[str, str]) -> dict[str, str]:
         """Several machines: `env` with GLOO_SOCKET_IFNAME set to the interface holding the address the other
@@ -69,7 +69,7 @@ class TorchrunLauncher(Launcher):
         machine's interfaces, looked up once (every process of this machine shares them); None on one machine."""
         from dualrun.light.interfaces import interfaces, reached_at
 
-        if self.cfg.num_machines < 2:
+        if self.rdzv.num_machines < 2:
             return None
         if self._route is None:
             self._route = (reached_at(self._addr()), interfaces())
@@ -99,43 +99,43 @@ class TorchrunLauncher(Launcher):
         route = self._machine_route()
         if route is None or (route[0] or "127.").startswith("127."):   # machine 0 on this host's loopback: lo works
             return
-        mine = [p for p in plan.processes if p.node == self.cfg.machine_rank]
+        mine = [p for p in plan.processes if p.node == self.rdzv.machine_rank]
         found = gloo_ifname({}, *route)
-        refuse_loopback((self.worker_env(p.env) for p in mine), f"num_machines {self.cfg.num_machines}", route[1],
+        refuse_loopback((self.worker_env(p.env) for p in mine), f"num_machines {self.rdzv.num_machines}", route[1],
                         found.name if found is not None else None)
 
     def serves_only(self, plan: Plan) -> bool:
         """This machine runs no trainer rank (the trainers' `machines` leaves it out): it only serves."""
-        return self.cfg.num_machines > 1 and self.cfg.machine_rank not in machines_with_ranks(plan)
+        return self.rdzv.num_machines > 1 and self.rdzv.machine_rank not in machines_with_ranks(plan)
 
     def node_workers(self, plan: Plan):
-        mine = [p for p in plan.workers if p.node == self.cfg.machine_rank]
+        mine = [p for p in plan.workers if p.node == self.rdzv.machine_rank]
         if not mine:
-            raise LaunchError(f"the plan has no worker on machine_rank {self.cfg.machine_rank}", 2)
+            raise LaunchError(f"the plan has no worker on machine_rank {self.rdzv.machine_rank}", 2)
         return mine
 
     def torchrun_argv(self, plan: Plan) -> list[str]:
-        cfg = self.cfg
+        job = self.rdzv
         nproc = len(self.node_workers(plan))
         with_ranks = machines_with_ranks(plan)   # torchrun's nodes
         argv = ["--nnodes", str(len(with_ranks)), "--nproc-per-node", str(nproc),
-                "--node-rank", str(with_ranks.index(cfg.machine_rank)), "--master-addr", self._addr(),
-                "--master-port", str(self._port()), "--rdzv-backend", cfg.torchrun.rdzv_backend,
-                "--max-restarts", str(cfg.max_failures), "--monitor-interval", str(cfg.torchrun.monitor_interval)]
+                "--node-rank", str(with_ranks.index(job.machine_rank)), "--master-addr", self._addr(),
+                "--master-port", str(self._port()), "--rdzv-backend", job.options.rdzv_backend,
+                "--max-restarts", str(job.max_failures), "--monitor-interval", str(job.options.monitor_interval)]
         argv += ["--rdzv-id", self.rdzv_id()]
-        if cfg.torchrun.rdzv_backend != "static":
+        if job.options.rdzv_backend != "static":
             argv += ["--rdzv-endpoint", f"{self._addr()}:{self._port()}"]
-        if cfg.num_machines > 1:   # how long this machine waits for the others (static: its store's timeout)
-            wait = "timeout" if cfg.torchrun.rdzv_backend == "static" else "join_timeout"
-            argv += ["--rdzv-conf", f"{wait}={cfg.torchrun.rendezvous_timeout_s}"]
-        log_dir = cfg.torchrun.log_dir or cfg.log_dir
+        if job.num_machines > 1:   # how long this machine waits for the others (static: its store's timeout)
+            wait = "timeout" if job.options.rdzv_backend == "static" else "join_timeout"
+            argv += ["--rdzv-conf", f"{wait}={job.options.rendezvous_timeout_s}"]
+        log_dir = job.options.log_dir or job.log_dir
         if log_dir:
             argv += ["--log-dir", log_dir, "--tee", "3"]
         return argv + bootstrap_module_argv(self.program)
 
     def rdzv_id(self) -> str:
         # every node of a multi-node job must agree on it without talking: derive it from the job's address.
-        if self.cfg.num_machines > 1:
+        if self.rdzv.num_machines > 1:
             return f"dualrun-{self._addr()}-{self._port()}"
         return self.run_id
 
@@ -152,20 +152,19 @@ class TorchrunLauncher(Launcher):
         if omp is not None:
             env["OMP_NUM_THREADS"] = omp
         env.pop(protocol.LOG_DIR, None)
-        if self.cfg.log_dir:   # each rank also appends its output to log_dir/<role>_<rank>.log (rank/log_tee.py)
-            env[protocol.LOG_DIR] = os.path.abspath(os.path.expanduser(self.cfg.log_dir))
+        if self.rdzv.log_dir:   # each rank also appends its output to log_dir/<role>_<rank>.log (rank/log_tee.py)
+            env[protocol.LOG_DIR] = os.path.abspath(os.path.expanduser(self.rdzv.log_dir))
         return {k: v for k, v in env.items() if v != AUTO}
 
     def prepare(self, plan: Plan | None) -> Prepared:
         """This node's torchrun command and env, and the servers it starts first (their port is picked free at
         launch)."""
         assert plan is not None
-        plan = with_method(plan, self.cfg, self.plugin)
-        bind = LOOPBACK.bind if self.cfg.num_machines == 1 else BIND   # as the launch binds them
-        servers = server_previews(plan, bind, node=self.cfg.machine_rank)
+        bind = LOOPBACK.bind if self.rdzv.num_machines == 1 else BIND   # as the launch binds them
+        servers = server_previews(plan, bind, node=self.rdzv.machine_rank)
         self.refuse_loopback(plan)
         if self.serves_only(plan):   # no torchrun agent here: its servers, the store's exchange, the watch
-            mine = [p for p in plan.servers if p.node == self.cfg.machine_rank]
+            mine = [p for p in plan.servers if p.node == self.rdzv.machine_rank]
             self._gloo_note = self.gloo_note(self.worker_env(mine[0].env))
             return Prepared(plan, (), {}, os.getcwd(), servers=servers)
         argv = [sys.executable, "-m", "torch.distributed.run"] + self.torchrun_argv(plan)
@@ -178,26 +177,26 @@ class TorchrunLauncher(Launcher):
             print(f"dualrun: {self._gloo_note}", file=sys.stderr, flush=True)
         if not self.job_token and self._machines(prepared.plan):   # machine K >= 1: machine 0's, before any server
             try:
-                self.job_token = take_token(self._addr(), self._port(), self.cfg.machine_rank,
-                                            self.cfg.torchrun.rendezvous_timeout_s)
+                self.job_token = take_token(self._addr(), self._port(), self.rdzv.machine_rank,
+                                            self.rdzv.options.rendezvous_timeout_s)
             except LaunchError as e:
                 return JobResult(e.exit_code, message=str(e))
         return super().launch(prepared)
 
     def _machines(self, plan: Plan | None) -> bool:
         """Several machines whose servers meet in torchrun's store (machines.py), the job's secret with them."""
-        return self.cfg.num_machines > 1 and plan is not None and bool(plan.servers)
+        return self.rdzv.num_machines > 1 and plan is not None and bool(plan.servers)
 
     def describe(self, prepared: Prepared) -> str:
-        lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.cfg.machine_rank} of "
-                 f"{self.cfg.num_machines}; nothing was started", f"cd {join_cmd([prepared.cwd])}"]
+        lines = [f"# dualrun dry run: backend=torchrun, machine_rank {self.rdzv.machine_rank} of "
+                 f"{self.rdzv.num_machines}; nothing was started", f"cd {join_cmd([prepared.cwd])}"]
         note = self._gloo_note
         if note:
             lines.insert(1, f"# {note}")
         for label, argv, shown in prepared.servers:
             lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
         if not prepared.argv:
-            lines.append(f"# machine {self.cfg.machine_rank} runs no ranks and no torchrun agent: it serves, hands its "
+            lines.append(f"# machine {self.rdzv.machine_rank} runs no ranks and no torchrun agent: it serves, hands its "
                          f"servers' addresses to machine 0's store at {self._addr()}:{self._port()} and ends when "
                          "machine 0's ranks end")
             return "\n".join(lines)
@@ -212,19 +211,20 @@ class TorchrunLauncher(Launcher):
         """Separate roles: their servers start first (on their own devices), the trainers get their addresses;
         several machines with servers meet in torchrun's store (machines.py)."""
         assert plan is not None
-        local = LocalServers(plan, lambda p: self.with_gloo(self.worker_env(p.env)), self._wiring, avoid=avoid)
+        local = LocalServers(plan, lambda p: self.with_gloo(self.worker_env(p.env)), lambda addresses: self._wiring(plan, addresses),
+                             avoid=avoid)
         if self._machines(plan):   # machine 0 hands out the secret it made, not one the user gave it
             return Machines(local, self._addr(), self._port(), attempt, "" if self.token_given else self.job_token)
         return local
 
-    def _wiring(self, addresses: Mapping[str, str]) -> dict[str, str]:
+    def _wiring(self, plan: Plan, addresses: Mapping[str, str]) -> dict[str, str]:
         """The trainers' env (the same on every machine): the method's wiring of the servers' addresses and a free
         weight-sync port on this machine (machine 0 holds trainer rank 0, the weight-sync master; only rank 0's
         value is used)."""
         from dualrun.weightsync.sync_group import port_host
 
-        env = wiring_env(self.cfg, self.plugin, addresses)
-        env.update(protocol.group_port_env(env, free_port(port_host(self.cfg))))
+        env = plan.wiring_env(addresses)
+        env.update(protocol.group_port_env(env, free_port(port_host(self.rdzv))))
         return env
 
     def servers_not_started(self, servers: Any, error: LaunchError) -> None:
@@ -232,11 +232,11 @@ class TorchrunLauncher(Launcher):
             servers.not_started(str(error))   # machine K >= 1: machine 0 ends too
 
     def run_attempt(self, prepared: Prepared, attempt: int, servers: Any) -> Outcome:
-        cfg = self.cfg
+        job = self.rdzv
         if self.serves_only(prepared.plan):
-            return serve(servers, self._addr(), self._port(), cfg.machine_rank, cfg.num_machines,
-                         cfg.torchrun.machine_timeout_s, attempt < cfg.max_failures)
-        serving = serving_machines(prepared.plan, cfg.num_machines) if cfg.machine_rank == 0 else []
+            return serve(servers, self._addr(), self._port(), job.machine_rank, job.num_machines,
+                         job.options.machine_timeout_s, attempt < job.max_failures)
+        serving = serving_machines(prepared.plan, job.num_machines) if job.machine_rank == 0 else []
         with held_stores() if serving else contextlib.nullcontext([]) as held:   # the store outlives the agent
             try:
                 result = self._run_agent(prepared, attempt, servers)
@@ -247,13 +247,13 @@ class TorchrunLauncher(Launcher):
             # it depends on), and each restarts; machine K waits for machine 0's new store (`before_restart`)
             outcome = Outcome(result) if servers.failure is None else Outcome(
                 result, f"{servers.failure.one_line()}; restarting the job with fresh servers", (servers.failure,))
-            announce(held, outcome, attempt < cfg.max_failures, serving)   # the machines that only serve
+            announce(held, outcome, attempt < job.max_failures, serving)   # the machines that only serve
         return outcome
 
     def before_restart(self, prepared: Prepared, attempt: int) -> Prepared:
-        if self.cfg.num_machines > 1 and self.cfg.machine_rank != 0 and prepared.plan and prepared.plan.servers:
+        if self.rdzv.num_machines > 1 and self.rdzv.machine_rank != 0 and prepared.plan and prepared.plan.servers:
             await_attempt(self._addr(), self._port(), attempt)
-        if self.cfg.main_process_port is None and self.cfg.num_machines == 1:
+        if self.rdzv.master_port is None and self.rdzv.num_machines == 1:
             self._rdzv_port = None   # a fresh rendezvous port too
             return self.prepare(prepared.plan)
         return prepared
@@ -267,12 +267,12 @@ class TorchrunLauncher(Launcher):
         script_args = self.program.bootstrap_argv()
         args = parse_args(argv[: len(argv) - len(script_args)])
         args.training_script_args = script_args
-        args.max_restarts = max(0, self.cfg.max_failures - attempt)   # one budget for worker and server failures
+        args.max_restarts = max(0, self.rdzv.max_failures - attempt)   # one budget for worker and server failures
         return args
 
     def _job_env(self, prepared: Prepared, attempt: int, servers: ServerSet) -> dict[str, str]:
         extra = {protocol.JOB_TOKEN: self.job_token, **servers.wiring_env()}   # machine K: read at launch
-        extra.update(group_host_env(extra, prepared.env, self.cfg.num_machines == 1))
+        extra.update(group_host_env(extra, prepared.env, self.rdzv.num_machines == 1))
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         return {**prepared.env, **extra}
@@ -295,11 +295,11 @@ class TorchrunLauncher(Launcher):
                 # torchrun's agent turns SIGTERM into SignalException and stops every worker: a dead server does that
                 servers.watch()
                 _end_job_on_death(servers, _terminate_process_handler)
-                if self.cfg.num_machines > 1:   # a machine that goes silent ends the job the same way
-                    watch = MachineWatch(self._addr(), self._port(), self.cfg.machine_rank, self.cfg.num_machines,
-                                         self.cfg.torchrun.machine_timeout_s,
+                if self.rdzv.num_machines > 1:   # a machine that goes silent ends the job the same way
+                    watch = MachineWatch(self._addr(), self._port(), self.rdzv.machine_rank, self.rdzv.num_machines,
+                                         self.rdzv.options.machine_timeout_s,
                                          lambda line: _end_job(servers, line, _terminate_process_handler),
-                                         join_timeout_s=self.cfg.torchrun.rendezvous_timeout_s,
+                                         join_timeout_s=self.rdzv.options.rendezvous_timeout_s,
                                          workers_started=lambda: signal.getsignal(signal.SIGTERM)
                                          is _terminate_process_handler)
                     watch.start()
@@ -310,7 +310,7 @@ class TorchrunLauncher(Launcher):
                     run(args)
             except (ChildFailedError, SignalException, json.JSONDecodeError) as e:
                 servers.unwatch()
-                if watch is not None and self.cfg.machine_rank != 0:
+                if watch is not None and self.rdzv.machine_rank != 0:
                     watch.leave()   # before machine 0 settles
                 try:
                     return self._ended(e, servers, machines, prepared.plan, start, watch)
@@ -320,7 +320,7 @@ class TorchrunLauncher(Launcher):
             except BaseException as e:
                 if watch is not None:
                     watch.stop()
-                    missed = _not_met(e, watch, self.cfg.torchrun.rendezvous_timeout_s)
+                    missed = _not_met(e, watch, self.rdzv.options.rendezvous_timeout_s)
                     if missed is not None:   # torchrun's rendezvous gave up before the watch did
                         servers.unwatch()
                         return JobResult(1, wall_time_s=time.monotonic() - start, message=missed)
@@ -335,7 +335,7 @@ class TorchrunLauncher(Launcher):
 
     def _rendezvous_binding(self) -> "contextlib.AbstractContextManager[None]":
         """One machine: the agent's store listens on loopback alone (torch's would listen on every interface)."""
-        if on_loopback(self.cfg.num_machines == 1, self._addr()):
+        if on_loopback(self.rdzv.num_machines == 1, self._addr()):
             return loopback_stores()
         return contextlib.nullcontext()
 

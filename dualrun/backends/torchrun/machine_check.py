@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from dualrun.plan.meeting import rendezvous_of
 from dualrun.config.model import JobConfig
 from dualrun.check.node_facts import NodeReport
 from dualrun.light.interfaces import (Interface, gloo_address, gloo_ifname, ifname_problems, interfaces, listing,
@@ -248,7 +249,7 @@ def master_env(cfg: JobConfig, group: SyncGroup) -> dict[str, str]:
 
 def sync_plan(cfg: JobConfig, group: SyncGroup) -> tuple[str, int, dict[int, list[list[Any]]]]:
     """Machine 0: the master's address and port, picked as the job picks them, and each machine's member specs."""
-    address, port = master_endpoint(port_host(cfg), master_env(cfg, group))
+    address, port = master_endpoint(port_host(rendezvous_of(cfg)), master_env(cfg, group))
     by_machine: dict[int, list[list[Any]]] = {}
     for i, m in enumerate(group.members):
         by_machine.setdefault(m.node, []).append([i, member_spec(group, m, address, port)])

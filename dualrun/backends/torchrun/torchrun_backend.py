@@ -23,10 +23,15 @@ class TorchrunBackend(Backend):
         return TorchrunLauncher
 
     def before_launch(self, cfg: "JobConfig") -> None:
-        """Machine 0: main_process_port is free where its store will bind it (a taken one is one line, exit 2)."""
-        from dualrun.launchers.rendezvous_port import check_torchrun
+        """Machine 0, which hosts torchrun's store: its port is free where the store binds it (a taken one is one
+        line, exit 2; one machine without main_process_port picks a free one; machines 1..N bind nothing)."""
+        from dualrun.launchers.rendezvous_port import DEFAULT_PORT, TORCHRUN_STORE, refuse_taken, store_host
+        from dualrun.plan.meeting import rendezvous_of
 
-        check_torchrun(cfg)
+        job = rendezvous_of(cfg)
+        port = job.master_port or (DEFAULT_PORT if job.several else None)
+        if job.machine_rank == 0 and port is not None:
+            refuse_taken(job, port, store_host(not job.several, job.address), TORCHRUN_STORE)
 
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
         """This machine against the plan; on several machines, then the meeting with the others (check_meeting)."""
