@@ -48,7 +48,7 @@ def _run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bo
     # bad input fails before torch is imported for accelerate's env (seconds): the placement on the cluster the
     # config implies (dry runs, and a backend that does not plan onto a live cluster, plan on nothing else), and
     # what the backend checks first (an unreachable Ray address)
-    early = make_plan(cfg, environ=os.environ) if dry_run or not backend.plans_live else None
+    early = make_plan(cfg, environ=os.environ, method=plugin) if dry_run or not backend.plans_live else None
     if not dry_run:
         plugin.preflight(cfg)   # what this environment lacks (e.g. vLLM for GRPO's rollout), before anything starts
         backend.before_launch(cfg)
@@ -69,7 +69,8 @@ def _run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bo
                 launcher.close()
                 raise
     try:   # a plan that does not fit the live cluster is refused: the cluster joined or started is released too
-        plan = early if cluster is None and early is not None else make_plan(cfg, cluster, environ=os.environ)
+        plan = early if cluster is None and early is not None else \
+            make_plan(cfg, cluster, environ=os.environ, method=plugin)
         prepared = launcher.prepare(plan)   # what the dry run prints is what the launch runs
         if dry_run:
             print(plan.table(), file=sys.stdout)
