@@ -170,9 +170,10 @@ def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) 
 
 
 def _mark_cpu_engines(cfg: JobConfig, procs: list[Process]) -> list[Process]:
-    """CPU engines whose record asks it (`EngineKind.quiet_on_cpu`: vLLM's CPU build): each marked to wait instead of spin (dualrun/servers/quiet_readers.py), and where a machine
-    has several, each with its share of the machine's cores ('j/k'), which it binds its OpenMP threads to where it
-    starts (dualrun/servers/cpu_share.py); vLLM alone binds them all to the same cores."""
+    """CPU engines whose record asks it (`EngineKind.quiet_on_cpu`: vLLM's CPU build): each marked to wait instead
+    of spin (dualrun/servers/quiet_readers.py), and where a machine has several, each with its share of the
+    machine's cores ('j/k'), which it binds its OpenMP threads to where it starts (dualrun/servers/cpu_share.py);
+    vLLM alone binds them all to the same cores."""
     if not cfg.use_cpu:
         return procs
     on_node: dict[int, list[int]] = {}

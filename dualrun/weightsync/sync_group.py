@@ -76,8 +76,8 @@ def sync_group(cfg: JobConfig, plan: Plan) -> SyncGroup | None:
     # torchrun: the plan's devices are the process's own; on Ray the member's task is given its GPUs by Ray
     own_devices = gpus and cfg.backend_kind.per_machine
     members = [Member("trainer rank 0", rank0.node, (0,), net_env(rank0.env, own_devices))]
-    members += [Member(f"{role.name} server {p.rank}", p.node, tuple(range(first, first + size)), net_env(p.env, own_devices))
-                for p, first in zip(replicas, offsets)]
+    members += [Member(f"{role.name} server {p.rank}", p.node, tuple(range(first, first + size)),
+                       net_env(p.env, own_devices)) for p, first in zip(replicas, offsets)]
     return SyncGroup(tuple(members), 1 + size * len(replicas), gpus, role.name)
 
 
