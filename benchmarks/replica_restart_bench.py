@@ -60,7 +60,8 @@ def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
         from dualrun.servers.local import LocalServers
         from dualrun.plan.server_commands import with_method
 
-        return LocalServers(with_method(make_plan(cfg), cfg, plugin), lambda p: dict(os.environ, **p.env),
+        return LocalServers(with_method(make_plan(cfg, method=plugin), cfg, plugin),
+                            lambda p: dict(os.environ, **p.env),
                             stream=None), lambda: None
     import ray
 
@@ -70,7 +71,7 @@ def _server_set(backend: str, tiny: str, log_dir: str, restarts: int):
 
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     launcher = RayLauncher(cfg, Program("bench.py"), {}, plugin=plugin)
-    plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()))).plan
+    plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()), method=plugin)).plan
     return launcher.server_set(plan, 0, frozenset()), ray.shutdown
 
 

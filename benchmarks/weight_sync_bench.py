@@ -85,11 +85,11 @@ def start_servers(model: str, n: int, log_dir: str, stack: list, env_extra: dict
     from dualrun.contract.protocol import CPU_SHARE
     from dualrun.light.ports import free_port
     from dualrun.methods.commands import HEALTH_PATH, for_installed_vllm, rollout_vllm
-    from dualrun.plan.engines import ROLLOUT_SERVER_ENV
+    from dualrun.config.engine_kinds import VLLM
     from dualrun.servers.process import ServerProcess
 
     role = RoleSpec("rollout", 1, 1, engine="vllm", model=model, server_args=SERVER_ARGS)
-    env = {**os.environ, **ROLLOUT_SERVER_ENV, **SERVER_ENV, **(env_extra or {}),
+    env = {**os.environ, **VLLM.weight_env, **SERVER_ENV, **(env_extra or {}),
            "PYTHONPATH": os.pathsep.join(p for p in (BENCH, ROOT, os.environ.get("PYTHONPATH")) if p)}
     servers = []
     for i in range(n):

@@ -111,7 +111,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from dualrun.config.load import errors_as_written
 
     with errors_as_written(cfg.written_as):
-        plan = make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ)
+        plan = make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ, method=plugin)
     print(plan.to_json() if ns.json else plan.table())
     return 0
 

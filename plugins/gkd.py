@@ -23,6 +23,7 @@ class GKDPlugin(MethodPlugin):
     name = "gkd"
     roles = ("train", "teacher", "rollout")
     required_roles = ("train",)
+    weight_roles = frozenset({"rollout"})   # DistillationTrainer sends its weights to a separate rollout, as GRPO's
     # workers/gkd.py: a colocated teacher's model fills GKDConfig, a user-run one's gives the vocabulary size; top_k
     # truncates a colocated teacher and is what a teacher server is asked for
     role_key_reads = {"teacher": {"model": ("colocated", "address"), "top_k": ("colocated", "separate", "address")}}
@@ -61,7 +62,7 @@ class GKDPlugin(MethodPlugin):
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
         if role.name not in ("teacher", "rollout") or not role.model:
             return None
-        return server_argv(cfg, role, role.model, host, port, rollout=role.name == "rollout")
+        return server_argv(cfg, role, role.model, host, port, rollout=role.name in self.weight_roles)
 
     def health_path(self, role: RoleSpec) -> str:
         return HEALTH_PATH

@@ -12,7 +12,7 @@ from typing import Any
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.config.program import names_used, program_source
-from dualrun.plan.engines import engine_of
+from dualrun.config.engine_kinds import engine_of
 from dualrun.contract.errors import ConfigError
 from dualrun.methods.plugin import MethodPlugin
 from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
@@ -27,6 +27,7 @@ class GRPOPlugin(MethodPlugin):
     roles = ("train", "rollout")
     required_roles = ("train",)
     colocated_engine_roles = ("rollout",)   # workers/grpo.colocate_fields: TRL's colocate mode and sleep mode
+    weight_roles = frozenset({"rollout"})   # GRPOTrainer sends its weights to a separate rollout before generating
 
     def validate(self, cfg: JobConfig) -> None:
         super().validate(cfg)
@@ -45,7 +46,7 @@ class GRPOPlugin(MethodPlugin):
             require_vllm(cfg, rollout)
 
     def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> list[str] | None:
-        if role.name != "rollout" or not role.model:
+        if role.name not in self.weight_roles or not role.model:
             return None
         return server_argv(cfg, role, role.model, host, port, rollout=True)
 
@@ -76,7 +77,7 @@ def refuse_cpu_engine_training(cfg: JobConfig, rollout: RoleSpec, program: Any, 
     weight-transfer endpoints (nor does the trainer run without vLLM: TRL's client imports it). Read from the
     program's source (its script, or the module `-m` runs), never run: a trainer built in another module it imports
     is not seen, and a script that only generates through the engine (TRL's VLLMClient, no trainer) keeps it."""
-    if engine_of(cfg, rollout) != "transformers" or getattr(program, "call_file", None):
+    if engine_of(cfg, rollout).takes_weights or getattr(program, "call_file", None):
         return
     path = program_source(program.target, program.module)
     found = [name for name in trainers if path and name in names_used(path)]

@@ -11,11 +11,15 @@ import pytest
 from helpers import dualrun
 from dualrun.plan.meeting import rendezvous_of
 from dualrun.config.load import build_config
+from dualrun.methods.plugin import get_plugin
 from dualrun.plan.processes import Cluster, make_plan
 from dualrun.weightsync.sync_group import (Member, SyncGroup, advertised_address, node_host_env, port_host,
                                       sync_group)
 from dualrun.weightsync.rehearsal import run_local, verdict
 from ray_helpers import FakeGpuCluster, ray_env
+
+
+GRPO = get_plugin("grpo")
 
 
 def _cfg(roles: dict, **top) -> object:
@@ -26,7 +30,7 @@ def test_the_group_is_trainer_rank_0_then_every_replica_from_its_rank_offset():
     cfg = _cfg({"train": {"gpus": 1}, "rollout": {"gpus": 4, "tensor_parallel_size": 2, "model": "m",
                                                   "env": {"GLOO_SOCKET_IFNAME": "eth1", "OTHER": "x"}}},
                backend="ray")
-    group = sync_group(cfg, make_plan(cfg, Cluster.uniform(2, 4)))
+    group = sync_group(cfg, make_plan(cfg, Cluster.uniform(2, 4), method=GRPO))
     assert group is not None and group.world_size == 5 and group.gpus
     assert [(m.label, m.node, m.ranks, dict(m.env)) for m in group.members] == [
         ("trainer rank 0", 0, (0,), {}),
@@ -36,7 +40,7 @@ def test_the_group_is_trainer_rank_0_then_every_replica_from_its_rank_offset():
                                                "rollout server 1 (ranks 3-4)"]
     assert port_host(rendezvous_of(cfg)) == "0.0.0.0"                                      # as the Ray rank 0 actor picks it
     one = _cfg({"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m"}})
-    solo = sync_group(one, make_plan(one))
+    solo = sync_group(one, make_plan(one, method=GRPO))
     assert solo is not None and solo.world_size == 2 and [m.ranks for m in solo.members] == [(0,), (1,)]
     assert port_host(rendezvous_of(one)) == "127.0.0.1"                                    # one torchrun machine: loopback
 
@@ -50,7 +54,25 @@ def test_the_group_is_trainer_rank_0_then_every_replica_from_its_rank_offset():
 ])
 def test_no_weight_sync_no_group(roles, top):
     cfg = _cfg(roles, **top)
-    assert sync_group(cfg, make_plan(cfg)) is None
+    assert sync_group(cfg, make_plan(cfg, method=GRPO)) is None
+
+
+def test_the_method_says_which_roles_take_the_weights_not_the_role_name():
+    """The group is the replicas of the roles the method's plugin names (`weight_roles`), on an engine that takes
+    weights: a plugin naming none has no group for the same layout, and one naming the teacher rehearses it."""
+    cfg = _cfg({"train": {"gpus": 1}, "teacher": {"gpus": 1, "model": "m", "top_k": 5}}, method="gkd")
+
+    class TeacherTakesWeights:
+        weight_roles = frozenset({"teacher"})
+
+    assert sync_group(cfg, make_plan(cfg, method=get_plugin("gkd"))) is None
+    group = sync_group(cfg, make_plan(cfg, method=TeacherTakesWeights()))
+    assert group is not None and group.role == "teacher" and [m.name for m in group.members] == \
+        ["trainer rank 0", "teacher server 0 (rank 1)"]
+    rollout = _cfg({"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": "m"}})
+    assert sync_group(rollout, make_plan(rollout, method=None)) is None
+    assert "VLLM_SERVER_DEV_MODE" not in make_plan(rollout).servers[0].env
+    assert make_plan(rollout, method=GRPO).servers[0].env["VLLM_SERVER_DEV_MODE"] == "1"
 
 
 def test_the_cause_is_reported_not_the_timeouts_it_caused():
@@ -276,6 +298,6 @@ def test_the_model_s_bytes_are_its_weight_files_where_the_model_is_a_local_direc
     (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 7)          # safetensors first, as loaders take them
     (tmp_path / "config.json").write_text("{}")
     roles = {"train": {"gpus": 1}, "rollout": {"gpus": 1, "model": str(tmp_path)}}
-    assert model_file_bytes(_cfg(roles)) == 500
-    assert model_file_bytes(_cfg({**roles, "rollout": {"gpus": 1, "model": "org/hub-name"}})) is None
-    assert model_file_bytes(_cfg({"train": {"gpus": 1}})) is None
+    assert model_file_bytes(_cfg(roles), "rollout") == 500
+    assert model_file_bytes(_cfg({**roles, "rollout": {"gpus": 1, "model": "org/hub-name"}}), "rollout") is None
+    assert model_file_bytes(_cfg({"train": {"gpus": 1}}), "rollout") is None

@@ -171,11 +171,11 @@ def test_the_floor_checker_sees_an_import_upward():
 # The plan is pure: placement and env from the config and a cluster, below everything that starts a process.
 PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines", "dualrun.plan.servers",
               "dualrun.plan.meeting", "dualrun.plan.server_commands"}
-# ... and it reads values only: the config's model and the backends' records, the protocol's names, the env
-# builders, the errors.
-PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.config.backends", "dualrun.contract.protocol",
-                           "dualrun.env.worker", "dualrun.contract.errors", "dualrun.contract.redact",
-                           "dualrun.light.interpreter"}
+# ... and it reads values only: the config's model, the backends' and the engines' records, the protocol's names,
+# the env builders, the errors, the interpreter placeholder.
+PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.config.backends", "dualrun.config.engine_kinds",
+                           "dualrun.contract.protocol", "dualrun.env.worker", "dualrun.contract.errors",
+                           "dualrun.contract.redact", "dualrun.light.interpreter"}
 # The config sits below the plan: it reads the file and checks values, and imports nothing that uses it.
 CONFIG_READS = ("dualrun.config", "dualrun.contract.errors", "dualrun.contract.redact", "dualrun.env.worker",
                 "dualrun.env.installed", "dualrun.contract.protocol", "dualrun.light.progress")
@@ -352,3 +352,50 @@ def test_no_two_modules_share_a_file_name():
             names.setdefault(path.name, []).append(name)
     assert len(names) > 100, "the scan found too little: it is broken"
     assert {n: mods for n, mods in names.items() if len(mods) > 1} == {}
+
+
+# What an engine is lives in its record (dualrun/config/engine_kinds.py) and which roles do what in the methods'
+# plugins; the engine's own worker side (inside vLLM) may name vLLM's API. Nowhere else decides by such a name.
+DECIDED_NAMES = {"vllm", "transformers", "rollout", "teacher"}
+NAMES_MAY_DECIDE = ("dualrun.config.engine_kinds", "dualrun.methods", "dualrun.plugins", "dualrun.weightsync.engine")
+
+
+def _name_decisions(source: str) -> list[int]:
+    """Lines where `source` decides by an engine's or a role's name: a string of DECIDED_NAMES compared (`==`,
+    `!=`, `in`, `not in`, alone or in a tuple, list or set) or passed to `.role(...)`/`.is_separate(...)`. A
+    string that merely says a name (an error message, a log line) is no decision."""
+    def named(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in DECIDED_NAMES
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn))
+                                                 for op in node.ops):
+            if named(node.left) or any(named(c) for c in node.comparators):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("role", "is_separate") and any(named(a) for a in node.args):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_name_checker_sees_a_decision_and_not_a_message():
+    assert _name_decisions('if engine == "vllm":\n    pass\n') == [1]
+    assert _name_decisions('x = role.name in ("teacher", "x")\n') == [1]
+    assert _name_decisions('x = "rollout" in p.roles\n') == [1]
+    assert _name_decisions('r = cfg.role("rollout")\n') == [1]
+    assert _name_decisions('raise ValueError("a rollout on vllm")\nx = engine == "torchrun"\n') == []
+
+
+def test_no_engine_or_role_name_decides_outside_its_record_and_the_plugins():
+    """An engine is asked what it does (`EngineKind`), a method which of its roles take its weights
+    (`MethodPlugin.weight_roles`): a new engine or method changes no module of the core."""
+    mods = _modules()
+    assert _name_decisions(mods["dualrun.plugins.grpo"].read_text()), "the scan sees nothing: it is broken"
+    found = {name: lines for name, path in sorted(mods.items()) if not _in(name, NAMES_MAY_DECIDE)
+             and (lines := _name_decisions(path.read_text()))}
+    assert found == {}

@@ -40,14 +40,14 @@ def test_each_teacher_replica_gets_the_default_budget_the_router_none():
 @pytest.mark.parametrize("backend", ["torchrun", "ray"])
 def test_a_vllm_rollout_is_restarted_held_until_it_has_the_weights_and_a_single_engine_never(backend):
     vllm = _cfg("rollout", backend=backend, engine="vllm")
-    plan = make_plan(vllm)
+    plan = make_plan(vllm, method=get_plugin("grpo"))
     assert [p.serving.takes_weights for p in plan.servers[:3]] == [True] * 3   # held until its first sync
     assert restart_budget(plan) == {0: 3, 1: 3, 2: 3}
     cpu = _cfg("rollout")                                           # dualrun's CPU engine takes no weights
-    assert not make_plan(cpu).servers[0].serving.takes_weights
+    assert not make_plan(cpu, method=get_plugin("grpo")).servers[0].serving.takes_weights
     assert restart_budget(make_plan(cpu)) == {0: 3, 1: 3, 2: 3}
     teacher = _cfg()
-    assert not make_plan(teacher).servers[0].serving.takes_weights
+    assert not make_plan(teacher, method=get_plugin("gkd")).servers[0].serving.takes_weights
     one = _cfg(gpus=1)
     assert restart_budget(make_plan(one)) == {}   # no router to take it back
 

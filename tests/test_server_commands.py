@@ -79,11 +79,12 @@ def test_every_builder_leaves_the_interpreter_to_the_node():
 
 
 def test_rollout_server_gets_dev_mode_env_in_the_plan():
-    plan = make_plan(build_config(GRPO, "g.yaml"))
+    plan = make_plan(build_config(GRPO, "g.yaml"), method=get_plugin("grpo"))
     (server,) = plan.servers
     assert server.env["VLLM_SERVER_DEV_MODE"] == "1"
     teacher = {"gpus": 1, "model": "/m/t", "top_k": 8}
-    plan = make_plan(build_config({"method": "gkd", "roles": {"train": {"gpus": 1}, "teacher": teacher}}, "k.yaml"))
+    plan = make_plan(build_config({"method": "gkd", "roles": {"train": {"gpus": 1}, "teacher": teacher}}, "k.yaml"),
+                     method=get_plugin("gkd"))
     assert "VLLM_SERVER_DEV_MODE" not in plan.servers[0].env
 
 

@@ -54,7 +54,8 @@ def test_a_hostile_client_cannot_pause_or_reach_the_dev_endpoints_of_a_vllm_roll
     port = free_port()
     argv = get_plugin("grpo").server_command(cfg, role, "127.0.0.1", port)
     assert argv[argv.index("--middleware") + 1] == "dualrun.programs.vllm_guard.job_guard"
-    env = dict(os.environ, **server_env(cfg, role), **yaml.safe_load("{" + env_items + "}"),
+    env = dict(os.environ, **server_env(cfg, role, get_plugin("grpo").weight_roles),
+               **yaml.safe_load("{" + env_items + "}"),
                **{protocol.JOB_TOKEN: TOKEN})
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
     server = ServerProcess("rollout server 0", argv, env, "127.0.0.1", port, "/health", 400,

@@ -96,7 +96,8 @@ def test_a_vllm_cpu_engine_from_the_plan_rests_after_a_request(tmp_path, vllm_ti
                "env": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
     cfg = build_config({"use_cpu": True, "method": "grpo", "log_dir": str(tmp_path),
                         "roles": {"train": {"gpus": 1}, "rollout": rollout}}, str(tmp_path / "job.yaml"))
-    plan = with_method(make_plan(cfg), cfg, get_plugin("grpo"))
+    grpo = get_plugin("grpo")
+    plan = with_method(make_plan(cfg, method=grpo), cfg, grpo)
     assert plan.servers[0].env[protocol.QUIET_READERS] == "1"
     servers = LocalServers(plan, lambda p: dict(os.environ, **p.env), stream=None)
     with servers:

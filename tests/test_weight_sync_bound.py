@@ -12,6 +12,7 @@ from dualrun.config import build_config
 from dualrun.contract import protocol
 from dualrun.contract.errors import ConfigError
 from dualrun.plan.placement import Cluster
+from dualrun.methods.plugin import get_plugin
 from dualrun.plan.processes import make_plan
 from dualrun.weightsync.trainer.vllm_client import answer, not_formed_line
 from dualrun.weightsync.wire import FORM_TIMEOUT_ENV, FORM_TIMEOUT_S, form_timeout_s
@@ -23,14 +24,15 @@ def test_the_default_and_the_key_reach_both_ends_of_the_group():
     assert FORM_TIMEOUT_ENV == protocol.WEIGHT_SYNC_TIMEOUT_S and FORM_TIMEOUT_S == 120
     for raw, expected in ((GRPO, "120"), ({**GRPO, "weight_sync_timeout_s": 30}, "30")):
         cfg = build_config(raw, "job.yaml")
-        plan = make_plan(cfg, Cluster.uniform(1, 2))
+        plan = make_plan(cfg, Cluster.uniform(1, 2), method=get_plugin("grpo"))
         ends = [p for p in plan.processes if p.kind == "worker" or "rollout" in p.roles]
         assert len(ends) == 2 and {p.env[protocol.WEIGHT_SYNC_TIMEOUT_S] for p in ends} == {expected}
 
 
 def test_a_job_without_a_weight_sync_group_gets_no_bound():
     cfg = build_config({"roles": {"train": {"gpus": 2}}}, "job.yaml")
-    assert all(protocol.WEIGHT_SYNC_TIMEOUT_S not in p.env for p in make_plan(cfg, Cluster.uniform(1, 2)).processes)
+    assert all(protocol.WEIGHT_SYNC_TIMEOUT_S not in p.env
+               for p in make_plan(cfg, Cluster.uniform(1, 2), method=get_plugin("sft")).processes)
 
 
 @pytest.mark.parametrize("value", [0, -5, "soon", 10 ** 9])

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from dualrun.plan.meeting import rendezvous_of
 from dualrun.config.model import JobConfig
 from dualrun.contract.errors import DualrunError
+from dualrun.methods.plugin import get_plugin
 from dualrun.check.node_facts import CHECKED_PACKAGES, NodeReport, Outcome, can_bind, facts, version_differences
 from dualrun.launchers.rendezvous_port import TORCHRUN_STORE, store_host
 from dualrun.plan.processes import Cluster, Plan, make_plan
@@ -79,7 +80,7 @@ def planned_gpus(plan: Plan | None, node: int) -> int:
 def plan_or_problem(cfg: JobConfig, cluster: Cluster | None, problems: list[str]) -> Plan | None:
     """The plan, or None with its error among `problems` (the check goes on without it)."""
     try:
-        return make_plan(cfg, cluster, environ=os.environ)
+        return make_plan(cfg, cluster, environ=os.environ, method=get_plugin(cfg.method, cfg.source))
     except DualrunError as e:
         problems.append(f"plan: {e}")
         return None
@@ -116,16 +117,17 @@ def check_here(cfg: JobConfig) -> Outcome:
     notes: list[str] = []
     if group is not None and here["versions"]["torch"]:
         address, port = master_endpoint(port_host(rendezvous_of(cfg)), group.master.env)
-        found, said = run_local(group, address, port, {0: node.name}, model_bytes=model_file_bytes(cfg))
+        found, said = run_local(group, address, port, {0: node.name}, model_bytes=model_file_bytes(cfg, group.role))
         problems += found
         notes += said
     return problems, [node], notes
 
 
-def model_file_bytes(cfg: JobConfig) -> int | None:
-    """The bytes of the rollout model's weight files where its `model` is a directory here (safetensors, else
-    PyTorch's .bin), for the check's estimate of a sync's time; None otherwise (a hub name, nothing found)."""
-    role = cfg.role("rollout")
+def model_file_bytes(cfg: JobConfig, role_name: str) -> int | None:
+    """The bytes of the weight files of the model of `role_name` (the role whose engines take the weights:
+    `SyncGroup.role`) where its `model` is a directory here (safetensors, else PyTorch's .bin), for the check's
+    estimate of a sync's time; None otherwise (a hub name, nothing found)."""
+    role = cfg.role(role_name)
     path = role.model if role is not None else None
     if not path or not os.path.isdir(path):
         return None

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
 from dualrun.config.backends import DEFAULT, kind_of
+from dualrun.config.engine_kinds import named_engine
 from dualrun.config.model import RayOptions, RoleSpec, TorchrunOptions, trainer_machines
 from dualrun.env.installed import vllm_cpu_only
 from dualrun.env.worker import reserved
@@ -85,10 +86,12 @@ def check_job(source: str, acc: Mapping[str, Any], values: Mapping[str, Any], ro
         with_primary = next((set(g) for g in groups if primary in g), {primary})
         for role in roles:
             # vLLM's CPU build runs a colocated engine on CPUs too (asked last: it reads package metadata)
-            if role.engine == "vllm" and role.name in with_primary and not role.address and not vllm_cpu_only():
+            named = named_engine(role)
+            if named is not None and named.needs_gpus and role.name in with_primary and not role.address \
+                    and not vllm_cpu_only():
                 raise ConfigError(source, f"roles.{role.name}.engine", "a separate vLLM server on a CPU config "
                                   "(colocated vLLM needs GPUs or vLLM's CPU build, vllm-cpu; take the role out of "
-                                  "colocate_groups)", "vllm")
+                                  "colocate_groups)", named.name)
     for key, path in (("log_dir", values.get("log_dir")), ("torchrun.log_dir", torchrun.log_dir)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(source, key, "a directory (created when missing)", "an existing file")

@@ -10,6 +10,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from dualrun.config import schema
+from dualrun.config.engine_kinds import named_engine
 from dualrun.contract.errors import ConfigError, Said, type_words
 from dualrun.contract.redact import secret_flag
 
@@ -199,6 +200,13 @@ def program_sizes(cfg: Any) -> None:
                           f"({parts}; each is sized by roles.<name>.gpus or processes)", n)
 
 
+def _in_trainers(role: Any) -> bool:
+    """Whether `role` names an engine TRL runs inside the trainer processes (vLLM's colocate mode): unset, a
+    colocated role generates with TRL's own path."""
+    named = named_engine(role)
+    return named is not None and named.in_trainers
+
+
 def inert_keys(cfg: Any, engine_roles: Sequence[str] = (), single_controller: bool = False) -> None:
     """Keys that take effect only on a server dualrun starts (or on a colocated vLLM engine of `engine_roles`),
     refused where they would do nothing: on the trainer role, on a role colocated with it, in a role program."""
@@ -216,7 +224,7 @@ def inert_keys(cfg: Any, engine_roles: Sequence[str] = (), single_controller: bo
         else:
             continue
         colocated_engine = (not single_controller and role.name in engine_roles and role.name != primary
-                            and role.engine == "vllm")
+                            and _in_trainers(role))
         for name, default in _DEFAULTS.items():
             value = getattr(role, name)
             if value == default or (name == "tensor_parallel_size" and colocated_engine):
@@ -232,7 +240,7 @@ def inert_keys(cfg: Any, engine_roles: Sequence[str] = (), single_controller: bo
                               list(value) if isinstance(value, tuple) else value)
     if cfg.offload_model:
         users = [r for r in engine_roles if cfg.role(r) is not None and r in with_primary and r != primary
-                 and cfg.role(r).engine == "vllm" and not single_controller]
+                 and _in_trainers(cfg.role(r)) and not single_controller]
         if not users:
             raise ConfigError(cfg.source, "offload_model", "a vLLM rollout colocated with the trainers to put to "
                               "sleep (roles.rollout: {engine: vllm} in colocate_groups with train, method grpo); "

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dualrun.config.backends import BUILT_IN
+from dualrun.config.engine_kinds import names as engine_names
 from dualrun.contract import protocol
 
 
@@ -179,7 +180,7 @@ ROLE_KEYS: tuple[Key, ...] = (
     Key("engine", "str", None, "Inference engine of a separate role's server, of a colocated rollout (grpo: `vllm` "
         "is TRL's colocate mode) or of a role program's group; refused where nothing reads it (the trainer role, "
         "beside `address`; a colocated teacher keeps its separate server's, unread).",
-        choices=("vllm", "transformers")),
+        choices=engine_names()),
     Key("tensor_parallel_size", "int", 1, "GPUs of one engine of the role; must divide `gpus` (each further multiple is "
         "another replica behind the role's router; the CPU engine is always 1). A separate role's server, or a "
         "colocated vLLM rollout; refused on the trainer role.",

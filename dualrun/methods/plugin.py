@@ -25,6 +25,10 @@ class MethodPlugin:
     required_roles: tuple[str, ...] = ("train",)  # roles that must be present
     # roles whose vLLM engine, colocated with the trainers, takes `tensor_parallel_size` and `offload_model`
     colocated_engine_roles: tuple[str, ...] = ()
+    # roles whose separate engines take the trainer's weights (where their engine can: `EngineKind.takes_weights`):
+    # the plan holds a restarted replica of one out of rotation until its first update, gives its server the
+    # engine's `weight_env`, and `dualrun check` rehearses the weight-sync group with its engines
+    weight_roles: frozenset[str] = frozenset()
     # role keys the worker half reads beyond dualrun's own reading (dualrun/config/role_reads.py):
     # {role: {key: places}}, places among "trainer", "colocated", "separate", "address"; elsewhere refused
     role_key_reads: Mapping[str, Mapping[str, tuple[str, ...]]] = {}

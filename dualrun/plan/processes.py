@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from dualrun.contract import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
-from dualrun.plan.engines import engine_of, engine_size, replica_count, role_takes_weights, server_env
+from dualrun.config.engine_kinds import WeightRoles, engine_of, weight_roles_of
+from dualrun.plan.engines import engine_size, replica_count, role_takes_weights, server_env
 from dualrun.env.worker import rank_env
 from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
@@ -133,10 +134,11 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, method: Any = None
               extra_env: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> Plan:
     """Place every process of `cfg` on `cluster` (default: the cluster the config implies, on the GPUs the
     launching shell's `environ` makes visible; pass os.environ where the shell counts, None: it sets nothing),
-    with the rendezvous; given the `method` (its plugin), every server's command and health path and the trainers'
-    wiring too: the whole of what a launcher runs."""
-    plan = _placed(cfg, cluster, extra_env, environ)
-    if method is None:
+    with the rendezvous. `method`: the method's plugin: its `weight_roles` take the trainer's weights (None: no
+    role takes them), and a plugin that builds server commands gives every server's command and health path and
+    the trainers' wiring too: the whole of what a launcher runs."""
+    plan = _placed(cfg, cluster, extra_env, environ, method)
+    if getattr(method, "server_command", None) is None:
         return plan
     from dualrun.plan.server_commands import with_method
 
@@ -144,10 +146,11 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, method: Any = None
 
 
 def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str] | None,
-            environ: Mapping[str, str] | None) -> Plan:
+            environ: Mapping[str, str] | None, method: WeightRoles | None) -> Plan:
     policy = placement_for(cfg)
     cluster = cluster or policy.assumed_cluster({} if environ is None else environ)
-    common = _common_env(cfg, extra_env)
+    weight_roles = weight_roles_of(method)
+    common = _common_env(cfg, extra_env, weight_roles)
     free = policy.free_devices(cluster)
     procs: list[Process] = []
     external: dict[str, str] = {}
@@ -164,7 +167,8 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
             for name in group:
                 external[name] = role.address
             continue
-        procs += _place_server(cfg, policy, cluster, free, group, role, unit, common, _cpus_used(policy, procs))
+        procs += _place_server(cfg, policy, cluster, free, group, role, unit, common, weight_roles,
+                               _cpus_used(policy, procs))
     _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
@@ -188,15 +192,16 @@ def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) 
 
 
 def _mark_cpu_engines(cfg: JobConfig, procs: list[Process]) -> list[Process]:
-    """vLLM CPU engines: each marked to wait instead of spin (dualrun/servers/quiet_readers.py), and where a machine
-    has several, each with its share of the machine's cores ('j/k'), which it binds its OpenMP threads to where it
-    starts (dualrun/servers/cpu_share.py); vLLM alone binds them all to the same cores."""
+    """CPU engines whose record asks it (`EngineKind.quiet_on_cpu`: vLLM's CPU build): each marked to wait instead
+    of spin (dualrun/servers/quiet_readers.py), and where a machine has several, each with its share of the
+    machine's cores ('j/k'), which it binds its OpenMP threads to where it starts (dualrun/servers/cpu_share.py);
+    vLLM alone binds them all to the same cores."""
     if not cfg.use_cpu:
         return procs
     on_node: dict[int, list[int]] = {}
     for i, p in enumerate(procs):
         role = cfg.role(p.roles[0])
-        if p.kind == "server" and role is not None and engine_of(cfg, role) == "vllm":
+        if p.kind == "server" and role is not None and engine_of(cfg, role).quiet_on_cpu:
             on_node.setdefault(p.node, []).append(i)
     out = list(procs)
     for engines in on_node.values():
@@ -206,7 +211,7 @@ def _mark_cpu_engines(cfg: JobConfig, procs: list[Process]) -> list[Process]:
     return out
 
 
-def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, str]:
+def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None, weight_roles: frozenset[str]) -> dict[str, str]:
     settings = protocol.Settings(
         offload_model=cfg.offload_model, offload_optimizer=cfg.offload_optimizer, max_failures=cfg.max_failures,
         collective_timeout_s=cfg.collective_timeout_s,
@@ -215,8 +220,7 @@ def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None) -> dict[str, st
             data_parallel_size=r.data_parallel_size, model=r.model, top_k=r.top_k, separate=cfg.is_separate(r.name))
             for r in cfg.roles})
     env = {protocol.BACKEND: cfg.backend, protocol.METHOD: cfg.method, protocol.RUN_ID: AUTO, **settings.to_env()}
-    rollout = cfg.role("rollout")
-    if rollout is not None and cfg.is_separate("rollout") and not rollout.address and role_takes_weights(cfg, rollout):
+    if any(cfg.is_separate(r.name) and not r.address and role_takes_weights(cfg, r, weight_roles) for r in cfg.roles):
         env[protocol.WEIGHT_SYNC_TIMEOUT_S] = f"{cfg.weight_sync_timeout_s:g}"   # both ends of the weight sync
     env.update(cfg.env)
     env.update(extra or {})
@@ -279,7 +283,7 @@ def _cpus_used(policy: Placement, procs: Iterable[Process]) -> dict[int, float]:
 
 
 def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Free, group: tuple[str, ...],
-                  role: RoleSpec, unit: str, common: Mapping[str, str],
+                  role: RoleSpec, unit: str, common: Mapping[str, str], weight_roles: frozenset[str],
                   used: dict[int, float] | None = None) -> list[Process]:
     """A separate role's engines: one replica of `engine_size` GPUs each, each on the first node with that many
     free GPUs left by the trainers (fixed `gpu_ids`: those), and with several a router (CPU only) on the node
@@ -290,13 +294,13 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
     fixed = role.gpu_ids
     candidates: Iterable[Node] = _candidates(cluster, role)
     env = dict(common)
-    env.update(server_env(cfg, role))
+    env.update(server_env(cfg, role, weight_roles))
     env.update(role.env)
     env.update({protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
     first = cfg.role(group[0]) or role   # whose settings the unit's servers use
     serving = Serving(first.health_timeout_s, first.request_timeout_s,
                       restarts=first.replica_restarts if count > 1 else 0,
-                      takes_weights=role_takes_weights(cfg, first), log_dir=policy.server_log_dir)
+                      takes_weights=role_takes_weights(cfg, first, weight_roles), log_dir=policy.server_log_dir)
     procs = []
     for replica in range(count):
         mine = tuple(fixed[replica * size:(replica + 1) * size]) if fixed is not None else None

@@ -18,7 +18,7 @@ def server_previews(plan: Plan, host: str, node: int | None = None,
     (`with_method`'s) and the env it adds. Its port (picked free at launch) is `<auto>`, like `host` and `devices`
     where only the launch knows them (Ray: the actor's node IP and GPUs, for a server that has any); else the
     plan's devices."""
-    from dualrun.plan.engines import ROLLOUT_SERVER_ENV
+    from dualrun.config.engine_kinds import ENGINES
 
     out = []
     for p in plan.servers:
@@ -27,7 +27,7 @@ def server_previews(plan: Plan, host: str, node: int | None = None,
             argv = p.serving.argv(host, AUTO, [AUTO] * p.world_size if p.kind == ROUTER else ())
             planned = p.env.get("CUDA_VISIBLE_DEVICES", "")
             shown = {"CUDA_VISIBLE_DEVICES": devices if devices is not None and p.devices else planned}
-            shown.update({k: p.env[k] for k in ROLLOUT_SERVER_ENV if k in p.env})
+            shown.update({k: p.env[k] for kind in ENGINES.values() for k in kind.weight_env if k in p.env})
             out.append((p.label, tuple(argv), shown))
     return tuple(out)
 

@@ -20,7 +20,7 @@ from dualrun.plan.meeting import Rendezvous
 from dualrun.config.model import JobConfig
 from dualrun.contract.protocol import ROLLOUT_ADDRESS
 from dualrun.plan.processes import Plan
-from dualrun.plan.engines import engine_of, engine_size
+from dualrun.plan.engines import engine_size
 from dualrun.programs.routing import rank_offsets
 
 # The variables that decide which interface and address the group uses (torch's gloo and NCCL, vLLM's get_ip).
@@ -53,39 +53,33 @@ class SyncGroup:
     members: tuple[Member, ...]
     world_size: int
     gpus: bool
+    role: str = ""   # the role whose engines take the weights (its model's files size the check's estimate)
 
     @property
     def master(self) -> Member:
         return self.members[0]
 
 
-def syncs_weights(cfg: JobConfig) -> bool:
-    """Pure: whether the job has a weight-sync group: a separate rollout that dualrun starts on vLLM (a server you
-    run yourself is not placed by dualrun; the transformers CPU engine has no weight-transfer endpoints)."""
-    role = cfg.role("rollout")
-    return (role is not None and cfg.is_separate("rollout") and not role.address
-            and engine_of(cfg, role) == "vllm")
-
-
 def sync_group(cfg: JobConfig, plan: Plan) -> SyncGroup | None:
-    """Pure: the group the job would form on `plan`, or None where it has none."""
-    if not syncs_weights(cfg):
-        return None
-    role = cfg.role("rollout")
-    assert role is not None
+    """Pure: the group the job would form on `plan`, or None where it has none: the replicas the plan marks as
+    taking the trainer's weights (`Serving.takes_weights`: a role the method names in its `weight_roles`, on an
+    engine that can take them, started by dualrun; a server you run yourself is not placed)."""
+    replicas = [p for p in plan.servers if p.kind == "server" and p.serving is not None and p.serving.takes_weights]
     rank0 = next((p for p in plan.workers if p.rank == 0), None)
-    replicas = [p for p in plan.processes if p.kind == "server" and "rollout" in p.roles]
     if rank0 is None or not replicas:
         return None
+    replicas = [p for p in replicas if p.unit == replicas[0].unit]   # TRL's trainers push to one role's engines
+    role = cfg.role(replicas[0].roles[0])
+    assert role is not None
     size = engine_size(cfg, role)
     offsets = rank_offsets([size] * len(replicas), 1)
     gpus = role.gpus > 0
     # torchrun: the plan's devices are the process's own; on Ray the member's task is given its GPUs by Ray
     own_devices = gpus and cfg.backend_kind.per_machine
     members = [Member("trainer rank 0", rank0.node, (0,), net_env(rank0.env, own_devices))]
-    members += [Member(f"rollout server {p.rank}", p.node, tuple(range(first, first + size)),
+    members += [Member(f"{role.name} server {p.rank}", p.node, tuple(range(first, first + size)),
                        net_env(p.env, own_devices)) for p, first in zip(replicas, offsets)]
-    return SyncGroup(tuple(members), 1 + size * len(replicas), gpus)
+    return SyncGroup(tuple(members), 1 + size * len(replicas), gpus, role.name)
 
 
 def net_env(env: Mapping[str, str], devices: bool = False) -> dict[str, str]:

@@ -124,4 +124,4 @@ def handshake_ray(cfg: JobConfig, group: SyncGroup, node_ids: list[str], names: 
         ray.cancel(r, force=True)
     return verdict(group, unanswered(results, f"its task did not end within {limit_s() + PROBE_TIMEOUT_S:g} s "
                                               "(the node busy, or its GPUs taken)"), names, address, port,
-                   model_file_bytes(cfg))
+                   model_file_bytes(cfg, group.role))
