@@ -32,6 +32,11 @@ from dualrun.weightsync.sync_group import group_host_env
 POLL_S = 0.25
 
 
+def slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What srun itself needs of the launcher's env (the job it runs in, the cluster's config): SLURM_*."""
+    return {k: v for k, v in environ.items() if k.startswith("SLURM_")}
+
+
 class Signalled(BaseException):
     """SIGTERM (scancel) or SIGINT reached the launcher: the job's steps are stopped, nothing left."""
 
@@ -155,7 +160,7 @@ class SlurmLauncher(Launcher):
             return None
 
         def env_for(p: Any) -> dict[str, str]:
-            env = self.worker_env(p.env)
+            env = {**slurm_env(os.environ), **self.worker_env(p.env)}
             env[DEVICES] = json.dumps([p.env.get("CUDA_VISIBLE_DEVICES")])
             return env
 
@@ -179,7 +184,7 @@ class SlurmLauncher(Launcher):
         if self._error_dir is None:
             self._error_dir = tempfile.mkdtemp(prefix="dualrun-slurm-errors-", dir=self.cfg.log_dir or None)
         extra[ERROR_DIR] = self._error_dir
-        return {**prepared.env, **extra}
+        return {**slurm_env(os.environ), **prepared.env, **extra}
 
     def run_attempt(self, prepared: Prepared, attempt: int, servers: ServerSet | None) -> Outcome:
         from dualrun.backends.slurm.outcome import ranks_outcome
