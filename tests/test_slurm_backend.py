@@ -77,7 +77,7 @@ def test_outside_an_allocation_launch_is_one_line_exit_2(tmp_path):
 
 def test_the_dry_run_shows_the_srun_lines(tmp_path):
     (tmp_path / "c.yaml").write_text("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
-                                     "  teacher: {gpus: 1, model: t, engine: transformers}\n")
+                                     "  teacher: {gpus: 1, model: t, engine: transformers, top_k: 5}\n")
     (tmp_path / "t").mkdir()
     (tmp_path / "w.py").write_text("")
     r = dualrun("launch", "--backend", "slurm", "--config_file", "c.yaml", "--dry_run", "w.py", "--a", "1",
