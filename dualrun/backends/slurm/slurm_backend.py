@@ -41,7 +41,7 @@ class SlurmBackend(Backend):
                               "processes with srun", 2)
 
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
-        from dualrun.backends.slurm.node_check import check_nodes
+        from dualrun.backends.slurm.allocation_check import check_nodes
 
         return check_nodes(cfg)
 

@@ -14,7 +14,8 @@ import tempfile
 import time
 from typing import Any, Iterator, Mapping
 
-from dualrun.backends.slurm import allocation, steps
+import dualrun.backends.slurm.allocation as allocation
+import dualrun.backends.slurm.steps as steps
 from dualrun.backends.slurm.srun_servers import SrunServers
 from dualrun.backends.slurm.step_process import Step, cancel_steps
 from dualrun.backends.slurm.task import DEVICES, ERROR_DIR, MAX_RESTARTS, RANKS, RESTARTS
