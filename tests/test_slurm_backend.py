@@ -160,4 +160,27 @@ def test_a_failed_rank_ends_the_job_naming_it_and_leaves_nothing(slurm, tmp_path
     code, log, took = _in_sbatch(slurm, tmp_path, "--config_file", "c.yaml", "w.py", timeout=240)
     assert code != 0 and "train rank 1 failed (exit code 3)" in log, log[-4000:]
     assert took < 60, (took, log[-3000:])
-    assert not pids_matching(str(tmp_path / "w.py")), "a rank outlived the job"
+    assert not pids_matching(str(tmp_path / "w.py")) and not pids_matching("dualrun.backends.slurm.task"), \
+        "a rank outlived the job"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gkd_with_the_teacher_as_its_own_srun_step_has_torchruns_losses(slurm, tiny, tmp_path):
+    link_tiny(tiny, tmp_path)
+    (tmp_path / "gkd.yaml").write_text((REPO / "configs" / "gkd_cpu_separate_teacher.yaml").read_text())
+    args = [str(REPO / "examples" / "gkd.py"), "--model_name_or_path", "tiny/model", "--dataset_path",
+            "tiny/data/gkd.jsonl", "--seed", "3", "--save_strategy", "no", "--max_steps", "3"]
+    code, log, _ = _in_sbatch(slurm, tmp_path, "--config_file", "gkd.yaml", *args, "--output_dir", "out_slurm")
+    assert code == 0, log[-5000:] + slurm.logs()
+    assert "srun --job-name=dualrun-teacher-server-0-" not in log   # the step runs, it is not echoed
+    assert "[teacher server 0] dualrun engine: serving" in log and "GKD teacher served by the teacher role" in log, \
+        log[-4000:]
+    proc = dualrun("launch", "--backend", "torchrun", "--config_file", "gkd.yaml", *args, "--output_dir",
+                   "out_torchrun", cwd=tmp_path, env=NO_SLURM, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {b: [h["loss"] for h in json.loads((tmp_path / f"out_{b}" / "trainer_state.json").read_text())
+                  ["log_history"] if "loss" in h] for b in ("slurm", "torchrun")}
+    assert len(losses["slurm"]) == 3 and losses["slurm"] == losses["torchrun"], losses
+    assert not pids_matching("dualrun.backends.slurm.task"), "the teacher server (or a rank) outlived the job"
