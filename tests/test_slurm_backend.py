@@ -184,3 +184,38 @@ def test_gkd_with_the_teacher_as_its_own_srun_step_has_torchruns_losses(slurm, t
                   ["log_history"] if "loss" in h] for b in ("slurm", "torchrun")}
     assert len(losses["slurm"]) == 3 and losses["slurm"] == losses["torchrun"], losses
     assert not pids_matching("dualrun.backends.slurm.task"), "the teacher server (or a rank) outlived the job"
+
+
+SLEEPS = """
+import os, sys, time
+open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scancel_leaves_no_process(slurm, tmp_path):
+    import subprocess
+
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    (tmp_path / "w.py").write_text(SLEEPS)
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
+                      f"--config_file c.yaml w.py {tmp_path}\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "-o", str(tmp_path / "out.log"),
+                          str(script)], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    deadline = time.monotonic() + 120
+    while not ((tmp_path / "rank0").exists() and (tmp_path / "rank1").exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (tmp_path / "rank1").exists(), (tmp_path / "out.log").read_text()[-3000:] + slurm.logs()
+    subprocess.run(["scancel", job], env=env, check=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                                                          text=True).stdout.strip()
+                                           or pids_matching("dualrun.backends.slurm.task")):
+        time.sleep(0.5)
+    assert not pids_matching("dualrun.backends.slurm.task"), "a rank outlived scancel"
+    assert not pids_matching(str(script)) and not pids_matching("dualrun-train-"), "the launcher or srun outlived it"
