@@ -219,3 +219,16 @@ def test_scancel_leaves_no_process(slurm, tmp_path):
         time.sleep(0.5)
     assert not pids_matching("dualrun.backends.slurm.task"), "a rank outlived scancel"
     assert not pids_matching(str(script)) and not pids_matching("dualrun-train-"), "the launcher or srun outlived it"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_asks_the_allocations_nodes(slurm, tmp_path):
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun check --backend slurm "
+                      "--config_file c.yaml\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    code, log = slurm.sbatch(script, "--nodes=1", "--ntasks=2", env=env, cwd=tmp_path, timeout=240)
+    assert code == 0 and "node 0 localhost" in log, log[-3000:]
