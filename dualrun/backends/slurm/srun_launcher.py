@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import tempfile
 import time
 from typing import Any, Iterator, Mapping
@@ -22,8 +21,8 @@ from dualrun.backends.slurm.task import DEVICES, ERROR_DIR, MAX_RESTARTS, RANKS,
 from dualrun.contract import protocol
 from dualrun.contract.redact import redact, redact_argv
 from dualrun.env.worker import TORCHRUN_NAMES
-from dualrun.launchers.launcher import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd,
-                                        failed_job, join_cmd, server_preview_line, stopped_by)
+from dualrun.launchers.launcher import (JobResult, Launcher, Outcome, Prepared, bootstrap_cmd,
+                                        join_cmd, server_preview_line, stopped_by)
 from dualrun.light.ports import free_port
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.servers.planned import server_previews, wiring_env, with_method
