@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,11 @@ def test_an_unknown_backend_is_one_line_naming_the_installed_ones(tmp_path):
     env = _distribution(tmp_path / "dist")
     r = dualrun("plan", "--config_file", "c.yaml", "--backend", "nope", cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert "--backend: expected one of torchrun, ray, site (the installed backends), got nope" in r.stderr, r.stderr
+    listed = subprocess.run([sys.executable, "-c", "from dualrun.config.backends import installed; "
+                             "print(', '.join(installed()))"], capture_output=True, text=True,
+                            env={**os.environ, **env}, cwd=tmp_path).stdout.strip()
+    assert listed.startswith("torchrun, ray, ") and "site" in listed.split(", "), listed   # every installed one
+    assert f"--backend: expected one of {listed} (the installed backends), got nope" in r.stderr, r.stderr
 
 
 def test_a_backend_that_does_not_load_is_named_when_asked_for(tmp_path):

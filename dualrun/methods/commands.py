@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from dualrun.config.model import JobConfig, RoleSpec
 # what an engine is (its builder's name here, its size, its health path) lives in its record, below the plan
-from dualrun.config.engine_kinds import HEALTH_PATH, ON_CPUS, engine_of
+from dualrun.config.engine_kinds import ON_CPUS, engine_of
 from dualrun.weightsync.wire import GLOO_BACKEND
 from dualrun.env.installed import vllm_cpu_only
 from dualrun.contract.redact import abbreviates

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping
 
 from dualrun.contract import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map

@@ -36,7 +36,6 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from dualrun.contract import job_token, protocol
 from dualrun.config.cross_keys import host_port
-from dualrun.light.interpreter import PYTHON
 from dualrun.light.noise import Noise
 from dualrun.programs import guard, rotation
 from dualrun.programs import routing

@@ -6,9 +6,8 @@ set (ray_server.py) start the same servers from the same plan; only where and ho
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Mapping
 
-from dualrun.config.model import JobConfig
 from dualrun.plan.processes import AUTO, ROUTER, Plan
 
 
@@ -61,10 +60,3 @@ def addresses(plan: Plan, started: Mapping[int, str]) -> dict[str, str]:
         for name in proc.roles:
             out[name] = addr
     return out
-
-
-def wiring_env(cfg: JobConfig, plugin: Any, addresses: Mapping[str, str]) -> dict[str, str]:
-    """Env for the trainer ranks: the plugin's wiring of the servers' addresses (either backend)."""
-    if not addresses or plugin is None:
-        return {}
-    return dict(plugin.wiring_env(cfg, addresses))

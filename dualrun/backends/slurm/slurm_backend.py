@@ -1,0 +1,49 @@
+"""SLURM: one launch inside an allocation (`salloc`, `sbatch`) starts every node's processes with `srun`; the plan
+is the core's `MachinesPlacement` over the allocation's nodes (`roles.<name>.machines` index them)."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from dualrun.backends.base import Backend
+from dualrun.config.backends import BackendKind
+from dualrun.plan.placement import MachinesPlacement
+
+if TYPE_CHECKING:
+    from dualrun.check.preflight import Outcome
+    from dualrun.config.model import JobConfig
+    from dualrun.launchers.launcher import Launcher
+
+
+class SlurmBackend(Backend):
+    # per_machine: each machine's share is explicit in the plan (machines, devices, a role's `machines`), as on
+    # torchrun; the launcher starts every machine's share itself, through srun
+    kind = BackendKind("slurm", per_machine=True, ray=False, groups="local", placement=MachinesPlacement)
+    output = "output of every rank on this terminal, through srun"
+
+    def launcher_class(self) -> "type[Launcher]":
+        from dualrun.backends.slurm.srun_launcher import SlurmLauncher
+
+        return SlurmLauncher
+
+    def before_launch(self, cfg: "JobConfig") -> None:
+        """Inside an allocation with at least the job's machines (else one line, exit 2; nothing started)."""
+        from dualrun.backends.slurm.allocation import current
+        from dualrun.contract.errors import LaunchError
+
+        alloc = current(os.environ)
+        if cfg.num_machines > len(alloc.nodes):
+            raise LaunchError(f"num_machines is {cfg.num_machines} but SLURM job {alloc.job_id} has "
+                              f"{len(alloc.nodes)} node(s) ({', '.join(alloc.nodes)}): ask salloc/sbatch for "
+                              f"--nodes={cfg.num_machines}, or lower num_machines", 2)
+        if cfg.machine_rank:
+            raise LaunchError("machine_rank must be 0 or unset on SLURM: one launch starts every node's "
+                              "processes with srun", 2)
+
+    def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
+        from dualrun.backends.slurm.allocation_check import check_nodes
+
+        return check_nodes(cfg)
+
+
+BACKEND = SlurmBackend()

@@ -1,0 +1,65 @@
+"""What each `srun` task runs first: torchrun's variables from SLURM's, then the command (the bootstrap every
+backend's ranks run, or a server's engine) in its place.
+
+`python -m dualrun.backends.slurm.task CMD...`. Why a shim: SLURM numbers a step's tasks (SLURM_PROCID,
+SLURM_LOCALID, SLURM_NODEID) but sets none of the names torch and TRL read (RANK, LOCAL_RANK, WORLD_SIZE, ...); the
+launcher gives the step what every task shares (MASTER_ADDR, MASTER_PORT, the plan's env) and each task fills in
+its own here. `env_for` is pure; `main` only execs."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Mapping
+
+from dualrun.env.worker import rank_env
+
+DEVICES = "DUALRUN_SLURM_DEVICES"        # JSON list: the step's node k -> CUDA_VISIBLE_DEVICES (null: as srun gave it)
+ERROR_DIR = "DUALRUN_SLURM_ERROR_DIR"    # where rank R writes its error file, rank<R>.json
+RANKS = "DUALRUN_SLURM_RANKS"            # "1": the step's tasks are trainer ranks (else a server: devices only)
+RESTARTS = "DUALRUN_SLURM_RESTARTS"      # the attempt: TORCHELASTIC_RESTART_COUNT
+MAX_RESTARTS = "DUALRUN_SLURM_MAX_RESTARTS"
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """SLURM's `2(x3),1` -> [2, 2, 2, 1]."""
+    out: list[int] = []
+    for part in filter(None, spec.split(",")):
+        count, _, times = part.partition("(x")
+        out += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    return out
+
+
+def env_for(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables this task sets on top of what srun gave it (pure: a test gives it SLURM's variables)."""
+    node = int(environ.get("SLURM_NODEID", "0"))
+    out: dict[str, str] = {}
+    devices = json.loads(environ.get(DEVICES) or "[]")
+    if node < len(devices) and devices[node] is not None:
+        out["CUDA_VISIBLE_DEVICES"] = devices[node]   # SLURM's own binding (a step's gres) yields to the plan's
+    if environ.get(RANKS) != "1":
+        return out
+    rank = int(environ["SLURM_PROCID"])
+    per_node = tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE", "1"))
+    error_dir = environ.get(ERROR_DIR, "")
+    out.update(rank_env(
+        rank=rank, world_size=int(environ.get("SLURM_STEP_NUM_TASKS") or environ["SLURM_NTASKS"]),
+        local_rank=int(environ.get("SLURM_LOCALID", "0")), local_world_size=per_node[min(node, len(per_node) - 1)],
+        node_rank=node, num_nodes=int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES", "1")),
+        master_addr=environ["MASTER_ADDR"], master_port=environ["MASTER_PORT"],
+        restart_count=int(environ.get(RESTARTS, "0")), max_restarts=int(environ.get(MAX_RESTARTS, "0")),
+        run_id=environ.get("TORCHELASTIC_RUN_ID", "none"),
+        error_file=os.path.join(error_dir, f"rank{rank}.json") if error_dir else "",
+        omp_num_threads=environ.get("OMP_NUM_THREADS", "1")))
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit("usage: python -m dualrun.backends.slurm.task CMD [ARGS...]")
+    env = {**os.environ, **env_for(os.environ)}
+    os.execvpe(argv[0], argv, env)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

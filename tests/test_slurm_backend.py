@@ -1,0 +1,234 @@
+"""The SLURM backend (dualrun/backends/slurm/, plugged in through its entry point): its pure parts, its dry run and
+refusals anywhere; real jobs on a one-node SLURM cluster (munged, slurmctld, slurmd on 127.0.0.1) inside `sbatch`,
+started only in the loopback-only namespace, skipped with the reason where SLURM is not installed (CI)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, dualrun, link_tiny, loopback_only, pids_matching
+from dualrun.backends.slurm.allocation import parse_hostnames
+from dualrun.backends.slurm.steps import failed_tasks, ranks_step, server_step, step_name
+from dualrun.backends.slurm.task import env_for, tasks_per_node
+
+SFT = REPO / "examples" / "sft.py"
+NO_SLURM = {k: "" for k in os.environ if k.startswith("SLURM_")}
+
+
+# -- the pure parts ------------------------------------------------------------------------------------------
+def test_hostnames_and_tasks_per_node_parse_slurms_forms():
+    assert parse_hostnames("node01\nnode02\n\n") == ("node01", "node02")
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1] and tasks_per_node("4") == [4]
+
+
+def test_a_task_gets_torchruns_names_from_slurms():
+    slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_STEP_NUM_TASKS": "4",
+             "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "n0",
+             "MASTER_PORT": "1234", "DUALRUN_SLURM_RANKS": "1", "DUALRUN_SLURM_DEVICES": '["0,1", "2,3"]',
+             "DUALRUN_SLURM_ERROR_DIR": "/e"}
+    env = env_for(slurm)
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+                                "TORCHELASTIC_ERROR_FILE")} == {
+        "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "n0", "MASTER_PORT": "1234", "CUDA_VISIBLE_DEVICES": "2,3",
+        "TORCHELASTIC_ERROR_FILE": "/e/rank3.json"}
+    # a server's task: its devices only, no rank variables
+    assert env_for({"SLURM_NODEID": "0", "DUALRUN_SLURM_DEVICES": '["5"]'}) == {"CUDA_VISIBLE_DEVICES": "5"}
+
+
+def test_the_srun_lines():
+    argv = ranks_step(["a", "b"], 2, ["py", "-m", "dualrun.rank.bootstrap", "s.py"], "dualrun-train-x", "py")
+    assert argv[:6] == ["srun", "--job-name=dualrun-train-x", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
+                        "--nodelist=a,b"]
+    assert "--kill-on-bad-exit=1" in argv and "--overlap" in argv
+    assert argv[-7:] == ["py", "-m", "dualrun.backends.slurm.task", "py", "-m", "dualrun.rank.bootstrap", "s.py"]
+    one = server_step("b", ["py", "-m", "engine"], step_name("teacher server 0", "r1"), "py")
+    assert "--nodelist=b" in one and "--ntasks=1" in one and "--job-name=dualrun-teacher-server-0-r1" in one
+
+
+def test_srun_error_lines_name_the_tasks_in_order():
+    lines = ["srun: error: n0: task 1: Exited with exit code 3", "some rank output",
+             "srun: error: n0: tasks 0,2-3: Killed", "srun: launch/slurm: _step_signal: Terminating StepId=5.0"]
+    assert failed_tasks(lines) == [(1, 3), (0, -9), (2, -9), (3, -9)]
+
+
+# -- the CLI, no SLURM needed ----------------------------------------------------------------------------------
+def test_the_backend_is_installed_through_its_entry_point_not_built_in():
+    from dualrun.config.backends import BUILT_IN, installed
+
+    assert "slurm" in installed() and "slurm" not in dict(BUILT_IN)
+
+
+def test_outside_an_allocation_launch_is_one_line_exit_2(tmp_path):
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    (tmp_path / "w.py").write_text("open('ran', 'w').write('x')\n")
+    r = dualrun("launch", "--backend", "slurm", "--config_file", "c.yaml", "w.py", cwd=tmp_path, env=NO_SLURM)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "not inside a SLURM allocation" in r.stderr and not (tmp_path / "ran").exists()
+
+
+def test_the_dry_run_shows_the_srun_lines(tmp_path):
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
+                                     "  teacher: {gpus: 1, model: t, engine: transformers, top_k: 5}\n")
+    (tmp_path / "t").mkdir()
+    (tmp_path / "w.py").write_text("")
+    r = dualrun("launch", "--backend", "slurm", "--config_file", "c.yaml", "--dry_run", "w.py", "--a", "1",
+                cwd=tmp_path, env=NO_SLURM)
+    assert r.returncode == 0, r.stderr
+    ranks = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("srun ")]
+    assert len(ranks) == 1 and "--ntasks=2" in ranks[0] and "dualrun.rank.bootstrap w.py --a 1" in ranks[0], r.stdout
+    teacher = [ln for ln in r.stdout.splitlines() if ln.startswith("# teacher server 0, started first:")]
+    assert teacher and "srun --job-name=dualrun-teacher-server-0-" in teacher[0] and "'--nodelist=<node 0>'" in \
+        teacher[0], r.stdout
+
+
+# -- real jobs inside sbatch -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slurm():
+    from slurm_helpers import OneNodeSlurm, ensure_installed
+
+    if not loopback_only():
+        pytest.skip("a SLURM cluster is started only inside the loopback-only namespace")
+    why = ensure_installed()
+    if why:
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="drsb", dir="/tmp"))
+    cluster = OneNodeSlurm(root, cpus=2)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _in_sbatch(slurm, tmp_path: Path, *launch: str, timeout: float = 600) -> tuple[int, str, float]:
+    """`dualrun launch --backend slurm ...` as an sbatch script's one command: (exit code, its output, seconds)."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
+                      + " ".join(launch) + "\n")
+    start = time.monotonic()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    code, log = slurm.sbatch(script, "--nodes=1", "--ntasks=2", env=env, cwd=tmp_path, timeout=timeout)
+    return code, log, time.monotonic() - start
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_sft_on_slurm_has_the_losses_of_torchrun(slurm, tiny, tmp_path):
+    link_tiny(tiny, tmp_path)
+    (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    args = [str(SFT), "--model_name_or_path", str(tmp_path / "tiny" / "model"), "--dataset_path",
+            "tiny/data/sft.jsonl", "--seed", "7", "--save_strategy", "no", "--max_steps", "4"]
+    losses = {}
+    code, log, _ = _in_sbatch(slurm, tmp_path, "--config_file", "cpu2.yaml", *args, "--output_dir", "out_slurm")
+    assert code == 0, log[-5000:] + slurm.logs()
+    assert "srun" in log and "job succeeded" in log, log[-3000:]
+    proc = dualrun("launch", "--backend", "torchrun", "--config_file", "cpu2.yaml", *args, "--output_dir",
+                   "out_torchrun", cwd=tmp_path, env=NO_SLURM, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for backend in ("slurm", "torchrun"):
+        history = json.loads((tmp_path / f"out_{backend}" / "trainer_state.json").read_text())["log_history"]
+        losses[backend] = [h["loss"] for h in history if "loss" in h]
+    assert len(losses["slurm"]) >= 2 and losses["slurm"] == losses["torchrun"], losses
+    assert not pids_matching(str(tmp_path))
+
+
+KILLED = """
+import os, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(3)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_failed_rank_ends_the_job_naming_it_and_leaves_nothing(slurm, tmp_path):
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    (tmp_path / "w.py").write_text(KILLED)
+    code, log, took = _in_sbatch(slurm, tmp_path, "--config_file", "c.yaml", "w.py", timeout=240)
+    assert code != 0 and "train rank 1 failed (exit code 3)" in log, log[-4000:]
+    assert took < 60, (took, log[-3000:])
+    assert not pids_matching(str(tmp_path / "w.py")) and not pids_matching("dualrun.backends.slurm.task"), \
+        "a rank outlived the job"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_gkd_with_the_teacher_as_its_own_srun_step_has_torchruns_losses(slurm, tiny, tmp_path):
+    link_tiny(tiny, tmp_path)
+    (tmp_path / "gkd.yaml").write_text((REPO / "configs" / "gkd_cpu_separate_teacher.yaml").read_text())
+    args = [str(REPO / "examples" / "gkd.py"), "--model_name_or_path", "tiny/model", "--dataset_path",
+            "tiny/data/gkd.jsonl", "--seed", "3", "--save_strategy", "no", "--max_steps", "3"]
+    code, log, _ = _in_sbatch(slurm, tmp_path, "--config_file", "gkd.yaml", *args, "--output_dir", "out_slurm")
+    assert code == 0, log[-5000:] + slurm.logs()
+    assert "srun --job-name=dualrun-teacher-server-0-" not in log   # the step runs, it is not echoed
+    assert "[teacher server 0] dualrun engine: serving" in log and "GKD teacher served by the teacher role" in log, \
+        log[-4000:]
+    proc = dualrun("launch", "--backend", "torchrun", "--config_file", "gkd.yaml", *args, "--output_dir",
+                   "out_torchrun", cwd=tmp_path, env=NO_SLURM, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {b: [h["loss"] for h in json.loads((tmp_path / f"out_{b}" / "trainer_state.json").read_text())
+                  ["log_history"] if "loss" in h] for b in ("slurm", "torchrun")}
+    assert len(losses["slurm"]) == 3 and losses["slurm"] == losses["torchrun"], losses
+    assert not pids_matching("dualrun.backends.slurm.task"), "the teacher server (or a rank) outlived the job"
+
+
+SLEEPS = """
+import os, sys, time
+open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"]), "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scancel_leaves_no_process(slurm, tmp_path):
+    import subprocess
+
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    (tmp_path / "w.py").write_text(SLEEPS)
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
+                      f"--config_file c.yaml w.py {tmp_path}\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "-o", str(tmp_path / "out.log"),
+                          str(script)], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    deadline = time.monotonic() + 120
+    while not ((tmp_path / "rank0").exists() and (tmp_path / "rank1").exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (tmp_path / "rank1").exists(), (tmp_path / "out.log").read_text()[-3000:] + slurm.logs()
+    subprocess.run(["scancel", job], env=env, check=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                                                          text=True).stdout.strip()
+                                           or pids_matching("dualrun.backends.slurm.task")):
+        time.sleep(0.5)
+    assert not pids_matching("dualrun.backends.slurm.task"), "a rank outlived scancel"
+    assert not pids_matching(str(script)) and not pids_matching("dualrun-train-"), "the launcher or srun outlived it"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_check_asks_the_allocations_nodes(slurm, tmp_path):
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun check --backend slurm "
+                      "--config_file c.yaml\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    code, log = slurm.sbatch(script, "--nodes=1", "--ntasks=2", env=env, cwd=tmp_path, timeout=240)
+    assert code == 0 and "node 0 localhost" in log, log[-3000:]
