@@ -84,7 +84,8 @@ def start_servers(model: str, n: int, log_dir: str, stack: list, env_extra: dict
     from dualrun.config.model import RoleSpec
     from dualrun.contract.protocol import CPU_SHARE
     from dualrun.light.ports import free_port
-    from dualrun.methods.commands import HEALTH_PATH, for_installed_vllm, rollout_vllm
+    from dualrun.config.engine_kinds import HEALTH_PATH
+    from dualrun.methods.commands import for_installed_vllm, rollout_vllm
     from dualrun.config.engine_kinds import VLLM
     from dualrun.servers.process import ServerProcess
 

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     _job_flags(launch)
     launch.add_argument("--dry_run", "--dry-run", dest="dry_run", action="store_true",
                         help="print the exact commands and env (secrets redacted); start nothing")
+    launch.add_argument("--submit", action="store_true",
+                        help="submit the job to the backend's batch scheduler (slurm: sbatch, from a login node), "
+                             "follow its output and exit with its code")
     launch.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     launch.add_argument("training_script", help="the script (or module with -m) every worker runs")
     script_args = launch.add_argument("training_script_args", nargs=argparse.REMAINDER,
@@ -112,7 +115,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     with errors_as_written(cfg.written_as):
         plan = make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ, method=plugin)
-    print(plan.to_json() if ns.json else plan.table())
+    if ns.json:
+        print(plan.to_json())
+        return 0
+    print(plan.table())
+    for line in backend_of(cfg).plan_notes(cfg, plan):
+        print(line)
     return 0
 
 
@@ -148,8 +156,22 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         check_module(cfg, ns.training_script)
     elif not os.path.isfile(ns.training_script):
         raise ConfigError("<command line>", "training_script", "an existing script file", ns.training_script)
+    if ns.submit:   # the same launch, run where the backend's scheduler places it
+        from dualrun.backends import backend_of
+
+        return backend_of(cfg).submit(cfg, _without_submit(ns.argv, ns.training_script), dry_run=ns.dry_run)
     result = run_job(cfg, program, plugin, dry_run=ns.dry_run)
     return result.exit_code
+
+
+def _without_submit(argv: Sequence[str], script: str) -> list[str]:
+    """`python -m dualrun ARGV` with `--submit` (and a dry run's `--dry_run`: it shows what a real submission
+    runs) taken out of dualrun's own flags, those before the training script (the script's own arguments are left
+    as they are): what the submitted job runs."""
+    args = list(argv)
+    end = args.index(script) if script in args else len(args)
+    drop = ("--submit", "--dry_run", "--dry-run")
+    return [sys.executable, "-m", "dualrun", *(a for a in args[:end] if a not in drop), *args[end:]]
 
 
 def cmd_config_default(ns: argparse.Namespace) -> int:
@@ -202,6 +224,7 @@ def cmd_env(ns: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    ns.argv = list(sys.argv[1:] if argv is None else argv)
     if ns.version:
         from dualrun import __version__
 

@@ -16,7 +16,8 @@ from dualrun.contract.errors import ConfigError
 from dualrun.methods.plugin import MethodPlugin
 from dualrun.plugins.grpo import ROLLOUT_SERVES, refuse_cpu_engine_training, require_vllm
 from dualrun.plugins.workers.gkd_worker import FULL_VOCAB_HINT
-from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.config.engine_kinds import HEALTH_PATH
+from dualrun.methods.commands import server_argv, validate_server_role
 
 
 class GKDPlugin(MethodPlugin):

@@ -15,7 +15,8 @@ from dualrun.config.program import names_used, program_source
 from dualrun.config.engine_kinds import engine_of
 from dualrun.contract.errors import ConfigError
 from dualrun.methods.plugin import MethodPlugin
-from dualrun.methods.commands import HEALTH_PATH, server_argv, validate_server_role
+from dualrun.config.engine_kinds import HEALTH_PATH
+from dualrun.methods.commands import server_argv, validate_server_role
 
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 # TRL's trainers this method wires to a separate rollout; each sends its weights there before generating

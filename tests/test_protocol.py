@@ -37,17 +37,26 @@ def test_address_names():
 
 
 def test_no_dualrun_env_name_spelled_outside_the_protocol_module():
-    """A `"DUALRUN_..."` string literal anywhere but contract/protocol.py is a second copy of a protocol name."""
-    found = []
+    """A `"DUALRUN_..."` string literal anywhere but contract/protocol.py is a second copy of a protocol name. A
+    backend folder may name its own, `DUALRUN_<BACKEND>_...`, in one module of its folder: the core never reads
+    them (a plug-in backend cannot add to the core's protocol)."""
+    found, owners = [], {}
     for path in sorted([*(REPO / "dualrun").rglob("*.py"), *(REPO / "plugins").rglob("*.py")]):
         if path == REPO / "dualrun" / "contract" / "protocol.py":
             continue
+        rel = path.relative_to(REPO)
+        own = f"DUALRUN_{rel.parts[2].upper()}_" if rel.parts[:2] == ("dualrun", "backends") and len(rel.parts) > 3 \
+            else None
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) \
                     and node.value.startswith("DUALRUN_") and node.value != "DUALRUN_*" \
                     and node.value != "DUALRUN_ROLE_PROGRAM":   # a module-level flag in a user's script
-                found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value}")
+                if own and node.value.startswith(own):
+                    owners.setdefault(own, set()).add(str(rel))
+                    continue
+                found.append(f"{rel}:{node.lineno}: {node.value}")
     assert not found, "\n".join(found)
+    assert all(len(modules) == 1 for modules in owners.values()), owners   # a backend's names: one module
 
 
 def test_protocol_imports_only_the_standard_library():

@@ -88,6 +88,11 @@ def test_the_dry_run_shows_the_srun_lines(tmp_path):
     teacher = [ln for ln in r.stdout.splitlines() if ln.startswith("# teacher server 0, started first:")]
     assert teacher and "srun --job-name=dualrun-teacher-server-0-" in teacher[0] and "'--nodelist=<node 0>'" in \
         teacher[0], r.stdout
+    plan = dualrun("plan", "--backend", "slurm", "--config_file", "c.yaml", cwd=tmp_path, env=NO_SLURM)
+    assert plan.returncode == 0 and plan.stdout.startswith("plan: backend=slurm method=gkd"), plan.stderr
+    srun = [ln.strip() for ln in plan.stdout.splitlines() if "srun --job-name=dualrun-" in ln]
+    assert len(srun) == 2 and "--ntasks=2" in srun[1] and srun[1].endswith("dualrun.rank.bootstrap SCRIPT"), srun
+    assert "srun" not in dualrun("plan", "--backend", "torchrun", "--config_file", "c.yaml", cwd=tmp_path).stdout
 
 
 # -- real jobs inside sbatch -------------------------------------------------------------------------------------
@@ -232,3 +237,45 @@ def test_check_asks_the_allocations_nodes(slurm, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     code, log = slurm.sbatch(script, "--nodes=1", "--ntasks=2", env=env, cwd=tmp_path, timeout=240)
     assert code == 0 and "node 0 localhost" in log, log[-3000:]
+
+
+# -- --submit: from outside any allocation ---------------------------------------------------------------------
+def test_submit_dry_run_prints_the_batch_script_the_plan_needs(tmp_path):
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nnum_machines: 2\nroles: {train: {gpus: 4}}\n")
+    (tmp_path / "w.py").write_text("")
+    r = dualrun("launch", "--backend", "slurm", "--submit", "--dry_run", "--config_file", "c.yaml", "w.py",
+                "--submit", cwd=tmp_path, env=NO_SLURM)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert "#SBATCH --nodes=2" in lines and "#SBATCH --ntasks-per-node=2" in lines, r.stdout
+    assert lines[-1].endswith("-m dualrun launch --backend slurm --config_file c.yaml w.py --submit"), lines[-1]
+    assert not list(tmp_path.glob("*.sbatch")), "a dry run wrote the script"
+    other = dualrun("launch", "--backend", "torchrun", "--submit", "--config_file", "c.yaml", "w.py", cwd=tmp_path)
+    assert other.returncode == 2 and other.stderr.count("\n") == 1 and "--submit: expected a backend with a batch " \
+        "scheduler to submit to (slurm), got --backend torchrun" in other.stderr, other.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_submit_from_outside_the_allocation_follows_the_job_and_returns_its_code(slurm, tiny, tmp_path):
+    """The one command from a login node: the script written, sbatch'd, its output followed here, the training's
+    result on disk; a job whose rank fails gives its exit code back."""
+    link_tiny(tiny, tmp_path)
+    (tmp_path / "cpu2.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    env = {**NO_SLURM, "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    r = dualrun("launch", "--backend", "slurm", "--submit", "--config_file", "cpu2.yaml", str(SFT),
+                "--model_name_or_path", str(tmp_path / "tiny" / "model"), "--dataset_path", "tiny/data/sft.jsonl",
+                "--save_strategy", "no", "--max_steps", "2", "--output_dir", "out", cwd=tmp_path, env=env,
+                timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + slurm.logs()
+    assert "submitted SLURM job" in r.stderr and "job succeeded" in r.stdout and "completed (exit code 0)" in \
+        r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "trainer_state.json").read_text())["global_step"] == 2
+    assert len(list(tmp_path.glob("dualrun-slurm-*.sbatch"))) == 1
+    (tmp_path / "w.py").write_text(KILLED)
+    failed = dualrun("launch", "--backend", "slurm", "--submit", "--config_file", "cpu2.yaml", "w.py", cwd=tmp_path,
+                     env=env, timeout=240)
+    assert failed.returncode == 3 and "train rank 1 failed (exit code 3)" in failed.stdout, \
+        failed.stdout[-3000:] + failed.stderr[-2000:]
+    assert not pids_matching("dualrun.backends.slurm.task")

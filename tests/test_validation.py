@@ -9,7 +9,7 @@ from dualrun.methods.plugin import get_plugin
 
 CASES = [
     ({"nmu_processes": 2}, "nmu_processes", "did you mean 'num_processes'"),
-    ({"backend": "slurm"}, "backend", "one of torchrun, ray"),
+    ({"backend": "kubernetes"}, "backend", "one of torchrun, ray"),
     ({"backend": 3}, "backend", "a string"),
     ({"max_failures": -1}, "max_failures", ">= 0"),
     ({"max_failures": "two"}, "max_failures", "an integer"),

@@ -6,12 +6,13 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 from dualrun.config.backends import BackendKind
+from dualrun.config.backends import backend_object as backend_of_name
 
 if TYPE_CHECKING:
     from dualrun.check.preflight import Outcome
     from dualrun.config.model import JobConfig
     from dualrun.launchers.launcher import Launcher, Program
-    from dualrun.plan.processes import Cluster
+    from dualrun.plan.processes import Cluster, Plan
 
 
 class Backend(ABC):
@@ -40,6 +41,11 @@ class Backend(ABC):
         """The live cluster `dualrun plan` places onto (None: the one the config implies)."""
         return None
 
+    def plan_notes(self, cfg: "JobConfig", plan: "Plan") -> list[str]:
+        """Lines `dualrun plan` prints under the plan's table: what this backend would run for it (none by
+        default; the launch's `--dry_run` shows the commands of every backend)."""
+        return []
+
     def before_launch(self, cfg: "JobConfig") -> None:
         """What must hold before anything heavy starts (a ConfigError for what does not)."""
 
@@ -53,6 +59,17 @@ class Backend(ABC):
         from dualrun.roles.modes import LOCAL_GROUPS
 
         return LOCAL_GROUPS
+
+    def submit(self, cfg: "JobConfig", command: list[str], dry_run: bool = False) -> int:
+        """`dualrun launch --submit`: hand the job to the backend's batch scheduler, to run `command` (this same
+        launch, without `--submit`) where the scheduler places it; follow it and return its exit code (`dry_run`:
+        print what would be submitted). A backend without a scheduler refuses it with one line."""
+        from dualrun.config.backends import installed
+        from dualrun.contract.errors import ConfigError
+
+        with_one = [n for n in installed() if type(backend_of_name(n)).submit is not Backend.submit]
+        raise ConfigError("<command line>", "--submit", "a backend with a batch scheduler to submit to ("
+                          + (", ".join(with_one) or "none is installed") + ")", f"--backend {self.name}")
 
     @abstractmethod
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":

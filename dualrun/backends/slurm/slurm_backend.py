@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from dualrun.check.preflight import Outcome
     from dualrun.config.model import JobConfig
     from dualrun.launchers.launcher import Launcher
+    from dualrun.plan.processes import Plan
 
 
 class SlurmBackend(Backend):
@@ -39,6 +40,20 @@ class SlurmBackend(Backend):
         if cfg.machine_rank:
             raise LaunchError("machine_rank must be 0 or unset on SLURM: one launch starts every node's "
                               "processes with srun", 2)
+
+    def plan_notes(self, cfg: "JobConfig", plan: "Plan") -> list[str]:
+        """The srun lines a launch of this plan runs (its dry run's, the training script as SCRIPT)."""
+        from dualrun.launchers.launcher import Program
+
+        launcher = self.launcher(cfg, Program("SCRIPT"), None)
+        return launcher.describe(launcher.prepare(plan)).splitlines()
+
+    def submit(self, cfg: "JobConfig", command: list[str], dry_run: bool = False) -> int:
+        """From a login node: the batch script the plan needs, sbatch, the job's output followed (submit.py)."""
+        from dualrun.backends.slurm.submit import submit
+        from dualrun.plan.processes import make_plan
+
+        return submit(cfg, make_plan(cfg), command, dry_run, os.environ)
 
     def check(self, cfg: "JobConfig", wait_s: float | None = None) -> "Outcome":
         from dualrun.backends.slurm.allocation_check import check_nodes
