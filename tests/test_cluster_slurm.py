@@ -61,3 +61,56 @@ def test_sbatch_recipe_trains_across_two_nodes(slurm, tiny, backend):
         placed = re.search(r"train: 2 worker\(s\) placed on 2 node\(s\), master (\S+):\d+", log)
         assert placed and placed.group(1) in (address(0), address(1)) and "job succeeded" in log, log[-3000:]
     assert [left_on(cluster.vc, k) for k in (0, 1)] == [[], []]
+
+
+def _dualrun_in_sbatch(cluster, work: Path, launch: list[str], timeout: float = 800) -> tuple[int, str]:
+    """`dualrun launch --backend slurm LAUNCH` as an sbatch script's one command, on 2 nodes, one task slot each."""
+    import shlex
+    import sys
+
+    from cluster_jobs import ENV
+
+    script = work / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {work}\nexec {sys.executable} -m dualrun launch --backend slurm "
+                      + " ".join(shlex.quote(a) for a in launch) + "\n")
+    env = {**{k: v for k, v in cluster.env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}, **ENV}
+    return cluster.sbatch(script, "--nodes=2", "--ntasks-per-node=1", env=env, cwd=work, timeout=timeout)
+
+
+@pytest.mark.timeout(900)
+def test_dualrun_on_slurm_runs_trl_sft_one_rank_per_node_with_the_losses_of_one_machine(slurm, tiny,
+                                                                                         sft_one_machine):
+    """`--backend slurm` inside a two-node allocation: TRL's sft.py unchanged, the two ranks one srun step (one task
+    on each node, RANK from SLURM_PROCID, MASTER_ADDR the first node, whose name is loopback on itself: gloo gets
+    the interface on the route to it), the losses of the same job on one machine, nothing left on either node."""
+    from cluster_jobs import SFT_CONFIG, losses, sft_args, sft_data
+
+    cluster, shared = slurm
+    work = shared / "dualrun-sft"
+    data = sft_data(tiny, work)
+    (work / "job.yaml").write_text(SFT_CONFIG + "num_machines: 2\n")
+    code, log = _dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *sft_args(tiny, data, work / "two")])
+    assert code == 0 and "job succeeded" in log, log[-6000:] + cluster.logs()
+    assert losses(work / "two") == sft_one_machine
+    assert [left_on(cluster.vc, k) for k in (0, 1)] == [[], []]
+
+
+@pytest.mark.timeout(900)
+def test_dualrun_on_slurm_serves_gkd_from_a_teacher_on_node_1(slurm, tiny, gkd_one_machine):
+    """GKD with `roles.teacher.machines: [1]`: the teacher's CPU-engine server an srun step on node 1, both ranks
+    (one a node) scoring against it at node 1's name, with the losses of one machine."""
+    import json
+
+    from cluster_jobs import gkd_args, gkd_config
+
+    cluster, shared = slurm
+    work = shared / "dualrun-gkd"
+    (work / "out").mkdir(parents=True)
+    config = gkd_config(tiny, "num_machines: 2\n").replace("teacher: {gpus: 2,", "teacher: {gpus: 1, machines: [1],")
+    (work / "job.yaml").write_text(config)
+    code, log = _dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *gkd_args(tiny, work / "out")])
+    assert code == 0 and "job succeeded" in log, log[-6000:] + cluster.logs()
+    ranks = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert {r["teacher_address"].rpartition(":")[0] for r in ranks} == {cluster.names[1]}, ranks
+    assert [r["losses"] for r in ranks] == gkd_one_machine
+    assert [left_on(cluster.vc, k) for k in (0, 1)] == [[], []]

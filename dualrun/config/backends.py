@@ -23,8 +23,10 @@ DEFAULT = "torchrun"
 
 @dataclass(frozen=True)
 class BackendKind:
-    """`per_machine`: launched on every machine by hand, every machine alike (torchrun, like `accelerate
-    launch`): a machine's ranks, servers and a role program's groups run on the machine that launches them.
+    """`per_machine`: each machine's share is explicit in the plan (its ranks, its servers, `roles.<name>.machines`
+    index the machines), every machine alike: torchrun launches each machine's share by hand (like `accelerate
+    launch`; a machine's ranks, servers and a role program's groups run on the machine that launches them), SLURM
+    from one launch through srun (its machine_rank is always 0).
     `ray`: places its processes through a Ray cluster it joins or starts (needs the ray package; the `ray.*`
     keys apply). `groups`: how a role program's worker groups run, the role runtime's mode (`DUALRUN_ROLES_MODE`):
     'ray' actors, or 'local' processes of the driver. `placement`:
