@@ -20,7 +20,8 @@ from dualrun.env.worker import TORCHRUN_NAMES
 from dualrun.contract.redact import redact, redact_argv
 from dualrun.contract.errors import LaunchError
 from dualrun.launchers.launcher import (JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_module_argv,
-                                    failed_job, join_cmd, server_preview_line, stopped_by)
+                                    join_cmd, server_preview_line, stopped_by)
+from dualrun.backends.torchrun.agent_results import first_failure, not_met, server_died
 from dualrun.backends.torchrun.machine_watch import MachineWatch
 from dualrun.backends.torchrun.serve_only import announce, machines_with_ranks, serve, serving_machines
 from dualrun.light.held_stores import held_stores
@@ -320,7 +321,7 @@ class TorchrunLauncher(Launcher):
             except BaseException as e:
                 if watch is not None:
                     watch.stop()
-                    missed = _not_met(e, watch, self.rdzv.options.rendezvous_timeout_s)
+                    missed = not_met(e, watch, self.rdzv.options.rendezvous_timeout_s)
                     if missed is not None:   # torchrun's rendezvous gave up before the watch did
                         servers.unwatch()
                         return JobResult(1, wall_time_s=time.monotonic() - start, message=missed)
@@ -352,8 +353,8 @@ class TorchrunLauncher(Launcher):
         if isinstance(e, ChildFailedError):
             # a server died first and the workers failed for it: the cause
             if (machines.settle() if machines is not None else servers.check()) is not None:
-                return _server_died(servers, start)
-            failed = _failed(e, time.monotonic() - start, unit)
+                return server_died(servers, start)
+            failed = first_failure(e, time.monotonic() - start, unit)
             lost = watch.settle() if watch is not None else None   # another machine gone: the likely cause
             if lost is not None:
                 return JobResult(failed.exit_code, failed.ranks, time.monotonic() - start,
@@ -361,7 +362,7 @@ class TorchrunLauncher(Launcher):
             return failed
         if isinstance(e, SignalException):
             if servers.failure is not None:
-                return _server_died(servers, start)
+                return server_died(servers, start)
             return stopped_by(int(e.sigval), wall_time_s=time.monotonic() - start)
         # torchrun's agent reads a failed rank's error file and gives up on one cut off mid-write (torch's own
         # `@record` writes it in place, and the rank may be stopped meanwhile); its workers are stopped
@@ -410,42 +411,3 @@ def _end_job(servers: ServerSet, failure: "ServerDeath | str", agent_handler: An
     print(f"dualrun: error: {failure}", file=sys.stderr, flush=True)
     servers.stop()
     os._exit(1)
-
-
-def _not_met(e: BaseException, watch: MachineWatch, waited_s: float) -> str | None:
-    """The line for an agent whose rendezvous gave up (`e`, torch's store error) before every machine came: the
-    machines machine 0 never saw, or, on machine K, machine 0 whose store it never reached; None for any other
-    error."""
-    from torch.distributed import DistError
-
-    if not isinstance(e, DistError):
-        return None
-    if watch.machine == 0:
-        missing = watch.unjoined()
-        return watch.unjoined_line(missing) if missing else None
-    if watch.reached:
-        return None
-    return watch.absent_line(waited_s)
-
-
-def _server_died(servers: ServerSet, start: float) -> JobResult:
-    """The job ended because a server died: name it, its exit code and its log's last lines."""
-    return JobResult(1, wall_time_s=time.monotonic() - start, message=str(servers.failure))
-
-
-def _text(message) -> str:
-    if isinstance(message, dict):
-        inner = message.get("message", message)
-        if isinstance(inner, dict):
-            return str(inner.get("message", ""))
-        return str(inner)
-    return str(message or "")
-
-
-def _failed(e, wall: float, unit: str = "train") -> JobResult:
-    """One line naming the first rank that failed by itself (exit code > 0, not one torchrun terminated
-    afterwards) and the last line of its error."""
-    ranks = {r: RankResult(f"{unit} rank {r}", r, f.exitcode, _text(f.message), end=f.timestamp)
-             for r, f in sorted(e.failures.items())}
-    own = [ranks[r] for r, f in e.failures.items() if f.exitcode is not None and f.exitcode > 0]
-    return failed_job(list(ranks.values()), own, ranks[e.get_first_failure()[0]], wall)
