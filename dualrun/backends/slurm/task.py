@@ -56,16 +56,20 @@ def env_for(environ: Mapping[str, str]) -> dict[str, str]:
 
 def gloo_here(environ: Mapping[str, str]) -> dict[str, str]:
     """A rank of a step across nodes: GLOO_SOCKET_IFNAME, the interface of this node holding its address on the
-    route to MASTER_ADDR, where the env names none (the user's value wins). Unset, gloo binds what the host name
+    route to MASTER_ADDR, and VLLM_HOST_IP, that address, where the env names none (the user's value wins). Unset, gloo binds what the host name
     resolves to: loopback on a node whose /etc/hosts maps its name to 127.0.1.1 (Debian's default), which the
     other nodes cannot reach (torchrun's launcher gives its machines the same, light/interfaces.py)."""
     nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or "1")
     if environ.get(RANKS) != "1" or nodes < 2 or not environ.get("MASTER_ADDR"):
         return {}
     from dualrun.light.interfaces import gloo_ifname, interfaces, reached_at
+    from dualrun.weightsync.sync_group import node_host_env
 
-    found = gloo_ifname(environ, reached_at(environ["MASTER_ADDR"]), interfaces())
-    return {"GLOO_SOCKET_IFNAME": found.name} if found is not None else {}
+    here = reached_at(environ["MASTER_ADDR"])
+    found = gloo_ifname(environ, here, interfaces())
+    # as trainer rank 0, the weight-sync group's master advertises this node's address on the cluster's network
+    # (vLLM's get_ip() alone: the route out, another network's where the default route is not the cluster's)
+    return {**({"GLOO_SOCKET_IFNAME": found.name} if found is not None else {}), **node_host_env(environ, here)}
 
 
 def main(argv: list[str]) -> None:
