@@ -279,3 +279,53 @@ def test_submit_from_outside_the_allocation_follows_the_job_and_returns_its_code
     assert failed.returncode == 3 and "train rank 1 failed (exit code 3)" in failed.stdout, \
         failed.stdout[-3000:] + failed.stderr[-2000:]
     assert not pids_matching("dualrun.backends.slurm.task")
+
+
+RESTARTED = """
+import os, sys, time
+if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":   # the second attempt: done
+    sys.exit(0)
+time.sleep(600)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_dead_teacher_server_restarts_the_job_with_fresh_servers(slurm, tiny, tmp_path):
+    """The teacher's srun step killed mid-job (its engine SIGKILLed on its node): the launcher names it and, with
+    `max_failures: 1`, starts the job again with a fresh server step; the second attempt ends the job, nothing
+    left."""
+    import signal
+    import subprocess
+
+    link_tiny(tiny, tmp_path)
+    (tmp_path / "gkd.yaml").write_text(
+        "use_cpu: true\nmethod: gkd\nmax_failures: 1\nroles:\n  train: {gpus: 2}\n"
+        f"  teacher: {{gpus: 1, model: {tmp_path / 'tiny' / 'teacher'}, engine: transformers, top_k: 5, "
+        "health_timeout_s: 120}\n")
+    (tmp_path / "w.py").write_text(RESTARTED)
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
+                      "--config_file gkd.yaml w.py\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    log = tmp_path / "out.log"
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "-o", str(log), str(script)], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    engine = str(tmp_path / "tiny" / "teacher")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not ("server healthy" in (log.read_text() if log.exists() else "")
+                                               and pids_matching(engine, "cpu_engine")):
+        time.sleep(0.5)
+    first = pids_matching(engine, "cpu_engine")
+    assert first, (log.read_text() if log.exists() else "") + slurm.logs()
+    for pid in first:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                                                         text=True).stdout.strip():
+        time.sleep(0.5)
+    text = log.read_text()
+    assert "teacher server 0" in text and "restarting the job with fresh servers (1/1)" in text, text[-4000:]
+    assert "job succeeded" in text, text[-4000:]
+    assert not pids_matching(engine) and not pids_matching("dualrun.backends.slurm.task"), "left after the job"

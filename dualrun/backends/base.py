@@ -18,11 +18,13 @@ if TYPE_CHECKING:
 class Backend(ABC):
     """One backend. `kind`: what it is like (config/backends.py). `output`: where the ranks' output goes, for the
     launch's first lines. `plans_live`: a launch plans onto the live cluster it joins (else onto the cluster the
-    config implies, known before anything starts)."""
+    config implies, known before anything starts). `section`: its own config section, which the plan carries to its
+    launcher (`plan.rendezvous.options`)."""
 
     kind: BackendKind
     output: str
     plans_live: bool = False
+    section: str | None = None   # the config section its launcher reads (`torchrun`, `ray`), in plan.rendezvous
 
     @property
     def name(self) -> str:

@@ -42,7 +42,10 @@ class Rendezvous:
 
 def rendezvous_of(cfg: Any) -> Rendezvous:
     """The config's rendezvous facts (a `config.model.JobConfig`), once."""
-    options = getattr(cfg, cfg.backend, None)   # the backend's own section, where the schema has one
+    from dualrun.config.backends import backend_object
+
+    section = backend_object(cfg.backend).section   # the config section its launcher reads (a subclass's: its base's)
+    options = getattr(cfg, section) if section else None
     return Rendezvous(cfg.backend, cfg.source, cfg.num_machines, cfg.machine_rank, cfg.main_process_ip,
                       cfg.main_process_port, cfg.where("main_process_port"), cfg.max_failures, cfg.log_dir,
                       cfg.use_cpu, cfg.backend_kind.per_machine, options)

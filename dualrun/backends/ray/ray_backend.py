@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 class RayBackend(Backend):
     kind = BackendKind("ray", per_machine=False, ray=True, groups="ray", placement=RayPlacement)
     output = "output prefixed per rank"
+    section = "ray"
     plans_live = True
 
     def launcher_class(self) -> "type[Launcher]":

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 class TorchrunBackend(Backend):
     kind = BackendKind("torchrun", per_machine=True, ray=False, groups="local", placement=MachinesPlacement)
     output = "output of every rank on this terminal"
+    section = "torchrun"
 
     def launcher_class(self) -> "type[Launcher]":
         from dualrun.backends.torchrun.agent_launcher import TorchrunLauncher
