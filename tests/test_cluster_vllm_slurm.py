@@ -23,7 +23,7 @@ from vllm_helpers import TIER, assert_every_sync_landed, server_role
 pytestmark = [*TIER, pytest.mark.cluster, pytest.mark.timeout(900)]
 
 ENV = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
-JOB = ("-m dualrun", "dualrun.rank.bootstrap", "vllm")
+JOB = ("-m dualrun", "dualrun.rank.bootstrap", "vllm.entrypoints", "VLLM::")
 
 
 def config(tiny: Path, trainers: str = "", rollout: str = "", extra: str = "") -> str:
@@ -65,7 +65,7 @@ def test_grpo_on_slurm_with_the_rollout_alone_on_node_1_trains_as_one_machine(sl
     work = shared / "grpo"
     work.mkdir()
     out = work / "out"
-    (work / "job.yaml").write_text(config(vllm_tiny, "[0]", "[1]", f"log_dir: {work / 'logs'}\n"))
+    (work / "job.yaml").write_text(config(vllm_tiny, "[0]", "[1]", f"num_machines: 2\nlog_dir: {work / 'logs'}\n"))
     script = work / "job.sh"
     script.write_text(f"#!/bin/bash\ncd {work}\nexec {sys.executable} -m dualrun launch --backend slurm --config_file "
                       "job.yaml " + " ".join(shlex.quote(a) for a in probe(vllm_tiny, out)) + "\n")

@@ -44,6 +44,14 @@ def test_a_task_gets_torchruns_names_from_slurms():
     assert env_for({"SLURM_NODEID": "0", "DUALRUN_SLURM_DEVICES": '["5"]'}) == {"CUDA_VISIBLE_DEVICES": "5"}
 
 
+def test_a_task_routes_toward_another_node_of_the_job():
+    from dualrun.backends.slurm.task import NODES, network_here, peer_of
+
+    assert peer_of({NODES: "n0,n1,n2", "SLURMD_NODENAME": "n0"}) == "n1"
+    assert peer_of({NODES: "n0,n1", "SLURMD_NODENAME": "n1"}) == "n0"
+    assert peer_of({NODES: "n0", "SLURMD_NODENAME": "n0"}) is None and network_here({NODES: "n0"}) == {}
+
+
 def test_the_srun_lines():
     argv = ranks_step(["a", "b"], 2, ["py", "-m", "dualrun.rank.bootstrap", "s.py"], "dualrun-train-x", "py")
     assert argv[:6] == ["srun", "--job-name=dualrun-train-x", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",

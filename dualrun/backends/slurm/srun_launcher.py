@@ -17,7 +17,7 @@ import dualrun.backends.slurm.allocation as allocation
 import dualrun.backends.slurm.steps as steps
 from dualrun.backends.slurm.srun_servers import SrunServers
 from dualrun.backends.slurm.step_process import Step, cancel_steps
-from dualrun.backends.slurm.task import DEVICES, ERROR_DIR, MAX_RESTARTS, RANKS, RESTARTS
+from dualrun.backends.slurm.task import DEVICES, ERROR_DIR, MAX_RESTARTS, NODES, RANKS, RESTARTS
 from dualrun.contract import protocol
 from dualrun.contract.redact import redact, redact_argv
 from dualrun.env.worker import TORCHRUN_NAMES
@@ -87,6 +87,7 @@ class SlurmLauncher(Launcher):
         per_node = [next(p for p in workers if p.node == k) for k in self.trainer_nodes(plan)]
         env[DEVICES] = json.dumps([p.env.get("CUDA_VISIBLE_DEVICES") for p in per_node])
         env[RANKS], env[MAX_RESTARTS] = "1", str(self.rdzv.max_failures)
+        env[NODES] = ",".join(nodes)
         omp = self.omp_threads(len(workers) // len(per_node))
         if omp is not None:
             env["OMP_NUM_THREADS"] = omp
@@ -161,6 +162,7 @@ class SlurmLauncher(Launcher):
         def env_for(p: Any) -> dict[str, str]:
             env = {**slurm_env(os.environ), **self.worker_env(p.env)}
             env[DEVICES] = json.dumps([p.env.get("CUDA_VISIBLE_DEVICES")])
+            env[NODES] = ",".join(self.nodes())
             return env
 
         return SrunServers(plan, self.nodes(), env_for, lambda addresses: self._wiring(plan, addresses), avoid=avoid,

@@ -19,6 +19,7 @@ ERROR_DIR = "DUALRUN_SLURM_ERROR_DIR"    # where rank R writes its error file, r
 RANKS = "DUALRUN_SLURM_RANKS"            # "1": the step's tasks are trainer ranks (else a server: devices only)
 RESTARTS = "DUALRUN_SLURM_RESTARTS"      # the attempt: TORCHELASTIC_RESTART_COUNT
 MAX_RESTARTS = "DUALRUN_SLURM_MAX_RESTARTS"
+NODES = "DUALRUN_SLURM_NODES"            # the job's nodes, comma-separated: a task finds a peer to route toward
 
 
 def tasks_per_node(spec: str) -> list[int]:
@@ -54,28 +55,36 @@ def env_for(environ: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
-def gloo_here(environ: Mapping[str, str]) -> dict[str, str]:
-    """A rank of a step across nodes: GLOO_SOCKET_IFNAME, the interface of this node holding its address on the
-    route to MASTER_ADDR, and VLLM_HOST_IP, that address, where the env names none (the user's value wins). Unset, gloo binds what the host name
-    resolves to: loopback on a node whose /etc/hosts maps its name to 127.0.1.1 (Debian's default), which the
-    other nodes cannot reach (torchrun's launcher gives its machines the same, light/interfaces.py)."""
-    nodes = int(environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or "1")
-    if environ.get(RANKS) != "1" or nodes < 2 or not environ.get("MASTER_ADDR"):
+def peer_of(environ: Mapping[str, str]) -> str | None:
+    """Pure: another node of the job than this task's (`SLURMD_NODENAME`), None on a job of one node."""
+    here = environ.get("SLURMD_NODENAME", "")
+    return next((n for n in (environ.get(NODES) or "").split(",") if n and n != here), None)
+
+
+def network_here(environ: Mapping[str, str]) -> dict[str, str]:
+    """A task of a job across nodes: GLOO_SOCKET_IFNAME, the interface of this node holding its address on the
+    route to another node of the job, and for a rank VLLM_HOST_IP, that address (as trainer rank 0 it is the
+    weight-sync group's master, which the engines on other nodes dial), where the env names none (the user's value
+    wins). Unset, gloo binds what the host name resolves to: loopback on a node whose /etc/hosts maps its name to
+    127.0.1.1 (Debian's default), which the other nodes cannot reach; vLLM's get_ip() gives the route out, another
+    network's where the default route is not the cluster's (torchrun's launcher gives its machines the same,
+    light/interfaces.py)."""
+    peer = peer_of(environ)
+    if peer is None:
         return {}
     from dualrun.light.interfaces import gloo_ifname, interfaces, reached_at
     from dualrun.weightsync.sync_group import node_host_env
 
-    here = reached_at(environ["MASTER_ADDR"])
+    here = reached_at(peer)
     found = gloo_ifname(environ, here, interfaces())
-    # as trainer rank 0, the weight-sync group's master advertises this node's address on the cluster's network
-    # (vLLM's get_ip() alone: the route out, another network's where the default route is not the cluster's)
-    return {**({"GLOO_SOCKET_IFNAME": found.name} if found is not None else {}), **node_host_env(environ, here)}
+    out = {"GLOO_SOCKET_IFNAME": found.name} if found is not None else {}
+    return {**out, **node_host_env(environ, here)} if environ.get(RANKS) == "1" else out
 
 
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m dualrun.backends.slurm.task CMD [ARGS...]")
-    env = {**os.environ, **env_for(os.environ), **gloo_here(os.environ)}
+    env = {**os.environ, **env_for(os.environ), **network_here(os.environ)}
     os.execvpe(argv[0], argv, env)
 
 
