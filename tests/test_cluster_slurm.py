@@ -114,3 +114,31 @@ def test_dualrun_on_slurm_serves_gkd_from_a_teacher_on_node_1(slurm, tiny, gkd_o
     assert {r["teacher_address"].rpartition(":")[0] for r in ranks} == {cluster.names[1]}, ranks
     assert [r["losses"] for r in ranks] == gkd_one_machine
     assert [left_on(cluster.vc, k) for k in (0, 1)] == [[], []]
+
+
+FAILS_ON_NODE_1 = """
+import os, sys, time
+if os.environ["RANK"] == "1":   # the rank on node 1
+    time.sleep(3)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_dualrun_on_slurm_a_rank_failing_on_node_1_ends_the_job_naming_it_and_leaves_nothing(slurm):
+    """One rank a node; the rank on node 1 exits 3: the job ends within seconds naming it (its exit code the
+    job's), and neither node keeps a process of the job (node 0's rank, srun, the task shims)."""
+    import time
+
+    cluster, shared = slurm
+    work = shared / "dualrun-fail"
+    work.mkdir()
+    (work / "job.yaml").write_text("use_cpu: true\nnum_machines: 2\nroles: {train: {gpus: 2}}\n")
+    (work / "w.py").write_text(FAILS_ON_NODE_1)
+    start = time.monotonic()
+    code, log = _dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", "w.py"], timeout=300)
+    took = time.monotonic() - start
+    assert code != 0 and "train rank 1 failed (exit code 3)" in log, log[-4000:] + cluster.logs()
+    assert took < 120, (took, log[-3000:])
+    assert [left_on(cluster.vc, k) for k in (0, 1)] == [[], []]

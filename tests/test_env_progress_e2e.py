@@ -14,10 +14,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), pytest.mark.slow]
 SCRIPT = """
 import os, sys, time
 from tqdm import tqdm
-print("seen", os.environ["RANK"], os.environ.get("MY_FLAG"), os.environ.get("OTHER_FLAG"), flush=True)
+# one string, one write: unbuffered (PYTHONUNBUFFERED), print's separate pieces reach torchrun's tee of log_dir as
+# separate writes, which a loaded machine's tailer may prefix one by one ("[default0]:seen[default0]: 0 ...")
+print(f"seen {os.environ['RANK']} {os.environ.get('MY_FLAG')} {os.environ.get('OTHER_FLAG')}", flush=True)
 for _ in tqdm(range(8), mininterval=0, miniters=1, ncols=60):
     time.sleep(0.05)
-print("finished", os.environ["RANK"], flush=True)
+print(f"finished {os.environ['RANK']}", flush=True)
 """
 
 

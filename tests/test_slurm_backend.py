@@ -19,6 +19,22 @@ from dualrun.backends.slurm.steps import failed_tasks, ranks_step, server_step, 
 from dualrun.backends.slurm.task import env_for, tasks_per_node
 
 SFT = REPO / "examples" / "sft.py"
+TASK = "dualrun.backends.slurm.task"
+
+
+def tasks_of(where: Path, marker: str = TASK) -> list[int]:
+    """The srun task shims (or other processes matching `marker`) still running from `where` (their working
+    directory): this test's alone, not another SLURM job's running beside it (the cluster tier's, whose processes
+    /proc shows too)."""
+    mine = []
+    for pid in pids_matching(marker):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if cwd == str(where) or cwd.startswith(str(where) + os.sep):
+            mine.append(pid)
+    return mine
 NO_SLURM = {k: "" for k in os.environ if k.startswith("SLURM_")}
 
 
@@ -173,7 +189,7 @@ def test_a_failed_rank_ends_the_job_naming_it_and_leaves_nothing(slurm, tmp_path
     code, log, took = _in_sbatch(slurm, tmp_path, "--config_file", "c.yaml", "w.py", timeout=240)
     assert code != 0 and "train rank 1 failed (exit code 3)" in log, log[-4000:]
     assert took < 60, (took, log[-3000:])
-    assert not pids_matching(str(tmp_path / "w.py")) and not pids_matching("dualrun.backends.slurm.task"), \
+    assert not pids_matching(str(tmp_path / "w.py")) and not tasks_of(tmp_path), \
         "a rank outlived the job"
 
 
@@ -196,7 +212,7 @@ def test_gkd_with_the_teacher_as_its_own_srun_step_has_torchruns_losses(slurm, t
     losses = {b: [h["loss"] for h in json.loads((tmp_path / f"out_{b}" / "trainer_state.json").read_text())
                   ["log_history"] if "loss" in h] for b in ("slurm", "torchrun")}
     assert len(losses["slurm"]) == 3 and losses["slurm"] == losses["torchrun"], losses
-    assert not pids_matching("dualrun.backends.slurm.task"), "the teacher server (or a rank) outlived the job"
+    assert not tasks_of(tmp_path), "the teacher server (or a rank) outlived the job"
 
 
 SLEEPS = """
@@ -228,10 +244,10 @@ def test_scancel_leaves_no_process(slurm, tmp_path):
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
                                                           text=True).stdout.strip()
-                                           or pids_matching("dualrun.backends.slurm.task")):
+                                           or tasks_of(tmp_path)):
         time.sleep(0.5)
-    assert not pids_matching("dualrun.backends.slurm.task"), "a rank outlived scancel"
-    assert not pids_matching(str(script)) and not pids_matching("dualrun-train-"), "the launcher or srun outlived it"
+    assert not tasks_of(tmp_path), "a rank outlived scancel"
+    assert not pids_matching(str(script)) and not tasks_of(tmp_path, "dualrun-train-"), "the launcher or srun outlived it"
 
 
 @pytest.mark.e2e
@@ -286,7 +302,7 @@ def test_submit_from_outside_the_allocation_follows_the_job_and_returns_its_code
                      env=env, timeout=240)
     assert failed.returncode == 3 and "train rank 1 failed (exit code 3)" in failed.stdout, \
         failed.stdout[-3000:] + failed.stderr[-2000:]
-    assert not pids_matching("dualrun.backends.slurm.task")
+    assert not tasks_of(tmp_path)
 
 
 RESTARTED = """
@@ -336,4 +352,4 @@ def test_a_dead_teacher_server_restarts_the_job_with_fresh_servers(slurm, tiny, 
     text = log.read_text()
     assert "teacher server 0" in text and "restarting the job with fresh servers (1/1)" in text, text[-4000:]
     assert "job succeeded" in text, text[-4000:]
-    assert not pids_matching(engine) and not pids_matching("dualrun.backends.slurm.task"), "left after the job"
+    assert not pids_matching(engine) and not tasks_of(tmp_path), "left after the job"
