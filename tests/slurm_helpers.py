@@ -5,12 +5,15 @@ the machine's own network namespace (the tests run in a loopback-only one). Stop
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 from dualrun.light.ports import free_port
 
@@ -248,3 +251,62 @@ class MachinesSlurm:
     def logs(self) -> str:
         return "".join(f"--- {f.name}\n" + f.read_text(errors="replace")[-2000:]
                        for f in sorted(self.root.glob("slurm*.log")))
+
+
+@contextlib.contextmanager
+def one_node_slurm(prefix: str) -> "Iterator[OneNodeSlurm]":
+    """A started one-node SLURM cluster for a module's tests (2 CPUs, its state in a fresh /tmp/<prefix>* dir), or
+    the test skipped with the reason: outside the loopback-only namespace, or where SLURM cannot be installed."""
+    import pytest
+
+    from helpers import loopback_only
+
+    if not loopback_only():
+        pytest.skip("a SLURM cluster is started only inside the loopback-only namespace")
+    why = ensure_installed()
+    if why:
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    cluster = OneNodeSlurm(root, cpus=2)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def two_node_slurm(shared: Path, *more: Path, routed_out: bool = False) -> "Iterator[MachinesSlurm]":
+    """A SLURM cluster on two machines of a virtual cluster that see `shared` and `more`, machine 0's /etc/hosts
+    Debian's (its own name on loopback there); `routed_out`: each machine's route out on an interface the other
+    does not reach. Skipped with the reason where SLURM cannot be installed."""
+    import pytest
+
+    from cluster_jobs import debian_hosts, route_out_elsewhere
+    from vcluster import VCluster
+
+    why = ensure_installed()
+    if why:
+        pytest.skip(why)
+    with VCluster(2, shared=[shared, *more]) as vc:
+        debian_hosts(vc, 0)
+        if routed_out:
+            route_out_elsewhere(vc)
+        yield MachinesSlurm(vc, shared / "slurm").start()
+
+
+def dualrun_in_sbatch(cluster: "MachinesSlurm", work: Path, launch: list[str], tasks_per_node: int = 1,
+                      timeout: float = 800) -> tuple[int, str]:
+    """`dualrun launch --backend slurm LAUNCH` as an sbatch script's one command, run from `work` on both nodes
+    (`tasks_per_node` task slots each): (its exit code, its output)."""
+    import shlex
+    import sys
+
+    from cluster_jobs import ENV
+
+    script = work / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {work}\nexec {sys.executable} -m dualrun launch --backend slurm "
+                      + " ".join(shlex.quote(a) for a in launch) + "\n")
+    env = {**{k: v for k, v in cluster.env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}, **ENV}
+    return cluster.sbatch(script, "--nodes=2", f"--ntasks-per-node={tasks_per_node}", env=env, cwd=work,
+                          timeout=timeout)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
-from cluster_jobs import debian_hosts
 from helpers import REPO
-from slurm_helpers import MachinesSlurm, ensure_installed
+from slurm_helpers import dualrun_in_sbatch, two_node_slurm
 from test_recipes import shell_env
 from vcluster import VCluster, address
 
@@ -32,13 +30,9 @@ def left_on(vc: VCluster, machine: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory, tiny):
-    why = ensure_installed()
-    if why:
-        pytest.skip(why)
     shared = tmp_path_factory.mktemp("slurm")
-    with VCluster(2, shared=[shared, tiny.parent]) as vc:
-        debian_hosts(vc, 0)
-        yield MachinesSlurm(vc, shared / "slurm").start(), shared
+    with two_node_slurm(shared, tiny.parent) as cluster:
+        yield cluster, shared
 
 
 @pytest.mark.timeout(900)
@@ -63,20 +57,6 @@ def test_sbatch_recipe_trains_across_two_nodes(slurm, tiny, backend):
     assert [left_on(cluster.vc, k) for k in (0, 1)] == [[], []]
 
 
-def _dualrun_in_sbatch(cluster, work: Path, launch: list[str], timeout: float = 800) -> tuple[int, str]:
-    """`dualrun launch --backend slurm LAUNCH` as an sbatch script's one command, on 2 nodes, one task slot each."""
-    import shlex
-    import sys
-
-    from cluster_jobs import ENV
-
-    script = work / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {work}\nexec {sys.executable} -m dualrun launch --backend slurm "
-                      + " ".join(shlex.quote(a) for a in launch) + "\n")
-    env = {**{k: v for k, v in cluster.env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}, **ENV}
-    return cluster.sbatch(script, "--nodes=2", "--ntasks-per-node=1", env=env, cwd=work, timeout=timeout)
-
-
 @pytest.mark.timeout(900)
 def test_dualrun_on_slurm_runs_trl_sft_one_rank_per_node_with_the_losses_of_one_machine(slurm, tiny,
                                                                                          sft_one_machine):
@@ -89,7 +69,7 @@ def test_dualrun_on_slurm_runs_trl_sft_one_rank_per_node_with_the_losses_of_one_
     work = shared / "dualrun-sft"
     data = sft_data(tiny, work)
     (work / "job.yaml").write_text(SFT_CONFIG + "num_machines: 2\n")
-    code, log = _dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *sft_args(tiny, data, work / "two")])
+    code, log = dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *sft_args(tiny, data, work / "two")])
     assert code == 0 and "job succeeded" in log, log[-6000:] + cluster.logs()
     assert losses(work / "two") == sft_one_machine
     assert [left_on(cluster.vc, k) for k in (0, 1)] == [[], []]
@@ -108,7 +88,7 @@ def test_dualrun_on_slurm_serves_gkd_from_a_teacher_on_node_1(slurm, tiny, gkd_o
     (work / "out").mkdir(parents=True)
     config = gkd_config(tiny, "num_machines: 2\n").replace("teacher: {gpus: 2,", "teacher: {gpus: 1, machines: [1],")
     (work / "job.yaml").write_text(config)
-    code, log = _dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *gkd_args(tiny, work / "out")])
+    code, log = dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *gkd_args(tiny, work / "out")])
     assert code == 0 and "job succeeded" in log, log[-6000:] + cluster.logs()
     ranks = [json.loads((work / "out" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert {r["teacher_address"].rpartition(":")[0] for r in ranks} == {cluster.names[1]}, ranks
@@ -137,7 +117,7 @@ def test_dualrun_on_slurm_a_rank_failing_on_node_1_ends_the_job_naming_it_and_le
     (work / "job.yaml").write_text("use_cpu: true\nnum_machines: 2\nroles: {train: {gpus: 2}}\n")
     (work / "w.py").write_text(FAILS_ON_NODE_1)
     start = time.monotonic()
-    code, log = _dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", "w.py"], timeout=300)
+    code, log = dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", "w.py"], timeout=300)
     took = time.monotonic() - start
     assert code != 0 and "train rank 1 failed (exit code 3)" in log, log[-4000:] + cluster.logs()
     assert took < 120, (took, log[-3000:])

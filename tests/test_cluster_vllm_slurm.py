@@ -8,56 +8,30 @@ Runs in the cluster tier with the vLLM venv (marked `cluster` and `vllm`); skipp
 from __future__ import annotations
 
 import json
-import shlex
-import sys
-from pathlib import Path
 
 import pytest
 
-from cluster_jobs import debian_hosts, route_out_elsewhere
-from helpers import ASSETS, dualrun
-from slurm_helpers import MachinesSlurm, ensure_installed
-from vcluster import VCluster
-from vllm_helpers import TIER, assert_every_sync_landed, server_role
+from cluster_jobs import ENV
+from slurm_helpers import dualrun_in_sbatch, two_node_slurm
+from vllm_helpers import (TIER, assert_every_sync_landed, two_rank_grpo_config, two_rank_grpo_one_machine,
+                          two_rank_grpo_probe)
 
 pytestmark = [*TIER, pytest.mark.cluster, pytest.mark.timeout(900)]
 
-ENV = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
 JOB = ("-m dualrun", "dualrun.rank.bootstrap", "vllm.entrypoints", "VLLM::")
-
-
-def config(tiny: Path, trainers: str = "", rollout: str = "", extra: str = "") -> str:
-    train = f"{{gpus: 2, machines: {trainers}}}" if trainers else "{gpus: 2}"
-    return (f"use_cpu: true\nmethod: grpo\nroles:\n  train: {train}\n"
-            + server_role("rollout", tiny / "model", gpus=1, health_timeout_s=400,
-                          **({"machines": rollout} if rollout else {})) + extra)
-
-
-def probe(tiny: Path, out: Path) -> list[str]:
-    return [str(ASSETS / "grpo_server_probe.py"), str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), str(out)]
 
 
 @pytest.fixture(scope="module")
 def one_machine(tmp_path_factory, vllm_tiny) -> dict:
     """The same job on one machine (torchrun, two ranks, the engine beside them): rank 0's record."""
-    work = tmp_path_factory.mktemp("grpo-one-machine")
-    (work / "job.yaml").write_text(config(vllm_tiny))
-    proc = dualrun("launch", "--config_file", "job.yaml", *probe(vllm_tiny, work / "out"), cwd=work, env=ENV,
-                   timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((work / "out" / "rank0.json").read_text())
+    return two_rank_grpo_one_machine(tmp_path_factory.mktemp("grpo-one-machine"), vllm_tiny, ENV)
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory, vllm_tiny):
-    why = ensure_installed()
-    if why:
-        pytest.skip(why)
     shared = tmp_path_factory.mktemp("slurm-vllm")
-    with VCluster(2, shared=[shared, vllm_tiny.parent]) as vc:
-        debian_hosts(vc, 0)
-        route_out_elsewhere(vc)
-        yield MachinesSlurm(vc, shared / "slurm").start(), shared
+    with two_node_slurm(shared, vllm_tiny.parent, routed_out=True) as cluster:
+        yield cluster, shared
 
 
 def test_grpo_on_slurm_with_the_rollout_alone_on_node_1_trains_as_one_machine(slurm, vllm_tiny, one_machine):
@@ -65,12 +39,10 @@ def test_grpo_on_slurm_with_the_rollout_alone_on_node_1_trains_as_one_machine(sl
     work = shared / "grpo"
     work.mkdir()
     out = work / "out"
-    (work / "job.yaml").write_text(config(vllm_tiny, "[0]", "[1]", f"num_machines: 2\nlog_dir: {work / 'logs'}\n"))
-    script = work / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {work}\nexec {sys.executable} -m dualrun launch --backend slurm --config_file "
-                      "job.yaml " + " ".join(shlex.quote(a) for a in probe(vllm_tiny, out)) + "\n")
-    env = {**{k: v for k, v in cluster.env.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}, **ENV}
-    code, log = cluster.sbatch(script, "--nodes=2", "--ntasks-per-node=2", env=env, cwd=work, timeout=800)
+    (work / "job.yaml").write_text(two_rank_grpo_config(vllm_tiny, f"num_machines: 2\nlog_dir: {work / 'logs'}\n",
+                                                        "[0]", "[1]"))
+    code, log = dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *two_rank_grpo_probe(vllm_tiny, out)],
+                                  tasks_per_node=2)
     assert code == 0 and "job succeeded" in log, log[-6000:] + cluster.logs()
     rec = json.loads((out / "rank0.json").read_text())
     assert rec["grpo"]["vllm_server_host"] == cluster.names[1], rec["grpo"]   # the trainers reach node 1's engine

@@ -17,37 +17,20 @@ from pathlib import Path
 import pytest
 
 from cluster_jobs import launch_on, outputs, route_out_elsewhere, wait_all
-from helpers import ASSETS, dualrun, pids_matching
+from helpers import pids_matching
 from vcluster import VCluster, address
-from vllm_helpers import TIER, assert_every_sync_landed, server_role
+from vllm_helpers import (TIER, assert_every_sync_landed, two_rank_grpo_config, two_rank_grpo_one_machine,
+                          two_rank_grpo_probe)
 
 pytestmark = [*TIER, pytest.mark.cluster, pytest.mark.timeout(900)]
 
 ENV = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-def config(tiny: Path, extra: str = "", trainers: str = "", rollout: str = "") -> str:
-    """GRPO, two trainer ranks and one vLLM engine; `trainers` / `rollout`: their `machines`."""
-    train = f"{{gpus: 2, machines: {trainers}}}" if trainers else "{gpus: 2}"
-    return (f"use_cpu: true\nmethod: grpo\nroles:\n  train: {train}\n"
-            + server_role("rollout", tiny / "model", gpus=1, health_timeout_s=400,
-                          **({"machines": rollout} if rollout else {})) + extra)
-
-
-def probe(tiny: Path, out: Path) -> list[str]:
-    """The GRPO probe (GRPOTrainer, 4 steps, each sync checked; with two ranks, rank 0 records)."""
-    return [str(ASSETS / "grpo_server_probe.py"), str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), str(out)]
-
-
 @pytest.fixture(scope="module")
 def one_machine(tmp_path_factory, vllm_tiny) -> dict:
     """The same job on one machine (two ranks, the engine beside them): rank 0's record."""
-    work = tmp_path_factory.mktemp("grpo-one-machine")
-    (work / "job.yaml").write_text(config(vllm_tiny))
-    proc = dualrun("launch", "--config_file", "job.yaml", *probe(vllm_tiny, work / "out"), cwd=work, env=ENV,
-                   timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((work / "out" / "rank0.json").read_text())
+    return two_rank_grpo_one_machine(tmp_path_factory.mktemp("grpo-one-machine"), vllm_tiny, ENV)
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +50,8 @@ def test_grpo_rollout_alone_on_machine_1_syncs_every_step_and_trains_as_one_mach
     work = shared / "grpo"
     work.mkdir()
     out = work / "out"
-    procs = launch_on(vc, work, probe(vllm_tiny, out),
-                      config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\n", trainers="[0]", rollout="[1]"), env=ENV)
+    job = two_rank_grpo_config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\n", trainers="[0]", rollout="[1]")
+    procs = launch_on(vc, work, two_rank_grpo_probe(vllm_tiny, out), job, env=ENV)
     wait_all(procs, 700)
     outs = outputs(work)
     assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
@@ -102,13 +85,13 @@ def test_a_group_that_cannot_form_across_machines_ends_within_its_bound_naming_b
 
     work = shared / "grpo-unformed"
     work.mkdir()
-    job = config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\nweight_sync_timeout_s: {BOUND_S}\n",
+    job = two_rank_grpo_config(vllm_tiny, f"log_dir: {work / 'logsMACHINE'}\nweight_sync_timeout_s: {BOUND_S}\n",
                  trainers="[0]", rollout="[1]")
     job = job.replace("train: {gpus: 2, machines: [0]}",
                       "train: {gpus: 2, machines: [0], env: {VLLM_HOST_IP: 192.0.2.1}}")
     assert "VLLM_HOST_IP" in job
     started = time.monotonic()
-    procs = launch_on(vc, work, probe(vllm_tiny, work / "out"), job, env=ENV)
+    procs = launch_on(vc, work, two_rank_grpo_probe(vllm_tiny, work / "out"), job, env=ENV)
     wait_all(procs, 600)
     took = time.monotonic() - started
     outs = outputs(work)

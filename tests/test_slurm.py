@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, free_port, loopback_only, pids_matching
-from slurm_helpers import OneNodeSlurm, ensure_installed
+from helpers import REPO, free_port, pids_matching
+from slurm_helpers import one_node_slurm
 from test_recipes import shell_env, stop_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -23,18 +23,8 @@ SLURM = REPO / "examples" / "multi-node" / "slurm"
 
 @pytest.fixture(scope="module")
 def slurm():
-    if not loopback_only():
-        pytest.skip("a SLURM cluster is started only inside the loopback-only namespace")
-    why = ensure_installed()
-    if why:
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="drs", dir="/tmp"))
-    cluster = OneNodeSlurm(root, cpus=2)
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with one_node_slurm("drs") as cluster:
+        yield cluster
 
 
 @pytest.mark.timeout(900)

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO, dualrun, link_tiny, loopback_only, pids_matching
+from helpers import REPO, dualrun, link_tiny, pids_matching
 from dualrun.backends.slurm.allocation import parse_hostnames
 from dualrun.backends.slurm.steps import failed_tasks, ranks_step, server_step, step_name
 from dualrun.backends.slurm.task import env_for, tasks_per_node
@@ -122,31 +120,46 @@ def test_the_dry_run_shows_the_srun_lines(tmp_path):
 # -- real jobs inside sbatch -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slurm():
-    from slurm_helpers import OneNodeSlurm, ensure_installed
+    from slurm_helpers import one_node_slurm
 
-    if not loopback_only():
-        pytest.skip("a SLURM cluster is started only inside the loopback-only namespace")
-    why = ensure_installed()
-    if why:
-        pytest.skip(why)
-    root = Path(tempfile.mkdtemp(prefix="drsb", dir="/tmp"))
-    cluster = OneNodeSlurm(root, cpus=2)
-    try:
-        yield cluster.start()
-    finally:
-        cluster.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with one_node_slurm("drsb") as cluster:
+        yield cluster
+
+
+def _job_script(tmp_path: Path, *launch: str) -> Path:
+    """tmp_path/job.sh: `dualrun launch --backend slurm LAUNCH`, from tmp_path, as an sbatch script's one command."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
+                      + " ".join(launch) + "\n")
+    return script
 
 
 def _in_sbatch(slurm, tmp_path: Path, *launch: str, timeout: float = 600) -> tuple[int, str, float]:
     """`dualrun launch --backend slurm ...` as an sbatch script's one command: (exit code, its output, seconds)."""
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
-                      + " ".join(launch) + "\n")
+    script = _job_script(tmp_path, *launch)
     start = time.monotonic()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     code, log = slurm.sbatch(script, "--nodes=1", "--ntasks=2", env=env, cwd=tmp_path, timeout=timeout)
     return code, log, time.monotonic() - start
+
+
+def _submitted(slurm, tmp_path: Path, *launch: str) -> tuple[str, dict[str, str], Path]:
+    """The same, submitted without waiting: (the job's id, the env SLURM's commands take, its output file)."""
+    import subprocess
+
+    script = _job_script(tmp_path, *launch)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    log = tmp_path / "out.log"
+    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "-o", str(log), str(script)], env=env,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return job, env, log
+
+
+def _queued(job: str, env: dict[str, str]) -> bool:
+    """Whether SLURM still lists the job."""
+    import subprocess
+
+    return bool(subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True, text=True).stdout.strip())
 
 
 @pytest.mark.e2e
@@ -230,24 +243,18 @@ def test_scancel_leaves_no_process(slurm, tmp_path):
 
     (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
     (tmp_path / "w.py").write_text(SLEEPS)
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
-                      f"--config_file c.yaml w.py {tmp_path}\n")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": slurm.env["SLURM_CONF"]}
-    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "-o", str(tmp_path / "out.log"),
-                          str(script)], env=env, capture_output=True, text=True, check=True).stdout.strip()
+    job, env, log = _submitted(slurm, tmp_path, "--config_file", "c.yaml", "w.py", str(tmp_path))
     deadline = time.monotonic() + 120
     while not ((tmp_path / "rank0").exists() and (tmp_path / "rank1").exists()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert (tmp_path / "rank1").exists(), (tmp_path / "out.log").read_text()[-3000:] + slurm.logs()
+    assert (tmp_path / "rank1").exists(), log.read_text()[-3000:] + slurm.logs()
     subprocess.run(["scancel", job], env=env, check=True)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
-                                                          text=True).stdout.strip()
-                                           or tasks_of(tmp_path)):
+    while time.monotonic() < deadline and (_queued(job, env) or tasks_of(tmp_path)):
         time.sleep(0.5)
     assert not tasks_of(tmp_path), "a rank outlived scancel"
-    assert not pids_matching(str(script)) and not tasks_of(tmp_path, "dualrun-train-"), "the launcher or srun outlived it"
+    assert not pids_matching(str(tmp_path / "job.sh")) and not tasks_of(tmp_path, "dualrun-train-"), \
+        "the launcher or srun outlived it"
 
 
 @pytest.mark.e2e
@@ -321,7 +328,6 @@ def test_a_dead_teacher_server_restarts_the_job_with_fresh_servers(slurm, tiny, 
     `max_failures: 1`, starts the job again with a fresh server step; the second attempt ends the job, nothing
     left."""
     import signal
-    import subprocess
 
     link_tiny(tiny, tmp_path)
     (tmp_path / "gkd.yaml").write_text(
@@ -329,13 +335,7 @@ def test_a_dead_teacher_server_restarts_the_job_with_fresh_servers(slurm, tiny, 
         f"  teacher: {{gpus: 1, model: {tmp_path / 'tiny' / 'teacher'}, engine: transformers, top_k: 5, "
         "health_timeout_s: 120}\n")
     (tmp_path / "w.py").write_text(RESTARTED)
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {tmp_path}\nexec {sys.executable} -m dualrun launch --backend slurm "
-                      "--config_file gkd.yaml w.py\n")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": slurm.env["SLURM_CONF"]}
-    log = tmp_path / "out.log"
-    job = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks=2", "-o", str(log), str(script)], env=env,
-                         capture_output=True, text=True, check=True).stdout.strip()
+    job, env, log = _submitted(slurm, tmp_path, "--config_file", "gkd.yaml", "w.py")
     engine = str(tmp_path / "tiny" / "teacher")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and not ("server healthy" in (log.read_text() if log.exists() else "")
@@ -346,8 +346,7 @@ def test_a_dead_teacher_server_restarts_the_job_with_fresh_servers(slurm, tiny, 
     for pid in first:
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
-                                                         text=True).stdout.strip():
+    while time.monotonic() < deadline and _queued(job, env):
         time.sleep(0.5)
     text = log.read_text()
     assert "teacher server 0" in text and "restarting the job with fresh servers (1/1)" in text, text[-4000:]

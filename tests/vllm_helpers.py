@@ -89,6 +89,30 @@ def grpo_probe_argv(tiny: Path, probe_args: tuple[str, ...] = ()) -> list[str]:
             *probe_args]
 
 
+def two_rank_grpo_config(tiny: Path, extra: str = "", trainers: str = "", rollout: str = "") -> str:
+    """GRPO, two trainer ranks and one vLLM engine (the cluster tier's layouts); `trainers` / `rollout`: their
+    `machines`."""
+    train = f"{{gpus: 2, machines: {trainers}}}" if trainers else "{gpus: 2}"
+    return (f"use_cpu: true\nmethod: grpo\nroles:\n  train: {train}\n"
+            + server_role("rollout", tiny / "model", gpus=1, health_timeout_s=400,
+                          **({"machines": rollout} if rollout else {})) + extra)
+
+
+def two_rank_grpo_probe(tiny: Path, out: Path) -> list[str]:
+    """The GRPO probe (GRPOTrainer, 4 steps, each sync checked; with two ranks, rank 0 records)."""
+    return [str(ASSETS / "grpo_server_probe.py"), str(tiny / "model"), str(tiny / "data" / "prompts.jsonl"), str(out)]
+
+
+def two_rank_grpo_one_machine(work: Path, tiny: Path, env: dict) -> dict:
+    """The two-rank job on one machine (torchrun, the engine beside the ranks): rank 0's record, the reference the
+    layouts across machines are compared with."""
+    (work / "job.yaml").write_text(two_rank_grpo_config(tiny))
+    proc = dualrun("launch", "--config_file", "job.yaml", *two_rank_grpo_probe(tiny, work / "out"), cwd=work, env=env,
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((work / "out" / "rank0.json").read_text())
+
+
 def rollout_address(log: str) -> str:
     """The rollout's address (the router's when there are several engines), from the launch's output."""
     return re.search(r"rollout: server healthy at ([\d.]+:\d+)", log).group(1)

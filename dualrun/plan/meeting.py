@@ -26,7 +26,6 @@ class Rendezvous:
     port_origin: tuple[str, str] = ("", "main_process_port")
     max_failures: int = 0
     log_dir: str | None = None
-    use_cpu: bool = False
     per_machine: bool = False     # launched on every machine by hand (config/backends.py BackendKind)
     options: Any = None
 
@@ -48,4 +47,4 @@ def rendezvous_of(cfg: Any) -> Rendezvous:
     options = getattr(cfg, section) if section else None
     return Rendezvous(cfg.backend, cfg.source, cfg.num_machines, cfg.machine_rank, cfg.main_process_ip,
                       cfg.main_process_port, cfg.where("main_process_port"), cfg.max_failures, cfg.log_dir,
-                      cfg.use_cpu, cfg.backend_kind.per_machine, options)
+                      cfg.backend_kind.per_machine, options)
