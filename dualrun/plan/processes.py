@@ -22,6 +22,7 @@ from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
 from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
 from dualrun.plan.meeting import Rendezvous, rendezvous_of
+from dualrun.plan.server_commands import with_method
 from dualrun.plan.servers import ROUTER, Serving
 
 __all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
@@ -140,8 +141,6 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, method: Any = None
     plan = _placed(cfg, cluster, extra_env, environ, method)
     if getattr(method, "server_command", None) is None:
         return plan
-    from dualrun.plan.server_commands import with_method
-
     return replace(with_method(plan, cfg, method), wiring=functools.partial(method.wiring_env, cfg))
 
 
