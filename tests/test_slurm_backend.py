@@ -352,3 +352,36 @@ def test_a_dead_teacher_server_restarts_the_job_with_fresh_servers(slurm, tiny, 
     assert "teacher server 0" in text and "restarting the job with fresh servers (1/1)" in text, text[-4000:]
     assert "job succeeded" in text, text[-4000:]
     assert not pids_matching(engine) and not tasks_of(tmp_path), "left after the job"
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_following_a_submitted_job_cancels_it(slurm, tmp_path):
+    """`--submit`'s follower interrupted (SIGINT, as Ctrl-C): exit 130, the job cancelled, none of its processes
+    left."""
+    import signal
+    import subprocess
+
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 2}}\n")
+    (tmp_path / "w.py").write_text(SLEEPS)
+    env = {**os.environ, **NO_SLURM, "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    follower = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "slurm", "--submit",
+                                 "--config_file", "c.yaml", "w.py", str(tmp_path)], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "rank1").exists() and time.monotonic() < deadline and follower.poll() is None:
+            time.sleep(0.5)
+        assert (tmp_path / "rank1").exists(), slurm.logs()
+        follower.send_signal(signal.SIGINT)
+        out, err = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    job = err.split("submitted SLURM job ", 1)[1].split()[0]
+    assert follower.returncode == 130 and f"cancelled SLURM job {job}" in err, err[-3000:]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (_queued(job, env) or tasks_of(tmp_path)):
+        time.sleep(0.5)
+    assert not _queued(job, env) and not tasks_of(tmp_path), "the cancelled job left processes"
