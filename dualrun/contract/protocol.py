@@ -47,6 +47,9 @@ VLLM_GROUP_PORT = "DUALRUN_VLLM_GROUP_PORT"
 # Seconds the weight-sync group may take to form, on both ends (the trainer's rank 0 and each vLLM worker's
 # extension): the `weight_sync_timeout_s` key, in the env of the trainers and the rollout servers.
 WEIGHT_SYNC_TIMEOUT_S = "DUALRUN_WEIGHT_SYNC_TIMEOUT_S"
+# Servers started beside the trainers: JSON {"servers": {"host:port": role}, "wait_s": seconds}; a rank's first
+# connection to one waits while it refuses (dualrun/rank/server_wait.py). Set only while the servers start.
+SERVERS_STARTING = "DUALRUN_SERVERS_STARTING"
 # Multi-node torchrun: the servers' addresses travel through torchrun's store (dualrun/rank/store_wiring.py).
 WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # 'host:port' of the store to read the wiring from (machine 0's launcher
                                             # puts it there: main_process_ip:main_process_port, whatever rdzv_backend)
@@ -70,7 +73,7 @@ BACKEND_ENTRY_POINTS = "dualrun.backends"   # a backend of another distribution 
 
 # Names the driver sets for every process: a config's `env:` must not override them.
 RESERVED = (BACKEND, METHOD, ROLE, ROLES, RUN_ID, JOB_TOKEN, SETTINGS, ROLES_MODE, ROLES_SPEC, ADDRESS_PATTERN,
-            API_KEY_PATTERN, LOG_DIR, QUIET_READERS)
+            API_KEY_PATTERN, LOG_DIR, QUIET_READERS, SERVERS_STARTING)
 
 
 def address_env(role: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -115,11 +116,12 @@ class Launcher(ABC):
     def launch(self, prepared: Prepared) -> JobResult:
         """Run the prepared launch to completion (or failure); never leaves a process behind.
 
-        One sequence and one restart policy for every backend: the job's servers (`server_set`) start first; each
-        attempt runs the workers to their end (`run_attempt`); while an attempt's outcome names a restart cause the
-        whole job restarts, up to max_failures times. A server set lives until one of its servers dies: then the
-        next attempt gets a fresh set that never reuses an endpoint of an earlier one. Servers that never started
-        end the job (nothing to restart)."""
+        One sequence and one restart policy for every backend: the job's servers (`server_set`) start, beside the
+        trainers where the set can hand out its addresses first (`start_servers`); each attempt runs the workers to
+        their end (`run_attempt`); while an attempt's outcome names a restart cause the whole job restarts, up to
+        max_failures times. A server set lives until one of its servers dies: then the next attempt gets a fresh
+        set that never reuses an endpoint of an earlier one. Servers that never started end the job (nothing to
+        restart), named, whether the trainers were already running or not."""
         start = time.monotonic()
         attempt = 0
         avoid: set[str] = set()   # endpoints of the sets replaced so far
@@ -135,6 +137,10 @@ class Launcher(ABC):
                             break
                     outcome = self.run_attempt(prepared, attempt, servers)
                     result = outcome.result
+                    never = getattr(servers, "start_error", None)
+                    if never is not None:   # side by side: the servers never all answered; the ranks were stopped
+                        result = JobResult(getattr(never, "exit_code", 1), result.ranks, message=str(never))
+                        break
                     if outcome.restart is None or attempt >= self.rdzv.max_failures:
                         break
                     attempt += 1
@@ -162,17 +168,48 @@ class Launcher(ABC):
         return None
 
     def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
-        """Start `servers` before any worker; None once they answer, else the job's result (a LaunchError naming
-        the server)."""
+        """Start `servers`: beside the workers where the set fixes its addresses first (`reserve`; the ranks wait
+        for a server where they first use it, as TRL's client does), else before any worker. None once started
+        (side by side: once begun), else the job's result (a LaunchError naming the server)."""
         if servers is None or plan is None:
             return None
+        began = time.monotonic()
         try:
+            reserved = servers.reserve()
+            if reserved is not None:
+                report_servers(servers.addresses, plan.external, starting=True)
+                threading.Thread(target=self._start_beside, args=(servers, plan, began),
+                                 name="dualrun-server-start", daemon=True).start()
+                return None
             servers.start()
         except LaunchError as e:
             self.servers_not_started(servers, e)
             return JobResult(e.exit_code, message=str(e))
-        report_servers(servers.addresses, plan.external)
+        report_servers(servers.addresses, plan.external, seconds=time.monotonic() - began)
         return None
+
+    def _start_beside(self, servers: ServerSet, plan: Plan, began: float) -> None:
+        """The servers' start while the workers start (a thread of its own): the line once they all answer, or the
+        job ended naming the one that did not (`not_started`: the attempt's watchers stop the ranks)."""
+        try:
+            servers.start()
+        except BaseException as e:   # noqa: BLE001 - every way the start can end must reach the job
+            if servers.stopping or self.signalled():
+                return   # the job ended meanwhile (its end stopped the servers), or a signal ends it
+            error = e if isinstance(e, LaunchError) else LaunchError(
+                f"the servers did not start: {type(e).__name__}: {e}")
+            self.servers_not_started(servers, error)
+            servers.not_started(error)
+            return
+        if not servers.stopping:
+            servers.started_all()
+            report_servers(servers.addresses, plan.external, seconds=time.monotonic() - began)
+        # a server started here dies with the thread that spawned it (PR_SET_PDEATHSIG): this one stays till the end
+        servers.wait_stopped()
+
+    def signalled(self) -> bool:
+        """Whether a signal is ending the launch (a backend that defers signals says so)."""
+        return False
 
     def servers_not_started(self, servers: ServerSet, error: LaunchError) -> None:
         """What else a launch does when its servers did not start (nothing by default)."""
@@ -257,13 +294,20 @@ def stopped_by(signum: int, what: str = "every worker of the job was terminated"
     return JobResult(128 + signum, wall_time_s=wall_time_s, message=f"stopped by {signal.Signals(signum).name}: {what}")
 
 
-def report_servers(addresses: Mapping[str, str], external: Mapping[str, str]) -> None:
-    """A live line per separate role once its server answers (user-run ones are only named)."""
-    import sys
-
+def report_servers(addresses: Mapping[str, str], external: Mapping[str, str], seconds: float | None = None,
+                   starting: bool = False) -> None:
+    """A live line per separate role: its server starting beside the trainers (`starting`), or answering after
+    `seconds` (user-run ones are only named, once)."""
     for role, addr in addresses.items():
-        how = "user-run server at" if role in external else "server healthy at"
-        print(f"dualrun: {role}: {how} {addr}", file=sys.stderr, flush=True)
+        if role in external:
+            if not starting:
+                print(f"dualrun: {role}: user-run server at {addr}", file=sys.stderr, flush=True)
+        elif starting:
+            print(f"dualrun: {role}: server starting at {addr}; the trainers start beside it", file=sys.stderr,
+                  flush=True)
+        else:
+            took = f" (started in {seconds:.1f} s)" if seconds is not None else ""
+            print(f"dualrun: {role}: server healthy at {addr}{took}", file=sys.stderr, flush=True)
 
 
 def bootstrap_module_argv(program: Program) -> list[str]:

@@ -20,6 +20,38 @@ def free_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
     raise OSError(f"no free port on {host} outside {len(avoid)} excluded ones after {_TRIES} tries")
 
 
+def server_port(host: str = "127.0.0.1", avoid: Collection[int] = ()) -> int:
+    """A port free right now on `host` for a server whose address is handed out before it binds (the trainers start
+    beside it): below the range the OS gives outgoing connections (`ip_local_port_range`), so no connection of
+    another process takes it between the pick and the bind, and above Ray's worker ports (10002-19999). Another
+    program picking ports there could still; the bind then fails, named."""
+    import random
+
+    low, _ = _ephemeral_range()
+    first = 20000 if low > 21000 else 1024
+    for _ in range(_TRIES if low - first > 1000 else 0):
+        port = random.randrange(first, low)
+        if port in avoid:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port(host, avoid)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The OS's range for outgoing connections' ports (Linux's default when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` distinct ports free right now on `host` (all held open while picking, so none is picked twice)."""
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]

@@ -17,7 +17,7 @@ from typing import Callable, Collection, Mapping, TextIO
 
 from dualrun.contract.errors import LaunchError
 from dualrun.plan.processes import ROUTER, Plan, Process
-from dualrun.servers.planned import addresses, phases, replica_addresses
+from dualrun.servers.planned import addresses, facing, phases, replica_addresses
 from dualrun.servers.process import ServerError, ServerProcess
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
 from dualrun.servers.supervisor import Supervisor
@@ -59,6 +59,7 @@ class LocalServers(ServerSetBase):
         self.avoid_ports = {port_of(a) for a in avoid}   # an earlier set's ports: never reused
         self._bound: set[str] = set()       # bind host:port of every server started (`used`)
         self._advertised: dict[int, str] = {}   # plan.servers index -> advertised host:port of its latest process
+        self._fixed: dict[int, int] = {}        # index -> the port `reserve` handed out (the trainers have it)
         self._reported: set[int] = set()    # servers whose end was reported
         self._lock = threading.Lock()       # a start beside torchrun's agent (machines.py) against `stop`
         self.supervisor = Supervisor(plan, self, self, lambda index: self.started.get(index), self.mine)
@@ -72,14 +73,18 @@ class LocalServers(ServerSetBase):
             self.log_dir = tempfile.mkdtemp(prefix="dualrun-servers-")
         return os.path.join(self.log_dir, proc.serving.log_name)
 
-    def _spawn(self, index: int) -> ServerProcess:
-        """Start the plan's `index`-th server on a fresh port (a router: in front of its replicas' addresses)."""
+    def _port(self, index: int) -> int:
+        """The port server `index` binds: the one `reserve` handed out, else a fresh one."""
         from dualrun.light.ports import free_port
 
+        return self._fixed.get(index) or free_port(self.endpoint.bind, self.avoid_ports)
+
+    def _spawn(self, index: int) -> ServerProcess:
+        """Start the plan's `index`-th server on its port (a router: in front of its replicas' addresses)."""
         proc = self.plan.servers[index]
         serving = proc.serving
         assert serving is not None
-        bind, port = self.endpoint.bind, free_port(self.endpoint.bind, self.avoid_ports)
+        bind, port = self.endpoint.bind, self._port(index)
         self._bound.add(f"{bind}:{port}")
         # ServerProcess puts this machine's Python into the command
         argv = serving.argv(bind, port, replica_addresses(self.plan, self.started, index))
@@ -87,6 +92,24 @@ class LocalServers(ServerSetBase):
                                timeout_s=serving.health_timeout_s, log_path=self._log_path(proc), stream=self.stream)
         self._advertised[index] = f"{self.endpoint.advertised}:{port}"
         return server.start()
+
+    def reserve(self) -> dict[str, str] | None:
+        """Side by side: the port of each server the trainers talk to, picked now (`server_port`: out of the
+        range other processes' connections take theirs from); role -> address. Only where this machine runs
+        every server (several torchrun machines meet in the store once their servers answer: `Machines`)."""
+        from dualrun.light.ports import server_port
+
+        if not self.plan.servers or set(self.mine) != set(range(len(self.plan.servers))):
+            return None
+        for index in facing(self.plan):
+            self._fixed[index] = server_port(self.endpoint.bind, self.avoid_ports)
+        self.side_by_side()
+        self.addresses = addresses(self.plan, {i: f"{self._host_of(i)}:{port}" for i, port in self._fixed.items()})
+        return self.addresses
+
+    def _host_of(self, index: int) -> str:
+        """The host the trainers reach server `index` at."""
+        return self.endpoint.advertised
 
     def start(self) -> dict[str, str]:
         """Start every server of this machine whose inputs are known, wait until all are healthy; role -> address
@@ -97,10 +120,10 @@ class LocalServers(ServerSetBase):
             for phase in phases(self.plan):   # the replicas, then their routers
                 self.start_now([i for i in phase if i in self.mine and self._inputs_known(i)])
         except ServerError as e:
-            self.stop()
+            self.failed_start()
             raise LaunchError(str(e)) from None
         except BaseException:
-            self.stop()
+            self.failed_start()
             raise
         self.addresses = addresses(self.plan, self.started)
         return self.addresses
@@ -140,7 +163,7 @@ class LocalServers(ServerSetBase):
                 server.wait_healthy(deadline)
                 return server
             except ServerError as e:
-                if not e.lost_port or attempt == START_TRIES - 1:
+                if not e.lost_port or attempt == START_TRIES - 1 or index in self._fixed:   # handed out: stays
                     raise
                 server.stop()  # the free port was taken between picking and binding it: pick another
                 server = self._spawn(index)
@@ -151,8 +174,8 @@ class LocalServers(ServerSetBase):
         return frozenset(self._bound)
 
     def wiring_env(self) -> dict[str, str]:
-        """The trainers' env for the addresses of every server known here."""
-        return self.wiring(self.addresses)
+        """The trainers' env for the addresses of every server known here (and, side by side, which to wait for)."""
+        return {**self.wiring(self.addresses), **self.starting_env()}
 
     # -- watching ------------------------------------------------------------------------------------------
     def check(self) -> ServerDeath | None:

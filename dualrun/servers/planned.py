@@ -39,6 +39,14 @@ def phases(plan: Plan) -> list[list[int]]:
     return [first, routers] if routers else [first]
 
 
+def facing(plan: Plan) -> list[int]:
+    """plan.servers indices of the servers the trainers talk to: each router, and the replica of a unit without one
+    (their addresses are the trainers' wiring; several torchrun machines: machine K >= 1 watches those that run
+    elsewhere)."""
+    routed = {p.unit for p in plan.servers if p.kind == ROUTER}
+    return [i for i, p in enumerate(plan.servers) if p.kind == ROUTER or p.unit not in routed]
+
+
 def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> list[str]:
     """For the router at `plan.servers[index]`: the `host:port` of the replicas it stands in front of, in replica
     order (for an engine replica: none)."""

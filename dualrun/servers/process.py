@@ -21,6 +21,9 @@ from dualrun.light.parent_death import terminate_with_parent
 from dualrun.servers.cpu_share import bind_share, unbound_note
 
 TAIL_LINES = 30
+# the longest wait between two health checks of a starting server: the trainers start beside it and wait for it
+# (rank/server_wait.py, every 0.5 s); the launcher, which watches it once healthy, should know first
+HEALTH_POLL_S = 0.25
 
 
 _PORT_IN_USE = ("address already in use", "errno 98")
@@ -196,7 +199,7 @@ class ServerProcess:
                 raise ServerError(self.label, f"did not become healthy within {self.timeout_s:g} s "
                                               f"({self.health_url})", self.tail(), self.log_path)
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 1.5, 1.0)
+            delay = min(delay * 1.5, HEALTH_POLL_S)
 
     def wait_exit(self) -> ServerError:
         """Block until the server ends (by itself or by `stop`); the error that names it and quotes its log."""

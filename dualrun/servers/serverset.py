@@ -20,6 +20,7 @@ from dualrun.servers.server_death import ServerDeath
 if TYPE_CHECKING:
     from dualrun.servers.supervisor import Supervisor
 
+START_MARGIN_S = 60.0   # a rank waits this much longer than the launcher for a server starting beside it
 START_TRIES = 3   # a server whose free port was taken between picking and binding it is started again, this often
 
 
@@ -36,6 +37,11 @@ class ServerSet(Protocol):
     def start(self) -> dict[str, str]:
         """Start every server (all of a phase at once), wait until each is healthy; role -> address. On failure
         every server started so far is stopped and a LaunchError names the server and quotes its log."""
+
+    def reserve(self) -> dict[str, str] | None:
+        """Fix the address of every server the trainers talk to (a lone server, a router) before `start`, so that
+        the trainers can start beside the servers (side by side); role -> address. None: this set cannot (its
+        addresses are known only once its servers answer): the launcher starts the servers first."""
 
     def wiring_env(self) -> dict[str, str]:
         """Env for the trainer ranks: the method's wiring of the servers' addresses."""
@@ -77,10 +83,43 @@ class ServerSetBase(ABC):
         self._deaths: "queue.Queue[ServerDeath]" = queue.Queue()
         self._watching = threading.Event()
         self._stopping = threading.Event()   # the set's one stop flag: set when `stop` begins
+        self._ready = threading.Event()      # every server answered: the watcher may run (cleared by `reserve`)
+        self._ready.set()
+        self._begun = False                  # the watcher began (once)
+        self._begin_lock = threading.Lock()
+        self.start_error: Exception | None = None   # side by side: why the servers never all answered
 
     @abstractmethod
     def start(self) -> dict[str, str]:
         """ServerSet.start."""
+
+    def reserve(self) -> dict[str, str] | None:
+        """ServerSet.reserve: None unless the backend fixes its addresses before starting (its own `reserve`
+        then calls `side_by_side`)."""
+        return None
+
+    def starting_env(self) -> dict[str, str]:
+        """For the trainers while the servers start beside them: which addresses to wait for where they first
+        connect, and how long (dualrun/rank/server_wait.py); nothing once they all answer."""
+        import json
+
+        from dualrun.contract.protocol import SERVERS_STARTING
+
+        if self._ready.is_set():
+            return {}
+        servers = {addr: role for role, addr in self.addresses.items() if role not in self.plan.external}
+        wait_s = max((p.serving.health_timeout_s for p in self.plan.servers if p.serving is not None), default=0.0)
+        return {SERVERS_STARTING: json.dumps({"servers": servers, "wait_s": wait_s + START_MARGIN_S})}
+
+    def failed_start(self, grace_s: float = 10.0) -> None:
+        """A start that failed stops the set; side by side the set stays up to the job's end (which this failure
+        causes: `not_started`) and the launcher stops it there."""
+        if self._ready.is_set():
+            self.stop(grace_s)
+
+    def side_by_side(self) -> None:
+        """The set will start beside the trainers: its watcher waits for `started_all`."""
+        self._ready.clear()
 
     @abstractmethod
     def wiring_env(self) -> dict[str, str]:
@@ -100,12 +139,37 @@ class ServerSetBase(ABC):
 
     # -- events ----------------------------------------------------------------------------------------------
     def watch(self) -> None:
+        """Watch the servers while the job runs; started side by side, the watcher begins once they all answer
+        (until then a server that fails is the start's failure, `not_started`)."""
         if not self._watching.is_set() and not self.stopping:
             self._watching.set()
-            self._watch()
+            self._begin_watcher()
+
+    def started_all(self) -> None:
+        """Every server answered (`start` returned): the watcher begins if the job already watches."""
+        self._ready.set()
+        self._begin_watcher()
+
+    def _begin_watcher(self) -> None:
+        with self._begin_lock:
+            if self._begun or not (self._ready.is_set() and self._watching.is_set()) or self.stopping:
+                return
+            self._begun = True
+        self._watch()
+
+    def not_started(self, error: Exception) -> None:
+        """Side by side: the servers did not all start (`error`, a LaunchError naming the server): the job ends
+        with it, as when they start first (an event `next_death` gives, never restarted)."""
+        if self.stopping:
+            return
+        self.start_error = error
+        line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self.fatal(ServerDeath(None, "the servers", str(error), line))
 
     def unwatch(self) -> None:
-        self._watching.clear()
+        with self._begin_lock:
+            self._watching.clear()
+            self._begun = False   # a later `watch` (the next attempt) begins a watcher again
 
     @property
     def watching(self) -> bool:

@@ -189,8 +189,8 @@ class RayLauncher(Launcher):
                           attempt=attempt, avoid=avoid)
 
     def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
-        """Healthy before any trainer starts; the trainers get the plugin's wiring of their addresses (also for
-        user-run servers, `address:`). Signals are seen while Ray places and starts them."""
+        """Placed before any trainer starts and started beside them; the trainers get the plugin's wiring of their
+        addresses (also for user-run servers, `address:`). Signals are seen while Ray places and starts them."""
         try:
             failed = super().start_servers(servers, plan)
         except _Interrupted as e:
@@ -198,6 +198,9 @@ class RayLauncher(Launcher):
         if failed is None and servers is not None:
             servers.watch()   # for the whole job: each attempt's supervision takes the death events
         return failed
+
+    def signalled(self) -> bool:
+        return self._signal is not None
 
     def server_grace_s(self, restarting: bool) -> float:
         return _STOP_GRACE_S if restarting or self._signal is not None else 10.0

@@ -67,6 +67,8 @@ class RayServers(ServerSetBase):
         self._actors: list[Any] = []                    # plan order: each server's current actor
         self._pg_of: list[Any] = []                     # plan order: its placement group
         self.infos: list[ActorPlace | None] = []
+        self._reserved: dict[int, ActorPlace] = {}   # `reserve`: index -> its actor's place and handed-out port
+        self._handed: set[int] = set()              # ... every index whose port the trainers have
         self._used: set[str] = set()
         self._exits: dict[Any, int] = {}   # ref that resolves when a server ends -> its plan.servers index
         self._exit_of: dict[int, Any] = {}  # ... and back
@@ -78,8 +80,43 @@ class RayServers(ServerSetBase):
         self._watcher: threading.Thread | None = None
         self.supervisor = Supervisor(plan, self, self, lambda index: self.started.get(index))
 
+    def reserve(self) -> dict[str, str] | None:
+        """Side by side: every server's actor placed and the port of each server the trainers talk to picked on
+        its node (`server_port`); role -> `ip:port`. Stops all on failure."""
+        from dualrun.contract.errors import LaunchError
+        from dualrun.servers.planned import addresses, facing
+
+        if not self.plan.servers:
+            return None
+        from ray.exceptions import RayError
+        from dualrun.backends.ray.cluster import wait_refs
+
+        try:
+            self._place()
+            self._print_output()
+            handed = facing(self.plan)
+            avoid = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
+            infos = wait_refs([self.actors[i].where.remote(avoid, True) for i in handed], "start their server actors",
+                              self.wait_s, self.check)
+        except RayError as e:
+            self.stop()
+            raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
+        except BaseException:   # a signal (the check) or anything else: nothing is left behind, quickly
+            self.stop(grace_s=3.0)
+            raise
+        self._reserved = dict(zip(handed, infos))
+        self._handed = set(handed)
+        self.side_by_side()
+        self.addresses = addresses(self.plan, {i: f"{self._host(info)}:{info.port}" for i, info in self._reserved.items()})
+        return self.addresses
+
+    def _host(self, info: ActorPlace) -> str:
+        """The host a server on `info`'s node listens and is reached at."""
+        return "127.0.0.1" if self.loopback else info.ip
+
     def start(self) -> dict[str, str]:
-        """Place, start and health-check every server (all at once); role -> `ip:port`. Stops all on failure."""
+        """Place (unless `reserve` did), start and health-check every server (all at once); role -> `ip:port`.
+        Stops all on failure (side by side: the launcher does, as the job ends)."""
         from dualrun.contract.errors import LaunchError
 
         if not self.plan.servers:
@@ -87,14 +124,15 @@ class RayServers(ServerSetBase):
         from ray.exceptions import RayError
 
         try:
-            self._place()
-            self._print_output()
+            if not self._actors:
+                self._place()
+                self._print_output()
             self.started = self._start_all()
         except RayError as e:
-            self.stop()
+            self.failed_start()
             raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
         except BaseException:   # a signal (the check) or anything else: nothing is left behind, quickly
-            self.stop(grace_s=3.0)
+            self.failed_start(grace_s=3.0)
             raise
         from dualrun.servers.planned import addresses
 
@@ -189,16 +227,18 @@ class RayServers(ServerSetBase):
         done: dict[int, str] = {}
         for attempt in range(START_TRIES):
             ports = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
-            infos = wait_refs([self.actors[i].where.remote(ports) for i in todo], "start their server actors",
-                              self.wait_s, check)
-            refs = {i: self._start_call(i, info, started) for i, info in zip(todo, infos)}
+            fresh = [i for i in todo if i not in self._reserved]   # a reserved port was handed out: it stays
+            infos = dict(zip(fresh, wait_refs([self.actors[i].where.remote(ports) for i in fresh],
+                                              "start their server actors", self.wait_s, check)))
+            infos.update({i: self._reserved.pop(i) for i in todo if i in self._reserved})
+            refs = {i: self._start_call(i, infos[i], started) for i in todo}
             retry = []
             limit = max(self.plan.servers[i].serving.health_timeout_s for i in refs) + 30.0
             results = wait_refs(list(refs.values()), "get their servers healthy", limit, check)
             for i, result in zip(refs, results):
                 if result.ok:
                     done[i] = result.address
-                elif result.port_in_use and attempt < START_TRIES - 1:
+                elif result.port_in_use and attempt < START_TRIES - 1 and i not in self._handed:
                     retry.append(i)
                 else:
                     raise LaunchError(result.error)
@@ -216,7 +256,7 @@ class RayServers(ServerSetBase):
         self._used.add(info.address)
         p = self.plan.servers[i]
         serving = p.serving
-        host = "127.0.0.1" if self.loopback else info.ip
+        host = self._host(info)
         argv = serving.argv(host, info.port, replica_addresses(self.plan, started, i))
         env = dict(self.env_for(p))
         env["CUDA_VISIBLE_DEVICES"] = ",".join(info.gpus)
@@ -357,7 +397,7 @@ class RayServers(ServerSetBase):
         return frozenset(self._used)
 
     def wiring_env(self) -> dict[str, str]:
-        return self.wiring(self.addresses)
+        return {**self.wiring(self.addresses), **self.starting_env()}
 
     def server_devices(self) -> Mapping[str, list[str]]:
         """label -> the GPU ids Ray gave each server (what tests compare with the trainers')."""

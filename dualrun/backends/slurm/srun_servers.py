@@ -37,14 +37,15 @@ class SrunServers(LocalServers):
         """The host the trainers and a router reach `proc` at."""
         return self.endpoint.advertised or self.nodes[proc.node]
 
-    def _spawn(self, index: int) -> ServerProcess:
-        from dualrun.light.ports import free_port
+    def _host_of(self, index: int) -> str:
+        return self.host_of(self.plan.servers[index])
 
+    def _spawn(self, index: int) -> ServerProcess:
         proc = self.plan.servers[index]
         serving = proc.serving
         assert serving is not None
         bind = self.endpoint.bind
-        port = free_port(bind, self.avoid_ports)   # free here; on another node a taken one is retried (START_TRIES)
+        port = self._port(index)   # free here; on another node a taken one is retried (START_TRIES) unless handed out
         self._bound.add(f"{self.host_of(proc)}:{port}")
         argv = resolve(serving.argv(bind, port, replica_addresses(self.plan, self.started, index)))
         step = server_step(self.nodes[proc.node], argv, step_name(proc.label, self.tag))

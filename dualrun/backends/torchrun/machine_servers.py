@@ -36,6 +36,7 @@ from dualrun.contract import job_store, protocol
 from dualrun.plan.processes import ROUTER, Plan
 from dualrun.programs.rotation import PROBE_TIMEOUT_S
 from dualrun.servers.local import Endpoint, LocalServers
+from dualrun.servers.planned import facing
 from dualrun.servers.process import ServerError
 from dualrun.servers.serverset import ServerDeath
 from dualrun.servers.supervision import liveness_path, restartable, restarting, router_of
@@ -47,13 +48,6 @@ CONNECT_S = 1.0       # ... how long its machine may take to accept the check's 
 def others(plan: Plan, machine: int) -> list[int]:
     """plan.servers indices of the servers other machines run."""
     return [i for i, p in enumerate(plan.servers) if p.node != machine]
-
-
-def facing(plan: Plan) -> list[int]:
-    """plan.servers indices of the servers the trainers talk to: each router, and the replica of a unit without one
-    (machine K >= 1 watches those that run elsewhere: they are machine 0's router)."""
-    routed = {p.unit for p in plan.servers if p.kind == ROUTER}
-    return [i for i, p in enumerate(plan.servers) if p.kind == ROUTER or p.unit not in routed]
 
 
 BIND = "0.0.0.0"   # where the servers of a job across machines listen: every address (the others reach them)
@@ -105,6 +99,14 @@ class Machines:
 
     def start(self) -> dict[str, str]:
         return self.servers.start()
+
+    def reserve(self) -> None:
+        """Several machines start their servers first: their addresses meet in the store once each answers."""
+        return None
+
+    @property
+    def start_error(self) -> Exception | None:
+        return None
 
     def wiring_env(self) -> dict[str, str]:
         """Only that the ranks read their wiring from the store, where machine 0's launcher puts it once every

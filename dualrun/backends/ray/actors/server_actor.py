@@ -21,14 +21,16 @@ class ServerActor:
         self.server: ServerProcess | None = None
         self.output = LineQueue()   # the server's lines, `[label] ...`, for the driver's long-poll (`lines`)
 
-    def where(self, avoid: list[int] | None = None) -> ActorPlace:
+    def where(self, avoid: list[int] | None = None, handed_out: bool = False) -> ActorPlace:
+        """This actor's node, GPUs and a free port there (`handed_out`: one the trainers get before the server
+        binds it, `server_port`)."""
         import ray
 
         from dualrun.light.interfaces import holding
-        from dualrun.light.ports import free_port
+        from dualrun.light.ports import free_port, server_port
 
         ip = ray.util.get_node_ip_address()
-        port = free_port(ip, set(avoid or ()))
+        port = (server_port if handed_out else free_port)(ip, set(avoid or ()))
         return ActorPlace(ip, ray.get_runtime_context().get_node_id(), tuple(str(g) for g in ray.get_gpu_ids()),
                           os.getpid(), port, interface=holding(ip))
 
