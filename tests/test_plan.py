@@ -83,10 +83,10 @@ def test_secrets_are_redacted_in_json():
 def test_plans_1024_gpus_on_128_nodes_fast():
     cfg = build_config({"backend": "ray", "roles": {"train": {"gpus": 1008}, "rollout": {"gpus": 8},
                                                     "teacher": {"gpus": 8, "tensor_parallel_size": 8}}}, "big.yaml")
-    start = time.perf_counter()
+    start = time.process_time()   # CPU time: the planner's own cost, whatever else loads the machine
     plan = make_plan(cfg, Cluster.uniform(128, 8))
     text = plan.to_json()
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert len(plan.workers) == 1008 and len(plan.servers) == 8 + 1 + 1   # 8 rollout replicas, their router
     assert len({p.node for p in plan.processes}) == 128 and len(text) > 0
     assert elapsed < 1.0, elapsed

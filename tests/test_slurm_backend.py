@@ -107,7 +107,7 @@ def test_the_dry_run_shows_the_srun_lines(tmp_path):
     assert r.returncode == 0, r.stderr
     ranks = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("srun ")]
     assert len(ranks) == 1 and "--ntasks=2" in ranks[0] and "dualrun.rank.bootstrap w.py --a 1" in ranks[0], r.stdout
-    teacher = [ln for ln in r.stdout.splitlines() if ln.startswith("# teacher server 0, started first:")]
+    teacher = [ln for ln in r.stdout.splitlines() if ln.startswith("# teacher server 0, started beside the trainers:")]
     assert teacher and "srun --job-name=dualrun-teacher-server-0-" in teacher[0] and "'--nodelist=<node 0>'" in \
         teacher[0], r.stdout
     plan = dualrun("plan", "--backend", "slurm", "--config_file", "c.yaml", cwd=tmp_path, env=NO_SLURM)

@@ -113,7 +113,7 @@ class SlurmLauncher(Launcher):
                  else "outside an allocation: <node K> is the allocation's K-th node")
         lines = [f"# dualrun dry run: backend=slurm, {alloc}; nothing was started", f"cd {join_cmd([prepared.cwd])}"]
         for label, argv, shown in prepared.servers:
-            lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
+            lines.append(f"# {label}, started beside the trainers: " + server_preview_line(shown, argv))
         lines.append("# the trainer ranks, one srun task each (the shim sets RANK, LOCAL_RANK, WORLD_SIZE, ... "
                      "from SLURM_PROCID, SLURM_LOCALID, ...):")
         lines.append("env \\")

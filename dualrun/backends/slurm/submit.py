@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 from dualrun.contract.errors import LaunchError
 
 POLL_S = 0.5
+CALL_S = 30.0   # the longest a call to the controller (scontrol, scancel) may take
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE")
 
@@ -105,8 +106,11 @@ def follow(job: str, output: str, env: Mapping[str, str]) -> int:
     previous = signal.signal(signal.SIGTERM, cancel)
     try:
         while True:
-            shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=dict(env), capture_output=True,
-                                   text=True).stdout
+            try:
+                shown = subprocess.run(["scontrol", "-o", "show", "job", job], env=dict(env), capture_output=True,
+                                       text=True, timeout=CALL_S).stdout
+            except subprocess.TimeoutExpired:   # a busy controller: ask again
+                continue
             state, code = job_state(shown)
             offset = _copy(output, offset)
             if state is None or state.split()[0] in ENDED:
@@ -115,7 +119,12 @@ def follow(job: str, output: str, env: Mapping[str, str]) -> int:
         time.sleep(POLL_S)   # the last lines the node's slurmd writes as the job ends
         _copy(output, offset)
     except KeyboardInterrupt:
-        subprocess.run(["scancel", job], env=dict(env), capture_output=True)
+        try:
+            subprocess.run(["scancel", job], env=dict(env), capture_output=True, timeout=CALL_S)
+        except subprocess.TimeoutExpired:   # a busy controller: say what to run rather than hang on it
+            print(f"\ndualrun: scancel {job} did not answer within {CALL_S:g} s; run it again", file=sys.stderr,
+                  flush=True)
+            return 130
         print(f"\ndualrun: cancelled SLURM job {job}", file=sys.stderr, flush=True)
         return 130
     finally:

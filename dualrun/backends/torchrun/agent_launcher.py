@@ -158,7 +158,7 @@ class TorchrunLauncher(Launcher):
         return {k: v for k, v in env.items() if v != AUTO}
 
     def prepare(self, plan: Plan | None) -> Prepared:
-        """This node's torchrun command and env, and the servers it starts first (their port is picked free at
+        """This node's torchrun command and env, and the servers it starts (their port is picked free at
         launch)."""
         assert plan is not None
         bind = LOOPBACK.bind if self.rdzv.num_machines == 1 else BIND   # as the launch binds them
@@ -194,8 +194,9 @@ class TorchrunLauncher(Launcher):
         note = self._gloo_note
         if note:
             lines.insert(1, f"# {note}")
+        when = "started first" if self._machines(prepared.plan) else "started beside the trainers"
         for label, argv, shown in prepared.servers:
-            lines.append(f"# {label}, started first: " + server_preview_line(shown, argv))
+            lines.append(f"# {label}, {when}: " + server_preview_line(shown, argv))
         if not prepared.argv:
             lines.append(f"# machine {self.rdzv.machine_rank} runs no ranks and no torchrun agent: it serves, hands its "
                          f"servers' addresses to machine 0's store at {self._addr()}:{self._port()} and ends when "
@@ -209,8 +210,8 @@ class TorchrunLauncher(Launcher):
     # -- launch: a server that dies ends the job (or, with max_failures, restarts it with fresh servers on fresh
     # ports: Launcher.launch); torchrun restarts the workers itself ----------------------------------------------
     def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> "LocalServers | Machines":
-        """Separate roles: their servers start first (on their own devices), the trainers get their addresses;
-        several machines with servers meet in torchrun's store (machines.py)."""
+        """Separate roles: their servers start beside the trainers (on their own devices), the trainers get their
+        addresses; several machines with servers start theirs first and meet in torchrun's store (machines.py)."""
         assert plan is not None
         local = LocalServers(plan, lambda p: self.with_gloo(self.worker_env(p.env)), lambda addresses: self._wiring(plan, addresses),
                              avoid=avoid)
