@@ -238,7 +238,8 @@ def test_a_dead_then_a_hung_teacher_replica_are_restarted_and_gkd_finishes(tmp_p
     assert re.search(r"dualrun: teacher server 1 exited with code -9 \(killed by SIGKILL\) while the job was "
                      r"running.*; restarting it on the same devices \(restart 1 of 3, replica_restarts\)\n", err), \
         err[-3000:]
-    assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+, [\d.]+ s after it died",
+    assert re.search(r"dualrun: teacher server 1 is back in rotation at [\d.]+:\d+, [\d.]+ s after it died \(its "
+                     r"engine started in [\d.]+ s while the others served\)",
                      err), err[-3000:]
     text = (logs / "teacher-server-1.log").read_text()   # the restarted engine appends to the dead one's log
     assert engine_pid(text) != killed and '"POST /v1/completions' in text[text.rfind("dualrun engine: loading"):]

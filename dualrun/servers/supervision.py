@@ -228,12 +228,16 @@ def stopped_answering(address: str, reason: str) -> str:
     return f"at {address} stopped answering while the job was running ({reason}); it was stopped"
 
 
-def held_line(label: str, address: str) -> str:
-    """The launch's line when a restarted replica that takes the trainer's weights is healthy, held by its router."""
-    return (f"dualrun: {label} is healthy again at {address}; out of rotation until it holds the trainer's weights "
-            "(it joins the weight-sync group at the next sync)")
+def held_line(label: str, address: str, started_s: float | None = None) -> str:
+    """The launch's line when a restarted replica that takes the trainer's weights is healthy (its engine's start-up
+    `started_s`), held by its router."""
+    took = f" (started in {started_s:.1f} s)" if started_s is not None else ""
+    return (f"dualrun: {label} is healthy again at {address}{took}; out of rotation until it holds the trainer's "
+            "weights (it joins the weight-sync group at the next sync)")
 
 
-def back_line(label: str, address: str, seconds: float) -> str:
-    """The launch's line when the restarted replica is back in its router's rotation."""
-    return f"dualrun: {label} is back in rotation at {address}, {seconds:.1f} s after it died"
+def back_line(label: str, address: str, seconds: float, started_s: float | None = None) -> str:
+    """The launch's line when the restarted replica is back in its router's rotation (and its engine's start-up,
+    while the others served)."""
+    took = f" (its engine started in {started_s:.1f} s while the others served)" if started_s is not None else ""
+    return f"dualrun: {label} is back in rotation at {address}, {seconds:.1f} s after it died{took}"

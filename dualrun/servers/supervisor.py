@@ -135,12 +135,14 @@ class Supervisor:
         serving = self.plan.servers[index].serving
         assert serving is not None
         router_client.control(at, slot, "remove", reason="died; being restarted")
+        began = time.monotonic()
         address = self.replicas.respawn(index, self.used(index))
         if address is None:
             return
+        started_s = time.monotonic() - began   # the fresh engine's start-up, while the other replicas serve
         router_client.control(at, slot, "replace", address=address, hold=serving.takes_weights)
         if serving.takes_weights:
-            print(held_line(label, address), file=sys.stderr, flush=True)
+            print(held_line(label, address, started_s), file=sys.stderr, flush=True)
         # held: until the next sync, however far; else within its health timeout
         deadline = None if serving.takes_weights else time.monotonic() + serving.health_timeout_s
         while self.events.watching and slot not in router_client.replicas(at)["in_rotation"]:
@@ -154,7 +156,7 @@ class Supervisor:
         with self._lock:
             self.table.back(index)
         if self.events.watching:   # else the job's ranks ended meanwhile: its router takes it back on its own
-            print(back_line(label, address, time.monotonic() - died), file=sys.stderr, flush=True)
+            print(back_line(label, address, time.monotonic() - died, started_s), file=sys.stderr, flush=True)
 
     # -- hung replicas ---------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
