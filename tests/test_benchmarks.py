@@ -330,3 +330,14 @@ def test_quiet_readers_report_holds_each_mode_side_by_side():
     assert "| trainer step right after a request (s) | 2.000 (2.000-2.000) | 1.000 (1.000-1.000) |" in md, md
     assert "| server's CPU-seconds in the second after a request | 1.000 (1.000-1.000) | 0.020 (0.020-0.020) |" in md
     assert "0.50 of its time with vLLM's readers; generation: 1.00 of its time" in md
+
+
+def test_side_by_side_report_on_fake_numbers(tmp_path):
+    """`startup_side_by_side.py --fake`: S, E, F per method and backend, the target per row; nothing started."""
+    out = tmp_path / "sbs.md"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "startup_side_by_side.py"), "--fake", "--reps", "2",
+                        "--methods", "gkd,grpo", "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = out.read_text()
+    assert "FAKE" in md and md.count("| PASS |") == 4   # 2 methods x 2 backends; F 22.5 <= 1.15 x 20.5 + 3
+    assert "| gkd | torchrun | 20.5 (20.0–21.0) | 15.5 (15.0–16.0) | 22.5 (22.0–23.0) | 36.0 | 26.6 | 1.10 | PASS |" in md
