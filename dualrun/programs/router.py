@@ -75,7 +75,7 @@ class Router:
         self.timeout = ClientTimeout(total=request_timeout_s)
         self.probe_interval_s = probe_interval_s
         self.session: ClientSession | None = None
-        self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # its requests in flight, to abort
+        self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # the tasks awaiting it, to abort
         self._aborted: set[asyncio.Task] = set()   # cancelled by an abort: retried on another replica
         self._probes: list[asyncio.Task] = []
         self.token = job_token.job_token()   # the job's secret: guard.job_only endpoints require it
