@@ -15,12 +15,18 @@ from dualrun.programs.router import JSON, Router
 BODY = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}).encode()
 
 
-async def _replica(hang: asyncio.Event | None = None) -> tuple[web.AppRunner, str]:
-    """A replica on a free loopback port answering every POST at once (or, given `hang`, not before it is set)."""
+async def _replica(hang: asyncio.Event | None = None, status: int = 200,
+                   seen: list | None = None) -> tuple[web.AppRunner, str]:
+    """A replica on a free loopback port answering every POST at once (or, given `hang`, not before it is set),
+    with `status` (a text body when not 200); `seen` gets each request's Content-Type."""
     async def answer(request: web.Request) -> web.Response:
         await request.read()
+        if seen is not None:
+            seen.append(request.headers.get("Content-Type"))
         if hang is not None:
             await hang.wait()
+        if status != 200:
+            return web.Response(status=status, text="sick")
         return web.json_response({"choices": [{"index": 0, "text": "x"}]})
 
     app = web.Application()
@@ -120,3 +126,22 @@ def test_a_json_calls_headers_are_one_dict_with_the_jobs_secret(monkeypatch):
     assert first == {"Content-Type": JSON, job_token.HEADER: "s" * 43, "Authorization": "Bearer k"}
     assert router.outgoing(None) == {job_token.HEADER: "s" * 43, "Authorization": "Bearer k"}
     assert router.outgoing("text/plain")["Content-Type"] == "text/plain"
+
+
+def test_a_request_retried_after_a_5xx_carries_its_own_content_type_not_the_answers():
+    async def main():
+        seen: list = []
+        sick, sick_address = await _replica(status=500, seen=seen)
+        good, good_address = await _replica(seen=seen)
+        router = Router([sick_address, good_address], probe_interval_s=0)
+        await router._open(None)
+        try:
+            status, _, answer_type = await router.forward("POST", "/v1/completions", BODY, JSON, prefer=0)
+            assert (status, answer_type) == (200, JSON)
+            assert seen == [JSON, JSON]
+        finally:
+            await router._close(None)
+            await sick.cleanup()
+            await good.cleanup()
+
+    asyncio.run(main())

@@ -108,12 +108,9 @@ class Router:
 
     # -- talking to replicas ------------------------------------------------------------------------------
     def outgoing(self, content_type: str | None) -> dict[str, str]:
-        """The headers of a call to a replica: its body's type and the job's own (the same dict each time for JSON
-        and for no body)."""
-        if content_type is None:
-            return self.headers
-        if content_type == JSON:
-            return self._json_headers
+        """A call's headers: its body's type and the job's own (the same dict each time for JSON and no body)."""
+        if content_type is None or content_type == JSON:
+            return self.headers if content_type is None else self._json_headers
         return {"Content-Type": content_type, **self.headers}
 
     async def call(self, index: int, method: str, path_qs: str, body: bytes | None = None,
@@ -164,16 +161,16 @@ class Router:
             tried.add(index)
             incarnation = self.replicas[index].incarnation   # a failure of this engine spares its replacement
             try:
-                status, data, content_type = await self.attempt(index, method, path_qs, body, content_type)
+                status, data, answer_type = await self.attempt(index, method, path_qs, body, content_type)
             except ReplicaError as e:
                 failures.append(e)
                 self._failed(index, e, incarnation)
             else:
                 if status < 500 or any(f.kind == rotation.STATUS for f in failures):
-                    return status, data, content_type
+                    return status, data, answer_type
                 error = ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
                 if not self._failed(index, error, incarnation):   # kept, the last in rotation: as one engine
-                    return status, data, content_type
+                    return status, data, answer_type
                 failures.append(error)
             index = self.table.pick(exclude=tried)
         untried = self.table.unavailable(exclude=tried)
@@ -194,9 +191,8 @@ class Router:
         except asyncio.CancelledError:
             if task not in self._aborted:
                 raise   # the handler itself was cancelled (the client went away, the router stops)
-            uncancel = getattr(task, "uncancel", None)   # (3.11+: the abort's cancel is handled here, not pending)
-            if uncancel is not None:
-                uncancel()
+            if hasattr(task, "uncancel"):   # (3.11+: the abort's cancel is handled here, none left pending)
+                task.uncancel()
             raise ReplicaError(index, replica, 502, "", None,
                                f"left the rotation while this request was on it ({replica.reason})") from None
         finally:
