@@ -37,11 +37,11 @@ def refusal(method: str, path: str, headers: Mapping[str, str], token: str | Non
             api_key: str | None, job_paths=job_only) -> tuple[int, str] | None:
     """Pure: None when the request may be served, else (status, why): 401 without the key it needs, 403 with a
     wrong one. `job_paths(method, path)`: the endpoints that need the job's secret (a server's own set)."""
-    if job_paths(method, path):
+    if token and job_paths(method, path):   # (no secret: nothing to check, the path not even classified)
         status = job_token.refusal(headers.get(job_token.HEADER), token)
         if status is not None:
             return status, f"{method} {path.split('?')[0]} changes the job: only the job's own processes may ask it"
-    if needs_api_key(path):
+    if api_key and needs_api_key(path):
         status = job_token.api_key_refusal(headers.get("Authorization"), api_key)
         if status is not None:
             return status, "the server's --api-key is required (Authorization: Bearer KEY)"

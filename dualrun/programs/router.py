@@ -42,6 +42,7 @@ from dualrun.programs import routing
 from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
 
+JSON = "application/json"
 
 
 class RouterError(Exception):
@@ -74,12 +75,14 @@ class Router:
         self.timeout = ClientTimeout(total=request_timeout_s)
         self.probe_interval_s = probe_interval_s
         self.session: ClientSession | None = None
-        self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # its requests in flight, to abort
+        self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # the tasks awaiting it, to abort
         self._aborted: set[asyncio.Task] = set()   # cancelled by an abort: retried on another replica
         self._probes: list[asyncio.Task] = []
         self.token = job_token.job_token()   # the job's secret: guard.job_only endpoints require it
         self.api_key = api_key               # the role's --api-key: its inference endpoints require it
         self.headers = job_token.auth_headers(self.token, api_key)   # what its own calls to the replicas carry
+        # ...and with a JSON body (nearly every call): built once, not per request
+        self._json_headers = {"Content-Type": JSON, **self.headers}
 
     # -- lifecycle --------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -104,8 +107,14 @@ class Router:
         print(f"dualrun router: served per replica: {[r.served for r in self.replicas]}", file=sys.stderr, flush=True)
 
     # -- talking to replicas ------------------------------------------------------------------------------
+    def outgoing(self, content_type: str | None) -> dict[str, str]:
+        """A call's headers: its body's type and the job's own (the same dict each time for JSON and no body)."""
+        if content_type is None or content_type == JSON:
+            return self.headers if content_type is None else self._json_headers
+        return {"Content-Type": content_type, **self.headers}
+
     async def call(self, index: int, method: str, path_qs: str, body: bytes | None = None,
-                   headers: dict | None = None, timeout: ClientTimeout | None = None) -> tuple[int, bytes, str]:
+                   content_type: str | None = None, timeout: ClientTimeout | None = None) -> tuple[int, bytes, str]:
         replica = self.replicas[index]
         replica.requests += 1
         if routing.route(method, path_qs) not in (routing.HEALTH, routing.WORLD_SIZE, routing.FIRST):
@@ -114,7 +123,7 @@ class Router:
         try:
             assert self.session is not None
             async with self.session.request(method, replica.url + path_qs, data=body,
-                                            headers={**(headers or {}), **self.headers},
+                                            headers=self.outgoing(content_type),
                                             timeout=timeout or self.timeout) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
@@ -134,13 +143,13 @@ class Router:
 
     async def call_json(self, index: int, method: str, path_qs: str, payload: Any = None) -> Any:
         body = None if payload is None else json.dumps(payload).encode()
-        status, data, _ = await self.call(index, method, path_qs, body, {"Content-Type": "application/json"})
+        status, data, _ = await self.call(index, method, path_qs, body, JSON)
         if status != 200:
             raise ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
         return json.loads(data or b"null")
 
     # -- the rotation: requests that go to one replica, retried on another when it fails ---------------------------
-    async def forward(self, method: str, path_qs: str, body: bytes | None, headers: dict | None = None,
+    async def forward(self, method: str, path_qs: str, body: bytes | None, content_type: str | None = None,
                       prefer: int | None = None) -> tuple[int, bytes, str]:
         """One replica's answer: `prefer`'s (when in rotation) or the least busy one's; a replica that fails leaves
         the rotation and the request goes to the next, until none is left (the error names every failure). A 4xx
@@ -152,16 +161,16 @@ class Router:
             tried.add(index)
             incarnation = self.replicas[index].incarnation   # a failure of this engine spares its replacement
             try:
-                status, data, content_type = await self.attempt(index, method, path_qs, body, headers)
+                status, data, answer_type = await self.attempt(index, method, path_qs, body, content_type)
             except ReplicaError as e:
                 failures.append(e)
                 self._failed(index, e, incarnation)
             else:
                 if status < 500 or any(f.kind == rotation.STATUS for f in failures):
-                    return status, data, content_type
+                    return status, data, answer_type
                 error = ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
                 if not self._failed(index, error, incarnation):   # kept, the last in rotation: as one engine
-                    return status, data, content_type
+                    return status, data, answer_type
                 failures.append(error)
             index = self.table.pick(exclude=tried)
         untried = self.table.unavailable(exclude=tried)
@@ -169,22 +178,26 @@ class Router:
                           + "; ".join([str(f) for f in failures] + ([untried] if untried else [])))
 
     async def attempt(self, index: int, method: str, path_qs: str, body: bytes | None,
-                      headers: dict | None) -> tuple[int, bytes, str]:
+                      content_type: str | None) -> tuple[int, bytes, str]:
         """`call`, ended early (ReplicaError, kind None) when the replica leaves the rotation meanwhile for a reason
-        that means no answer will come."""
+        that means no answer will come: the abort cancels the task awaiting it (the handler's, or a split part's),
+        which is only ever in `flying` while it awaits the call here; no task of its own per request."""
         replica, flying = self.replicas[index], self._abort[index]
-        request = asyncio.ensure_future(self.call(index, method, path_qs, body, headers))
-        flying.add(request)   # (a task of its own: an abort cancels it, not the handler; no waiter task per request)
+        task = asyncio.current_task()
+        assert task is not None
+        flying.add(task)
         try:
-            return await request
+            return await self.call(index, method, path_qs, body, content_type)
         except asyncio.CancelledError:
-            if request not in self._aborted:
-                raise   # the handler itself was cancelled (the client went away)
+            if task not in self._aborted:
+                raise   # the handler itself was cancelled (the client went away, the router stops)
+            if hasattr(task, "uncancel"):   # (3.11+: the abort's cancel is handled here, none left pending)
+                task.uncancel()
             raise ReplicaError(index, replica, 502, "", None,
                                f"left the rotation while this request was on it ({replica.reason})") from None
         finally:
-            flying.discard(request)
-            self._aborted.discard(request)
+            flying.discard(task)
+            self._aborted.discard(task)
 
     def _failed(self, index: int, error: ReplicaError, incarnation: int) -> bool:
         """Tell the table; True when the replica is out of rotation now (it may have been already)."""
@@ -239,8 +252,7 @@ class Router:
         return web.json_response({"replica": self.table.rows()[index], "membership": self.table.membership})
 
     async def forward_json(self, path_qs: str, payload: Any, prefer: int) -> Any:
-        status, data, _ = await self.forward("POST", path_qs, json.dumps(payload).encode(),
-                                             {"Content-Type": "application/json"}, prefer)
+        status, data, _ = await self.forward("POST", path_qs, json.dumps(payload).encode(), JSON, prefer)
         if status != 200:
             raise RouterError(status, f"a replica answered {status}: {data.decode(errors='replace')[:500]}")
         return json.loads(data or b"null")
@@ -322,8 +334,7 @@ class Router:
         A member that received and finished an update is told to the table (a held one is restored)."""
         if not members:
             return _error(503, "no replica is in the weight-transfer group: " + self.table.unavailable())
-        headers = {"Content-Type": "application/json"}
-        results = await asyncio.gather(*(self.call(i, "POST", path_qs, b or None, headers)
+        results = await asyncio.gather(*(self.call(i, "POST", path_qs, b or None, JSON)
                                          for i, b in zip(members, bodies)), return_exceptions=True)
         problems = []
         for i, result in zip(members, results):
@@ -360,8 +371,8 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, allow_nan=True)  # logprobs may be -inf, as the engines send them
 
 
-def _content_type(request: web.Request) -> dict:
-    return {"Content-Type": request.headers.get("Content-Type", "application/json")}
+def _content_type(request: web.Request) -> str:
+    return request.headers.get("Content-Type", JSON)
 
 
 def _passthrough(status: int, data: bytes, content_type: str) -> web.Response:
