@@ -93,7 +93,9 @@ def image() -> list[str]:
     """What every machine runs from, as machines with one image do: this checkout, this interpreter's environment and
     the venvs the tiers name. Bound back in where they lie under /tmp, which each machine's own tmpfs would hide."""
     named = [os.environ.get(v) for v in ("VIRTUAL_ENV", "DUALRUN_VENV", "DUALRUN_VLLM_VENV")]
-    return [str(Path(__file__).resolve().parents[1]), sys.prefix, sys.exec_prefix, *filter(None, named)]
+    # and what this interpreter imports from there (a venv whose .pth names another venv's site-packages)
+    imported = [p for p in sys.path if p and under_private(os.path.realpath(p))]
+    return [str(Path(__file__).resolve().parents[1]), sys.prefix, sys.exec_prefix, *filter(None, named), *imported]
 
 
 # -- the cluster, from the outside --------------------------------------------------------------------------------
