@@ -199,7 +199,8 @@ ROLE_KEYS: tuple[Key, ...] = (
         "`gpus`, `processes`, `gpu_ids`, `engine`, the parallel sizes, `server_args`, `health_timeout_s`, "
         "`request_timeout_s`, `env` and "
         "`colocate_groups` are refused beside it)."),
-    Key("health_timeout_s", "float", 600.0, "Seconds a server dualrun starts may take to answer its health check.",
+    Key("health_timeout_s", "float", 600.0, "Seconds a server dualrun starts may take to answer its health check; "
+        "the trainers, started beside it, wait for it where they first use it, and past this the job ends naming it.",
         minimum=MIN_TIMEOUT_S, maximum=MAX_SECONDS),
     Key("request_timeout_s", "float", 1800.0, "Seconds a server dualrun starts for the role may go unanswered "
         "before it is taken for hung. Behind a router (a role with several engine replicas): one generation or "
