@@ -1,7 +1,7 @@
 """Time from `dualrun launch` to the first logged training step with a separate server, against its limit.
 
     python benchmarks/startup_side_by_side.py                       # gkd (CPU engine teacher), both backends
-    .venv-vllm/bin/python benchmarks/startup_side_by_side.py --methods gkd,grpo   # + GRPO with a vLLM CPU rollout
+    python benchmarks/startup_side_by_side.py --methods gkd,grpo    # + GRPO with a vLLM CPU rollout (.venv-vllm)
 
 For each method and backend, in the same session, round robin:
   S  the server's own command (what `dualrun launch --dry_run` prints for it) alone: start to healthy;
@@ -38,6 +38,7 @@ from dualrun.light.interpreter import PYTHON  # noqa: E402
 
 FIRST_STEP = re.compile(r"['\"]loss['\"]\s*:")   # HF Trainer's log of a step: {'loss': ..., ...}
 ROLE = {"gkd": "teacher", "grpo": "rollout"}
+PYTHON_OF = {"gkd": sys.executable, "grpo": str(REPO / ".venv-vllm" / "bin" / "python")}   # GRPO's needs vLLM
 SLACK, FIXED_S = 1.15, 3.0
 
 
@@ -73,14 +74,14 @@ def _env(**extra: str) -> dict[str, str]:
 def server_command(method: str, tiny: Path, work: Path, port: int) -> tuple[list[str], dict[str, str]]:
     """The server's command and env exactly as the launch's dry run prints them, on `port`."""
     (work / "job.yaml").write_text(config(method, tiny))
-    r = subprocess.run([sys.executable, "-m", "dualrun", "launch", "--backend", "torchrun", "--config_file",
+    r = subprocess.run([PYTHON_OF[method], "-m", "dualrun", "launch", "--backend", "torchrun", "--config_file",
                         "job.yaml", "--dry_run", *script(method, tiny, work / "out")], cwd=work, env=_env(),
                        capture_output=True, text=True, timeout=120)
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"# {ROLE[method]} server 0,"))
     words = shlex.split(line.split(": ", 1)[1])
     env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_][A-Z0-9_]*=", w))
     argv = [w.replace("<auto>", str(port)) for w in words if not re.match(r"^[A-Z_][A-Z0-9_]*=", w)]
-    argv = [sys.executable if w == PYTHON else w for w in argv]   # the dry run names no interpreter path
+    argv = [PYTHON_OF[method] if w == PYTHON else w for w in argv]   # the dry run names no interpreter path
     return argv, {k: v for k, v in env.items() if v}
 
 
@@ -129,7 +130,7 @@ def first_step(method: str, backend: str, tiny: Path, work: Path, log: Path, add
     """E (`address`: the server already runs) or F: seconds from `dualrun launch` to the first logged step."""
     (work / "job.yaml").write_text(config(method, tiny, address))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",
+    proc = subprocess.Popen([PYTHON_OF[method], "-m", "dualrun", "launch", "--backend", backend, "--config_file",
                              "job.yaml", *script(method, tiny, work / "out")], cwd=work, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     seen: list[float] = []
@@ -217,7 +218,8 @@ def _fake_rows(methods: list[str], backends: list[str], reps: int) -> list[dict]
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--methods", default="gkd", help="gkd, grpo (grpo needs vLLM: run with .venv-vllm's python)")
+    p.add_argument("--methods", default="gkd", help="gkd, grpo (grpo runs with --vllm-python: vLLM's CPU build)")
+    p.add_argument("--vllm-python", default=PYTHON_OF["grpo"], help="the interpreter of the vLLM venv")
     p.add_argument("--backends", default="torchrun,ray")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--tiny", default=None, help="examples/make_tiny_model.py --vllm output (built when missing)")
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fake", action="store_true", help="write the report from made-up numbers; start nothing")
     args = p.parse_args(argv)
     methods, backends = args.methods.split(","), args.backends.split(",")
+    PYTHON_OF["grpo"] = args.vllm_python
     info = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
             "load": loadavg()[0], "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                                            capture_output=True, text=True).stdout.strip() or "?"}

@@ -26,13 +26,20 @@ class ScriptArguments:
     dataset_path: str = field(metadata={"help": "JSON/JSONL file with a `messages` column."})
 
 
+def no_checkpointing(config: type) -> dict:
+    """Activation checkpointing off, by the name this transformers knows (`activation_checkpointing` from 5.2x,
+    `gradient_checkpointing` before; an unknown name would come back from the parser as an extra namespace)."""
+    return {n: False for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(config, n)}
+
+
 def main():
     parser = TrlParser((ScriptArguments, GKDConfig))
     # Small defaults so that a CPU run takes seconds (fp32, no activation checkpointing: TRL defaults to
     # bf16 + checkpointing, which a CPU cannot use). Override any of them on the command line.
     parser.set_defaults(
+        **no_checkpointing(GKDConfig),
         output_dir="gkd-output", max_steps=8, per_device_train_batch_size=2, max_length=64, max_new_tokens=8,
-        learning_rate=1e-3, bf16=False, activation_checkpointing=False, logging_steps=1, save_steps=4,
+        learning_rate=1e-3, bf16=False, logging_steps=1, save_steps=4,
         report_to="none",
     )
     script_args, training_args = parser.parse_args_and_config()

@@ -30,13 +30,20 @@ def brevity_reward(completions, **kwargs):
     return [-0.1 * abs(len(completion[0]["content"].split()) - 4) for completion in completions]
 
 
+def no_checkpointing(config: type) -> dict:
+    """Activation checkpointing off, by the name this transformers knows (`activation_checkpointing` from 5.2x,
+    `gradient_checkpointing` before; an unknown name would come back from the parser as an extra namespace)."""
+    return {n: False for n in ("activation_checkpointing", "gradient_checkpointing") if hasattr(config, n)}
+
+
 def main():
     parser = TrlParser((ScriptArguments, GRPOConfig))
     # Small defaults so that a CPU run takes seconds (fp32, no activation checkpointing: TRL defaults to
     # bf16 + checkpointing, which a CPU cannot use). Override any of them on the command line.
     parser.set_defaults(
+        **no_checkpointing(GRPOConfig),
         output_dir="grpo-output", max_steps=4, per_device_train_batch_size=2, num_generations=2,
-        max_completion_length=8, learning_rate=1e-3, bf16=False, activation_checkpointing=False,
+        max_completion_length=8, learning_rate=1e-3, bf16=False,
         logging_steps=1, save_steps=2, report_to="none",
     )
     script_args, training_args = parser.parse_args_and_config()
