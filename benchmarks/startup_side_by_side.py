@@ -107,7 +107,8 @@ def start_server(method: str, tiny: Path, work: Path, log: Path) -> tuple[subpro
     port = _free_port()
     argv, env = server_command(method, tiny, work, port)
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, env=_env(**env), stdout=log.open("w"), stderr=subprocess.STDOUT,
+    # one machine: gloo (the weight sync) on loopback, as dualrun gives its own servers (`with_gloo`)
+    proc = subprocess.Popen(argv, env=_env(**env, GLOO_SOCKET_IFNAME="lo"), stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     while not _healthy(port):
         if proc.poll() is not None or time.monotonic() - t0 > 900:

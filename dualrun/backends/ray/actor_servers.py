@@ -21,6 +21,7 @@ The actor itself (`ServerActor`) lives in ray_actor.py: Ray worker processes imp
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import sys
@@ -69,6 +70,7 @@ class RayServers(ServerSetBase):
         self.infos: list[ActorPlace | None] = []
         self._reserved: dict[int, ActorPlace] = {}   # `reserve`: index -> its actor's place and handed-out port
         self._handed: set[int] = set()              # ... every index whose port the trainers have
+        self._ports: dict[int, int] = {}            # ... on loopback: index -> the port picked here
         self._used: set[str] = set()
         self._exits: dict[Any, int] = {}   # ref that resolves when a server ends -> its plan.servers index
         self._exit_of: dict[int, Any] = {}  # ... and back
@@ -96,8 +98,14 @@ class RayServers(ServerSetBase):
             self._print_output()
             handed = facing(self.plan)
             avoid = sorted(int(a.rpartition(":")[2]) for a in self.avoid)
-            infos = wait_refs([self.actors[i].where.remote(avoid, True) for i in handed], "start their server actors",
-                              self.wait_s, self.check)
+            if self.loopback:   # every node is this machine: its port is picked here, no actor waited for
+                from dualrun.light.ports import server_port
+
+                self._ports = {i: server_port("127.0.0.1", avoid) for i in handed}
+                infos = []
+            else:
+                infos = wait_refs([self.actors[i].where.remote(avoid, True) for i in handed],
+                                  "start their server actors", self.wait_s, self.check)
         except RayError as e:
             self.stop()
             raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
@@ -107,7 +115,9 @@ class RayServers(ServerSetBase):
         self._reserved = dict(zip(handed, infos))
         self._handed = set(handed)
         self.side_by_side()
-        self.addresses = addresses(self.plan, {i: f"{self._host(info)}:{info.port}" for i, info in self._reserved.items()})
+        handed_out = {i: f"{self._host(info)}:{info.port}" for i, info in self._reserved.items()}
+        handed_out.update({i: f"127.0.0.1:{port}" for i, port in self._ports.items()})
+        self.addresses = addresses(self.plan, handed_out)
         return self.addresses
 
     def _host(self, info: ActorPlace) -> str:
@@ -231,6 +241,7 @@ class RayServers(ServerSetBase):
             infos = dict(zip(fresh, wait_refs([self.actors[i].where.remote(ports) for i in fresh],
                                               "start their server actors", self.wait_s, check)))
             infos.update({i: self._reserved.pop(i) for i in todo if i in self._reserved})
+            infos.update({i: dataclasses.replace(infos[i], port=self._ports.pop(i)) for i in todo if i in self._ports})
             refs = {i: self._start_call(i, infos[i], started) for i in todo}
             retry = []
             limit = max(self.plan.servers[i].serving.health_timeout_s for i in refs) + 30.0
