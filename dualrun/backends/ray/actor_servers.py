@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import queue
-import sys
 import threading
 import time
 from typing import Any, Callable, Collection, Mapping
@@ -182,39 +181,10 @@ class RayServers(ServerSetBase):
         return pg, actor
 
     def _print_output(self) -> None:
-        """A thread that prints every server's lines on this driver's stderr as they come (under torchrun the
-        servers' own tee does), until each has ended and `stop` began, or `stop` is done waiting; a restarted
-        replica's actor joins it (`_new_output`)."""
-        import ray
-        from ray.exceptions import RayError
+        """The servers' lines on this driver's stderr as they come (server_output.py)."""
+        from dualrun.backends.ray.server_output import print_output
 
-        actors, printed, stream, fresh = list(self.actors), self._printed, sys.stderr, self._new_output
-
-        def run() -> None:
-            pending = {a.lines.remote(): a for a in actors}
-            while (pending or not self.stopping) and not printed.is_set():
-                while not fresh.empty():
-                    actor = fresh.get()
-                    pending[actor.lines.remote()] = actor
-                if not pending:
-                    time.sleep(0.25)
-                    continue
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-                for ref in ready:
-                    actor = pending.pop(ref)
-                    try:
-                        batch = ray.get(ref)
-                    except RayError:   # the actor is gone (stopped, replaced, or died: the watch names it)
-                        continue
-                    if batch is None:
-                        continue
-                    if batch:
-                        stream.write("".join(text + "\n" for _, text in batch))
-                        stream.flush()
-                    pending[actor.lines.remote()] = actor
-
-        self._printer = threading.Thread(target=run, name="dualrun-server-output", daemon=True)
-        self._printer.start()
+        self._printer = print_output(list(self.actors), lambda: self.stopping, self._printed, self._new_output)
 
     def _start_all(self) -> dict[int, str]:
         """Every engine replica at once, then the routers in front of them (they need the replicas' addresses)."""
