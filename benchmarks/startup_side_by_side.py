@@ -38,6 +38,10 @@ from dualrun.light.interpreter import PYTHON  # noqa: E402
 
 FIRST_STEP = re.compile(r"['\"]loss['\"]\s*:")   # HF Trainer's log of a step: {'loss': ..., ...}
 ROLE = {"gkd": "teacher", "grpo": "rollout"}
+# vLLM on a CPU as the vLLM tier runs it: eager float32, a short context, a 1 GiB KV cache (its default takes most of
+# the machine's memory: the engine's worker was killed for it)
+VLLM_ARGS = "[--enforce-eager, --dtype, float32, --max-model-len, '256', --max-num-seqs, '8']"
+ROLE_ENV = {"gkd": {}, "grpo": {"VLLM_CPU_KVCACHE_SPACE": "1"}}   # the role's `env:`, which the dry run does not show
 PYTHON_OF = {"gkd": sys.executable, "grpo": str(REPO / ".venv-vllm" / "bin" / "python")}   # GRPO's needs vLLM
 SLACK, FIXED_S = 1.15, 3.0
 
@@ -51,7 +55,8 @@ def config(method: str, tiny: Path, address: str | None = None) -> str:
                 "health_timeout_s: 600}\n")
     else:
         role = (f"  rollout: {{address: '{address}'}}\n" if address else
-                f"  rollout: {{gpus: 1, model: {tiny / 'model'}, engine: vllm, health_timeout_s: 600}}\n")
+                f"  rollout: {{gpus: 1, model: {tiny / 'model'}, engine: vllm, health_timeout_s: 600, "
+                f"server_args: {VLLM_ARGS}, env: {{VLLM_CPU_KVCACHE_SPACE: '1'}}}}\n")
     return head + role
 
 
@@ -82,7 +87,7 @@ def server_command(method: str, tiny: Path, work: Path, port: int) -> tuple[list
     env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_][A-Z0-9_]*=", w))
     argv = [w.replace("<auto>", str(port)) for w in words if not re.match(r"^[A-Z_][A-Z0-9_]*=", w)]
     argv = [PYTHON_OF[method] if w == PYTHON else w for w in argv]   # the dry run names no interpreter path
-    return argv, {k: v for k, v in env.items() if v}
+    return argv, {**{k: v for k, v in env.items() if v}, **ROLE_ENV[method]}
 
 
 def _free_port() -> int:
