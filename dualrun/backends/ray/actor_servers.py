@@ -21,12 +21,13 @@ The actor itself (`ServerActor`) lives in ray_actor.py: Ray worker processes imp
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Iterator, Mapping
 
 from dualrun.contract.protocol import ActorPlace
 from dualrun.light.interfaces import ifname_set
@@ -83,16 +84,14 @@ class RayServers(ServerSetBase):
 
     def reserve(self) -> dict[str, str] | None:
         """Side by side: every server's actor placed and the port of each server the trainers talk to picked on
-        its node (`server_port`); role -> `ip:port`. Stops all on failure."""
-        from dualrun.contract.errors import LaunchError
+        its node (`server_port`; on one host by the driver); role -> `ip:port`. Stops all on failure."""
         from dualrun.servers.planned import addresses, facing
 
         if not self.plan.servers:
             return None
-        from ray.exceptions import RayError
         from dualrun.backends.ray.cluster import wait_refs
 
-        try:
+        with self._failing(self.stop):
             self._place()
             self._print_output()
             handed = facing(self.plan)
@@ -105,12 +104,6 @@ class RayServers(ServerSetBase):
             else:
                 infos = wait_refs([self.actors[i].where.remote(avoid, True) for i in handed],
                                   "start their server actors", self.wait_s, self.check)
-        except RayError as e:
-            self.stop()
-            raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
-        except BaseException:   # a signal (the check) or anything else: nothing is left behind, quickly
-            self.stop(grace_s=3.0)
-            raise
         self._reserved = dict(zip(handed, infos))
         self._handed = set(handed)
         self.side_by_side()
@@ -119,6 +112,23 @@ class RayServers(ServerSetBase):
         self.addresses = addresses(self.plan, handed_out)
         return self.addresses
 
+    @contextlib.contextmanager
+    def _failing(self, stop: Callable[..., None]) -> Iterator[None]:
+        """A Ray error inside is the job's LaunchError naming the server actor; any failure `stop`s what was started
+        (quickly for a signal: nothing is left behind)."""
+        from ray.exceptions import RayError
+
+        from dualrun.contract.errors import LaunchError
+
+        try:
+            yield
+        except RayError as e:
+            stop()
+            raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
+        except BaseException:
+            stop(grace_s=3.0)
+            raise
+
     def _host(self, info: ActorPlace) -> str:
         """The host a server on `info`'s node listens and is reached at."""
         return "127.0.0.1" if self.loopback else info.ip
@@ -126,23 +136,13 @@ class RayServers(ServerSetBase):
     def start(self) -> dict[str, str]:
         """Place (unless `reserve` did), start and health-check every server (all at once); role -> `ip:port`.
         Stops all on failure (side by side: the launcher does, as the job ends)."""
-        from dualrun.contract.errors import LaunchError
-
         if not self.plan.servers:
             return self.addresses
-        from ray.exceptions import RayError
-
-        try:
+        with self._failing(self.failed_start):
             if not self._actors:
                 self._place()
                 self._print_output()
             self.started = self._start_all()
-        except RayError as e:
-            self.failed_start()
-            raise LaunchError(f"a separate role's server actor failed: {str(e).strip().splitlines()[0][:200]}")
-        except BaseException:   # a signal (the check) or anything else: nothing is left behind, quickly
-            self.failed_start(grace_s=3.0)
-            raise
         from dualrun.servers.planned import addresses
 
         self.addresses = addresses(self.plan, self.started)
