@@ -78,8 +78,8 @@ class Plan:
 
     @property
     def servers(self) -> tuple[Process, ...]:
-        """What the launchers start before the trainers: every engine replica, then (after a role's replicas)
-        the router in front of them."""
+        """What the launchers start for the separate roles (beside the trainers): every engine replica, then
+        (after a role's replicas) the router in front of them."""
         return tuple(p for p in self.processes if p.kind in ("server", ROUTER))
 
     def on_node(self, node: int) -> tuple[Process, ...]:

@@ -1,5 +1,5 @@
-"""The servers the plan puts on this machine (`plan.machine_rank`) run as its processes: started before the
-trainers, watched, restarted by the set's supervisor, stopped after them.
+"""The servers the plan puts on this machine (`plan.machine_rank`) run as its processes: started beside the
+trainers (or before them: several machines), watched, restarted by the set's supervisor, stopped after them.
 
 Each server binds a port the OS picks, on the set's `endpoint` (loopback; several machines: machines.py gives the
 machine's own). A router starts once its replicas' addresses are known: here, after its replicas; when some run

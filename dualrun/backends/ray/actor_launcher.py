@@ -160,7 +160,7 @@ class RayLauncher(Launcher):
             lines.append(f"# {p.label}: bundle {self.bundle(p)}, planned node {p.node}")
             lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(own).items())]
         for p, (label, argv, shown) in zip(plan.servers, prepared.servers):
-            lines.append(f"# {label}: bundle {self.bundle(p)}, started (and healthy) before the trainers, in "
+            lines.append(f"# {label}: bundle {self.bundle(p)}, started beside the trainers, in "
                          f"{prepared.cwd}: " + server_preview_line(shown, argv))
         return "\n".join(lines)
 
