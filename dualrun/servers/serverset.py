@@ -2,8 +2,9 @@
 
 Why one interface: both launchers run the plan's servers the same way (start them beside the trainers, hand the
 trainers their wiring, end or restart the job when one dies, stop them with the job) whether they run as
-processes here (`LocalServers`, local.py; several torchrun machines: `Machines`, backends/torchrun/machine_servers.py, around it) or from Ray actors
-(`RayServers`, backends/ray/actor_servers.py). A dying server is an event (`ServerDeath`, naming which of `plan.servers` it was)
+processes here (`LocalServers`, local.py; several torchrun machines: `Machines`,
+backends/torchrun/machine_servers.py, around it) or from Ray actors (`RayServers`, backends/ray/actor_servers.py).
+A dying server is an event (`ServerDeath`, naming which of `plan.servers` it was)
 that the launcher takes from `next_death`; the set's own watcher (a thread polling its processes, or one waiting
 on its actors) reports it, and the set's supervisor (supervisor.py) restarts a replica the job survives losing;
 only the deaths it does not survive reach `next_death`.
