@@ -72,8 +72,10 @@ def test_event_lines_say_which_why_and_when_back():
     assert back_line("teacher server 1", "127.0.0.1:4242", 12.34, 8.06) == (
         "dualrun: teacher server 1 is back in rotation at 127.0.0.1:4242, 12.3 s after it died (its engine started in "
         "8.1 s while the others served)")
-    assert held_line("rollout server 1", "127.0.0.1:4242", 7.0).startswith(
-        "dualrun: rollout server 1 is healthy again at 127.0.0.1:4242 (started in 7.0 s); out of rotation")
+    assert held_line("rollout server 1", "127.0.0.1:4242", 7.0) == (
+        "dualrun: rollout server 1 is healthy again at 127.0.0.1:4242; out of rotation until it holds the trainer's "
+        "weights (it joins the weight-sync group at the next sync); its engine started in 7.0 s while the others "
+        "served")
     assert held_line("rollout server 1", "127.0.0.1:4242") == (
         "dualrun: rollout server 1 is healthy again at 127.0.0.1:4242; out of rotation until it holds the trainer's "
         "weights (it joins the weight-sync group at the next sync)")

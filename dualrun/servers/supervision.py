@@ -231,9 +231,9 @@ def stopped_answering(address: str, reason: str) -> str:
 def held_line(label: str, address: str, started_s: float | None = None) -> str:
     """The launch's line when a restarted replica that takes the trainer's weights is healthy (its engine's start-up
     `started_s`), held by its router."""
-    took = f" (started in {started_s:.1f} s)" if started_s is not None else ""
-    return (f"dualrun: {label} is healthy again at {address}{took}; out of rotation until it holds the trainer's "
-            "weights (it joins the weight-sync group at the next sync)")
+    took = f"; its engine started in {started_s:.1f} s while the others served" if started_s is not None else ""
+    return (f"dualrun: {label} is healthy again at {address}; out of rotation until it holds the trainer's weights "
+            f"(it joins the weight-sync group at the next sync){took}")
 
 
 def back_line(label: str, address: str, seconds: float, started_s: float | None = None) -> str:
