@@ -105,6 +105,14 @@ def test_a_server_that_never_answers_ends_the_job_named_and_is_never_restarted()
     assert launcher.envs[0][SERVERS_STARTING]   # the ranks ran beside the start, told to wait
 
 
+def test_ranks_that_end_before_a_server_fails_to_start_still_fail_the_job():
+    """A script that never uses its server ends first: the job's result waits for the start, which failed."""
+    launcher = _Launcher(fail=True, run_s=0.0)
+    result = launcher.launch(launcher.prepare())
+    assert result.exit_code == 1 and result.message == "teacher server 0 did not become healthy within 3 s"
+    assert result.restarts == 0 and launcher.sets[0].stopping
+
+
 def test_the_ranks_start_before_the_servers_answer_and_the_watch_begins_once_they_do():
     launcher = _Launcher(fail=False, run_s=1.0)
     result = launcher.launch(launcher.prepare())

@@ -100,6 +100,7 @@ class Launcher(ABC):
         self.plugin = plugin
         self.run_id = f"dualrun-{uuid.uuid4().hex[:10]}"
         self.job_token = job_token_for(self.rdzv)
+        self._starting: threading.Event | None = None   # side by side: set once the servers' start has ended
         self.token_given = bool(os.environ.get(protocol.JOB_TOKEN))   # the user's: never handed to other machines
 
     def cluster(self) -> "Cluster | None":
@@ -137,6 +138,8 @@ class Launcher(ABC):
                             break
                     outcome = self.run_attempt(prepared, attempt, servers)
                     result = outcome.result
+                    if result.ok and self._starting is not None:   # the ranks ended before the servers answered:
+                        self._starting.wait()                     # a server that cannot start still fails the job
                     never = getattr(servers, "start_error", None)
                     if never is not None:   # side by side: the servers never all answered; the ranks were stopped
                         result = JobResult(getattr(never, "exit_code", 1), result.ranks, message=str(never))
@@ -178,6 +181,7 @@ class Launcher(ABC):
             reserved = servers.reserve()
             if reserved is not None:
                 report_servers(servers.addresses, plan.external, starting=True)
+                self._starting = threading.Event()   # set once the start has ended, either way
                 threading.Thread(target=self._start_beside, args=(servers, plan, began),
                                  name="dualrun-server-start", daemon=True).start()
                 return None
@@ -191,19 +195,23 @@ class Launcher(ABC):
     def _start_beside(self, servers: ServerSet, plan: Plan, began: float) -> None:
         """The servers' start while the workers start (a thread of its own): the line once they all answer, or the
         job ended naming the one that did not (`not_started`: the attempt's watchers stop the ranks)."""
+        settled = self._starting
         try:
             servers.start()
         except BaseException as e:   # noqa: BLE001 - every way the start can end must reach the job
-            if servers.stopping or self.signalled():
-                return   # the job ended meanwhile (its end stopped the servers), or a signal ends it
-            error = e if isinstance(e, LaunchError) else LaunchError(
-                f"the servers did not start: {type(e).__name__}: {e}")
-            self.servers_not_started(servers, error)
-            servers.not_started(error)
+            if not (servers.stopping or self.signalled()):   # else the job ended meanwhile, or a signal ends it
+                error = e if isinstance(e, LaunchError) else LaunchError(
+                    f"the servers did not start: {type(e).__name__}: {e}")
+                self.servers_not_started(servers, error)
+                servers.not_started(error)
+            if settled is not None:
+                settled.set()
             return
         if not servers.stopping:
             servers.started_all()
             report_servers(servers.addresses, plan.external, seconds=time.monotonic() - began)
+        if settled is not None:
+            settled.set()
         # a server started here dies with the thread that spawned it (PR_SET_PDEATHSIG): this one stays till the end
         servers.wait_stopped()
 

@@ -104,6 +104,9 @@ def follow(job: str, output: str, env: Mapping[str, str]) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, cancel)
+    # explicitly: a process started in the background by a non-interactive shell inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt of its own (an explicit `kill -INT` must still cancel)
+    before_int = signal.signal(signal.SIGINT, cancel)
     try:
         while True:
             try:
@@ -129,6 +132,7 @@ def follow(job: str, output: str, env: Mapping[str, str]) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, before_int)
     if code is None:
         print(f"dualrun: SLURM job {job} ended ({state or 'no longer known to scontrol'}); its exit code is not "
               "known here", file=sys.stderr, flush=True)
