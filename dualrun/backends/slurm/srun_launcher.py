@@ -184,6 +184,8 @@ class SlurmLauncher(Launcher):
         if attempt:
             extra[protocol.JOB_RESTARTS] = str(attempt)
         if self._error_dir is None:
+            if self.rdzv.log_dir:   # (the servers, starting beside the ranks, may not have made it yet)
+                os.makedirs(self.rdzv.log_dir, exist_ok=True)
             self._error_dir = tempfile.mkdtemp(prefix="dualrun-slurm-errors-", dir=self.rdzv.log_dir or None)
         extra[ERROR_DIR] = self._error_dir
         return {**slurm_env(os.environ), **prepared.env, **extra}
