@@ -41,18 +41,22 @@ class Starting:
         spec = json.loads(raw)
         return cls(spec["servers"], float(spec["wait_s"]))
 
-    def role(self, address: Any) -> str | None:
-        """The role of the server at `address` (a `(host, port)` pair) while it is still starting."""
+    @staticmethod
+    def _key(address: Any) -> str | None:
+        """`host:port` of a `(host, port)` pair as `create_connection` gets it (None: not such a pair)."""
         try:
-            key = f"{address[0]}:{int(address[1])}"
+            return f"{address[0]}:{int(address[1])}"
         except (TypeError, ValueError, IndexError):
             return None
+
+    def role(self, address: Any) -> str | None:
+        """The role of the server at `address` while it is still starting."""
         with self._lock:
-            return self.servers.get(key)
+            return self.servers.get(self._key(address) or "")
 
     def reached(self, address: Any) -> None:
         with self._lock:
-            self.servers.pop(f"{address[0]}:{int(address[1])}", None)
+            self.servers.pop(self._key(address) or "", None)
 
     def wait(self, address: Any, connect: Callable[..., socket.socket], say: Callable[[str], None]) -> None:
         """Until the server at `address` accepts a connection (closed at once), or the deadline."""

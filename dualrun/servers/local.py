@@ -90,7 +90,7 @@ class LocalServers(ServerSetBase):
         argv = serving.argv(bind, port, replica_addresses(self.plan, self.started, index))
         server = ServerProcess(proc.label, argv, self.env_for(proc), bind, port, health_path=serving.health_path,
                                timeout_s=serving.health_timeout_s, log_path=self._log_path(proc), stream=self.stream)
-        self._advertised[index] = f"{self.endpoint.advertised}:{port}"
+        self._advertised[index] = f"{self._host_of(index)}:{port}"   # the host `reserve` handed out too
         return server.start()
 
     def reserve(self) -> dict[str, str] | None:
