@@ -69,7 +69,6 @@ class RayServers(ServerSetBase):
         self._pg_of: list[Any] = []                     # plan order: its placement group
         self.infos: list[ActorPlace | None] = []
         self._reserved: dict[int, ActorPlace] = {}   # `reserve`: index -> its actor's place and handed-out port
-        self._handed: set[int] = set()              # ... every index whose port the trainers have
         self._ports: dict[int, int] = {}            # ... on loopback: index -> the port picked here
         self._used: set[str] = set()
         self._exits: dict[Any, int] = {}   # ref that resolves when a server ends -> its plan.servers index
@@ -105,7 +104,6 @@ class RayServers(ServerSetBase):
                 infos = wait_refs([self.actors[i].where.remote(avoid, True) for i in handed],
                                   "start their server actors", self.wait_s, self.check)
         self._reserved = dict(zip(handed, infos))
-        self._handed = set(handed)
         self.side_by_side()
         handed_out = {i: f"{self._host(info)}:{info.port}" for i, info in self._reserved.items()}
         handed_out.update({i: f"127.0.0.1:{port}" for i, port in self._ports.items()})
@@ -128,6 +126,10 @@ class RayServers(ServerSetBase):
         except BaseException:
             stop(grace_s=3.0)
             raise
+
+    def _handed_out(self, index: int) -> bool:
+        """Whether the trainers were given server `index`'s port (`reserve`): it is never moved."""
+        return index in self._reserved or index in self._ports
 
     def _host(self, info: ActorPlace) -> str:
         """The host a server on `info`'s node listens and is reached at."""
@@ -210,8 +212,8 @@ class RayServers(ServerSetBase):
             fresh = [i for i in todo if i not in self._reserved]   # a reserved port was handed out: it stays
             infos = dict(zip(fresh, wait_refs([self.actors[i].where.remote(ports) for i in fresh],
                                               "start their server actors", self.wait_s, check)))
-            infos.update({i: self._reserved.pop(i) for i in todo if i in self._reserved})
-            infos.update({i: dataclasses.replace(infos[i], port=self._ports.pop(i)) for i in todo if i in self._ports})
+            infos.update({i: self._reserved[i] for i in todo if i in self._reserved})
+            infos.update({i: dataclasses.replace(infos[i], port=self._ports[i]) for i in todo if i in self._ports})
             refs = {i: self._start_call(i, infos[i], started) for i in todo}
             retry = []
             limit = max(self.plan.servers[i].serving.health_timeout_s for i in refs) + 30.0
@@ -219,7 +221,7 @@ class RayServers(ServerSetBase):
             for i, result in zip(refs, results):
                 if result.ok:
                     done[i] = result.address
-                elif result.port_in_use and attempt < START_TRIES - 1 and i not in self._handed:
+                elif result.port_in_use and attempt < START_TRIES - 1 and not self._handed_out(i):
                     retry.append(i)
                 else:
                     raise LaunchError(result.error)
