@@ -4,7 +4,8 @@
     python benchmarks/startup_side_by_side.py --methods gkd,grpo    # + GRPO with a vLLM CPU rollout (.venv-vllm)
 
 For each method and backend, in the same session, round robin:
-  S  the server's own command (what `dualrun launch --dry_run` prints for it) alone: start to healthy;
+  S  the server's own command (what `dualrun launch --dry_run` prints for it) alone: start to healthy (a fresh one
+     for each backend's E: a job's weight-sync group is its own);
   E  the same job against that server already running (`roles.<name>.address`): launch to the first logged step;
   F  the job with dualrun starting the server: launch to the first logged step.
 Started one after the other, F would be about S + E; started side by side it is about max(S, E). The target:
@@ -163,19 +164,21 @@ def first_step(method: str, backend: str, tiny: Path, work: Path, log: Path, add
 
 
 def measure(methods: list[str], backends: list[str], reps: int, tiny: Path, logs: Path) -> list[dict]:
+    """Round robin: per repetition, method and backend, S (a fresh server: a job's weight-sync group is its own,
+    so no E job reuses another's server), E against it, then F."""
     rows = []
     for rep in range(reps):
         for method in methods:
             work = Path(tempfile.mkdtemp(prefix=f"sbs-{method}-"))
-            server, port, s = start_server(method, tiny, work, logs / f"{method}-S-{rep}.log")
-            try:
-                e = {b: first_step(method, b, tiny, work, logs / f"{method}-{b}-E-{rep}.log", f"127.0.0.1:{port}")
-                     for b in backends}
-            finally:
-                _stop(server)
             for backend in backends:
+                server, port, s = start_server(method, tiny, work, logs / f"{method}-{backend}-S-{rep}.log")
+                try:
+                    e = first_step(method, backend, tiny, work, logs / f"{method}-{backend}-E-{rep}.log",
+                                   f"127.0.0.1:{port}")
+                finally:
+                    _stop(server)
                 f = first_step(method, backend, tiny, work, logs / f"{method}-{backend}-F-{rep}.log")
-                rows.append({"method": method, "backend": backend, "rep": rep, "S": s, "E": e[backend], "F": f})
+                rows.append({"method": method, "backend": backend, "rep": rep, "S": s, "E": e, "F": f})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -30,13 +30,16 @@ class BackendKind:
     `ray`: places its processes through a Ray cluster it joins or starts (needs the ray package; the `ray.*`
     keys apply). `groups`: how a role program's worker groups run, the role runtime's mode (`DUALRUN_ROLES_MODE`):
     'ray' actors, or 'local' processes of the driver. `placement`:
-    its placement policy, `JobConfig -> plan.placement.Placement` (the core's `MachinesPlacement`, or its own)."""
+    its placement policy, `JobConfig -> plan.placement.Placement` (the core's `MachinesPlacement`, or its own).
+    `fleets`: its server set starts and stops a role's spare replicas while the job runs (`min_replicas`,
+    `max_replicas`; a per-machine backend only on one machine)."""
 
     name: str
     per_machine: bool
     ray: bool
     groups: str
     placement: Callable[[Any], Any] = field(compare=False, repr=False, default=None)   # type: ignore[assignment]
+    fleets: bool = False
 
     def files_here(self, cfg: Any) -> bool:
         """Whether a local path of the config (a model) is read on this machine's file system: one launch per

@@ -33,6 +33,8 @@ class RoleSpec:
     health_timeout_s: float = 600.0
     request_timeout_s: float = 1800.0
     replica_restarts: int = 3
+    min_replicas: int | None = None   # the fewest engine replicas the job goes on with (None: the planned count)
+    max_replicas: int | None = None   # the most `dualrun scale` may grow the role to (None: the planned count)
     server_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=frozen_map)
     machines: tuple[int, ...] | None = None   # torchrun: the machine ranks the role runs on (servers, or ranks)

@@ -150,7 +150,8 @@ def external_roles(source: str, raw_roles: Mapping[str, Mapping[str, Any]], role
     # each key with the values that are the same as not writing it
     harmless = {"gpus": (None, 0), "processes": (None, 1), "gpu_ids": (None,), "tensor_parallel_size": (None, 1),
                 "data_parallel_size": (None, 1), "server_args": (None, []), "health_timeout_s": (None,),
-                "request_timeout_s": (None,), "replica_restarts": (None,), "env": (None, {}), "engine": (None,)}
+                "request_timeout_s": (None,), "replica_restarts": (None,), "env": (None, {}), "engine": (None,),
+                "min_replicas": (None,), "max_replicas": (None,)}
     for role in roles:
         if not role.address:
             continue

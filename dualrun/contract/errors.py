@@ -178,3 +178,10 @@ class LaunchError(DualrunError):
     def __init__(self, message: str, exit_code: int = 1) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class ScaleRefused(DualrunError):
+    """A resize of a running job's fleet (`dualrun scale`) it cannot make: one line why (an unknown role, a count
+    out of its bounds, the job not running); exit code 2 for whoever asked."""
+
+    exit_code = 2

@@ -43,6 +43,7 @@ class MethodPlugin:
         for name in self.required_roles:
             if cfg.role(name) is None:
                 raise ConfigError(cfg.source, f"roles.{name}", f"a `{name}` role (method '{cfg.method}' needs it)")
+        from dualrun.config.fleet import refuse_bounds
         from dualrun.config.refusals import inert_keys, program_sizes
         from dualrun.config.role_reads import unread_role_keys
 
@@ -52,6 +53,7 @@ class MethodPlugin:
             program_sizes(cfg)
         unread_role_keys(cfg, self.colocated_engine_roles, single, self.role_key_reads)
         router_keys(cfg)
+        refuse_bounds(cfg)
 
     def preflight(self, cfg: JobConfig) -> None:
         """Raise ConfigError for what this environment lacks, at launch before anything starts (a dry run and
@@ -93,12 +95,12 @@ def validate(cfg: JobConfig, plugin: MethodPlugin) -> None:
 def router_keys(cfg: JobConfig) -> None:
     """`replica_restarts` restarts replicas behind a router: a separate role with one engine has none, so the key
     would do nothing there."""
-    from dualrun.plan.engines import replica_count
+    from dualrun.config.fleet import bounds
 
     for role in cfg.roles:
         if role.replica_restarts in (0, 3) or role.address or not cfg.is_separate(role.name):
             continue
-        why = restarts_do_nothing(cfg, role, replica_count(cfg, role))
+        why = restarts_do_nothing(cfg, role, bounds(cfg, role).high)
         if why:
             raise ConfigError(cfg.source, f"roles.{role.name}.replica_restarts", f"0 or unset ({why}: a dead "
                               "replica ends the job, or restarts it whole with max_failures)", role.replica_restarts)

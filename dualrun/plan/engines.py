@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Collection
 
 from dualrun.config.engine_kinds import engine_of, takes_weights
+from dualrun.config.fleet import planned_count
 from dualrun.config.model import JobConfig, RoleSpec
 
 
@@ -36,4 +37,4 @@ def engine_size(cfg: JobConfig, role: RoleSpec) -> int:
 def replica_count(cfg: JobConfig, role: RoleSpec) -> int:
     """Engines a separate role runs: its GPUs (or CPU processes) over one engine's size. More than one stand
     behind one address, the router's (`dualrun.programs.router`): TRL's trainers take a single server address."""
-    return max(1, (role.gpus or role.processes) // engine_size(cfg, role))
+    return planned_count(cfg, role)

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterable, Mapping
 from dualrun.contract import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
 from dualrun.config.engine_kinds import WeightRoles, engine_of, weight_roles_of
-from dualrun.plan.engines import engine_size, replica_count, role_takes_weights, server_env
+from dualrun.config.fleet import FleetBounds, bounds
+from dualrun.plan.engines import engine_size, role_takes_weights, server_env
 from dualrun.env.worker import rank_env
 from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
@@ -63,6 +64,7 @@ class Plan:
     machine_rank: int | None = None    # torchrun: the node this launch is for
     slot: str = "GPU"                  # what a node's count counts: GPUs, or process slots on a CPU plan
     rendezvous: Rendezvous | None = None   # how the processes meet (plan/meeting.py): all a launcher reads
+    fleets: Mapping[str, FleetBounds] = field(default_factory=frozen_map)   # unit -> its replicas' bounds
     # the method's wiring of the servers' addresses into the trainers' env (role -> host:port => env), given a
     # method: the launchers call it once the servers run
     wiring: Callable[[Mapping[str, str]], Mapping[str, str]] | None = field(default=None, compare=False,
@@ -96,10 +98,12 @@ class Plan:
                                   for n in self.cluster.nodes]},
             "env": redact(self.env),
             "external_servers": dict(self.external),
+            "fleets": {unit: {"start": b.start, "min": b.low, "max": b.high} for unit, b in self.fleets.items()},
             "processes": [
                 {"unit": p.unit, "roles": list(p.roles), "kind": p.kind, "rank": p.rank,
                  "world_size": p.world_size, "node": p.node, "local_rank": p.local_rank,
-                 "devices": list(p.devices), "env": redact(p.env)}
+                 "devices": list(p.devices), "env": redact(p.env),
+                 **({"spare": True} if p.serving is not None and p.serving.spare else {})}
                 for p in self.processes
             ],
         }
@@ -124,10 +128,15 @@ class Plan:
                 lines.append("  no ranks: this machine runs only the servers below")
             for p in procs:
                 dev = "GPU " + ",".join(map(str, p.devices)) if p.devices else "CPU"
+                spare = p.serving is not None and p.serving.spare
                 lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
-                                                          if p.kind == "worker" else ""))
+                                                          if p.kind == "worker" else "")
+                             + ("  (spare: started by `dualrun scale`)" if spare else ""))
         for role, addr in self.external.items():
             lines.append(f"external {role} server at {addr}")
+        for unit, b in self.fleets.items():
+            if b.resizable:
+                lines.append(f"fleet {unit}: {b.shown()} replicas (`dualrun scale {unit} N` while it runs)")
         return "\n".join(lines)
 
 
@@ -153,6 +162,7 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
     free = policy.free_devices(cluster)
     procs: list[Process] = []
     external: dict[str, str] = {}
+    fleets: dict[str, FleetBounds] = {}
     for i, (group, role) in enumerate(units(cfg)):
         unit = "+".join(group)
         if i == 0:
@@ -168,10 +178,12 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
             continue
         procs += _place_server(cfg, policy, cluster, free, group, role, unit, common, weight_roles,
                                _cpus_used(policy, procs))
+        fleets[unit] = bounds(cfg, role)
     _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
-                frozen_map(common), frozen_map(external), policy.machine_rank, slot, rendezvous_of(cfg))
+                frozen_map(common), frozen_map(external), policy.machine_rank, slot, rendezvous_of(cfg),
+                frozen_map(fleets))
 
 
 def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) -> None:
@@ -287,7 +299,8 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
     """A separate role's engines: one replica of `engine_size` GPUs each, each on the first node with that many
     free GPUs left by the trainers (fixed `gpu_ids`: those), and with several a router (CPU only) on the node
     the placement policy says, whose address the trainers get."""
-    count = replica_count(cfg, role)
+    fleet = bounds(cfg, role)
+    count, total = fleet.start, fleet.high   # replicas started at launch; and the spares `dualrun scale` starts
     size = engine_size(cfg, role) if role.gpus else 0
     slots = size or (1 if policy.processes_take_slots else 0)   # CPU: a process
     fixed = role.gpu_ids
@@ -298,10 +311,10 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
     env.update({protocol.ROLE: unit, protocol.ROLES: ",".join(group)})
     first = cfg.role(group[0]) or role   # whose settings the unit's servers use
     serving = Serving(first.health_timeout_s, first.request_timeout_s,
-                      restarts=first.replica_restarts if count > 1 else 0,
+                      restarts=first.replica_restarts if total > 1 else 0,
                       takes_weights=role_takes_weights(cfg, first, weight_roles), log_dir=policy.server_log_dir)
     procs = []
-    for replica in range(count):
+    for replica in range(total):
         mine = tuple(fixed[replica * size:(replica + 1) * size]) if fixed is not None else None
         roomy = policy.cpu_server_node(cluster, used or {}) if not size and not slots else None
         node = next((n for n in candidates if (n.index == roomy if roomy is not None else
@@ -311,6 +324,10 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
         if node is None:
             have = max((len(free[n.index]) for n in candidates), default=0)
             what = "GPUs" if size else "process slots (torchrun.gpus_per_machine)"
+            if replica >= count:   # a spare: placed at launch like the others, started by `dualrun scale`
+                raise ConfigError(cfg.source, f"roles.{role.name}.max_replicas", f"room for each replica up to it: "
+                                  f"{slots} free {what} on one node for each (spare replica {replica} finds at "
+                                  f"most {have})" + _visible_note(next(iter(candidates), None)), total)
             what = f"{slots} free {what} on one node for each of its {count} engines" if count > 1 else \
                 f"at most {have} free {what} on one node for a separate role"
             raise ConfigError(cfg.source, f"roles.{role.name}.gpus",
@@ -318,12 +335,12 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
                               + _visible_note(next(iter(candidates), None)), role.gpus or role.processes)
         taken = _take(free, node.index, slots, mine) if slots else ()
         devices = taken if size else ()
-        procs.append(Process(unit, group, "server", replica, count, node.index, 0, 1, devices,
+        procs.append(Process(unit, group, "server", replica, total, node.index, 0, 1, devices,
                              frozen_map({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}),
-                             replace(serving, log_name=f"{unit}-server-{replica}.log")))
-    if count > 1:
+                             replace(serving, log_name=f"{unit}-server-{replica}.log", spare=replica >= count)))
+    if total > 1:
         home = policy.router_node(cluster, [p.node for p in procs])
-        procs.append(Process(unit, group, ROUTER, 0, count, home, 0, 1, (),
+        procs.append(Process(unit, group, ROUTER, 0, total, home, 0, 1, (),
                              frozen_map({**env, "CUDA_VISIBLE_DEVICES": ""}),
                              replace(serving, restarts=0, takes_weights=False, log_name=f"{unit}-router.log")))
     return procs

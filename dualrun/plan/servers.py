@@ -40,6 +40,7 @@ class Serving:
     log_dir: str | None = None
     command: tuple[str, ...] = ()
     health_path: str = "/health"
+    spare: bool = False   # a replica above the planned count: placed, not started at launch (`dualrun scale`)
 
     @property
     def log_path(self) -> str | None:

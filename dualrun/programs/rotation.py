@@ -21,6 +21,10 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
   the trainer's side compares before a sync: changed, it re-forms its weight-sync group with the members of now
   (dualrun/weightsync/trainer/vllm_client.py). A held replica is restored by the router once it has received an update and
   completed it (`weights_received`, `weights_finished`): from then on it serves the trainer's current weights.
+- A *spare* slot (`SPARE` for its address: a replica the plan placed above the count started at launch) has no
+  engine: out of rotation, no member, never probed. The launcher grows the role by `replace`-ing a spare with a new
+  engine (held, like a restarted one, when it must first get the trainer's weights) and shrinks it by `retire`-ing
+  a replica: out of rotation and of the weight-transfer group (the membership grows), a spare again.
 - A 5xx from the only replica in rotation leaves it in: it is alive, and the answer reaches the client as one
   engine's would (so does a request's second 5xx: the request is at fault, not the replicas; `router.forward`).
   Nothing else is spared: the last replica unreachable or hung is an error, as with one engine.
@@ -39,6 +43,7 @@ TIMEOUT = "timeout"          # no answer within request_timeout_s: hung
 PROBE = "probe"              # its health probe failed (refused, an error status, or no answer in time)
 LAUNCHER = "launcher"        # taken out by the launcher
 JOINING = "joining"          # swapped in by the launcher, not yet healthy (or held)
+SPARE = "-"                  # the address of a slot with no engine (a spare replica, or one scaled down)
 
 STICKY = frozenset({TIMEOUT, LAUNCHER})          # out until restored: passing probes do not bring it back
 ABORTS = frozenset({TIMEOUT, PROBE, LAUNCHER})   # leaving rotation aborts the requests in flight on it
@@ -94,6 +99,11 @@ class Replica:
     def url(self) -> str:
         return f"http://{self.address}"
 
+    @property
+    def spare(self) -> bool:
+        """No engine stands in this slot (not started, or retired): never probed, never a member."""
+        return self.address == SPARE
+
 
 @dataclass(frozen=True)
 class Event:
@@ -109,8 +119,10 @@ class Rotation:
     """The replicas behind one router and which of them take requests."""
 
     def __init__(self, addresses: Iterable[str]) -> None:
-        self.replicas = [Replica(a) for a in addresses]
-        if not self.replicas:
+        self.replicas = [Replica(a) if a != SPARE else Replica(a, in_rotation=False, kind=LAUNCHER, member=False,
+                                                               reason="spare: no engine started")
+                         for a in addresses]
+        if not any(not r.spare for r in self.replicas):
             raise ValueError("the router needs at least one replica address")
         self.membership = 0    # grows with each replacement: the weight-transfer group's members changed
         self._next = 0
@@ -188,6 +200,9 @@ class Rotation:
         r.member, r.received = True, False
         r.reason = "replaced, waiting for its health" + (" and its first weight update" if hold else "")
         self.membership += 1
+        if old == SPARE:
+            r.reason = "joining, waiting for its health" + (" and its first weight update" if hold else "")
+            return Event(index, f"replica {index} joining at {address} ({r.reason}); {self._left()}", abort=True)
         return Event(index, f"replica {index} replaced: {old} -> {address} ({r.reason}); "
                             f"{self._left()}", abort=True)
 
@@ -203,10 +218,24 @@ class Rotation:
             return None
         return self._out(index, LAUNCHER, reason, now)
 
+    def retire(self, index: int, reason: str, now: float) -> Event:
+        """The replica leaves for good (scaled down, or lost with enough others left): out of rotation and of the
+        weight-transfer group, its slot a spare again (a later `replace` may fill it)."""
+        r = self.replicas[index]
+        old = r.address
+        if r.member:
+            self.membership += 1
+        r.address, r.incarnation, r.member, r.hold, r.received, r.passes = SPARE, r.incarnation + 1, False, False, \
+            False, 0
+        r.in_rotation, r.kind, r.reason, r.out_since = False, LAUNCHER, f"spare: {reason}", now
+        return Event(index, f"replica {index} ({old}) left: {reason}; {self._left()}", abort=True)
+
     def restore(self, index: int, now: float) -> Event | None:
         """Back in rotation once healthy (at once when its last probes passed): ends a hold and a stay for good; a
         removed replica is a weight-transfer member again."""
         r = self.replicas[index]
+        if r.spare:
+            raise ValueError(f"replica {index} is a spare slot with no engine: replace it with one first")
         r.hold = False
         if not r.member:
             r.member = True
@@ -261,4 +290,4 @@ class Rotation:
         return Event(index, f"replica {index} ({r.address}) back in rotation after {out_for:.1f} s; {self._left()}")
 
     def _left(self) -> str:
-        return f"{len(self.in_rotation())} of {len(self.replicas)} in rotation"
+        return f"{len(self.in_rotation())} of {sum(not r.spare for r in self.replicas)} in rotation"

@@ -221,6 +221,8 @@ class Router:
         while True:
             await asyncio.sleep(self.probe_interval_s)
             replica = self.replicas[index]
+            if replica.spare:
+                continue
             incarnation, ok, detail = replica.incarnation, False, ""
             try:
                 assert self.session is not None
@@ -246,6 +248,8 @@ class Router:
             event = self.table.replace(index, address, now, hold=bool(payload.get("hold")))
         elif action == "remove":
             event = self.table.remove(index, str(payload.get("reason") or "removed by the launcher"), now)
+        elif action == "retire":
+            event = self.table.retire(index, str(payload.get("reason") or "retired by the launcher"), now)
         else:
             event = self.table.restore(index, now)
         self._apply(event)
@@ -396,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dualrun.programs.router", description=__doc__.split("\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--replica", action="append", default=[], help="host:port of a replica (repeat)")
+    parser.add_argument("--replica", action="append", default=[],
+                        help=f"host:port of a replica (repeat); {rotation.SPARE!r}: a spare slot with no engine yet")
     parser.add_argument("--request-timeout-s", type=float, default=None,
                         help="a replica that has not answered a request by then is hung: out of rotation, the "
                              "request retried on another (default: none)")
@@ -406,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="required on the inference endpoints (Authorization: Bearer KEY), as vLLM's; passed on "
                              "to the replicas")
     args = parser.parse_args(argv)
-    if not args.replica:
+    if not any(r != rotation.SPARE for r in args.replica):
         parser.error("at least one --replica host:port")
     router = Router(args.replica, args.request_timeout_s, args.probe_interval_s, args.api_key)
     quiet_client_trouble(Noise("dualrun router", debug=os.environ.get(protocol.DEBUG) == "1"))

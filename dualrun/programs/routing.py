@@ -49,9 +49,10 @@ ROUTES: dict[tuple[str, str], str] = {
 }
 STATS_PATH = "/router/stats"  # the router's own: each replica's counters and whether it is in rotation
 # The launcher's say over the rotation (see rotation.py): POST /router/replicas/<index>/<action>, with a JSON body
-# {"address": "host:port", "hold": bool} for `replace`, {"reason": str} for `remove`, nothing for `restore`.
+# {"address": "host:port", "hold": bool} for `replace`, {"reason": str} for `remove` and `retire`, nothing for
+# `restore`.
 CONTROL_PATH = "/router/replicas"
-CONTROL_ACTIONS = ("replace", "restore", "remove")
+CONTROL_ACTIONS = ("replace", "restore", "remove", "retire")
 
 
 def route(method: str, path: str) -> str | None:

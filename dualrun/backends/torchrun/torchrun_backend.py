@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 class TorchrunBackend(Backend):
-    kind = BackendKind("torchrun", per_machine=True, ray=False, groups="local", placement=MachinesPlacement)
+    kind = BackendKind("torchrun", per_machine=True, ray=False, groups="local", placement=MachinesPlacement,
+                       fleets=True)
     output = "output of every rank on this terminal"
     section = "torchrun"
 
