@@ -56,20 +56,22 @@ def refuse_bounds(cfg: JobConfig) -> None:
             raise ConfigError(cfg.source, key, f"no {written[0]} on {where} (only a separate role's engine replicas "
                               "grow and shrink)", getattr(role, written[0]))
         b = bounds(cfg, role)
-        if b.low > b.high:
+        if len(written) == 2 and b.low > b.high:
             raise ConfigError(cfg.source, f"roles.{role.name}.min_replicas", f"at most max_replicas ({b.high})", b.low)
         size = "gpus / tensor_parallel_size" if role.gpus else "processes"
-        if b.low > b.start:
-            raise ConfigError(cfg.source, f"roles.{role.name}.min_replicas", f"at most the planned count ({size} = "
-                              f"{b.start}: the replicas started at launch)", b.low)
         if b.high < b.start:
             raise ConfigError(cfg.source, f"roles.{role.name}.max_replicas", f"at least the planned count ({size} = "
                               f"{b.start}: the replicas started at launch)", b.high)
+        if b.low > b.start:
+            raise ConfigError(cfg.source, f"roles.{role.name}.min_replicas", f"at most the planned count ({size} = "
+                              f"{b.start}: the replicas started at launch)", b.low)
         kind = cfg.backend_kind
-        if not kind.fleets or (kind.per_machine and cfg.num_machines > 1):
-            where = f"{cfg.num_machines} {cfg.backend} machines" if kind.fleets else f"backend {cfg.backend}"
-            raise ConfigError(cfg.source, key, f"unset or {b.start} (the planned count) on {where}: a fleet grows and "
-                              "shrinks on torchrun on one machine (not yet on several machines, Ray or SLURM)", getattr(role, written[0]))
+        if (b.low, b.high) != (b.start, b.start) and (not kind.fleets or (kind.per_machine and cfg.num_machines > 1)):
+            moved = "max_replicas" if b.high != b.start else "min_replicas"
+            where = f"{cfg.num_machines} torchrun machines" if kind.fleets else f"backend {cfg.backend}"
+            raise ConfigError(cfg.source, f"roles.{role.name}.{moved}", f"unset or {b.start} (the planned count) on "
+                              f"{where}: fleets resize on torchrun on one machine only, for now",
+                              getattr(role, moved))
         if b.high > b.start and role.gpu_ids is not None:
             raise ConfigError(cfg.source, f"roles.{role.name}.max_replicas", f"unset or {b.start} beside gpu_ids "
                               "(they fix every replica's GPUs; the spare replicas take free ones)", b.high)

@@ -228,7 +228,9 @@ class Rotation:
         r.address, r.incarnation, r.member, r.hold, r.received, r.passes = SPARE, r.incarnation + 1, False, False, \
             False, 0
         r.in_rotation, r.kind, r.reason, r.out_since = False, LAUNCHER, f"spare: {reason}", now
-        return Event(index, f"replica {index} ({old}) left: {reason}; {self._left()}", abort=True)
+        # the requests in flight on it end on their own (answered, or failed and retried elsewhere: its
+        # incarnation changed), so a replica resized away drains
+        return Event(index, f"replica {index} ({old}) left: {reason}; {self._left()}")
 
     def restore(self, index: int, now: float) -> Event | None:
         """Back in rotation once healthy (at once when its last probes passed): ends a hold and a stay for good; a

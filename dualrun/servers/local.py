@@ -17,7 +17,7 @@ from typing import Callable, Collection, Mapping, TextIO
 
 from dualrun.contract.errors import LaunchError
 from dualrun.plan.processes import ROUTER, Plan, Process
-from dualrun.servers.planned import addresses, facing, phases, replica_addresses
+from dualrun.servers.planned import addresses, at_launch, facing, replica_addresses, spare
 from dualrun.servers.process import ServerError, ServerProcess
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
 from dualrun.servers.supervisor import Supervisor
@@ -117,7 +117,7 @@ class LocalServers(ServerSetBase):
 
         On any failure every server started so far is stopped and a LaunchError carries the log's tail."""
         try:
-            for phase in phases(self.plan):   # the replicas, then their routers
+            for phase in at_launch(self.plan):   # the replicas, then their routers (spares: by a resize)
                 self.start_now([i for i in phase if i in self.mine and self._inputs_known(i)])
         except ServerError as e:
             self.failed_start()
@@ -133,7 +133,8 @@ class LocalServers(ServerSetBase):
         if self.plan.servers[index].kind != ROUTER:
             return True
         unit = self.plan.servers[index].unit
-        return all(i in self.started for i, p in enumerate(self.plan.servers) if p.unit == unit and p.kind != ROUTER)
+        return all(i in self.started for i, p in enumerate(self.plan.servers)
+                   if p.unit == unit and p.kind != ROUTER and not spare(p))
 
     def start_now(self, indices: list[int]) -> dict[int, str] | None:
         """Start these servers of this machine at once, wait until each is healthy; index -> address. ServerError
@@ -210,8 +211,9 @@ class LocalServers(ServerSetBase):
         with self._lock:
             if self.stopping:
                 return None
-            dead = self.running.pop(index, None)   # ended: its output was drained by `wait_exit`
-            self.avoid_ports.add(port_of(self._advertised[index]))
+            dead = self.running.pop(index, None)   # ended: its output was drained by `wait_exit` (none: a spare)
+            if index in self._advertised:
+                self.avoid_ports.add(port_of(self._advertised[index]))
             self.running[index] = self._spawn(index)
         if dead is not None:
             dead.stop(0)   # the helpers its group may have left (vLLM's engine core)

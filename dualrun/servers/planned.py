@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from dualrun.plan.processes import AUTO, ROUTER, Plan
+from dualrun.plan.processes import AUTO, ROUTER, Plan, Process
+from dualrun.programs.rotation import SPARE
 
 
 def server_previews(plan: Plan, host: str, node: int | None = None,
@@ -23,7 +24,8 @@ def server_previews(plan: Plan, host: str, node: int | None = None,
     for p in plan.servers:
         if node is None or p.node == node:
             assert p.serving is not None
-            argv = p.serving.argv(host, AUTO, [AUTO] * p.world_size if p.kind == ROUTER else ())
+            slots = [SPARE if spare(r) else AUTO for r in plan.servers if r.unit == p.unit and r.kind != ROUTER]
+            argv = p.serving.argv(host, AUTO, slots if p.kind == ROUTER else ())
             planned = p.env.get("CUDA_VISIBLE_DEVICES", "")
             shown = {"CUDA_VISIBLE_DEVICES": devices if devices is not None and p.devices else planned}
             shown.update({k: p.env[k] for kind in ENGINES.values() for k in kind.weight_env if k in p.env})
@@ -53,7 +55,19 @@ def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> lis
     unit = plan.servers[index].unit
     if plan.servers[index].kind != ROUTER:
         return []
-    return [started[i] for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
+    return [started.get(i, SPARE) if spare(p) else started[i] for i, p in enumerate(plan.servers)
+            if p.unit == unit and p.kind != ROUTER]
+
+
+def spare(proc: Process) -> bool:
+    """A replica above the count its role starts at launch (`dualrun scale` starts it): its router has an empty
+    slot for it."""
+    return proc.serving is not None and proc.serving.spare
+
+
+def at_launch(plan: Plan) -> list[list[int]]:
+    """`phases` without the spare replicas: what a set starts at launch."""
+    return [[i for i in phase if not spare(plan.servers[i])] for phase in phases(plan)]
 
 
 def addresses(plan: Plan, started: Mapping[int, str]) -> dict[str, str]:

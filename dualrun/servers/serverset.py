@@ -201,6 +201,19 @@ class ServerSetBase(ABC):
         except queue.Empty:
             return None
 
+    # -- the fleet (launchers/job_control.py's `Fleet`) ----------------------------------------------------------
+    def fleets(self) -> dict[str, dict[str, int]]:
+        """Each resizable role's replicas running now and its bounds (`min_replicas`, `max_replicas`)."""
+        return self.supervisor.fleets() if self.supervisor is not None else {}
+
+    def scale(self, role: str, replicas: int) -> str:
+        """Resize `role` to `replicas` (supervisor.py's `scale`): the line of what was done; ScaleRefused."""
+        from dualrun.contract.errors import ScaleRefused
+
+        if self.supervisor is None:
+            raise ScaleRefused("this job's servers cannot be resized")
+        return self.supervisor.scale(role, replicas)
+
     # -- stop ------------------------------------------------------------------------------------------------
     @property
     def stopping(self) -> bool:

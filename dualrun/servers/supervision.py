@@ -16,7 +16,10 @@ its role; and a router, which nothing else probes, on its table's path) is probe
 (`Rotation`) and read by the same `judge`: failing them for `request_timeout_s` while its process lives, it is hung,
 stopped like a dead one, and its death is the job's (it ends naming it, or restarts whole with `max_failures`).
 Another machine's server that misses `MISSES` health checks in a row is dead, unless its
-own machine is restarting it. A replica whose engine takes the trainer's weights (`Serving.takes_weights`, a rollout
+own machine is restarting it. A role's fleet (`Plan.fleets`) may shrink and grow between `min_replicas` and
+`max_replicas`: a replica above the count started at launch is *parked* (a spare: placed, not running) until a
+resize starts it; one resized away is parked again; a dead replica that is not restarted (its restarts spent, or
+none) *leaves* instead of ending the job while at least `min_replicas` of its role still run. A replica whose engine takes the trainer's weights (`Serving.takes_weights`, a rollout
 on vLLM) comes back *held*: its router keeps it out of rotation until its first weight update completes.
 """
 from __future__ import annotations
@@ -69,6 +72,11 @@ def router_of(plan: Plan, index: int) -> tuple[int, int]:
     return router, replicas.index(index)
 
 
+def replicas_of(plan: Plan, unit: str) -> list[int]:
+    """plan.servers indices of `unit`'s engine replicas (its router's slots, in order)."""
+    return [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
+
+
 def survivable(plan: Plan, index: int | None, left: Mapping[int, int], down: Collection[int]) -> bool:
     """Whether the death of `plan.servers[index]` is survived by restarting it: restarts left, and another replica
     of its unit is neither dead nor being restarted (`down`)."""
@@ -105,12 +113,16 @@ class Supervision:
     alone: dict[int, Rotation] = field(default_factory=dict)    # a lone server -> its probes, as a router holds them
     answered_at: dict[int, float] = field(default_factory=dict) # a lone server -> its last answer (or first probe)
     silent: set[int] = field(default_factory=set)               # lone servers whose silence was told
+    parked: set[int] = field(default_factory=set)               # spare replicas, not running (a resize starts one)
 
     @classmethod
     def of(cls, plan: Plan, mine: Collection[int] | None = None) -> "Supervision":
         """The replicas of `plan` this set runs (`mine`; None: all), each with its full budget."""
         allowed = restart_budget(plan, mine)
-        return cls(plan, allowed, dict(allowed), alone={i: Rotation([plan.servers[i].label]) for i in lone(plan, mine)})
+        spares = {i for i, p in enumerate(plan.servers) if p.serving is not None and p.serving.spare
+                  and (mine is None or i in mine)}
+        return cls(plan, allowed, dict(allowed), alone={i: Rotation([plan.servers[i].label]) for i in lone(plan, mine)},
+                   parked=spares)
 
     @property
     def supervised(self) -> list[int]:
@@ -125,7 +137,8 @@ class Supervision:
         """Server `index` died (or was stopped as hung): True when it is restarted (one of its restarts is used and
         it is down until `back`), False when the job does not survive it. `others_serving`: whether, beyond this
         table's view, another replica of its role may still serve (several machines: its router's view)."""
-        if index not in self.left or not others_serving or not survivable(self.plan, index, self.left, self.down):
+        if index not in self.left or not others_serving or \
+                not survivable(self.plan, index, self.left, self.down | self.parked):
             return False
         self.left[index] -= 1
         self.down.add(index)
@@ -134,6 +147,41 @@ class Supervision:
     def back(self, index: int) -> None:
         """The restarted replica serves again: its next death is judged like the first."""
         self.down.discard(index)
+
+    # -- the fleet ---------------------------------------------------------------------------------------------
+    def running(self, unit: str) -> list[int]:
+        """`unit`'s replicas that run or are being restarted (not parked), in slot order."""
+        return [i for i in replicas_of(self.plan, unit) if i not in self.parked]
+
+    def leaves(self, index: int | None, others_serving: bool) -> bool:
+        """A replica that died and is not restarted (`died` said False): True when it leaves its role instead of
+        ending the job — its role keeps at least `min_replicas` running, another of them serving — and it is
+        parked now."""
+        if index is None or index in self.parked or not others_serving:
+            return False
+        proc = self.plan.servers[index]
+        fleet = self.plan.fleets.get(proc.unit)
+        rest = [i for i in self.running(proc.unit) if i != index]
+        if fleet is None or len(rest) < fleet.low or not any(i not in self.down for i in rest):
+            return False
+        self.parked.add(index)
+        self.down.discard(index)
+        return True
+
+    def to_start(self, unit: str, count: int) -> list[int]:
+        """Which parked replicas a resize up by `count` starts: the lowest slots first; each leaves `parked` and is
+        `down` (starting) until `back`."""
+        chosen = [i for i in replicas_of(self.plan, unit) if i in self.parked][:count]
+        self.parked.difference_update(chosen)
+        self.down.update(chosen)
+        return chosen
+
+    def to_stop(self, unit: str, count: int) -> list[int]:
+        """Which running replicas a resize down by `count` stops: the highest slots not being restarted; each is
+        parked at once (its end is no death)."""
+        chosen = [i for i in reversed(self.running(unit)) if i not in self.down][:count]
+        self.parked.update(chosen)
+        return chosen
 
     def supervises(self, index: int | None) -> bool:
         """Whether `index` is one of the replicas this set restarts (restarts left or not)."""
@@ -148,7 +196,8 @@ class Supervision:
             return False
         out_for = now - self.out_since.setdefault(index, now)
         request_timeout = self.plan.servers[index].serving.request_timeout_s   # type: ignore[union-attr]
-        if not hung(row, out_for, request_timeout) or not survivable(self.plan, index, self.left, self.down):
+        if not hung(row, out_for, request_timeout) or \
+                not survivable(self.plan, index, self.left, self.down | self.parked):
             return False
         self.out_since.pop(index, None)
         return True
@@ -241,3 +290,14 @@ def back_line(label: str, address: str, seconds: float, started_s: float | None 
     while the others served)."""
     took = f" (its engine started in {started_s:.1f} s while the others served)" if started_s is not None else ""
     return f"dualrun: {label} is back in rotation at {address}, {seconds:.1f} s after it died{took}"
+
+
+def joined_line(label: str, address: str, seconds: float, started_s: float) -> str:
+    """The launch's line when a replica a resize started serves (in its router's rotation)."""
+    return (f"dualrun: {label} joined at {address}, serving {seconds:.1f} s after the resize asked for it (its "
+            f"engine started in {started_s:.1f} s while the others served)")
+
+
+def left_line(label: str, why: str, running: int, low: int) -> str:
+    """The launch's line when a replica leaves its role (resized away, or dead and not restarted)."""
+    return f"dualrun: {label} left ({why}); {running} of min {low} remain"

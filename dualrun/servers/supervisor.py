@@ -15,14 +15,16 @@ import threading
 import time
 from typing import Callable, Collection, Protocol
 
+from dualrun.contract.errors import ScaleRefused
 from dualrun.plan.processes import Plan
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S
 from dualrun.servers.process import ServerError
 from dualrun.servers.server_death import ServerDeath
-from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, liveness_path,
-                                         restarting_line, router_of, stopped_answering)
+from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, joined_line,
+                                         left_line, liveness_path, restarting_line, router_of, stopped_answering)
 
 HUNG_EVERY_S = 1.0   # how often the routers are asked for hung replicas (they probe about once a second)
+DRAIN_S = 30.0       # a replica resized away: how long the requests in flight on it may take to end
 
 
 class Events(Protocol):
@@ -72,6 +74,7 @@ class Supervisor:
         self._lock = threading.Lock()
         self._last_look = 0.0
         self._prober: threading.Thread | None = None   # probes the lone servers while the set is watched
+        self._resizing = threading.Lock()   # one resize at a time (`scale`)
 
     @property
     def restarting(self) -> frozenset[int]:
@@ -103,6 +106,10 @@ class Supervisor:
         with self._lock:
             restart = self.table.died(index, others)
             line = restart and restarting_line(death.one_line(), self.table.used(index), self.table.allowed[index])
+            leaves = not restart and self.table.leaves(index, others)
+        if leaves:
+            threading.Thread(target=self._leave, args=(death,), name="dualrun-leave", daemon=True).start()
+            return
         if not restart:
             self.events.fatal(death)
             return
@@ -124,21 +131,34 @@ class Supervisor:
         self.events.wait_stopped()   # a local engine's parent-death signal fires when the thread that spawned it ends
 
     def _restart(self, index: int, label: str, died: float) -> None:
-        """`remove` at the router (out of the weight-sync group: the next sync goes on without it), respawn,
-        `replace` at the router (held until its first weight update when it takes the trainer's weights), wait
-        for rotation, the line that it is back."""
+        """`remove` at the router (out of the weight-sync group: the next sync goes on without it), then
+        `_bring_in`; the line that it is back."""
         from dualrun.servers import router_client   # (urllib: off the launch path until a restart)
+
+        router, slot = router_of(self.plan, index)
+        at = self.address_of(router)
+        assert at is not None
+        router_client.control(at, slot, "remove", reason="died; being restarted")
+        brought = self._bring_in(index, label, self.used(index))
+        if brought is not None and self.events.watching:   # else the ranks ended: its router takes it back itself
+            address, started_s = brought
+            print(back_line(label, address, time.monotonic() - died, started_s), file=sys.stderr, flush=True)
+
+    def _bring_in(self, index: int, label: str, restart: int) -> tuple[str, float] | None:
+        """Start replica `index`'s engine (`respawn`), `replace` its slot at the router (held until its first weight
+        update when it takes the trainer's weights), wait for rotation: (its address, its engine's start-up), None
+        when the set is stopped meanwhile."""
+        from dualrun.servers import router_client
 
         router, slot = router_of(self.plan, index)
         at = self.address_of(router)
         assert at is not None
         serving = self.plan.servers[index].serving
         assert serving is not None
-        router_client.control(at, slot, "remove", reason="died; being restarted")
         began = time.monotonic()
-        address = self.replicas.respawn(index, self.used(index))
+        address = self.replicas.respawn(index, restart)
         if address is None:
-            return
+            return None
         started_s = time.monotonic() - began   # the fresh engine's start-up, while the other replicas serve
         router_client.control(at, slot, "replace", address=address, hold=serving.takes_weights)
         if serving.takes_weights:
@@ -152,11 +172,134 @@ class Supervisor:
                 raise ServerError(label, "exited before its router took it back (its log says why)")
             time.sleep(0.1)   # the router's probes pass about once a second
         if not self.replicas.rearm(index, address):
-            return
+            return None
         with self._lock:
             self.table.back(index)
-        if self.events.watching:   # else the job's ranks ended meanwhile: its router takes it back on its own
-            print(back_line(label, address, time.monotonic() - died, started_s), file=sys.stderr, flush=True)
+        return address, started_s
+
+    # -- the fleet: a replica that leaves, a resize --------------------------------------------------------------
+    def _leave(self, death: ServerDeath) -> None:
+        """A dead replica that is not restarted leaves its role (enough others run: `Supervision.leaves`): out of
+        its router for good, its remains stopped, one line."""
+        from dualrun.servers import router_client
+
+        index = death.index
+        assert index is not None
+        proc = self.plan.servers[index]
+        router, slot = router_of(self.plan, index)
+        try:
+            router_client.control(self.address_of(router) or "", slot, "retire", reason=f"died: {death.one_line()}")
+        except (OSError, RuntimeError) as e:
+            self.events.fatal(ServerDeath.of(index, ServerError(proc.label, f"died and could not leave its router "
+                                                                            f"({e})")))
+            return
+        self.replicas.kill(index, 0.0)
+        print(left_line(proc.label, f"died: {death.one_line()}", self._running(proc.unit),
+                        self.plan.fleets[proc.unit].low), file=sys.stderr, flush=True)
+
+    def _running(self, unit: str) -> int:
+        with self._lock:
+            return len(self.table.running(unit))
+
+    def fleets(self) -> dict[str, dict[str, int]]:
+        """Each resizable role's replicas running (or starting) now and its bounds (launchers/job_control.py)."""
+        return {unit: {"replicas": self._running(unit), "min": b.low, "max": b.high}
+                for unit, b in self.plan.fleets.items() if b.resizable}
+
+    def scale(self, unit: str, replicas: int) -> str:
+        """Resize `unit` to `replicas` within its bounds: spares started side by side and taken in by the router
+        (held for the trainer's weights where they take them), or the highest replicas retired (drained, then
+        stopped); the line of what was done. ScaleRefused when it cannot; one resize at a time."""
+        fleet = self.plan.fleets.get(unit)
+        if fleet is None or not fleet.resizable:
+            names = ", ".join(u for u, b in self.plan.fleets.items() if b.resizable) or "none"
+            raise ScaleRefused(f"no resizable fleet {unit!r} in this job (resizable: {names}; set "
+                               f"roles.<name>.max_replicas above min_replicas)")
+        if not fleet.low <= replicas <= fleet.high:
+            raise ScaleRefused(f"{unit}: {replicas} replicas is out of its bounds (min_replicas {fleet.low}, "
+                               f"max_replicas {fleet.high})")
+        if not self._resizing.acquire(blocking=False):
+            raise ScaleRefused(f"{unit}: another resize of this job is under way; ask again once it is done")
+        try:
+            if not self.events.watching:
+                raise ScaleRefused("the job is not running (starting, or ending): nothing was resized")
+            with self._lock:
+                now = len(self.table.running(unit))
+                start = self.table.to_start(unit, replicas - now) if replicas > now else []
+                stop = self.table.to_stop(unit, now - replicas) if replicas < now else []
+            if not start and not stop:
+                return f"dualrun: {unit}: {now} replicas already (min {fleet.low}, max {fleet.high}); nothing to do"
+            if stop:
+                return self._shrink(unit, stop, fleet.low)
+            return self._grow(unit, start)
+        finally:
+            self._resizing.release()
+
+    def _grow(self, unit: str, indices: list[int]) -> str:
+        """Start the parked replicas `indices` at once; each one's line as it serves. ScaleRefused naming the ones
+        that did not (they are parked again, their remains stopped: the job goes on)."""
+        began = time.monotonic()
+        failed: dict[int, str] = {}
+        lines: dict[int, str] = {}
+
+        def one(index: int) -> None:
+            label = self.plan.servers[index].label
+            try:
+                brought = self._bring_in(index, label, 0)
+            except (ServerError, OSError, RuntimeError) as e:
+                failed[index] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                return
+            if brought is not None:
+                address, started_s = brought
+                lines[index] = joined_line(label, address, time.monotonic() - began, started_s)
+                print(lines[index], file=sys.stderr, flush=True)
+
+        threads = [threading.Thread(target=one, args=(i,), name="dualrun-grow", daemon=True) for i in indices]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for index in failed:
+            self._park(index)
+        running = self._running(unit)
+        if failed:
+            raise ScaleRefused(f"{unit}: " + "; ".join(failed.values()) + f"; {running} replicas run")
+        return f"dualrun: {unit}: {running} replicas now ({len(indices)} joined in {time.monotonic() - began:.1f} s)"
+
+    def _park(self, index: int) -> None:
+        """A replica that failed to join: out of its router's slot, its remains stopped, parked again."""
+        from dualrun.servers import router_client
+
+        router, slot = router_of(self.plan, index)
+        try:
+            router_client.control(self.address_of(router) or "", slot, "retire", reason="did not join")
+        except (OSError, RuntimeError):
+            pass   # its router gone too: the watcher ends the job
+        self.replicas.kill(index, HUNG_GRACE_S)
+        with self._lock:
+            self.table.down.discard(index)
+            self.table.parked.add(index)
+
+    def _shrink(self, unit: str, indices: list[int], low: int) -> str:
+        """Retire `indices` at their router (no new request goes to them), let the requests in flight on them end
+        (up to `DRAIN_S`), stop them; their lines."""
+        from dualrun.servers import router_client
+
+        router = router_of(self.plan, indices[0])[0]
+        at = self.address_of(router)
+        assert at is not None
+        for index in indices:
+            router_client.control(at, router_of(self.plan, index)[1], "retire", reason="scaled down")
+        deadline = time.monotonic() + DRAIN_S
+        slots = [router_of(self.plan, i)[1] for i in indices]
+        while time.monotonic() < deadline and any(router_client.replicas(at)["replicas"][s]["in_flight"]
+                                                  for s in slots):
+            time.sleep(0.1)
+        for index in indices:
+            self.replicas.kill(index, HUNG_GRACE_S)
+            print(left_line(self.plan.servers[index].label, "scaled down", self._running(unit), low),
+                  file=sys.stderr, flush=True)
+        return f"dualrun: {unit}: {self._running(unit)} replicas now ({len(indices)} left)"
 
     # -- hung replicas ---------------------------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -1,0 +1,217 @@
+"""A separate role's fleet between `min_replicas` and `max_replicas`: the bounds refused where they mean nothing, the
+plan's spare replicas, the router's spare slots, the supervision table's choices (pure, milliseconds), and a real
+set of CPU engines resized while watched (`LocalServers.scale`, slow). The job-level runs (`dualrun scale` against a
+training job) are in test_fleet_e2e.py.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dualrun.config import build_config
+from dualrun.contract.errors import ConfigError, ScaleRefused
+from dualrun.methods.plugin import get_plugin
+from dualrun.plan.processes import ROUTER, make_plan
+from dualrun.plan.server_commands import with_method
+from dualrun.programs.rotation import JOINING, LAUNCHER, SPARE, Rotation
+from dualrun.servers.planned import at_launch, replica_addresses
+from dualrun.servers.supervision import Supervision
+
+
+def _cfg(teacher: dict, backend: str = "torchrun", **top) -> object:
+    cfg = build_config({"backend": backend, "method": "gkd", "use_cpu": True, **top,
+                        "roles": {"train": {"gpus": 2}, "teacher": {"model": "m/m", "top_k": 5, **teacher}}},
+                       "job.yaml")
+    get_plugin("gkd").validate(cfg)
+    return cfg
+
+
+# -- the bounds ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("teacher,key,expected", [
+    ({"gpus": 2, "min_replicas": 3, "max_replicas": 4}, "roles.teacher.min_replicas", "at most the planned count"),
+    ({"gpus": 2, "min_replicas": 2, "max_replicas": 1}, "roles.teacher.min_replicas", "at most max_replicas (1)"),
+    ({"gpus": 2, "max_replicas": 1}, "roles.teacher.max_replicas", "at least the planned count"),
+    ({"gpus": 1, "max_replicas": 2, "gpu_ids": [0]}, "roles.teacher.", ""),   # refused by gpu_ids on CPU first
+])
+def test_bounds_that_cannot_hold_are_one_line_naming_the_key(teacher, key, expected):
+    with pytest.raises(ConfigError) as e:
+        _cfg(teacher)
+    assert e.value.key.startswith(key) and expected in e.value.expected, e.value.line()
+
+
+def test_bounds_are_refused_where_no_fleet_grows():
+    for where, spec in [("the trainer role", {"train": {"gpus": 2, "max_replicas": 3}, "teacher": {"gpus": 1}}),
+                        ("colocated", {"train": {"gpus": 2}, "teacher": {"gpus": 2, "min_replicas": 1}})]:
+        groups = [["train", "teacher"]] if where == "colocated" else []
+        spec = {k: {"model": "m/m", "top_k": 5, **v} if k == "teacher" else v for k, v in spec.items()}
+        with pytest.raises(ConfigError) as e:
+            get_plugin("gkd").validate(build_config({"method": "gkd", "use_cpu": True, "roles": spec,
+                                                     "colocate_groups": groups}, "job.yaml"))
+        assert "replicas" in e.value.key and "no " in e.value.expected, e.value.line()
+    with pytest.raises(ConfigError) as e:
+        _cfg({"address": "127.0.0.1:9", "max_replicas": 2, "gpus": 0})
+    assert e.value.key == "roles.teacher.max_replicas" and "beside `address`" in e.value.expected
+    for backend, top in [("ray", {}), ("torchrun", {"num_machines": 2, "main_process_ip": "10.0.0.1",
+                                                    "torchrun": {"gpus_per_machine": 4}})]:
+        with pytest.raises(ConfigError) as e:
+            _cfg({"gpus": 1, "max_replicas": 2}, backend, **top)
+        assert e.value.key == "roles.teacher.max_replicas" and "unset or 1 (the planned count)" in e.value.expected
+        assert "fleets resize on torchrun on one machine only" in e.value.line()
+
+
+def test_bounds_equal_to_the_planned_count_are_accepted_everywhere():
+    """Redundant but consistent: nothing to refuse (a file written for the planned count reads the same)."""
+    for backend in ("torchrun", "ray"):
+        cfg = _cfg({"gpus": 2, "min_replicas": 2, "max_replicas": 2}, backend)
+        plan = make_plan(cfg)
+        assert [p.label for p in plan.servers] == ["teacher server 0", "teacher server 1", "teacher router"]
+        assert not any(p.serving.spare for p in plan.servers) and not plan.fleets["teacher"].resizable
+
+
+# -- the plan --------------------------------------------------------------------------------------------------
+def test_spares_are_planned_with_a_router_in_front_even_of_one():
+    cfg = _cfg({"gpus": 1, "max_replicas": 3})
+    plan = with_method(make_plan(cfg), cfg, get_plugin("gkd"))
+    assert [(p.label, p.serving.spare) for p in plan.servers] == [
+        ("teacher server 0", False), ("teacher server 1", True), ("teacher server 2", True),
+        ("teacher router", False)]
+    assert at_launch(plan) == [[0], [3]]   # the spares wait for a resize
+    assert replica_addresses(plan, {0: "127.0.0.1:9001"}, 3) == ["127.0.0.1:9001", SPARE, SPARE]
+    table = plan.table()
+    assert "teacher server 1  (spare: started by `dualrun scale`)" in table
+    assert "fleet teacher: 1 started, min 1, max 3 replicas (`dualrun scale teacher N` while it runs)" in table
+    assert plan.to_dict()["fleets"] == {"teacher": {"start": 1, "min": 1, "max": 3}}
+
+
+def test_spares_need_room_like_the_replicas_started_at_launch():
+    with pytest.raises(ConfigError) as e:
+        make_plan(_cfg({"gpus": 1, "max_replicas": 3}, torchrun={"gpus_per_machine": 3}))
+    assert e.value.key == "roles.teacher.max_replicas" and "spare replica 1" in e.value.expected, e.value.line()
+
+
+def test_replica_restarts_take_effect_once_a_router_stands_in_front_of_one():
+    _cfg({"gpus": 1, "max_replicas": 2, "replica_restarts": 1})   # accepted: the router takes a restarted one back
+    with pytest.raises(ConfigError):
+        _cfg({"gpus": 1, "replica_restarts": 1})
+
+
+# -- the router's table ----------------------------------------------------------------------------------------
+def test_a_spare_slot_is_out_and_no_member_until_an_engine_fills_it_and_retire_empties_it():
+    table = Rotation(["127.0.0.1:1", SPARE])
+    assert table.in_rotation() == [0] and table.members() == [0] and table[1].spare
+    with pytest.raises(ValueError, match="spare slot"):
+        table.restore(1, 0.0)
+    event = table.replace(1, "127.0.0.1:2", 1.0, hold=True)
+    assert "replica 1 joining at 127.0.0.1:2" in event.line and table[1].kind == JOINING
+    assert table.members() == [0, 1] and table.membership == 1
+    for now in (2.0, 3.0):
+        table.probed(1, True, "ok", now)
+    assert table.in_rotation() == [0]   # held: no request before the trainer's weights
+    table.weights_received(1)
+    assert table.weights_finished(1, 4.0) is not None and table.in_rotation() == [0, 1]
+    event = table.retire(1, "scaled down", 5.0)
+    assert event.line == "replica 1 (127.0.0.1:2) left: scaled down; 1 of 1 in rotation" and not event.abort
+    assert table[1].spare and table[1].kind == LAUNCHER and table.members() == [0] and table.membership == 2
+
+
+def test_a_router_needs_one_engine_at_least():
+    with pytest.raises(ValueError):
+        Rotation([SPARE, SPARE])
+
+
+# -- the supervision table -------------------------------------------------------------------------------------
+def test_resizes_start_the_lowest_spares_and_stop_the_highest_running():
+    cfg = _cfg({"gpus": 2, "min_replicas": 1, "max_replicas": 4})
+    table = Supervision.of(make_plan(cfg))
+    assert table.parked == {2, 3} and table.running("teacher") == [0, 1]
+    assert table.to_start("teacher", 1) == [2] and table.down == {2}
+    table.back(2)
+    assert table.running("teacher") == [0, 1, 2]
+    assert table.to_stop("teacher", 2) == [2, 1] and table.running("teacher") == [0]
+
+
+def test_a_dead_replica_without_restarts_leaves_while_min_replicas_remain():
+    cfg = _cfg({"gpus": 3, "min_replicas": 2, "replica_restarts": 0})
+    table = Supervision.of(make_plan(cfg))
+    assert not table.died(0, True)           # no restarts: not restarted ...
+    assert table.leaves(0, True)             # ... but 2 of min 2 remain: it leaves
+    assert table.running("teacher") == [1, 2]
+    assert not table.died(1, True) and not table.leaves(1, True)   # 1 would remain: the job's
+    default = Supervision.of(make_plan(_cfg({"gpus": 2, "replica_restarts": 0})))
+    assert not default.leaves(0, True)       # min defaults to the planned count: as before
+
+
+# -- a real set, resized ---------------------------------------------------------------------------------------
+@pytest.mark.e2e
+@pytest.mark.slow   # up to two CPU engines and a router: ~10 CPU-s
+def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path, tiny, capfd):
+    import os
+
+    from dualrun.servers import router_client
+    from dualrun.servers.local import LocalServers
+    from dualrun.servers.process import http_ok
+
+    cfg = _cfg({"gpus": 1, "max_replicas": 2, "model": str(tiny / "teacher"), "health_timeout_s": 120},
+               log_dir=str(tmp_path))
+    servers = LocalServers(with_method(make_plan(cfg), cfg, get_plugin("gkd")), lambda p: dict(os.environ, **p.env),
+                           stream=None)
+    with servers:
+        address = servers.start()["teacher"]
+        assert sorted(servers.running) == [0, 2] and router_client.replicas(address)["in_rotation"] == [0]
+        with pytest.raises(ScaleRefused, match="not running"):
+            servers.scale("teacher", 2)   # not watched yet: the job is not running
+        servers.watch()
+        assert servers.fleets() == {"teacher": {"replicas": 1, "min": 1, "max": 2}}
+        for n, why in [(3, "out of its bounds"), (0, "out of its bounds")]:
+            with pytest.raises(ScaleRefused, match=why):
+                servers.scale("teacher", n)
+        with pytest.raises(ScaleRefused, match="no resizable fleet 'rollout'"):
+            servers.scale("rollout", 2)
+        line = servers.scale("teacher", 2)
+        assert re.fullmatch(r"dualrun: teacher: 2 replicas now \(1 joined in [\d.]+ s\)", line), line
+        err = capfd.readouterr().err
+        assert re.search(rf"dualrun: teacher server 1 joined at {re.escape(servers.running[1].address)}, serving "
+                         r"[\d.]+ s after the resize asked for it \(its engine started in [\d.]+ s", err), err
+        assert router_client.replicas(address)["in_rotation"] == [0, 1] and http_ok(f"http://{address}/health")
+        assert servers.fleets()["teacher"]["replicas"] == 2
+        assert "already" in servers.scale("teacher", 2)
+        grown = servers.running[1]
+        line = servers.scale("teacher", 1)
+        assert line == "dualrun: teacher: 1 replicas now (1 left)", line
+        assert "dualrun: teacher server 1 left (scaled down); 1 of min 1 remain" in capfd.readouterr().err
+        table = router_client.replicas(address)
+        assert table["in_rotation"] == [0] and table["replicas"][1]["address"] == SPARE
+        assert not grown.alive() and servers.failure is None and servers.next_death(timeout=1.5) is None
+    assert not servers.running
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_a_replica_that_dies_with_no_restart_leaves_while_min_replicas_remain(tmp_path, tiny, capfd):
+    import os
+    import signal
+
+    from dualrun.servers import router_client
+    from dualrun.servers.local import LocalServers
+    from helpers import eventually
+
+    cfg = _cfg({"gpus": 2, "min_replicas": 1, "replica_restarts": 0, "model": str(tiny / "teacher"),
+                "health_timeout_s": 120}, log_dir=str(tmp_path))
+    servers = LocalServers(with_method(make_plan(cfg), cfg, get_plugin("gkd")), lambda p: dict(os.environ, **p.env),
+                           stream=None)
+    with servers:
+        address = servers.start()["teacher"]
+        servers.watch()
+        os.kill(servers.running[1].proc.pid, signal.SIGKILL)
+        err: list[str] = []
+        assert eventually(lambda: err.append(capfd.readouterr().err) or "teacher server 1 left" in "".join(err),
+                          timeout=30), "".join(err)
+        assert re.search(r"dualrun: teacher server 1 left \(died: teacher server 1 exited with code -9 .*\); 1 of "
+                         r"min 1 remain", "".join(err)), "".join(err)
+        assert servers.failure is None and router_client.replicas(address)["in_rotation"] == [0]
+        assert servers.fleets() == {"teacher": {"replicas": 1, "min": 1, "max": 2}}
+        os.kill(servers.running[0].proc.pid, signal.SIGKILL)   # the last one: the job's
+        death = servers.next_death(timeout=10)
+        assert death is not None and death.index == 0 and servers.failure is death
+    assert not servers.running
