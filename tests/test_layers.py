@@ -174,6 +174,7 @@ PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.
 # ... and it reads values only: the config's model, the backends' and the engines' records, the protocol's names,
 # the env builders, the errors, the interpreter placeholder.
 PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.config.backends", "dualrun.config.engine_kinds",
+                           "dualrun.config.fleet",
                            "dualrun.contract.protocol", "dualrun.env.worker", "dualrun.contract.errors",
                            "dualrun.contract.redact", "dualrun.light.interpreter"}
 # The config sits below the plan: it reads the file and checks values, and imports nothing that uses it.
