@@ -339,5 +339,7 @@ def test_side_by_side_report_on_fake_numbers(tmp_path):
                         "--methods", "gkd,grpo", "--out", str(out)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     md = out.read_text()
-    assert "FAKE" in md and md.count("| PASS |") == 4   # 2 methods x 2 backends; F 22.5 <= 1.15 x 20.5 + 3
+    assert "FAKE" in md and md.count("| PASS |") == 8   # 2 methods x 2 backends, 2 tables; F 22.5 <= 1.15 x 20.5 + 3
+    # against the cores: (30 + 20 CPU-s) / 2 cores = 25 s, above max(S, E) = 20.5: the limit
+    assert "| gkd | torchrun | 30.0 | 20.0 | 50.0 | 25.0 | 25.0 | 22.5 | 0.90 | PASS |" in md
     assert "| gkd | torchrun | 20.5 (20.0–21.0) | 15.5 (15.0–16.0) | 22.5 (22.0–23.0) | 36.0 | 26.6 | 1.10 | PASS |" in md

@@ -62,6 +62,14 @@ def busy_cores(seconds: float = 1.0) -> float:
     return (os.cpu_count() or 1) * (1 - (i2 - i1) / max(1, t2 - t1))
 
 
+def busy_seconds() -> float:
+    """CPU-seconds the whole machine has spent busy since boot (/proc/stat: all but idle and iowait): the difference
+    over a run, on a quiet machine, is the run's CPU time, however many process trees and sessions it spans."""
+    vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_quiet(limit: float, max_wait: float) -> float:
     """Wait (at most `max_wait` s) until other jobs use fewer than `limit` cores; return the last measurement."""
     deadline = time.monotonic() + max_wait
