@@ -16,6 +16,7 @@ p.add_argument("--max_steps", type=int, default=2)
 p.add_argument("--crash_at_step", type=int, default=-1)
 p.add_argument("--hold_file", default="")
 p.add_argument("--hold_at_step", type=int, default=1)
+p.add_argument("--hold_steps", default="", help="S,T,...: after each, every rank waits while HOLD_FILE.S exists")
 a = p.parse_args()
 
 config = GKDConfig(output_dir=a.output_dir, max_steps=a.max_steps, per_device_train_batch_size=2, lmbda=0.5,
@@ -39,11 +40,14 @@ if a.hold_file:   # the test's gate: after step `hold_at_step` every rank waits 
 
     from transformers import TrainerCallback
 
+    gates = {int(s): f"{a.hold_file}.{s}" for s in a.hold_steps.split(",") if s} or {a.hold_at_step: a.hold_file}
+
     class Hold(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step == a.hold_at_step:
-                open(f"{a.hold_file}.held{os.environ.get('RANK', '0')}", "w").close()
-                while os.path.exists(a.hold_file):
+            gate = gates.get(state.global_step)
+            if gate is not None:
+                open(f"{gate}.held{os.environ.get('RANK', '0')}", "w").close()
+                while os.path.exists(gate):
                     time.sleep(0.1)
 
     trainer.add_callback(Hold())
