@@ -70,10 +70,6 @@ class Placement(Protocol):
         """MASTER_ADDR of the trainers as planned (AUTO: the launcher fills it in)."""
 
     @property
-    def machine_rank(self) -> int | None:
-        """The machine this launch is for (None: one launch places every node)."""
-
-    @property
     def processes_take_slots(self) -> bool:
         """Whether on CPU a machine's slots (`torchrun.gpus_per_machine`) are processes, one per rank or engine."""
 
@@ -188,10 +184,6 @@ class MachinesPlacement:
     @property
     def master_addr(self) -> str:
         return self.cfg.main_process_ip or "127.0.0.1"
-
-    @property
-    def machine_rank(self) -> int | None:
-        return self.cfg.machine_rank
 
     @property
     def processes_take_slots(self) -> bool:

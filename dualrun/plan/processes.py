@@ -61,7 +61,6 @@ class Plan:
     processes: tuple[Process, ...]
     env: Mapping[str, str]
     external: Mapping[str, str] = field(default_factory=frozen_map)  # role -> address of a user-run server
-    machine_rank: int | None = None    # torchrun: the node this launch is for
     slot: str = "GPU"                  # what a node's count counts: GPUs, or process slots on a CPU plan
     rendezvous: Rendezvous | None = None   # how the processes meet (plan/meeting.py): all a launcher reads
     fleets: Mapping[str, FleetBounds] = field(default_factory=frozen_map)   # unit -> its replicas' bounds
@@ -69,6 +68,13 @@ class Plan:
     # method: the launchers call it once the servers run
     wiring: Callable[[Mapping[str, str]], Mapping[str, str]] | None = field(default=None, compare=False,
                                                                              repr=False)
+
+    @property
+    def machine_rank(self) -> int | None:
+        """The machine this launch is for (a backend launched on every machine by hand: the rendezvous's), None
+        where one launch places every node. One source: the rendezvous."""
+        r = self.rendezvous
+        return r.machine_rank if r is not None and r.per_machine else None
 
     def wiring_env(self, addresses: Mapping[str, str]) -> dict[str, str]:
         """The trainers' env for the servers at `addresses` (role -> host:port): the method's wiring."""
@@ -182,7 +188,7 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
     _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
-                frozen_map(common), frozen_map(external), policy.machine_rank, slot, rendezvous_of(cfg),
+                frozen_map(common), frozen_map(external), slot, rendezvous_of(cfg),
                 frozen_map(fleets))
 
 

@@ -24,10 +24,6 @@ class RayPlacement:
         return AUTO   # the node of rank 0's actor, known once it is placed
 
     @property
-    def machine_rank(self) -> int | None:
-        return None
-
-    @property
     def processes_take_slots(self) -> bool:
         return False
 
