@@ -91,4 +91,4 @@ def takes_weights(cfg: JobConfig, role: RoleSpec | None, weight_roles: Collectio
 
 def weight_roles_of(method: WeightRoles | None) -> frozenset[str]:
     """The roles of `method` (a method plugin, or None: no method at hand) that take the trainer's weights."""
-    return frozenset(getattr(method, "weight_roles", ()) or ())
+    return frozenset(method.weight_roles) if method is not None else frozenset()

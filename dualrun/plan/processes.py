@@ -23,7 +23,7 @@ from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
 from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
 from dualrun.plan.meeting import Rendezvous, rendezvous_of
-from dualrun.plan.server_commands import with_method
+from dualrun.plan.server_commands import ServerMethod, with_method
 from dualrun.plan.servers import ROUTER, Serving
 
 __all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
@@ -146,7 +146,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(cfg: JobConfig, cluster: Cluster | None = None, method: Any = None,
+def make_plan(cfg: JobConfig, cluster: Cluster | None = None, method: "ServerMethod | WeightRoles | None" = None,
               extra_env: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None) -> Plan:
     """Place every process of `cfg` on `cluster` (default: the cluster the config implies, on the GPUs the
     launching shell's `environ` makes visible; pass os.environ where the shell counts, None: it sets nothing),
@@ -154,7 +154,7 @@ def make_plan(cfg: JobConfig, cluster: Cluster | None = None, method: Any = None
     role takes them), and a plugin that builds server commands gives every server's command and health path and
     the trainers' wiring too: the whole of what a launcher runs."""
     plan = _placed(cfg, cluster, extra_env, environ, method)
-    if getattr(method, "server_command", None) is None:
+    if not isinstance(method, ServerMethod):   # a method's weight roles alone (`dualrun check` places with them)
         return plan
     return replace(with_method(plan, cfg, method), wiring=functools.partial(method.wiring_env, cfg))
 

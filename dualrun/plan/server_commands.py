@@ -3,12 +3,12 @@ builds them for a host and port (a router's: dualrun's router in front of its re
 
 Why in the plan: a launcher is built from the plan and runs what it says; `make_plan(cfg, cluster, method)` fills
 these in, so no launcher goes back to the config or the method for a server's command. The plugin is passed in
-(duck-typed: `server_command(cfg, role, host, port)`, `health_path(role)`), never imported. Pure.
+(`ServerMethod`, what a `methods.plugin.MethodPlugin` is to the plan), never imported. Pure.
 """
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Collection, Mapping, Protocol, Sequence, runtime_checkable
 
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import LaunchError
@@ -20,6 +20,20 @@ from dualrun.plan.servers import HOST, PORT, ROUTER, replica_slot
 # `Plan` and `Process` (plan/processes.py, which builds the plan with this module) are named, not imported.
 
 ROUTER_HEALTH_PATH = "/health"   # dualrun's router (programs/routing.py ROUTES)
+
+
+@runtime_checkable
+class ServerMethod(Protocol):
+    """What the plan reads of a method plugin that runs servers for its separate roles (`MethodPlugin`): the
+    roles whose engines take its weights, each server's command and health path, the trainers' wiring."""
+
+    weight_roles: Collection[str]
+
+    def server_command(self, cfg: JobConfig, role: RoleSpec, host: str, port: int) -> "list[str] | None": ...
+
+    def health_path(self, role: RoleSpec) -> str: ...
+
+    def wiring_env(self, cfg: JobConfig, servers: Mapping[str, str]) -> dict[str, str]: ...
 
 
 def router_argv(host: str, port: "int | str", replicas: Sequence[str], request_timeout_s: float | None = None,
@@ -39,7 +53,7 @@ def server_role(cfg: JobConfig, proc: Process) -> RoleSpec:
     return role
 
 
-def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: "int | str",
+def server_command(cfg: JobConfig, plugin: ServerMethod | None, proc: Process, host: str, port: "int | str",
                    replicas: Sequence[str] = ()) -> list[str]:
     """The command of one of the plan's servers: the plugin's engine for a replica; for a router, dualrun's
     router in front of `replicas` (their `host:port`, known once they run; `<auto>` in a dry run)."""
@@ -55,11 +69,11 @@ def server_command(cfg: JobConfig, plugin: Any, proc: Process, host: str, port: 
     raise LaunchError(f"method '{cfg.method}' has no server for the separate role(s) {', '.join(proc.roles)}", 2)
 
 
-def server_health_path(plugin: Any, role: RoleSpec, proc: Process) -> str:
+def server_health_path(plugin: ServerMethod, role: RoleSpec, proc: Process) -> str:
     return ROUTER_HEALTH_PATH if proc.kind == ROUTER else plugin.health_path(role)
 
 
-def with_method(plan: Plan, cfg: JobConfig, plugin: Any) -> Plan:
+def with_method(plan: Plan, cfg: JobConfig, plugin: ServerMethod) -> Plan:
     """`plan` with each server's command and health path, as the method (`plugin`) builds them: what a launch
     prepares before anything starts (plan/servers.py)."""
     return with_commands(plan, lambda p, host, port, replicas: server_command(cfg, plugin, p, host, port, replicas),
