@@ -215,3 +215,19 @@ def test_a_replica_that_dies_with_no_restart_leaves_while_min_replicas_remain(tm
         death = servers.next_death(timeout=10)
         assert death is not None and death.index == 0 and servers.failure is death
     assert not servers.running
+
+
+def test_the_plan_says_whether_the_trainers_push_their_weights():
+    """Plan.weight_sync (a weight-sync port for the trainers) from the method's weight roles, not from which
+    address variable the wiring holds."""
+    def plan(rollout: dict):
+        cfg = build_config({"method": "grpo", "use_cpu": True, "roles": {"train": {"gpus": 2}, "rollout": rollout}},
+                           "job.yaml")
+        return make_plan(cfg, method=get_plugin("grpo"))
+    assert plan({"gpus": 1, "engine": "vllm", "model": "m/m"}).weight_roles == {"rollout"}
+    assert plan({"address": "127.0.0.1:8000"}).weight_sync            # a user-run vLLM: TRL's client syncs it
+    gkd = build_config({"method": "gkd", "use_cpu": True, "roles": {"train": {"gpus": 2}, "teacher": {
+        "gpus": 1, "model": "m/m", "top_k": 5}}}, "job.yaml")
+    assert not make_plan(gkd, method=get_plugin("gkd")).weight_sync   # a teacher takes no weights
+    assert not make_plan(build_config({"method": "grpo", "use_cpu": True, "roles": {"train": {"gpus": 2}}},
+                                      "job.yaml"), method=get_plugin("grpo")).weight_sync   # no separate rollout

@@ -7,12 +7,11 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
-from dualrun.contract.protocol import ROLLOUT_ADDRESS
 from dualrun.weightsync.sync_group import group_host_env
 from dualrun.weightsync.rehearsal import master_endpoint
 from dualrun.weightsync.wire import tcp_store
 
-WIRED = {ROLLOUT_ADDRESS: "127.0.0.1:8000"}
+WIRED = True   # Plan.weight_sync: the trainers push their weights to a separate role's engines
 
 
 def test_one_host_jobs_with_a_rollout_advertise_loopback():
@@ -21,7 +20,7 @@ def test_one_host_jobs_with_a_rollout_advertise_loopback():
 
 def test_no_loopback_across_hosts_without_a_rollout_or_over_the_users_address():
     assert group_host_env(WIRED, {}, one_host=False) == {}             # a replica elsewhere must reach rank 0
-    assert group_host_env({}, {}, one_host=True) == {}                 # no weight sync
+    assert group_host_env(False, {}, one_host=True) == {}              # no weight sync
     assert group_host_env(WIRED, {"VLLM_HOST_IP": "10.0.0.5"}, one_host=True) == {}
     ignored = group_host_env(WIRED, {"HOST_IP": "10.0.0.5"}, one_host=True)   # vLLM ignores HOST_IP
     assert ignored == {"VLLM_HOST_IP": "127.0.0.1"}

@@ -98,10 +98,11 @@ ROLLOUT_ADDRESS = address_env("rollout")
 TEACHER_ADDRESS = address_env("teacher")
 
 
-def group_port_env(wiring: Mapping[str, str], port: int | None) -> dict[str, str]:
-    """The trainers' weight-sync port, for jobs with a rollout server (picked where rank 0 runs: the torchrun
-    driver's machine, or rank 0's Ray actor, alongside MASTER_PORT)."""
-    return {VLLM_GROUP_PORT: str(port)} if port and ROLLOUT_ADDRESS in wiring else {}
+def group_port_env(weight_sync: bool, port: int | None) -> dict[str, str]:
+    """The trainers' weight-sync port, for jobs whose trainers push their weights to a separate role's engines
+    (`Plan.weight_sync`; picked where rank 0 runs: the torchrun driver's machine, or rank 0's Ray actor, alongside
+    MASTER_PORT)."""
+    return {VLLM_GROUP_PORT: str(port)} if port and weight_sync else {}
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ class Plan:
     slot: str = "GPU"                  # what a node's count counts: GPUs, or process slots on a CPU plan
     rendezvous: Rendezvous | None = None   # how the processes meet (plan/meeting.py): all a launcher reads
     fleets: Mapping[str, FleetBounds] = field(default_factory=frozen_map)   # unit -> its replicas' bounds
+    # the separate roles (started here or at `address`) the method pushes the trainer's weights to (its
+    # `weight_roles`): the trainers open a weight-sync group with them
+    weight_roles: frozenset[str] = frozenset()
     # the method's wiring of the servers' addresses into the trainers' env (role -> host:port => env), given a
     # method: the launchers call it once the servers run
     wiring: Callable[[Mapping[str, str]], Mapping[str, str]] | None = field(default=None, compare=False,
@@ -75,6 +78,11 @@ class Plan:
         where one launch places every node. One source: the rendezvous."""
         r = self.rendezvous
         return r.machine_rank if r is not None and r.per_machine else None
+
+    @property
+    def weight_sync(self) -> bool:
+        """Whether the trainers push their weights to a separate role's servers (a weight-sync port for them)."""
+        return bool(self.weight_roles)
 
     def wiring_env(self, addresses: Mapping[str, str]) -> dict[str, str]:
         """The trainers' env for the servers at `addresses` (role -> host:port): the method's wiring."""
@@ -189,7 +197,14 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
                 frozen_map(common), frozen_map(external), slot, rendezvous_of(cfg),
-                frozen_map(fleets))
+                frozen_map(fleets), _pushed_to(cfg, weight_roles))
+
+
+def _pushed_to(cfg: JobConfig, weight_roles: frozenset[str]) -> frozenset[str]:
+    """The separate roles (started here or at `address`) the method pushes the trainer's weights to: TRL's client
+    opens its weight-sync group with their servers, so the trainers get a port of the job's own for it (an engine
+    that cannot take weights is refused for a trainer that syncs: methods' `check_program`)."""
+    return frozenset(r.name for r in cfg.roles if cfg.is_separate(r.name) and r.name in weight_roles)
 
 
 def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) -> None:

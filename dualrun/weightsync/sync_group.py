@@ -18,7 +18,6 @@ from typing import Mapping
 
 from dualrun.plan.meeting import Rendezvous
 from dualrun.config.model import JobConfig
-from dualrun.contract.protocol import ROLLOUT_ADDRESS
 from dualrun.plan.processes import Plan
 from dualrun.plan.engines import engine_size
 from dualrun.programs.routing import rank_offsets
@@ -122,8 +121,9 @@ def node_host_env(env: Mapping[str, str], node_address: str | None) -> dict[str,
     return {"VLLM_HOST_IP": node_address}
 
 
-def group_host_env(wiring: Mapping[str, str], env: Mapping[str, str], one_host: bool) -> dict[str, str]:
+def group_host_env(weight_sync: bool, env: Mapping[str, str], one_host: bool) -> dict[str, str]:
     """The trainers' weight-sync address where every process of the job is on this host: `node_host_env` with
     127.0.0.1, so the group's store on trainer rank 0 listens on loopback alone (wire.tcp_store) and the engines
-    reach it there; otherwise that store answers anyone on the network. Only for a job with a rollout server."""
-    return node_host_env(env, "127.0.0.1" if one_host and ROLLOUT_ADDRESS in wiring else None)
+    reach it there; otherwise that store answers anyone on the network. Only for a job whose trainers push their
+    weights to a separate role's engines (`Plan.weight_sync`)."""
+    return node_host_env(env, "127.0.0.1" if one_host and weight_sync else None)

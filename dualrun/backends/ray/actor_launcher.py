@@ -302,6 +302,7 @@ class RayLauncher(Launcher):
         from dualrun.backends.ray.actor_servers import on_this_host
 
         one_host = bool(prepared.plan and on_this_host(prepared.plan))   # every node is this machine
+        weight_sync = bool(prepared.plan and prepared.plan.weight_sync)
         given: set[str] = set()   # the interfaces dualrun gave gloo
         refs = []
         for r in ranks:
@@ -312,8 +313,8 @@ class RayLauncher(Launcher):
             if len(order) == 1:   # one node: rank 0's store listens on loopback alone (light/loopback_store.py)
                 r.env["MASTER_ADDR"] = "127.0.0.1"
             r.env.update(wiring)
-            r.env.update(group_port_env(wiring, master.group_port))
-            r.env.update(group_host_env(wiring, r.env, one_host))
+            r.env.update(group_port_env(weight_sync, master.group_port))
+            r.env.update(group_host_env(weight_sync, r.env, one_host))
             r.env.update(node_host_env(r.env, r.info.ip if several else None))   # the weight-sync master's address
             if several and r.info.interface and not ifname_set(r.env):
                 r.env["GLOO_SOCKET_IFNAME"] = r.info.interface

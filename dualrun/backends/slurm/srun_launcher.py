@@ -173,7 +173,7 @@ class SlurmLauncher(Launcher):
         from dualrun.weightsync.sync_group import port_host
 
         env = plan.wiring_env(addresses)
-        env.update(protocol.group_port_env(env, free_port(port_host(self.rdzv))))
+        env.update(protocol.group_port_env(plan.weight_sync, free_port(port_host(self.rdzv))))
         return env
 
     def _step_env(self, prepared: Prepared, attempt: int, servers: ServerSet | None) -> dict[str, str]:

@@ -226,7 +226,7 @@ class TorchrunLauncher(Launcher):
         from dualrun.weightsync.sync_group import port_host
 
         env = plan.wiring_env(addresses)
-        env.update(protocol.group_port_env(env, free_port(port_host(self.rdzv))))
+        env.update(protocol.group_port_env(plan.weight_sync, free_port(port_host(self.rdzv))))
         return env
 
     def servers_not_started(self, servers: Any, error: LaunchError) -> None:
