@@ -277,12 +277,12 @@ def stopped_answering(address: str, reason: str) -> str:
     return f"at {address} stopped answering while the job was running ({reason}); it was stopped"
 
 
-def held_line(label: str, address: str, started_s: float | None = None) -> str:
-    """The launch's line when a restarted replica that takes the trainer's weights is healthy (its engine's start-up
-    `started_s`), held by its router."""
+def held_line(label: str, address: str, started_s: float | None = None, again: bool = True) -> str:
+    """The launch's line when a restarted (`again`) or a joining replica that takes the trainer's weights is
+    healthy (its engine's start-up `started_s`), held by its router."""
     took = f"; its engine started in {started_s:.1f} s while the others served" if started_s is not None else ""
-    return (f"dualrun: {label} is healthy again at {address}; out of rotation until it holds the trainer's weights "
-            f"(it joins the weight-sync group at the next sync){took}")
+    return (f"dualrun: {label} is healthy{' again' if again else ''} at {address}; out of rotation until it holds "
+            f"the trainer's weights (it joins the weight-sync group at the next sync){took}")
 
 
 def back_line(label: str, address: str, seconds: float, started_s: float | None = None) -> str:

@@ -139,12 +139,12 @@ class Supervisor:
         at = self.address_of(router)
         assert at is not None
         router_client.control(at, slot, "remove", reason="died; being restarted")
-        brought = self._bring_in(index, label, self.used(index))
+        brought = self._bring_in(index, label, self.used(index), again=True)
         if brought is not None and self.events.watching:   # else the ranks ended: its router takes it back itself
             address, started_s = brought
             print(back_line(label, address, time.monotonic() - died, started_s), file=sys.stderr, flush=True)
 
-    def _bring_in(self, index: int, label: str, restart: int) -> tuple[str, float] | None:
+    def _bring_in(self, index: int, label: str, restart: int, again: bool) -> tuple[str, float] | None:
         """Start replica `index`'s engine (`respawn`), `replace` its slot at the router (held until its first weight
         update when it takes the trainer's weights), wait for rotation: (its address, its engine's start-up), None
         when the set is stopped meanwhile."""
@@ -162,7 +162,7 @@ class Supervisor:
         started_s = time.monotonic() - began   # the fresh engine's start-up, while the other replicas serve
         router_client.control(at, slot, "replace", address=address, hold=serving.takes_weights)
         if serving.takes_weights:
-            print(held_line(label, address, started_s), file=sys.stderr, flush=True)
+            print(held_line(label, address, started_s, again), file=sys.stderr, flush=True)
         # held: until the next sync, however far; else within its health timeout
         deadline = None if serving.takes_weights else time.monotonic() + serving.health_timeout_s
         while self.events.watching and slot not in router_client.replicas(at)["in_rotation"]:
@@ -245,7 +245,7 @@ class Supervisor:
         def one(index: int) -> None:
             label = self.plan.servers[index].label
             try:
-                brought = self._bring_in(index, label, 0)
+                brought = self._bring_in(index, label, 0, again=False)
             except (ServerError, OSError, RuntimeError) as e:
                 failed[index] = str(e).splitlines()[0] if str(e) else type(e).__name__
                 return
