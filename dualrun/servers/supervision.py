@@ -157,7 +157,7 @@ class Supervision:
         """A replica that died and is not restarted (`died` said False): True when it leaves its role instead of
         ending the job — its role keeps at least `min_replicas` running, another of them serving — and it is
         parked now."""
-        if index is None or index in self.parked or not others_serving:
+        if index is None or index in self.parked or not others_serving or not self.in_fleet(index):
             return False
         proc = self.plan.servers[index]
         fleet = self.plan.fleets.get(proc.unit)
@@ -167,6 +167,13 @@ class Supervision:
         self.parked.add(index)
         self.down.discard(index)
         return True
+
+    def in_fleet(self, index: int | None) -> bool:
+        """Whether `index` is an engine replica behind a router (one that may leave its role)."""
+        if index is None:
+            return False
+        proc = self.plan.servers[index]
+        return proc.kind != ROUTER and proc.unit in self.plan.fleets and len(replicas_of(self.plan, proc.unit)) > 1
 
     def to_start(self, unit: str, count: int) -> list[int]:
         """Which parked replicas a resize up by `count` starts: the lowest slots first; each leaves `parked` and is

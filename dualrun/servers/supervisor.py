@@ -101,7 +101,7 @@ class Supervisor:
     def report(self, death: ServerDeath) -> None:
         """A server ended: restarted (in a thread of its own) when the job survives it, else the job's (`fatal`)."""
         index = death.index
-        ask = index is not None and self.table.supervises(index) and self.events.watching
+        ask = (self.table.supervises(index) or self.table.in_fleet(index)) and self.events.watching
         others = ask and self.others_serving(index)   # (outside the lock: several machines ask the router)
         with self._lock:
             restart = self.table.died(index, others)
