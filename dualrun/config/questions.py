@@ -208,9 +208,9 @@ def _role(ctx: Context, method: MethodRoles, role: str, cpu: bool, free: int, as
     """The questions of one role beside the trainers; returns the GPUs it takes from the others (None: the walk
     stopped at an unanswered question)."""
     key = f"roles.{role}"
-    unit = "processes" if cpu else "GPUs"
+    unit, where = ("processes", "CPU processes") if cpu else ("GPUs", "GPUs")
     layouts = (NONE, COLOCATED, SEPARATE) if free > 1 else (NONE, COLOCATED)
-    kinds = "none; colocated: inside the trainer processes" + (f"; separate: a server on {unit} of its own"
+    kinds = "none; colocated: inside the trainer processes" + (f"; separate: a server on {where} of its own"
                                                                if SEPARATE in layouts else "")
     yield from ask(Question(key, f"Does the job have a `{role}` role ({kinds})?", choice(layouts), NONE,
                             ("colocate_groups",)))
