@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="ask a few questions and write the config (as `accelerate config`); "
                             "`config default`: a starter config without questions", allow_abbrev=False)
-    config.add_argument("--config_file", "--config-file", dest="ask_config_file", default=None,
+    config.add_argument("--config_file", "--config-file", dest="ask_config_file", default=None, metavar="PATH",
                         help="where to write it (default dualrun.yaml; an existing file only if you answer yes)")
     csub = config.add_subparsers(dest="config_command", parser_class=_Parser)
     default = csub.add_parser("default", help="write a starter config (never overwrites)", allow_abbrev=False)
