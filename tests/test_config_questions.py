@@ -279,3 +279,9 @@ def test_no_terminal_is_refused_with_one_line_pointing_at_config_default(tmp_pat
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "stdin: expected a terminal" in proc.stderr and "dualrun config default" in proc.stderr
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_the_questions_path_flag_before_default_is_refused_not_dropped(tmp_path):
+    proc = dualrun("config", "--config_file", "x.yaml", "default", cwd=tmp_path)
+    assert proc.returncode == 2 and "--config_file after `default`" in proc.stderr, proc.stderr
+    assert not any(tmp_path.iterdir())

@@ -133,128 +133,100 @@ def _options(text: str, options: tuple[str, ...]) -> str:
     return f"{text} ({', '.join(options)})"
 
 
+class _Stop(Exception):
+    """The walk reached a question without a valid answer."""
+
+
+_UNANSWERED = object()
+Ask = Callable[[Question], Iterator[tuple[Question, Any]]]
+
+
 def questions(ctx: Context, answers: Mapping[str, str]) -> Iterator[tuple[Question, Any]]:
     """Each question the answers so far reach, with its answer's value; the walk stops at the first question not
-    (validly) answered, which it yields with the value None."""
-    values: dict[str, Any] = {}
-
+    (validly) answered, which it yields with the value `_UNANSWERED`."""
     def ask(q: Question) -> Iterator[tuple[Question, Any]]:
         try:
-            values[q.key] = q.value(answers[q.key])
+            value = q.value(answers[q.key])
         except (KeyError, Invalid):
-            values[q.key] = _UNANSWERED
-        yield q, values[q.key]
+            value = _UNANSWERED
+        yield q, value
+        if value is _UNANSWERED:
+            raise _Stop
+        return value
 
-    def need(key: str) -> bool:
-        return values[key] is not _UNANSWERED
+    try:
+        yield from _walk(ctx, ask)
+    except _Stop:
+        return
 
-    default_backend = ctx.backends[0]
-    yield from ask(Question("backend", _options("Which backend runs the job?", ctx.backends), choice(ctx.backends),
-                            default_backend))
-    if not need("backend"):
-        return
-    yield from ask(Question("num_machines", "How many different machines will you use (use more than 1 for "
-                            "multi-node training)?", integer(1, MAX_MACHINES), "1"))
-    if not need("num_machines"):
-        return
-    machines, by_hand = values["num_machines"], values["backend"] in ctx.by_hand
-    if machines > 1 and by_hand:
+
+def _walk(ctx: Context, ask: Ask) -> Iterator[tuple[Question, Any]]:
+    backend = yield from ask(Question("backend", _options("Which backend runs the job?", ctx.backends),
+                                      choice(ctx.backends), ctx.backends[0]))
+    machines = yield from ask(Question("num_machines", "How many different machines will you use (use more than 1 "
+                                       "for multi-node training)?", integer(1, MAX_MACHINES), "1"))
+    if machines > 1 and backend in ctx.by_hand:
         yield from ask(Question("main_process_ip", "What is the IP address of the machine that will host the main "
                                 "process (machine 0)?", host))
-        if not need("main_process_ip"):
-            return
         yield from ask(Question("main_process_port", "What is the port you will use to communicate with the main "
                                 "process?", integer(1, 65535), str(DEFAULT_PORT)))
-        if not need("main_process_port"):
-            return
-    yield from ask(Question("use_cpu", "Do you want to run your training on CPU only (no GPUs)? (yes, no)", yes_no,
-                            "no" if ctx.devices else "yes"))
-    if not need("use_cpu"):
-        return
-    cpu = values["use_cpu"]
+    cpu = yield from ask(Question("use_cpu", "Do you want to run your training on CPU only (no GPUs)? (yes, no)",
+                                  yes_no, "no" if ctx.devices else "yes"))
     unit = "processes" if cpu else "GPUs"
-    per_default = CPU_PROCESSES if cpu else max(ctx.devices, 1)
-    yield from ask(Question("machine_gpus", f"How many {unit} does each machine give the job?",
-                            integer(1, MAX_PER_MACHINE), str(per_default), ("gpus_per_machine",)))
-    if not need("machine_gpus"):
-        return
+    per_machine = yield from ask(Question("machine_gpus", f"How many {unit} does each machine give the job?",
+                                          integer(1, MAX_PER_MACHINE), str(CPU_PROCESSES if cpu else
+                                                                           max(ctx.devices, 1)),
+                                          ("gpus_per_machine",)))
     if not cpu:
         yield from ask(Question("mixed_precision", _options("Do you wish to use mixed precision?", PRECISIONS),
                                 choice(PRECISIONS), "bf16"))
-        if not need("mixed_precision"):
-            return
     names = tuple(ctx.methods)
-    yield from ask(Question("method", _options("Which method does the script train with?", names), choice(names),
-                            names[0]))
-    if not need("method"):
-        return
-    method = ctx.methods[values["method"]]
-    free = machines * values["machine_gpus"]
+    name = yield from ask(Question("method", _options("Which method does the script train with?", names),
+                                   choice(names), names[0]))
+    method = ctx.methods[name]
+    free = machines * per_machine
     for role in method.roles[1:]:
-        taken = yield from _role(ctx, method, role, cpu, free, ask, values)
-        if taken is None:
-            return
-        free -= taken
+        free -= yield from _role(ctx, method, role, cpu, free, ask)
     primary = method.roles[0]
     yield from ask(Question(f"roles.{primary}.gpus", f"How many {unit} do the trainers take (roles.{primary}.gpus)?",
                             integer(1, free), str(free), ("num_processes",)))
 
 
-_UNANSWERED = object()
-
-
-def _role(ctx: Context, method: MethodRoles, role: str, cpu: bool, free: int, ask: Callable, values: dict
+def _role(ctx: Context, method: MethodRoles, role: str, cpu: bool, free: int, ask: Ask
           ) -> Iterator[tuple[Question, Any]]:
-    """The questions of one role beside the trainers; returns the GPUs it takes from the others (None: the walk
-    stopped at an unanswered question)."""
+    """The questions of one role beside the trainers; returns the GPUs it takes from the others."""
     key = f"roles.{role}"
     unit, where = ("processes", "CPU processes") if cpu else ("GPUs", "GPUs")
     layouts = (NONE, COLOCATED, SEPARATE) if free > 1 else (NONE, COLOCATED)
     kinds = "none; colocated: inside the trainer processes" + (f"; separate: a server on {where} of its own"
                                                                if SEPARATE in layouts else "")
-    yield from ask(Question(key, f"Does the job have a `{role}` role ({kinds})?", choice(layouts), NONE,
-                            ("colocate_groups",)))
-    if values[key] is _UNANSWERED:
-        return None
-    layout = values[key]
+    layout = yield from ask(Question(key, f"Does the job have a `{role}` role ({kinds})?", choice(layouts), NONE,
+                                     ("colocate_groups",)))
     if layout == NONE:
         return 0
-    reads = method.reads.get(role, {})
-    place = COLOCATED if layout == COLOCATED else SEPARATE
+    separate, reads = layout == SEPARATE, method.reads.get(role, {})
     gpus = 0
-    if layout == SEPARATE:
-        yield from ask(Question(f"{key}.gpus", f"How many {unit} does the `{role}` server take?",
-                                integer(1, free - 1), "1"))
-        if values[f"{key}.gpus"] is _UNANSWERED:
-            return None
-        gpus = values[f"{key}.gpus"]
-    if layout == SEPARATE or role in method.colocated_engine_roles:
+    if separate:
+        gpus = yield from ask(Question(f"{key}.gpus", f"How many {unit} does the `{role}` server take?",
+                                       integer(1, free - 1), "1"))
+    if separate or role in method.colocated_engine_roles:
         default = ctx.engine_on_cpus if cpu and role not in method.weight_roles else ctx.engine_on_gpus
-        yield from ask(Question(f"{key}.engine", _options(f"Which engine runs the `{role}` role?", ctx.engines),
-                                choice(ctx.engines), default))
-        if values[f"{key}.engine"] is _UNANSWERED:
-            return None
-        if layout == SEPARATE and not cpu and gpus > 1 and values[f"{key}.engine"] in ctx.parallel_engines:
+        engine = yield from ask(Question(f"{key}.engine", _options(f"Which engine runs the `{role}` role?",
+                                                                   ctx.engines), choice(ctx.engines), default))
+        if separate and not cpu and gpus > 1 and engine in ctx.parallel_engines:
             yield from ask(Question(f"{key}.tensor_parallel_size", f"How many of its {gpus} GPUs does one engine "
                                     "span (tensor_parallel_size; the rest are more replicas)?",
                                     integer(1, gpus, divides=gpus), "1"))
-            if values[f"{key}.tensor_parallel_size"] is _UNANSWERED:
-                return None
-    if layout == SEPARATE or place in reads.get("model", ()):
+    if separate or layout in reads.get("model", ()):
         weights = " (the model being trained: it takes the trainer's weights)" if role in method.weight_roles else ""
-        needed = layout == SEPARATE
         yield from ask(Question(f"{key}.model", f"Which model does the `{role}` role serve{weights}? A path or hub "
-                                "name" + ("" if needed else "; - for none (the script names it)"),
-                                model if needed else optional(model), None if needed else "-"))
-        if values[f"{key}.model"] is _UNANSWERED:
-            return None
-    if place in reads.get("top_k", ()):
-        low, default = (1, "20") if layout == SEPARATE else (0, "0")
+                                "name" + ("" if separate else "; - for none (the script names it)"),
+                                model if separate else optional(model), None if separate else "-"))
+    if layout in reads.get("top_k", ()):
+        low, default = (1, "20") if separate else (0, "0")
         yield from ask(Question(f"{key}.top_k", f"How many top log-probabilities per token does the `{role}` give "
                                 "(top_k" + ("" if low else "; 0: the full vocabulary") + ")?",
                                 integer(low, MAX_TOP_K), default))
-        if values[f"{key}.top_k"] is _UNANSWERED:
-            return None
     return gpus
 
 
