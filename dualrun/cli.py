@@ -1,4 +1,4 @@
-"""`dualrun` command line: launch | plan | check | config default | env.
+"""`dualrun` command line: launch | plan | check | config [default] | env.
 
 Bad input ends with exit code 2 and one line on stderr (file, key, what was expected); nothing is started.
 """
@@ -12,7 +12,7 @@ import sys
 from typing import Any, Sequence
 
 from dualrun.contract import protocol
-from dualrun.contract.errors import ConfigError, DualrunError, one_line
+from dualrun.contract.errors import ConfigError, DualrunError, Said, one_line
 
 OVERRIDE_FLAGS = (("--num_processes", int), ("--num_machines", int), ("--machine_rank", int),
                   ("--main_process_ip", str), ("--main_process_port", int), ("--mixed_precision", str))
@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     _job_flags(plan)
     plan.add_argument("--json", action="store_true", help="machine-readable plan")
 
-    config = sub.add_parser("config", help="config helpers")
+    config = sub.add_parser("config", help="ask a few questions and write the config (as `accelerate config`); "
+                            "`config default`: a starter config without questions", allow_abbrev=False)
+    config.add_argument("--config_file", "--config-file", dest="ask_config_file", default=None, metavar="PATH",
+                        help="where to write it (default dualrun.yaml; an existing file only if you answer yes)")
     csub = config.add_subparsers(dest="config_command", parser_class=_Parser)
     default = csub.add_parser("default", help="write a starter config (never overwrites)", allow_abbrev=False)
     default.add_argument("path", nargs="?", default=None, help="where to write it (default dualrun.yaml)")
@@ -105,16 +108,12 @@ def _load(ns: argparse.Namespace):
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from dualrun.plan.processes import make_plan
-
     cfg, plugin = _load(ns)
     if getattr(plugin, "single_controller", False):   # what runs is the driver and its groups, not ranks
         return _plan_role_program(cfg, ns.json)
     from dualrun.backends import backend_of
-    from dualrun.config.load import errors_as_written
 
-    with errors_as_written(cfg.written_as):
-        plan = make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ, method=plugin)
+    plan = _plan_of(cfg, plugin)
     if ns.json:
         print(plan.to_json())
         return 0
@@ -122,6 +121,16 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     for line in backend_of(cfg).plan_notes(cfg, plan):
         print(line)
     return 0
+
+
+def _plan_of(cfg: Any, plugin: Any) -> Any:
+    """The plan `dualrun plan` prints (a ConfigError for a layout it refuses)."""
+    from dualrun.backends import backend_of
+    from dualrun.config.load import errors_as_written
+    from dualrun.plan.processes import make_plan
+
+    with errors_as_written(cfg.written_as):
+        return make_plan(cfg, backend_of(cfg).plan_cluster(cfg), environ=os.environ, method=plugin)
 
 
 def _plan_role_program(cfg: Any, as_json: bool) -> int:
@@ -199,6 +208,58 @@ def cmd_config_default(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(ns: argparse.Namespace) -> int:
+    """`dualrun config`: the questions (dualrun/config/questions.py) on this terminal, then the file, checked as
+    `dualrun plan` checks it. Declining to overwrite writes nothing and exits 1 (the file asked for was not
+    written); no terminal: exit 2, pointing at `dualrun config default`."""
+    from dualrun.config.asking import converse, write_file
+    from dualrun.config.questions import yaml_text, yes_no
+    from dualrun.methods.question_context import question_context
+
+    path = ns.ask_config_file or "dualrun.yaml"
+    if not sys.stdin.isatty():
+        raise ConfigError("<stdin>", "stdin", "a terminal to answer the questions on (without one: dualrun config "
+                          "default [PATH] writes a starter config)", Said("not a terminal"))
+    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(path) or "."):
+        raise ConfigError(path, "path", "a file in an existing folder", "an existing directory"
+                          if os.path.isdir(path) else os.strerror(errno.ENOENT))
+    try:
+        if os.path.exists(path) and not _confirmed(f"{path} exists; overwrite? [y/N]: ", yes_no):
+            print(f"nothing written: {path} is unchanged")
+            return 1
+        ctx = question_context()
+        raw = converse(ctx, input, print, lambda raw: _plan_checked(path, yaml_text(raw, path)))
+    except EOFError:
+        print(f"\nno answer (end of input): nothing written to {path}")
+        return 1
+    write_file(path, yaml_text(raw, path))
+    print(f"wrote {path}; see its layout with: dualrun plan --config_file {path}")
+    return 0
+
+
+def _confirmed(prompt: str, parse: Any) -> bool:
+    while True:
+        typed = input(prompt).strip() or "n"
+        try:
+            return bool(parse(typed))
+        except ValueError:
+            print("expected yes or no")
+
+
+def _plan_checked(path: str, text: str) -> None:
+    """What `dualrun plan --config_file PATH` checks, on the text about to be written there."""
+    from dualrun.config.environment import check_environment
+    from dualrun.config.load import build_config
+    from dualrun.config.yamlfile import parse
+    from dualrun.methods.plugin import get_plugin, validate
+
+    cfg = build_config(parse(path, text), path)
+    check_environment(backend=cfg.backend)
+    plugin = get_plugin(cfg.method, cfg.source)
+    validate(cfg, plugin)
+    _plan_of(cfg, plugin)
+
+
 def cmd_check(ns: argparse.Namespace) -> int:
     from dualrun.backends import backend_of
     from dualrun.check.preflight import run_check
@@ -233,9 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = {"launch": cmd_launch, "plan": cmd_plan, "check": cmd_check, "env": cmd_env}
     try:
         if ns.command == "config":
-            if ns.config_command != "default":
+            if ns.config_command is None:
+                return cmd_config(ns)
+            if ns.ask_config_file is not None:
                 parser.error("usage: dualrun config default [PATH | --config_file PATH] [--method sft|pt|grpo|gkd] "
-                             "[--cpu]")
+                             "[--cpu] (--config_file after `default`)")
             return cmd_config_default(ns)
         if ns.command not in commands:
             parser.print_help()
