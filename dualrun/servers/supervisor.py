@@ -75,6 +75,7 @@ class Supervisor:
         self._last_look = 0.0
         self._prober: threading.Thread | None = None   # probes the lone servers while the set is watched
         self._resizing = threading.Lock()   # one resize at a time (`scale`)
+        self._joining: set[int] = set()     # replicas a resize is starting (their death is the resize's failure)
 
     @property
     def restarting(self) -> frozenset[int]:
@@ -101,6 +102,8 @@ class Supervisor:
     def report(self, death: ServerDeath) -> None:
         """A server ended: restarted (in a thread of its own) when the job survives it, else the job's (`fatal`)."""
         index = death.index
+        if index in self._joining:   # a resize is starting it: its `_bring_in` fails and parks it again
+            return
         ask = (self.table.supervises(index) or self.table.in_fleet(index)) and self.events.watching
         others = ask and self.others_serving(index)   # (outside the lock: several machines ask the router)
         with self._lock:
@@ -244,11 +247,14 @@ class Supervisor:
 
         def one(index: int) -> None:
             label = self.plan.servers[index].label
+            self._joining.add(index)
             try:
                 brought = self._bring_in(index, label, 0, again=False)
             except (ServerError, OSError, RuntimeError) as e:
                 failed[index] = str(e).splitlines()[0] if str(e) else type(e).__name__
                 return
+            finally:
+                self._joining.discard(index)
             if brought is not None:
                 address, started_s = brought
                 lines[index] = joined_line(label, address, time.monotonic() - began, started_s)
