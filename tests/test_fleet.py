@@ -147,6 +147,7 @@ def test_a_dead_replica_without_restarts_leaves_while_min_replicas_remain():
 @pytest.mark.slow   # up to two CPU engines and a router: ~10 CPU-s
 def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path, tiny, capfd):
     import os
+    import time
 
     from dualrun.servers import router_client
     from dualrun.servers.local import LocalServers
@@ -175,6 +176,9 @@ def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path,
                          r"[\d.]+ s after the resize asked for it \(its engine started in [\d.]+ s", err), err
         assert router_client.replicas(address)["in_rotation"] == [0, 1] and http_ok(f"http://{address}/health")
         assert servers.fleets()["teacher"]["replicas"] == 2
+        time.sleep(3)   # it outlives the resize (a local engine dies with the thread that spawned it)
+        assert servers.running[1].alive() and router_client.replicas(address)["in_rotation"] == [0, 1]
+        assert "restarting it" not in capfd.readouterr().err
         assert "already" in servers.scale("teacher", 2)
         grown = servers.running[1]
         line = servers.scale("teacher", 1)

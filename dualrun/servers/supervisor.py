@@ -245,26 +245,30 @@ class Supervisor:
         failed: dict[int, str] = {}
         lines: dict[int, str] = {}
 
+        done = {i: threading.Event() for i in indices}
+
         def one(index: int) -> None:
             label = self.plan.servers[index].label
             self._joining.add(index)
             try:
                 brought = self._bring_in(index, label, 0, again=False)
-            except (ServerError, OSError, RuntimeError) as e:
+                if brought is not None:
+                    address, started_s = brought
+                    lines[index] = joined_line(label, address, time.monotonic() - began, started_s)
+                    print(lines[index], file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001 - any failure to join is the resize's, named
                 failed[index] = str(e).splitlines()[0] if str(e) else type(e).__name__
-                return
             finally:
                 self._joining.discard(index)
-            if brought is not None:
-                address, started_s = brought
-                lines[index] = joined_line(label, address, time.monotonic() - began, started_s)
-                print(lines[index], file=sys.stderr, flush=True)
+                done[index].set()
+            if index not in failed:
+                # a local engine's parent-death signal fires when the thread that spawned it ends: this one stays
+                self.events.wait_stopped()
 
-        threads = [threading.Thread(target=one, args=(i,), name="dualrun-grow", daemon=True) for i in indices]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for index in indices:
+            threading.Thread(target=one, args=(index,), name="dualrun-grow", daemon=True).start()
+        for event in done.values():
+            event.wait()
         for index in failed:
             self._park(index)
         running = self._running(unit)
