@@ -1,4 +1,4 @@
-"""`dualrun` command line: launch | plan | check | config [default] | env.
+"""`dualrun` command line: launch | plan | check | config [default] | env | scale.
 
 Bad input ends with exit code 2 and one line on stderr (file, key, what was expected); nothing is started.
 """
@@ -77,7 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 120)")
 
     sub.add_parser("env", help="versions, devices and whether a Ray cluster is reachable")
+
+    scale = sub.add_parser("scale", help="resize a running job's fleet (a role with max_replicas above "
+                           "min_replicas) on the machine that launched it", allow_abbrev=False)
+    scale.add_argument("role", metavar="ROLE", help="the role to resize (rollout, teacher, ...)")
+    scale.add_argument("replicas", metavar="N", type=_replica_count, help="how many replicas it should run")
+    scale.add_argument("--job", default=None, metavar="RUN_ID",
+                       help="which job (the id its launch printed); needed when several run")
     return parser
+
+
+def _replica_count(text: str) -> int:
+    """`dualrun scale`'s N: an integer >= 0 (bounded: int() of a huge string takes seconds)."""
+    if not re.fullmatch(r"\d{1,9}", text.strip()):
+        raise argparse.ArgumentTypeError(f"expected a number of replicas (an integer >= 0), got {one_line(text, 40)!r}")
+    return int(text)
 
 
 def _overrides(ns: argparse.Namespace) -> dict[str, Any]:
@@ -282,6 +296,12 @@ def cmd_env(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(ns: argparse.Namespace) -> int:
+    from dualrun.launchers.scale_request import scale
+
+    return scale(ns.role, ns.replicas, ns.job)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -291,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(f"dualrun {__version__}")
         return 0
-    commands = {"launch": cmd_launch, "plan": cmd_plan, "check": cmd_check, "env": cmd_env}
+    commands = {"launch": cmd_launch, "plan": cmd_plan, "check": cmd_check, "env": cmd_env, "scale": cmd_scale}
     try:
         if ns.command == "config":
             if ns.config_command is None:

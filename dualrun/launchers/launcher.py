@@ -17,6 +17,7 @@ from dualrun.env.worker import forwarded_env
 from dualrun.contract.redact import redact_argv
 from dualrun.contract.errors import LaunchError, killed_by
 from dualrun.contract.job_token import new_token
+from dualrun.launchers.job_control import JobControl, control_for
 from dualrun.plan.processes import AUTO, Cluster, Plan
 from dualrun.plan.meeting import Rendezvous, rendezvous_of
 from dualrun.servers.serverset import ServerDeath, ServerSet
@@ -127,6 +128,7 @@ class Launcher(ABC):
         attempt = 0
         avoid: set[str] = set()   # endpoints of the sets replaced so far
         servers: ServerSet | None = None
+        control: JobControl | None = None   # `dualrun scale`'s channel to the servers' fleet, while they run
         with self.session(), _in_environ(protocol.JOB_TOKEN, self.job_token):   # the launcher's router calls carry it
             try:
                 while True:
@@ -136,6 +138,7 @@ class Launcher(ABC):
                         if failed is not None:
                             result = failed
                             break
+                        control = control_for(self.run_id, self.job_token, servers, _config_path(self.rdzv))
                     outcome = self.run_attempt(prepared, attempt, servers)
                     result = outcome.result
                     if result.ok and self._starting is not None:   # the ranks ended before the servers answered:
@@ -151,10 +154,12 @@ class Launcher(ABC):
                           flush=True)
                     if outcome.dead and servers is not None:   # fresh servers; never the dead one's address
                         avoid |= servers.used()
+                        control = _stopped(control)
                         servers.stop(self.server_grace_s(restarting=True))
                         servers = None
                     prepared = self.before_restart(prepared, attempt)
             finally:
+                _stopped(control)   # `dualrun scale` reaches the job no more: its registry file goes first
                 if servers is not None:   # servers go with the job
                     servers.stop(self.server_grace_s(restarting=False))
         result.restarts = attempt
@@ -272,6 +277,18 @@ def _in_environ(name: str, value: str) -> "Iterator[None]":
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+def _stopped(control: JobControl | None) -> None:
+    """Stop a job's control channel, if any (its registry file removed); None, the channel there is now."""
+    if control is not None:
+        control.stop()
+    return None
+
+
+def _config_path(rdzv: Rendezvous) -> str:
+    """The config file as `dualrun scale` lists it: absolute where it is a file."""
+    return os.path.abspath(rdzv.source) if rdzv.source and os.path.isfile(rdzv.source) else rdzv.source
 
 
 def job_token_for(rdzv: Rendezvous) -> str:
