@@ -292,7 +292,7 @@ def test_weight_sync_report_on_fake_numbers(tmp_path):
 
 
 def test_weight_sync_shaped_rows_are_held_against_their_limits():
-    report = _bench_module("weight_sync_report")
+    report = _bench_module("benchlib.weight_sync_report")
     run = lambda s: {"stream": s, "broadcast": 3 * s, "pack_s": 0, "send_wait_s": 0, "recv_s": 0}  # noqa: E731
     rows = [{"link": "1gbit", "rate_bps": 1e9, "receivers": n, "bytes": 125_000_000, "runs": [run(t)]}
             for n, t in ((1, 1.2), (4, 1.9))]
@@ -304,7 +304,7 @@ def test_weight_sync_shaped_rows_are_held_against_their_limits():
 
 def test_weight_sync_server_timings_are_grouped_per_update(tmp_path):
     ws = _bench_module("weight_sync_bench")
-    mark = _bench_module("weight_sync_timing").MARK
+    mark = _bench_module("benchlib.weight_sync_timing").MARK
     log = tmp_path / "server.log"
     lines = ["INFO vllm started"]
     for i in (1, 2):
