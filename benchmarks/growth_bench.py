@@ -4,7 +4,7 @@
     python benchmarks/growth_bench.py --backends ray,ray-train --script pg --ranks 8,32,64 --reps 1 \
         --out-name growth_raytrain                         # dualrun's Ray backend against Ray Train's TorchTrainer
 
-One machine, an empty script (benchmarks/empty_rank.py: says when it ran, imports nothing), through
+One machine, an empty script (benchmarks/benchlib/empty_rank.py: says when it ran, imports nothing), through
 `dualrun launch --backend ray` against a running local Ray cluster (head node of `ray.cluster_utils.Cluster`
 with fake resources: --cluster-cpus CPUs, `ray.num_cpus_per_worker` 0.001 per rank actor, so 64 ranks fit on
 2 real cores) and `dualrun launch --backend torchrun` (N local processes), interleaved per repetition. Per run,
@@ -15,9 +15,9 @@ measured from outside (benchlib.measure: the launcher's own pid sampled every 50
   driver CPU user+system seconds of the launcher process alone (not its workers, not Ray's daemons)
   driver RSS peak resident memory (VmHWM) of the launcher process
 
-`--script pg` runs benchmarks/pg_rank.py instead: import torch, join the gloo group, one all_reduce (the first
+`--script pg` runs benchmarks/benchlib/pg_rank.py instead: import torch, join the gloo group, one all_reduce (the first
 step); start-up then ends when the last rank's all_reduce returned. It is the tiniest job Ray Train can run
-(`ray-train`: benchmarks/ray_train_driver.py, a `TorchTrainer` whose loop runs the script; TorchTrainer sets up
+(`ray-train`: benchmarks/benchlib/ray_train_driver.py, a `TorchTrainer` whose loop runs the script; TorchTrainer sets up
 torch's process group itself), so the comparison with Ray Train uses it on both sides. Per run it also records
 where the start-up went (the probe, benchmarks/probe/: the driver's steps, every rank actor's process start and
 construction, the ranks' own times) and fits each phase against the rank count: the per-rank cost by phase.
@@ -49,13 +49,13 @@ from benchlib.sandbox import ensure_loopback_only
 
 HERE = Path(__file__).resolve().parent
 
-EMPTY = HERE / "empty_rank.py"
+EMPTY = HERE / "benchlib" / "empty_rank.py"
 LABELS = {"ray": "dualrun --backend ray", "torchrun": "dualrun --backend torchrun",
           "ray-train": "Ray Train TorchTrainer"}
 # memory a rank takes (GiB, measured here: the drop of MemAvailable during the 32-rank runs), for the check before
 # a run of 32 or more ranks; anything else: 0.05
 RANK_GIB = {("ray-train", "pg"): 0.3, ("ray", "pg"): 0.13, ("torchrun", "pg"): 0.13}
-SCRIPTS = {"empty": EMPTY, "pg": HERE / "pg_rank.py"}
+SCRIPTS = {"empty": EMPTY, "pg": HERE / "benchlib" / "pg_rank.py"}
 BACKENDS = ("ray", "torchrun", "ray-train")
 # phase -> what the time means (seconds after the launcher's spawn; the last rank or actor counts)
 PHASES = (("connected", "the driver joined the cluster (dualrun: `ray.init` returned)"),
@@ -82,7 +82,7 @@ def one(backend: str, n: int, rep: int, env: dict[str, str], work: Path, timeout
     folder = work / f"ranks-{backend}-{n}-{rep}"
     folder.mkdir(parents=True)
     if backend == "ray-train":
-        cmd = [sys.executable, str(HERE / "ray_train_driver.py"), "--num-workers", str(n), "--cpus-per-worker",
+        cmd = [sys.executable, str(HERE / "benchlib" / "ray_train_driver.py"), "--num-workers", str(n), "--cpus-per-worker",
                "0.001", "--storage", str(work / f"raytrain-{n}-{rep}"), str(script)]
     else:
         cmd = [sys.executable, "-m", "dualrun", "launch", "--backend", backend, "--config_file",

@@ -8,7 +8,7 @@ through five launchers, interleaved round-robin per repetition:
   torchrun              python -m torch.distributed.run --nproc-per-node 2 examples/sft.py ...  (no dualrun)
   dualrun-torchrun      dualrun launch --backend torchrun --config_file configs/sft_cpu.yaml examples/sft.py ...
   ray-train             Ray Train TorchTrainer whose train_loop_per_worker runs the script with runpy
-                        (benchmarks/ray_train_driver.py), against a running local cluster
+                        (benchmarks/benchlib/ray_train_driver.py), against a running local cluster
   dualrun-ray           dualrun launch --backend ray ..., RAY_ADDRESS = the same running local cluster
   dualrun-ray-embedded  dualrun launch --backend ray ..., RAY_ADDRESS unset and no cluster running (cold start)
 

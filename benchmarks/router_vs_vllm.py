@@ -132,7 +132,7 @@ def _cells(rows: list[dict]) -> dict:
 
 
 def verdict(rows: list[dict]) -> list[str]:
-    """The issue's target on one-prompt requests, cell by cell, on the medians."""
+    """The target on one-prompt requests, cell by cell, on the medians."""
     lines = []
     for (kind, c), ways in sorted(_cells(rows).items()):
         if kind != "1 prompt":

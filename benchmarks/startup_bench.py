@@ -7,7 +7,7 @@ Runs, interleaved round-robin per repetition, one fresh process each (benchlib.m
   torchrun              bare `python -m torch.distributed.run --nproc-per-node 2 examples/sft.py ...`
   dualrun-torchrun      `dualrun launch --backend torchrun --config_file configs/sft_cpu.yaml examples/sft.py ...`
   dualrun-ray-embedded  `dualrun launch --backend ray ...`, no cluster running: dualrun starts (and stops) its own
-  ray-floor             benchmarks/ray_floor.py: `import ray`, `ray.init()`, one actor answering, `ray.shutdown()`
+  ray-floor             benchmarks/benchlib/ray_floor.py: `import ray`, `ray.init()`, one actor answering, `ray.shutdown()`
   ray-floor-lean        the same on the lean node dualrun's embedded cluster is (no dashboard, monitors, metrics)
 
 and says where each second goes: the probe (benchmarks/probe/sitecustomize.py) records, from outside dualrun's
@@ -128,10 +128,10 @@ def _load(folder: Path) -> dict[str, list[dict]]:
 
 
 def job_command(job: str, variant: str, tiny: Path, out: Path, steps: int, nproc: int) -> list[str]:
-    """`variant`'s command line for the SFT job (`steps` steps) or for benchmarks/pg_rank.py (`job` "pg")."""
+    """`variant`'s command line for the SFT job (`steps` steps) or for benchmarks/benchlib/pg_rank.py (`job` "pg")."""
     if job == "pg":
         cmd = command(variant, [], nproc)
-        cmd[cmd.index(str(SCRIPT))] = str(BENCH / "pg_rank.py")
+        cmd[cmd.index(str(SCRIPT))] = str(BENCH / "benchlib" / "pg_rank.py")
         return cmd
     return command(variant, script_args(tiny, out, steps), nproc)
 
@@ -145,7 +145,7 @@ def run_session(ns: argparse.Namespace) -> tuple[list[Run], dict]:
     info = noise.machine()
     info.update(load_before=noise.loadavg(), steps=ns.steps, reps=ns.reps, nproc=ns.nproc)
     if ns.job == "pg":
-        info["steps"] = "1 (benchmarks/pg_rank.py: one all_reduce, not examples/sft.py)"
+        info["steps"] = "1 (benchmarks/benchlib/pg_rank.py: one all_reduce, not examples/sft.py)"
     tiny = work / "tiny"
     subprocess.run([sys.executable, str(REPO / "examples" / "make_tiny_model.py"), "--out", str(tiny)], check=True,
                    capture_output=True)
@@ -172,7 +172,7 @@ def run_session(ns: argparse.Namespace) -> tuple[list[Run], dict]:
                     ray_tmp = tempfile.mkdtemp(prefix="sue", dir="/tmp")   # no one else's `ray start` to find
                     env["RAY_TMPDIR"] = ray_tmp
                 if variant in FLOORS:
-                    cmd = [sys.executable, str(BENCH / "ray_floor.py")] + (["--lean"] if variant.endswith("lean")
+                    cmd = [sys.executable, str(BENCH / "benchlib" / "ray_floor.py")] + (["--lean"] if variant.endswith("lean")
                                                                             else [])
                 else:
                     cmd = job_command(ns.job, variant, tiny, work / "out" / f"{variant}-{rep}", ns.steps, ns.nproc)
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     quiet_cores=0.5, quick_help="2 repetitions (a smoke run)",
                     fake_help="synthetic numbers: write the report, start nothing")
     p.add_argument("--job", choices=("sft", "pg"), default="sft",
-                   help="sft: examples/sft.py on the tiny model; pg: benchmarks/pg_rank.py (torch, the gloo group, "
+                   help="sft: examples/sft.py on the tiny model; pg: benchmarks/benchlib/pg_rank.py (torch, the gloo group, "
                    "one all_reduce: the first step), seconds a run, so more repetitions fit")
     p.add_argument("--out", default=str(RESULTS / "startup.md"), help="the report's path")
     ns = p.parse_args(argv)

@@ -16,7 +16,7 @@ receiver process per replica. Then every parameter is perturbed and synced once 
 log-probabilities of a fixed prompt are compared with this model's (the weights landed).
 
 Where the time goes: this process times the HTTP calls and reads the trainer's stream stats (packing, waiting for
-the wire); inside each vLLM worker, benchmarks/weight_sync_timing.py (a `--worker-extension-cls`) reads the
+the wire); inside each vLLM worker, benchmarks/benchlib/weight_sync_timing.py (a `--worker-extension-cls`) reads the
 engine's receiver stats and times the layerwise-reload start/finish, from the server logs. `--wire-json` adds
 benchmarks/weight_sync_wire.py's tables (the wire alone, loopback and shaped links). Writes results/weight_sync.md
 and results/weight_sync.png.
@@ -46,7 +46,7 @@ CHART = os.path.join(BENCH, "results", "weight_sync.png")
 # Each server's cores as dualrun's launch gives them (dualrun/servers/cpu_share.py): one replica all of them, two
 # replicas one share each.
 SERVER_ARGS = ("--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
-               "--worker-extension-cls", "weight_sync_timing.TimingExtension")
+               "--worker-extension-cls", "benchlib.weight_sync_timing.TimingExtension")
 # dualrun's quiet readers, as the plan marks every vLLM CPU engine (dualrun/servers/quiet_readers.py).
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "DUALRUN_VLLM_QUIET_READERS": "1"}
 # The engines at rest before the plain broadcast is timed: a reader still spinning after the sync before (vLLM's
@@ -106,8 +106,8 @@ def start_servers(model: str, n: int, log_dir: str, stack: list, env_extra: dict
 
 
 def server_timings(log_path: str) -> list[dict]:
-    """Pure: one dict per weight update a server logged (benchmarks/weight_sync_timing.py's lines), in order."""
-    from weight_sync_timing import MARK
+    """Pure: one dict per weight update a server logged (benchmarks/benchlib/weight_sync_timing.py's lines), in order."""
+    from benchlib.weight_sync_timing import MARK
 
     syncs, current = [], {}
     with open(log_path) as f:
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             saved = json.load(f)
         rows = saved["rows"]
     elif args.fake:
-        from weight_sync_report import fake_rows
+        from benchlib.weight_sync_report import fake_rows
 
         rows = fake_rows(args.reps)
     else:
@@ -402,8 +402,8 @@ def main(argv: list[str] | None = None) -> int:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "reps": args.reps,
             "load_end": f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min)", "versions": versions(),
             **saved.get("meta", {})}
-    from weight_sync_chart import chart
-    from weight_sync_report import fake_wire, report
+    from benchlib.weight_sync_chart import chart
+    from benchlib.weight_sync_report import fake_wire, report
 
     wire = fake_wire(args.reps) if args.fake else dict(saved.get("wire", {}))
     for path in args.wire_json:

@@ -97,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
     skip_cluster(items)
     if helpers.loopback_only() or os.environ.get("DUALRUN_TEST_ANY_NETWORK") == "1":
         return
-    skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see README)")
+    skip = pytest.mark.skip(reason="starts torchrun/Ray: run inside `unshare -n` with lo up (see CONTRIBUTING.md)")
     for item in items:
         if "e2e" in item.keywords:
             item.add_marker(skip)

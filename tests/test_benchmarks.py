@@ -2,9 +2,9 @@
 one real repetition of the two torchrun variants (e2e: needs the loopback-only namespace)."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-
 import time
 
 import pytest
@@ -292,7 +292,7 @@ def test_weight_sync_report_on_fake_numbers(tmp_path):
 
 
 def test_weight_sync_shaped_rows_are_held_against_their_limits():
-    report = _bench_module("weight_sync_report")
+    report = _bench_module("benchlib.weight_sync_report")
     run = lambda s: {"stream": s, "broadcast": 3 * s, "pack_s": 0, "send_wait_s": 0, "recv_s": 0}  # noqa: E731
     rows = [{"link": "1gbit", "rate_bps": 1e9, "receivers": n, "bytes": 125_000_000, "runs": [run(t)]}
             for n, t in ((1, 1.2), (4, 1.9))]
@@ -304,7 +304,7 @@ def test_weight_sync_shaped_rows_are_held_against_their_limits():
 
 def test_weight_sync_server_timings_are_grouped_per_update(tmp_path):
     ws = _bench_module("weight_sync_bench")
-    mark = _bench_module("weight_sync_timing").MARK
+    mark = _bench_module("benchlib.weight_sync_timing").MARK
     log = tmp_path / "server.log"
     lines = ["INFO vllm started"]
     for i in (1, 2):
@@ -343,3 +343,48 @@ def test_side_by_side_report_on_fake_numbers(tmp_path):
     # against the cores: (30 + 20 CPU-s) / 2 cores = 25 s, above max(S, E) = 20.5: the limit
     assert "| gkd | torchrun | 30.0 | 20.0 | 50.0 | 25.0 | 25.0 | 22.5 | 0.90 | PASS |" in md
     assert "| gkd | torchrun | 20.5 (20.0–21.0) | 15.5 (15.0–16.0) | 22.5 (22.0–23.0) | 36.0 | 26.6 | 1.10 | PASS |" in md
+
+
+def _index_rows() -> list[list[str]]:
+    """The cells of each row of benchmarks/README.md's index table (the first table under "## Index")."""
+    text = (REPO / "benchmarks" / "README.md").read_text().split("## Index\n", 1)[1]
+    table = text[text.index("| script |"):].split("\n\n", 1)[0].splitlines()
+    return [[c.strip() for c in ln.strip().strip("|").split(" | ")] for ln in table[2:]]
+
+
+def _names(cell: str) -> set[str]:
+    """The file names a cell gives in backticks, `a.{md,json}` spelled out."""
+    out: set[str] = set()
+    for name in re.findall(r"`([^`]+)`", cell):
+        stem, _, exts = name.partition("{")
+        out |= {stem + e for e in exts.rstrip("}").split(",")} if exts else {name}
+    return {n for n in out if re.fullmatch(r"[\w./-]+\.\w+", n) and not n.startswith(("-", "."))}
+
+
+def test_every_benchmark_is_in_the_index_and_every_result_has_its_script():
+    """benchmarks/README.md's index matches the folder: each script there is a row (helpers live in benchlib/), each
+    row's script exists, and each file in results/ is named by a row; a row names no result that is not there."""
+    rows = _index_rows()
+    scripts = {n for r in rows for n in _names(r[0])}
+    named = {n for r in rows for n in _names(r[2]) if not n.endswith(".py")}
+    here = {p.name for p in (REPO / "benchmarks").glob("*.py")}
+    assert here == {s for s in scripts if "/" not in s}, "benchmarks/*.py and the index's scripts differ"
+    assert all((REPO / "benchmarks" / s).exists() for s in scripts), scripts
+    results = {p.name for p in (REPO / "benchmarks" / "results").iterdir()}
+    assert results - named == set(), f"results with no script in the index: {sorted(results - named)}"
+    assert named - results == set(), f"the index names results that are not there: {sorted(named - results)}"
+
+
+WORK_LOG = re.compile(r"\bissues? #?\d+|(?<![\w/&])#\d+\b|\bsession \d+(?![.\d]* s\b)|\d{4}-\d{2}-\d{2} session",
+                      re.I)
+
+
+def test_no_issue_or_work_log_numbers_in_benchmarks():
+    """A result says what was measured, where and under what load; an issue number or a work session's says
+    nothing to a reader of the repository."""
+    found = [f"{p.relative_to(REPO)}: {m.group(0)!r}" for p in sorted((REPO / "benchmarks").rglob("*"))
+             if p.is_file() and p.suffix in (".md", ".py", ".json", ".sh", ".txt")
+             for m in WORK_LOG.finditer(p.read_text(errors="replace"))]
+    assert found == [], found
+    assert WORK_LOG.search("as in issue 26") and WORK_LOG.search("(#46)") and WORK_LOG.search("session 11")
+    assert not WORK_LOG.search("5 repetitions, session 436.4 s")

@@ -1,4 +1,4 @@
-"""The knobs the test tooling documents (README "Tests", scripts/test.sh, tests/helpers.py) do what they say:
+"""The knobs the test tooling documents (CONTRIBUTING.md, scripts/test.sh, tests/helpers.py) do what they say:
 `DUALRUN_TEST_WORKERS` sets pytest-xdist's worker count (`0`: one process, no xdist) and `DUALRUN_TEST_CACHE`
 moves the tiny-asset cache. scripts/test.sh runs against a stand-in venv (`DUALRUN_VENV`) whose `python`
 records its arguments, so nothing is installed and no suite runs (milliseconds)."""

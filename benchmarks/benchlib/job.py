@@ -37,7 +37,7 @@ def command(variant: str, args: list[str], nproc: int) -> list[str]:
         return [py, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
                 "--master-port", str(free_port()), str(SCRIPT), *args]
     if variant == "ray-train":
-        return [py, str(BENCH / "ray_train_driver.py"), "--num-workers", str(nproc), str(SCRIPT), *args]
+        return [py, str(BENCH / "benchlib" / "ray_train_driver.py"), "--num-workers", str(nproc), str(SCRIPT), *args]
     backend = "torchrun" if variant == "dualrun-torchrun" else "ray"
     return [py, "-m", "dualrun", "launch", "--backend", backend, "--config_file", str(CONFIG),
             "--num_processes", str(nproc), str(SCRIPT), *args]

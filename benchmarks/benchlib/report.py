@@ -230,7 +230,8 @@ def chart(summary: dict[str, dict], path: Path, title: str) -> bool:
 
 def write_launch(runs: list[Run], info: dict, variants: list[str], out_dir: Path, command_line: str,
                  readme: Path | None, fake: bool, main_readme: Path | None = None) -> str:
-    """results/launch.md and the chart; the table blocks of `readme` (benchmarks/README.md) and `main_readme`."""
+    """results/launch.md and the chart; the table block of `readme` (benchmarks/README.md) and the targets of
+    `main_readme` (the front page keeps only the targets)."""
     summary = summarize(runs, variants)
     tg = targets(summary)
     title = (f"launch benchmark: tiny SFT, {info.get('nproc')} processes, {info.get('steps')} steps, "
@@ -249,13 +250,11 @@ def write_launch(runs: list[Run], info: dict, variants: list[str], out_dir: Path
         lb_ = info.get("load_before") or ()
         _refresh(readme, f"{body}\n\n{targets_md(tg)}\n\n{phases_md(runs, variants)}\n\n{machine_md(info)}")
         _refresh(main_readme, (
-            f"Latest `{command_line}` (tiny SFT, {info.get('nproc')} CPU processes, {info.get('steps')} steps, "
-            f"{info.get('cpus')}-core machine shared with other jobs: load average {' / '.join(f'{x:.1f}' for x in lb_)} "
-            f"before the run; median (min–max) of {info.get('reps')} interleaved repetitions; ratios against bare "
-            "torchrun; phases, every run and the machine in [benchmarks/results/launch.md]"
-            "(benchmarks/results/launch.md), how to rerun and how noisy this machine is in "
-            f"[benchmarks/README.md](benchmarks/README.md)){_noise_note(info)}:\n\n{body}\n\n"
-            f"Targets (the overhead dualrun allows itself against bare torchrun):\n\n{targets_md(tg)}"))
+            f"Latest `{command_line}`: tiny SFT, {info.get('nproc')} CPU processes, {info.get('steps')} steps, "
+            f"{info.get('cpus')}-core machine shared with other jobs, load average {' / '.join(f'{x:.1f}' for x in lb_)} "
+            f"before the run; median of {info.get('reps')} interleaved repetitions against bare torchrun. Every "
+            "launcher's numbers: [benchmarks/results/launch.md](benchmarks/results/launch.md); how to rerun: "
+            f"[benchmarks/README.md](benchmarks/README.md){_noise_note(info)}:\n\n{targets_md(tg)}"))
     return body + "\n\n" + targets_md(tg)
 
 

@@ -2,7 +2,7 @@
 call, `ray.shutdown()`. What any launcher on an embedded Ray cluster pays before a rank can start
 (startup_bench.py measures dualrun's embedded start-up against it, in the same session).
 
-    python benchmarks/ray_floor.py [--lean]     # writes DIR/floor-PID.json (DIR from DUALRUN_BENCH_PHASES)
+    python benchmarks/benchlib/ray_floor.py [--lean]     # writes DIR/floor-PID.json (DIR from DUALRUN_BENCH_PHASES)
 
 Without `--lean`: `ray.init()` as is (Ray's defaults: dashboard, log monitor, autoscaler monitor, metrics).
 `--lean`: the very node dualrun's embedded cluster starts (dualrun.backends.ray.connect: no dashboard, no log or

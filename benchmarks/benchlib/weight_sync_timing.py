@@ -1,5 +1,5 @@
 """(helper of weight_sync_bench.py) Where a vLLM worker spends a weight update: loaded into the worker as
-`--worker-extension-cls weight_sync_timing.TimingExtension` (benchmarks/ on the server's PYTHONPATH).
+`--worker-extension-cls benchlib.weight_sync_timing.TimingExtension` (benchmarks/ on the server's PYTHONPATH).
 
 Why an extension and not a hook in the engine: the benchmark must time the engine as users run it. vLLM imports the
 extension's module in each worker before any update, so wrapping `GlooWeightTransferEngine`'s methods here times

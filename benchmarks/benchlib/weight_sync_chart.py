@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from weight_sync_report import LINK_TARGET, TARGET, sync_ratios
+from benchlib.weight_sync_report import LINK_TARGET, TARGET, sync_ratios
 
 
 def chart(rows: list[dict], wire: dict | None, path: Path) -> bool:

@@ -208,7 +208,7 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
              "waiting for a buffer's sends to leave before packing into it again, and for the last sends; **other**: "
              "cutting chunks and posting sends (a send's first bytes may be copied to the socket then); **tail**: "
              "from the last send until `/update_weights` returns (the workers load the "
-             "last chunk). Worker side (the slowest replica, benchmarks/weight_sync_timing.py): **recv** (the relay "
+             "last chunk). Worker side (the slowest replica, benchmarks/benchlib/weight_sync_timing.py): **recv** (the relay "
              "thread waiting for segments; it overlaps **load**), **load** (views of the chunk into vLLM's "
              "`load_weights`, while the next chunk arrives), **relay** (waiting for the segments passed on to the "
              "next replica), **start**/**finish** (vLLM's layerwise reload init / finalize, the CPU repack).", "",

@@ -1,6 +1,6 @@
 """Reference launch through Ray Train: a `TorchTrainer` whose `train_loop_per_worker` runs an unchanged script.
 
-    RAY_ADDRESS=127.0.0.1:6379 python benchmarks/ray_train_driver.py --num-workers 2 script.py --its --args
+    RAY_ADDRESS=127.0.0.1:6379 python benchmarks/benchlib/ray_train_driver.py --num-workers 2 script.py --its --args
 
 This is what a Ray user writes to run an existing HF/TRL script on a running cluster without dualrun: connect,
 give every worker the script's env through `runtime_env`, let Ray Train set up the gloo process group and the

@@ -9,7 +9,7 @@ import sys
 import time
 
 ran = time.time()
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "probe"))
 from dualrun_bench_clock import process_start  # noqa: E402 - after the first timestamp
 
 started = process_start()
