@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from cluster_jobs import debian_hosts
+from troubleshooting_doc import says
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -147,4 +148,5 @@ def test_a_weight_sync_address_the_rollout_machine_cannot_reach(vc, tmp_path):
                         r"0\.0\.0\.0:\d+: (Connection refused|another process answered there)\); set VLLM_HOST_IP in "
                         rf"roles.train.env to machine 0's address the others reach \(eth0 {re.escape(MAIN)}\)",
                         out0[0]), out0
+    says("weight-sync-0000", out0[0])   # docs/troubleshooting.md quotes this line
 
