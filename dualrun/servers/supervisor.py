@@ -101,10 +101,11 @@ class Supervisor:
     def report(self, death: ServerDeath) -> None:
         """A server ended: restarted (in a thread of its own) when the job survives it, else the job's (`fatal`)."""
         index = death.index
-        ask = index is not None and self.table.supervises(index) and self.events.watching
+        ask = index is not None and self.events.watching and (self.table.supervises(index) or
+                                                              self.table.in_fleet(index))
         others = ask and self.others_serving(index)   # (outside the lock: several machines ask the router)
-        with self._lock:
-            restart = self.table.died(index, others)
+        with self._lock:   # a replica whose node is gone is not restarted there: it leaves, or the job ends
+            restart = not death.node_gone and self.table.died(index, others)
             line = restart and restarting_line(death.one_line(), self.table.used(index), self.table.allowed[index])
             leaves = not restart and self.table.leaves(index, others)
         if leaves:
