@@ -28,11 +28,12 @@ def test_a_node_is_gone_when_ray_says_it_is_dead_or_the_actor_died_with_it():
     assert not gone("a", nodes, "The actor died unexpectedly before finishing this task.")
 
 
-def _servers(tiny):
+def _servers(tiny, monkeypatch):
     from dualrun.backends.ray import cluster as rc
     from dualrun.backends.ray.actor_launcher import RayLauncher
     from dualrun.backends.ray.actor_servers import RayServers
     from dualrun.config import build_config
+    from dualrun.contract import protocol
     from dualrun.launchers.launcher import Program
     from dualrun.methods.plugin import get_plugin
     from dualrun.plan.processes import make_plan
@@ -47,7 +48,8 @@ def _servers(tiny):
     plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()), plugin)).plan
     servers = launcher.server_set(plan, 0, frozenset())
     assert isinstance(servers, RayServers)
-    # a replica only where a node offers the fake `engine` resource; the router on the head (its one CPU)
+    monkeypatch.setenv(protocol.JOB_TOKEN, launcher.job_token)   # as `Launcher.run` does: the router's calls carry it
+    # a replica only where a node offers the fake `engine` resource; the router on the head (its CPUs)
     servers.bundle = lambda p: {"CPU": 1.0, "engine": 1.0} if p.kind == "server" else {"CPU": 1.0}
     return servers
 
@@ -64,20 +66,20 @@ def _until(capfd, seen: list[str], pattern: str, timeout: float = 120.0) -> re.M
 @pytest.mark.slow   # three Ray nodes and up to two CPU engines and a router: ~60 s on 2 cores
 @pytest.mark.ray
 @pytest.mark.timeout(600)
-def test_the_fleet_follows_nodes_that_join_and_leave(module_tiny, capfd):
+def test_the_fleet_follows_nodes_that_join_and_leave(module_tiny, capfd, monkeypatch):
     from ray_helpers import FakeGpuCluster
 
     from dualrun.programs.rotation import SPARE
     from dualrun.servers import router_client
 
-    cluster = FakeGpuCluster(nodes=1, gpus=0, cpus=1)
+    cluster = FakeGpuCluster(nodes=1, gpus=0, cpus=2)   # the router (and the plan's trainer rank: it fits)
     node_args = dict(num_cpus=1, num_gpus=0, node_ip_address="127.0.0.1", include_dashboard=False,
                      resources={"engine": 1})
     try:
         first = cluster.cluster.add_node(**node_args)
         cluster.cluster.wait_for_nodes()
         seen: list[str] = []
-        servers = _servers(module_tiny)
+        servers = _servers(module_tiny, monkeypatch)
         with servers:
             address = servers.start()["teacher"]
             assert servers.actors[1] is None and len(cluster.live_placement_groups()) == 2   # replica 0, router

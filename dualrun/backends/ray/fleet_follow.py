@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-EVERY_S = 1.0   # how often the pending groups are looked at
+EVERY_S = 1.0    # how often the pending groups are looked at
+RETRY_S = 30.0   # after a replica that failed to join: how long before room is asked for again
 KEEP, ASK, DROP, GROW = "keep", "ask", "drop", "grow"
 
 
@@ -69,6 +71,7 @@ class Follower:
         self.targets = {unit: b.high for unit, b in plan.fleets.items() if b.resizable}
         self.pending: dict[str, Pending] = {}
         self._asked = 0
+        self._after: dict[str, float] = {}   # unit -> no room asked for before this (a join failed)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -133,7 +136,7 @@ class Follower:
             with self._lock:
                 self.pending.pop(unit, None)
             remove_placement_group(held.pg)
-        elif todo == ASK:
+        elif todo == ASK and time.monotonic() >= self._after.get(unit, 0.0):
             self._asked += 1
             shape = self.servers.bundle(self.servers.plan.servers[self._spare_of(unit)])
             pg = placement_group([shape], name=f"{self.servers.run_id}-{unit}-room-{self._asked}")
@@ -160,6 +163,7 @@ class Follower:
         try:
             self.servers.supervisor.scale(unit, running + 1)
         except ScaleRefused as e:
-            if "another resize" not in str(e):
-                print(f"dualrun: {e}", file=sys.stderr, flush=True)
+            if "another resize" not in str(e):   # it did not join: its group was given back (`_park`)
+                self._after[unit] = time.monotonic() + RETRY_S
+                print(f"dualrun: {e}; room is asked for again in {RETRY_S:g} s", file=sys.stderr, flush=True)
 
