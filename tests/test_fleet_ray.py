@@ -67,6 +67,7 @@ def _until(capfd, seen: list[str], pattern: str, timeout: float = 120.0) -> re.M
 @pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_the_fleet_follows_nodes_that_join_and_leave(module_tiny, capfd, monkeypatch):
+    from helpers import eventually
     from ray_helpers import FakeGpuCluster
 
     from dualrun.programs.rotation import SPARE
@@ -105,8 +106,9 @@ def test_the_fleet_follows_nodes_that_join_and_leave(module_tiny, capfd, monkeyp
                                 rf"\({joined.node_id[:8]}\) left the cluster .*\); 1 of min 1 remain")
             assert servers.failure is None and router_client.replicas(address)["in_rotation"] == [0]
             assert servers.actors[1] is None and "restarting it" not in "".join(seen)
-            groups = cluster.live_placement_groups()   # replica 0's, the router's, one waiting for room again
-            assert len(groups) == 3 and sum("-teacher-room-" in g["name"] for g in groups) == 1, groups
+            waiting = lambda: [g for g in cluster.live_placement_groups() if "-teacher-room-" in g["name"]]  # noqa: E731
+            assert eventually(lambda: len(waiting()) == 1, timeout=10), cluster.live_placement_groups()
+            assert len(cluster.live_placement_groups()) == 3   # replica 0's, the router's, one waiting for room again
 
             cluster.cluster.remove_node(first)   # the last replica: below min_replicas, the job's failure
             death = servers.next_death(timeout=60)
