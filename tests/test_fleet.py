@@ -52,12 +52,17 @@ def test_bounds_are_refused_where_no_fleet_grows():
     with pytest.raises(ConfigError) as e:
         _cfg({"address": "127.0.0.1:9", "max_replicas": 2, "gpus": 0})
     assert e.value.key == "roles.teacher.max_replicas" and "beside `address`" in e.value.expected
-    for backend, top in [("ray", {}), ("torchrun", {"num_machines": 2, "main_process_ip": "10.0.0.1",
-                                                    "torchrun": {"gpus_per_machine": 4}})]:
-        with pytest.raises(ConfigError) as e:
-            _cfg({"gpus": 1, "max_replicas": 2}, backend, **top)
-        assert e.value.key == "roles.teacher.max_replicas" and "unset or 1 (the planned count)" in e.value.expected
-        assert "fleets resize on torchrun on one machine only" in e.value.line()
+    with pytest.raises(ConfigError) as e:
+        _cfg({"gpus": 1, "max_replicas": 2}, "torchrun", num_machines=2, main_process_ip="10.0.0.1",
+             torchrun={"gpus_per_machine": 4})
+    assert e.value.key == "roles.teacher.max_replicas" and "unset or 1 (the planned count)" in e.value.expected
+    assert "fleets resize on Ray and on torchrun on one machine only" in e.value.line()
+
+
+def test_ray_runs_fleets():
+    """Ray's server set starts and stops spares (backends/ray/fleet_follow.py): its bounds are accepted."""
+    plan = make_plan(_cfg({"gpus": 1, "min_replicas": 1, "max_replicas": 3}, "ray"))
+    assert plan.fleets["teacher"].resizable and [p.serving.spare for p in plan.servers[:3]] == [False, True, True]
 
 
 def test_bounds_equal_to_the_planned_count_are_accepted_everywhere():

@@ -70,7 +70,7 @@ def refuse_bounds(cfg: JobConfig) -> None:
             moved = "max_replicas" if b.high != b.start else "min_replicas"
             where = f"{cfg.num_machines} torchrun machines" if kind.fleets else f"backend {cfg.backend}"
             raise ConfigError(cfg.source, f"roles.{role.name}.{moved}", f"unset or {b.start} (the planned count) on "
-                              f"{where}: fleets resize on torchrun on one machine only, for now",
+                              f"{where}: fleets resize on Ray and on torchrun on one machine only, for now",
                               getattr(role, moved))
         if b.high > b.start and role.gpu_ids is not None:
             raise ConfigError(cfg.source, f"roles.{role.name}.max_replicas", f"unset or {b.start} beside gpu_ids "

@@ -13,12 +13,15 @@ class ServerDeath:
     """One server of the set ended (or stopped answering) while the job ran.
 
     `index`: its place in `plan.servers` (None: not one server, e.g. the machines' address exchange failed).
-    `text`: the full error (its label, exit code or signal, its log's last lines); `str()` gives it."""
+    `text`: the full error (its label, exit code or signal, its log's last lines); `str()` gives it.
+    `node_gone`: its machine left the cluster (Ray: the node died or was drained), so it cannot be restarted
+    there: it leaves its role (`Supervision.leaves`) or its death is the job's."""
 
     index: int | None
     label: str
     text: str
     line: str
+    node_gone: bool = False
 
     @classmethod
     def of(cls, index: int | None, error: ServerError) -> "ServerDeath":

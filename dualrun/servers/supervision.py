@@ -153,6 +153,13 @@ class Supervision:
         """`unit`'s replicas that run or are being restarted (not parked), in slot order."""
         return [i for i in replicas_of(self.plan, unit) if i not in self.parked]
 
+    def in_fleet(self, index: int | None) -> bool:
+        """Whether `index` is a replica of a resizable role (one that may leave it instead of ending the job)."""
+        if index is None:
+            return False
+        fleet = self.plan.fleets.get(self.plan.servers[index].unit)
+        return fleet is not None and fleet.resizable and self.plan.servers[index].kind != ROUTER
+
     def leaves(self, index: int | None, others_serving: bool) -> bool:
         """A replica that died and is not restarted (`died` said False): True when it leaves its role instead of
         ending the job — its role keeps at least `min_replicas` running, another of them serving — and it is
@@ -167,13 +174,6 @@ class Supervision:
         self.parked.add(index)
         self.down.discard(index)
         return True
-
-    def in_fleet(self, index: int | None) -> bool:
-        """Whether `index` is an engine replica behind a router (one that may leave its role)."""
-        if index is None:
-            return False
-        proc = self.plan.servers[index]
-        return proc.kind != ROUTER and proc.unit in self.plan.fleets and len(replicas_of(self.plan, proc.unit)) > 1
 
     def to_start(self, unit: str, count: int) -> list[int]:
         """Which parked replicas a resize up by `count` starts: the lowest slots first; each leaves `parked` and is

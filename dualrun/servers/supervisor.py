@@ -104,10 +104,11 @@ class Supervisor:
         index = death.index
         if index in self._joining:   # a resize is starting it: its `_bring_in` fails and parks it again
             return
-        ask = (self.table.supervises(index) or self.table.in_fleet(index)) and self.events.watching
+        ask = index is not None and self.events.watching and (self.table.supervises(index) or
+                                                              self.table.in_fleet(index))
         others = ask and self.others_serving(index)   # (outside the lock: several machines ask the router)
-        with self._lock:
-            restart = self.table.died(index, others)
+        with self._lock:   # a replica whose node is gone is not restarted there: it leaves, or the job ends
+            restart = not death.node_gone and self.table.died(index, others)
             line = restart and restarting_line(death.one_line(), self.table.used(index), self.table.allowed[index])
             leaves = not restart and self.table.leaves(index, others)
         if leaves:

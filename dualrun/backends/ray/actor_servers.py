@@ -15,7 +15,9 @@ it, gives every rank its `wiring_env()`, watches it (one waiting call per server
 becomes a `ServerDeath` event; the supervisor asks the routers about hung replicas once a second) and stops it
 with the job. A dead or hung replica that the job survives losing is restarted by the set's supervisor
 (supervisor.py): here its actor and placement group are replaced by fresh ones on the same node (`respawn`), the
-server on a fresh port.
+server on a fresh port. A fleet's spare replicas (`Serving.spare`) get neither at launch: a resize, or room that
+appears in the cluster (fleet_follow.py), places and starts one on any node with room; one resized away, or whose
+node left, gives back its actor and its group (`kill`).
 
 The actor itself (`ServerActor`) lives in ray_actor.py: Ray worker processes import only that.
 """
@@ -31,8 +33,9 @@ from typing import Any, Callable, Collection, Iterator, Mapping
 
 from dualrun.contract.protocol import ActorPlace
 from dualrun.light.interfaces import ifname_set
-from dualrun.servers.process import ServerError
 from dualrun.backends.ray.actors.server_actor import ServerActor
+from dualrun.backends.ray.actor_replicas import ActorReplicas
+from dualrun.servers.planned import spare
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
 from dualrun.servers.supervisor import Supervisor
 
@@ -47,7 +50,7 @@ def on_this_host(plan: Any) -> bool:
     return len(nodes) == 1 and nodes <= here
 
 
-class RayServers(ServerSetBase):
+class RayServers(ActorReplicas, ServerSetBase):
     """The plan's servers on a connected Ray cluster: placement groups, actors, health, addresses, teardown.
 
     From the launcher: `env_for` (a server's env), `wiring` (the trainers' env for the addresses), `bundle` (a
@@ -80,6 +83,10 @@ class RayServers(ServerSetBase):
         self._printed = threading.Event()   # the printer's end: set once the servers' last lines are out
         self._watcher: threading.Thread | None = None
         self.supervisor = Supervisor(plan, self, self, lambda index: self.started.get(index))
+        self._joins = 0   # spares started so far (each actor's name is its own)
+        from dualrun.backends.ray.fleet_follow import Follower
+
+        self.follower = Follower(self)   # the fleets grow onto room the cluster gets
 
     def reserve(self) -> dict[str, str] | None:
         """Side by side: every server's actor placed and the port of each server the trainers talk to picked on
@@ -150,7 +157,8 @@ class RayServers(ServerSetBase):
         self.addresses = addresses(self.plan, self.started)
         # one waiting call per server: the watcher turns each that resolves into an event
         for index, actor in enumerate(self.actors):
-            self._exit_ref(index, actor)
+            if actor is not None:   # (a spare: none until it starts)
+                self._exit_ref(index, actor)
         return self.addresses
 
     @property
@@ -168,16 +176,22 @@ class RayServers(ServerSetBase):
 
     def _place(self) -> None:
         for index, p in enumerate(self.plan.servers):
-            pg, actor = self._place_one(self.gang, index, self.bundle(p), self._name(index))
+            pg, actor = (None, None) if spare(p) else self._place_one(self.gang, index, self.bundle(p),
+                                                                      self._name(index))
             self._pg_of.append(pg)
             self._actors.append(actor)
 
-    def _place_one(self, gang: Any, index: int, b: dict[str, float], name: str) -> tuple[Any, Any]:
-        """A server's own placement group (a replica's, or the router's) and its actor in it."""
+    def _place_one(self, gang: Any, index: int, b: dict[str, float], name: str, pg: Any = None,
+                   precheck: bool = True) -> tuple[Any, Any]:
+        """A server's own placement group (a replica's, or the router's; `pg`: one placed already, now the
+        gang's) and its actor in it."""
         import ray
 
         p = self.plan.servers[index]
-        pg = gang.place(name, p.roles[0], [b], what="server(s)")
+        if pg is None:
+            pg = gang.place(name, p.roles[0], [b], what="server(s)", precheck=precheck)
+        else:
+            gang.pgs.append(pg)
         actor = gang.spawn(ray.remote(ServerActor), pg, 0, p.label, num_cpus=b.get("CPU", 0),
                            num_gpus=b.get("GPU", 0), max_concurrency=6, max_restarts=0, name=name)
         return pg, actor
@@ -186,15 +200,16 @@ class RayServers(ServerSetBase):
         """The servers' lines on this driver's stderr as they come (server_output.py)."""
         from dualrun.backends.ray.server_output import print_output
 
-        self._printer = print_output(list(self.actors), lambda: self.stopping, self._printed, self._new_output)
+        self._printer = print_output([a for a in self.actors if a is not None], lambda: self.stopping, self._printed,
+                                     self._new_output)
 
     def _start_all(self) -> dict[int, str]:
         """Every engine replica at once, then the routers in front of them (they need the replicas' addresses)."""
-        from dualrun.servers.planned import phases
+        from dualrun.servers.planned import at_launch
 
         started: dict[int, str] = {}
         self.infos = [None for _ in self.plan.servers]
-        for phase in phases(self.plan):
+        for phase in at_launch(self.plan):   # (the spares: by a resize, or when the cluster has room)
             started.update(self._start_phase(phase, started))
         return started
 
@@ -266,9 +281,14 @@ class RayServers(ServerSetBase):
         try:
             text = ray.get(ref)
         except RayError as e:
+            from dualrun.backends.ray.fleet_follow import gone
+
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()] or [type(e).__name__]
             info = self.infos[index] if index is not None and index < len(self.infos) else None
             where = f" on node {info.ip}" if info else ""   # a lost node: the machine named
+            if info is not None and gone(info.node_id, ray.nodes(), str(e)):
+                text = f"{label}: its node {info.ip} ({info.node_id[:8]}) left the cluster ({lines[0][:200]})"
+                return ServerDeath(index, label, text, text, node_gone=True)
             text = f"{label}: its Ray actor{where} died ({lines[0][:200]})"
         return ServerDeath(index, label, text, text.splitlines()[0])
 
@@ -296,83 +316,16 @@ class RayServers(ServerSetBase):
         if self._exits:
             self._watcher = threading.Thread(target=run, name="dualrun-server-watch", daemon=True)
             self._watcher.start()
+            self.follower.start()
 
-    # -- the supervisor's primitives (supervisor.Replicas) ---------------------------------------------------
-    def respawn(self, index: int, restart: int) -> str | None:
-        """A fresh actor in a fresh placement group on the dead replica's node (its old group removed first, so
-        the node's resources it held are free: Ray gives the new one the same shape there), the server on a fresh
-        port, healthy. ServerError naming the replica when any step fails."""
-        from dualrun.contract.errors import LaunchError
-
-        label = self.plan.servers[index].label
-
-        def check() -> None:
-            if self.stopping:
-                raise ServerError(label, "was being restarted when the job ended")
-
-        with self._lock:
-            if self.stopping:
-                return None
-            old_actor, old_pg, info = self._actors[index], self._pg_of[index], self.infos[index]
-            gang = self.new_gang(check)
-            self._gangs.append(gang)
-        assert info is not None
-        self.avoid.add(info.address)   # a fresh port, never the dead one's
-        try:   # the helpers its process group may have left (vLLM's engine core), before the actor goes
-            import ray
-
-            ray.get(old_actor.stop.remote(0), timeout=10)
-        except Exception:  # noqa: BLE001 - a dead actor: nothing of it to stop
-            pass
-        for held in list(self._gangs):   # the first set's gang, or an earlier restart's
-            held.drop(old_actor, old_pg)
-        bundle = dict(self.bundle(self.plan.servers[index]), **{f"node:{info.ip}": 0.001})   # the same node
-        try:
-            pg, actor = self._place_one(gang, index, bundle, self._name(index, restart))
-            with self._lock:
-                if self.stopping:
-                    gang.stop()
-                    return None
-                self._pg_of[index], self._actors[index] = pg, actor
-            self._new_output.put(actor)
-            address = self._start_phase([index], self.started, check)[index]
-        except ServerError:
-            raise
-        except LaunchError as e:
-            raise ServerError(label, "could not be restarted: " + str(e).splitlines()[0].removeprefix(label + " ")) \
-                from None
-        except Exception as e:  # noqa: BLE001 - a Ray error on the way: the job ends naming the replica
-            raise ServerError(label, f"could not be restarted: {str(e).strip().splitlines()[0][:200]}") from None
-        return address
-
-    def rearm(self, index: int, address: str) -> bool:
-        with self._lock:
-            if self.stopping:
-                return False
-            self.started[index] = address
-            self._exit_ref(index, self._actors[index])   # its next death is an event too
-        return True
-
-    def alive(self, index: int) -> bool:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayError
-
-        try:
-            return bool(ray.get(self._actors[index].alive.remote(), timeout=5.0))
-        except (RayError, GetTimeoutError):
-            return False
-
-    def kill(self, index: int, grace_s: float) -> tuple[str, str | None]:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayError
-
-        self._exits.pop(self._exit_of.pop(index, None), None)   # its end is reported by the supervisor, as hung
-        actor = self._actors[index]
-        try:
-            ray.get(actor.stop.remote(grace_s), timeout=grace_s + 10.0)
-            return ray.get(actor.tail.remote(), timeout=10.0)
-        except (RayError, GetTimeoutError):
-            return "", None
+    def scale(self, role: str, replicas: int) -> str:
+        """`dualrun scale`: the role's target from now on (fleet_follow.py grows it when room appears), then the
+        resize at once (`ServerSetBase.scale`): a shrink, or a grow where the cluster has room within
+        `ray.placement_timeout_s`."""
+        fleet = self.plan.fleets.get(role)
+        if fleet is not None and fleet.resizable and fleet.low <= replicas <= fleet.high:
+            self.follower.set_target(role, replicas)
+        return super().scale(role, replicas)
 
     # -- the rest of the interface ---------------------------------------------------------------------------
     def used(self) -> frozenset[str]:
@@ -396,7 +349,9 @@ class RayServers(ServerSetBase):
 
         with self._lock:
             restarting = {id(self._actors[i]) for i in self.supervisor.restarting if i < len(self._actors)}
-        call_each([a for a in self.actors if id(a) not in restarting], "stop", grace_s, timeout=grace_s + 5)
+        self.follower.stop()   # the pending groups: nothing grows any more
+        call_each([a for a in self.actors if a is not None and id(a) not in restarting], "stop", grace_s,
+                  timeout=grace_s + 5)
         if self._printer is not None:   # the servers' last lines (they have ended), then no more calls to them
             self._printer.join(timeout=2.0)
             self._printed.set()

@@ -29,10 +29,13 @@ def bundle_of(options: Any, p: Process) -> dict[str, float]:
     return out or {"CPU": 0.001}
 
 
-def demand(options: Any, plan: Plan) -> dict[str, float]:
-    """CPUs and GPUs every actor of the plan holds at once."""
+def demand(options: Any, plan: Plan, spares: bool = False) -> dict[str, float]:
+    """CPUs and GPUs every actor of the plan holds at once at launch; with `spares`, a fleet's spares too (they
+    start once the cluster has room for them, backends/ray/fleet_follow.py)."""
     total = {"CPU": 0.0, "GPU": 0.0}
     for p in plan.processes:
+        if p.serving is not None and p.serving.spare and not spares:
+            continue
         for res, amount in bundle_of(options, p).items():
             total[res] = total.get(res, 0.0) + amount
     return total

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class RayBackend(Backend):
-    kind = BackendKind("ray", per_machine=False, ray=True, groups="ray", placement=RayPlacement)
+    kind = BackendKind("ray", per_machine=False, ray=True, groups="ray", placement=RayPlacement, fleets=True)
     output = "output prefixed per rank"
     section = "ray"
     plans_live = True

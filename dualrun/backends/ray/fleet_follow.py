@@ -1,0 +1,169 @@
+"""On Ray a role's fleet follows the cluster: it grows onto room that appears (a node that joins through `ray start`,
+the autoscaler, a spot node), up to its target.
+
+Why a loop of its own: Ray places a placement group as soon as a node has room for it, so a group asked for ahead
+of time (*pending*) is how the job learns that room appeared, with nothing to poll but the group. Each resizable
+role keeps at most one pending group, shaped like its replicas, while fewer replicas run than its target; once Ray
+places it, the next spare starts in it through the supervisor's resize (`Supervisor.scale`: taken in by the router,
+held for the trainer's weights where it takes them). The target starts at `max_replicas` (grow whenever there is
+room); `dualrun scale` sets it (`RayServers.scale`). A replica whose node leaves is the supervisor's
+(`ServerDeath.node_gone`: it leaves its role while `min_replicas` remain); then fewer run than the target and a
+pending group waits for room again. The decisions (`step`) are pure; the Ray calls are in `Follower`.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+EVERY_S = 1.0    # how often the pending groups are looked at
+RETRY_S = 30.0   # after a replica that failed to join: how long before room is asked for again
+KEEP, ASK, DROP, GROW = "keep", "ask", "drop", "grow"
+
+
+def step(running: int, target: int, pending: bool, placed: bool) -> str:
+    """What to do for one role: ASK for a pending group (fewer run than the target, none pending), GROW into the
+    placed one, DROP the pending one (the target is reached), or KEEP waiting."""
+    if running >= target:
+        return DROP if pending else KEEP
+    if not pending:
+        return ASK
+    return GROW if placed else KEEP
+
+
+def gone(node_id: str, nodes: list[Mapping[str, Any]], error: str = "") -> bool:
+    """Whether the node `node_id` left the cluster (dead, drained) as `ray.nodes()` (`nodes`) or an actor's death
+    (`error`) tell it."""
+    if "its node has died" in error or "node was drained" in error or "preempted" in error:
+        return True
+    row = next((n for n in nodes if n.get("NodeID") == node_id), None)
+    return row is not None and not row.get("Alive")
+
+
+def node_of(pg: Any) -> tuple[str, str]:
+    """(ip, node id) of the node Ray placed `pg`'s (one) bundle on."""
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    node_id = str(placement_group_table(pg).get("bundles_to_node_id", {}).get(0, ""))
+    ip = next((n.get("NodeManagerAddress", "") for n in ray.nodes() if n.get("NodeID") == node_id), "")
+    return ip, node_id
+
+
+@dataclass
+class Pending:
+    """A role's pending placement group and whether Ray placed it."""
+
+    pg: Any
+    placed: bool = False
+    told: bool = False   # its line was printed
+
+
+class Follower:
+    """The loop above for one `RayServers`: `servers` gives `watching`, `plan`, `supervisor`, `bundle` and
+    `run_id`. `take(unit)` hands a placed group to the replica that starts in it (`RayServers.respawn`)."""
+
+    def __init__(self, servers: Any) -> None:
+        self.servers = servers
+        plan = servers.plan
+        self.targets = {unit: b.high for unit, b in plan.fleets.items() if b.resizable}
+        self.pending: dict[str, Pending] = {}
+        self._asked = 0
+        self._after: dict[str, float] = {}   # unit -> no room asked for before this (a join failed)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def set_target(self, unit: str, replicas: int) -> None:
+        """`dualrun scale`: the role's replicas from now on (within its bounds: the caller checks)."""
+        with self._lock:
+            self.targets[unit] = replicas
+
+    def start(self) -> None:
+        """Begin the loop (once per watch) where any role may grow."""
+        if self.targets and (self._thread is None or not self._thread.is_alive()):
+            self._thread = threading.Thread(target=self._run, name="dualrun-fleet-follow", daemon=True)
+            self._thread.start()
+
+    def take(self, unit: str) -> Any:
+        """The role's placed pending group, now the caller's (None when none is placed)."""
+        with self._lock:
+            held = self.pending.get(unit)
+            if held is None or not held.placed:
+                return None
+            del self.pending[unit]
+            return held.pg
+
+    def stop(self) -> None:
+        """Remove every pending group (the job ends, or the watch does): nothing is left holding room."""
+        from ray.util.placement_group import remove_placement_group
+
+        with self._lock:
+            groups = [p.pg for p in self.pending.values()]
+            self.pending.clear()
+        for pg in groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
+    def _run(self) -> None:
+        servers = self.servers
+        try:
+            while servers.watching:
+                for unit in list(self.targets):
+                    if not servers.watching:
+                        break
+                    self.once(unit)
+                servers.wait_stopped(EVERY_S)
+        finally:
+            self.stop()
+
+    def once(self, unit: str) -> None:
+        """One look at `unit`: ask for, drop, or grow into its pending group."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+
+        running = self.servers.supervisor.fleets().get(unit, {}).get("replicas", 0)
+        with self._lock:
+            held, target = self.pending.get(unit), self.targets[unit]
+        if held is not None and not held.placed:
+            ready, _ = ray.wait([held.pg.ready()], timeout=0)
+            held.placed = bool(ready)
+        todo = step(running, target, held is not None, held is not None and held.placed)
+        if todo == DROP:
+            with self._lock:
+                self.pending.pop(unit, None)
+            remove_placement_group(held.pg)
+        elif todo == ASK and time.monotonic() >= self._after.get(unit, 0.0):
+            self._asked += 1
+            shape = self.servers.bundle(self.servers.plan.servers[self._spare_of(unit)])
+            pg = placement_group([shape], name=f"{self.servers.run_id}-{unit}-room-{self._asked}")
+            with self._lock:
+                self.pending[unit] = Pending(pg)
+        elif todo == GROW:
+            self._grow(unit, held, running, target)
+
+    def _spare_of(self, unit: str) -> int:
+        from dualrun.servers.supervision import replicas_of
+
+        return replicas_of(self.servers.plan, unit)[-1]
+
+    def _grow(self, unit: str, held: Pending, running: int, target: int) -> None:
+        """Room appeared for `unit`: its line (once), then one more replica through the supervisor's resize; one
+        refused because another resize runs is tried again on the next look."""
+        from dualrun.contract.errors import ScaleRefused
+
+        if not held.told:
+            held.told = True
+            ip, node_id = node_of(held.pg)
+            print(f"dualrun: {unit}: the cluster has room for another replica on node {ip} ({node_id[:8]}); "
+                  f"starting one there ({running} run, target {target})", file=sys.stderr, flush=True)
+        try:
+            self.servers.supervisor.scale(unit, running + 1)
+        except ScaleRefused as e:
+            if "another resize" not in str(e):   # it did not join: its group was given back (`_park`)
+                self._after[unit] = time.monotonic() + RETRY_S
+                print(f"dualrun: {e}; room is asked for again in {RETRY_S:g} s", file=sys.stderr, flush=True)
+

@@ -1,0 +1,119 @@
+"""A fleet on Ray follows the cluster (docs/fleets.md): a spare gets no actor and no placement group at launch; a
+node with room that joins gets the next spare; `scale` shrinks and grows it; a node that leaves takes its replica
+out of the router while `min_replicas` remain, and below that the job's failure names it. Real Ray (several nodes
+of `ray.cluster_utils.Cluster`, a fake `engine` resource that says which nodes may hold a replica) and real CPU
+engines on the tiny teacher. The pure decisions of the follow loop are tested in milliseconds first.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dualrun.backends.ray.fleet_follow import ASK, DROP, GROW, KEEP, gone, step
+
+
+def test_one_pending_group_while_fewer_run_than_the_target():
+    assert step(1, 2, pending=False, placed=False) == ASK
+    assert step(1, 2, pending=True, placed=False) == KEEP
+    assert step(1, 2, pending=True, placed=True) == GROW
+    assert step(2, 2, pending=True, placed=False) == DROP     # the target reached (scaled, or grown by hand)
+    assert step(2, 1, pending=False, placed=False) == KEEP    # above the target: `scale` shrinks, not this loop
+
+
+def test_a_node_is_gone_when_ray_says_it_is_dead_or_the_actor_died_with_it():
+    nodes = [{"NodeID": "a", "Alive": True}, {"NodeID": "b", "Alive": False}]
+    assert gone("b", nodes) and not gone("a", nodes) and not gone("c", nodes)
+    assert gone("a", nodes, "The actor died because its node has died. Node Id: a")
+    assert not gone("a", nodes, "The actor died unexpectedly before finishing this task.")
+
+
+def _servers(tiny, monkeypatch):
+    from dualrun.backends.ray import cluster as rc
+    from dualrun.backends.ray.actor_launcher import RayLauncher
+    from dualrun.backends.ray.actor_servers import RayServers
+    from dualrun.config import build_config
+    from dualrun.contract import protocol
+    from dualrun.launchers.launcher import Program
+    from dualrun.methods.plugin import get_plugin
+    from dualrun.plan.processes import make_plan
+
+    teacher = {"gpus": 1, "min_replicas": 1, "max_replicas": 2, "replica_restarts": 1, "model": str(tiny / "teacher"),
+               "top_k": 5, "engine": "transformers", "health_timeout_s": 120}
+    cfg = build_config({"backend": "ray", "method": "gkd", "use_cpu": True,
+                        "roles": {"train": {"gpus": 1}, "teacher": teacher}}, "job.yaml")
+    plugin = get_plugin("gkd")
+    plugin.validate(cfg)
+    launcher = RayLauncher(cfg, Program("t.py"), {}, plugin=plugin)
+    plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()), plugin)).plan
+    servers = launcher.server_set(plan, 0, frozenset())
+    assert isinstance(servers, RayServers)
+    monkeypatch.setenv(protocol.JOB_TOKEN, launcher.job_token)   # as `Launcher.run` does: the router's calls carry it
+    # a replica only where a node offers the fake `engine` resource; the router on the head (its CPUs)
+    servers.bundle = lambda p: {"CPU": 1.0, "engine": 1.0} if p.kind == "server" else {"CPU": 1.0}
+    return servers
+
+
+def _until(capfd, seen: list[str], pattern: str, timeout: float = 120.0) -> re.Match:
+    from helpers import eventually
+
+    assert eventually(lambda: seen.append(capfd.readouterr().err) or re.search(pattern, "".join(seen)),
+                      timeout=timeout), "".join(seen)[-4000:]
+    return re.search(pattern, "".join(seen))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow   # three Ray nodes and up to two CPU engines and a router: ~60 s on 2 cores
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_the_fleet_follows_nodes_that_join_and_leave(module_tiny, capfd, monkeypatch):
+    from helpers import eventually
+    from ray_helpers import FakeGpuCluster
+
+    from dualrun.programs.rotation import SPARE
+    from dualrun.servers import router_client
+
+    cluster = FakeGpuCluster(nodes=1, gpus=0, cpus=2)   # the router (and the plan's trainer rank: it fits)
+    node_args = dict(num_cpus=1, num_gpus=0, node_ip_address="127.0.0.1", include_dashboard=False,
+                     resources={"engine": 1})
+    try:
+        first = cluster.cluster.add_node(**node_args)
+        cluster.cluster.wait_for_nodes()
+        seen: list[str] = []
+        servers = _servers(module_tiny, monkeypatch)
+        with servers:
+            address = servers.start()["teacher"]
+            assert servers.actors[1] is None and len(cluster.live_placement_groups()) == 2   # replica 0, router
+            table = router_client.replicas(address)
+            assert table["in_rotation"] == [0] and table["replicas"][1]["address"] == SPARE
+            servers.watch()   # the target is max_replicas (2): a pending group waits for room
+            joined = cluster.cluster.add_node(**node_args)
+            _until(capfd, seen, rf"dualrun: teacher: the cluster has room for another replica on node 127\.0\.0\.1 "
+                                rf"\({joined.node_id[:8]}\); starting one there \(1 run, target 2\)")
+            _until(capfd, seen, r"dualrun: teacher server 1 joined at 127\.0\.0\.1:\d+, serving")
+            assert servers.infos[1].node_id == joined.node_id and servers.infos[0].node_id == first.node_id
+            assert router_client.replicas(address)["in_rotation"] == [0, 1]
+            assert servers.fleets() == {"teacher": {"replicas": 2, "min": 1, "max": 2}}
+
+            assert servers.scale("teacher", 1) == "dualrun: teacher: 1 replicas now (1 left)"
+            assert servers.actors[1] is None and len(cluster.live_placement_groups()) == 2   # nothing held for it
+            assert re.fullmatch(r"dualrun: teacher: 2 replicas now \(1 joined in [\d.]+ s\)",
+                                servers.scale("teacher", 2))
+            assert servers.infos[1].node_id == joined.node_id
+
+            cluster.cluster.remove_node(joined)   # its replica leaves; one of min 1 remains: the job goes on
+            _until(capfd, seen, rf"dualrun: teacher server 1 left \(died: teacher server 1: its node 127\.0\.0\.1 "
+                                rf"\({joined.node_id[:8]}\) left the cluster .*\); 1 of min 1 remain")
+            assert servers.failure is None and router_client.replicas(address)["in_rotation"] == [0]
+            assert servers.actors[1] is None and "restarting it" not in "".join(seen)
+            waiting = lambda: [g for g in cluster.live_placement_groups() if "-teacher-room-" in g["name"]]  # noqa: E731
+            assert eventually(lambda: len(waiting()) == 1, timeout=10), cluster.live_placement_groups()
+            assert len(cluster.live_placement_groups()) == 3   # replica 0's, the router's, one waiting for room again
+
+            cluster.cluster.remove_node(first)   # the last replica: below min_replicas, the job's failure
+            death = servers.next_death(timeout=60)
+            assert death is not None and death.index == 0 and death.node_gone, death
+            assert f"teacher server 0: its node 127.0.0.1 ({first.node_id[:8]}) left the cluster" in death.line
+        cluster.assert_nothing_left()
+    finally:
+        cluster.shutdown()
