@@ -87,6 +87,8 @@ class FleetProof(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         step = state.global_step
+        if not FIXED and step == GROW_AT + 1:   # its first sync restored it (in rotation once its probes pass: ~2 s)
+            rec["rows"]["serving"] = wait_for("replica 1 in rotation", lambda t: 1 in t["in_rotation"], 60)["replicas"]
         self.check(step)
         if not FIXED and step == GROW_AT:
             open(os.path.join(out, "grow_now"), "w").close()
