@@ -116,6 +116,8 @@ def _summarise(result: JobResult, started: float, out: TextIO) -> None:
     total = time.monotonic() - started
     print(f"dualrun: job {status} in {total:.1f} s (workers {result.wall_time_s:.1f} s)"
           + (f" after {result.restarts} restart(s)" if result.restarts else ""), file=out, flush=True)
+    if result.fleet:
+        print(f"dualrun: fleet: {'; '.join(result.fleet)}", file=out, flush=True)
     if result.ranks:
         ranks = ", ".join(f"{r.label}: {_exit_word(r.exit_code)}" for r in sorted(result.ranks, key=lambda r: r.rank))
         print(f"dualrun: {ranks}", file=out, flush=True)

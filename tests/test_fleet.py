@@ -192,6 +192,9 @@ def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path,
         table = router_client.replicas(address)
         assert table["in_rotation"] == [0] and table["replicas"][1]["address"] == SPARE
         assert not grown.alive() and servers.failure is None and servers.next_death(timeout=1.5) is None
+        history = servers.fleet_history
+        assert len(history) == 2 and history[1] == "teacher server 1 left (scaled down)", history
+        assert re.fullmatch(r"teacher server 1 joined after [\d.]+ s \(its engine started in [\d.]+ s\)", history[0])
     assert not servers.running
 
 

@@ -73,6 +73,8 @@ def test_a_teacher_fleet_grows_and_shrinks_while_gkd_trains_with_the_fixed_fleet
         if driver.poll() is None:
             driver.kill()
     assert code == 0, stderr()[-3000:]
+    assert re.search(r"dualrun: fleet: teacher server 1 joined after [\d.]+ s \(its engine started in [\d.]+ s\); "
+                     r"teacher server 1 left \(scaled down\)\n", stderr()), stderr()[-3000:]   # the job's summary
     assert _losses(tmp_path, RESTART_STEPS) == unkilled["losses"]
     assert eventually(lambda: not _engines(tiny)), _engines(tiny)   # every engine stopped with the job
     assert not list((tmp_path / "jobs").glob("*.json"))             # the job's control left nothing behind

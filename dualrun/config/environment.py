@@ -42,6 +42,9 @@ def check_environment(environ: Mapping[str, str] | None = None, backend: str | N
     if forward is not None:
         _forward(forward)
     _job_token(environ.get(protocol.JOB_TOKEN) or "")
+    jobs = environ.get(protocol.JOBS_DIR)
+    if jobs and os.path.exists(jobs) and not os.path.isdir(jobs):
+        raise ConfigError(SOURCE, protocol.JOBS_DIR, "a directory (made when missing)", "an existing file")
     _accelerate_inputs(environ)
     if backend is not None and kind_of(backend).ray:
         ray_address(environ.get("RAY_ADDRESS"))

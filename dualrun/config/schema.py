@@ -73,6 +73,9 @@ ENV_VARS: tuple[tuple[str, str, str], ...] = (
      "more launching-environment variables for the workers; not `*` alone, no `NAME=value`"),
     (protocol.CACHE, "0 or 1", "0: no on-disk cache of accelerate's environment"),
     (protocol.DEBUG, "0 or 1", "1: print the traceback of an unexpected error"),
+    (protocol.JOBS_DIR, "a directory (made when missing, mode 0700)", "where a launch registers itself for "
+     "`dualrun scale` and where `dualrun scale` looks; default `$XDG_RUNTIME_DIR/dualrun/jobs`, else "
+     "`~/.cache/dualrun/jobs`; refused when it is not this user's alone"),
     (protocol.JOB_TOKEN, f"at least {MIN_JOB_TOKEN_CHARS} printable ASCII characters, no spaces (empty: unset)",
      "the job's secret instead of a fresh one per launch; never printed. torchrun on several machines: unset, "
      "machine 0 makes one and hands it to the others through its store at `main_process_ip:main_process_port` "

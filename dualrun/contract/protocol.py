@@ -64,6 +64,7 @@ ROUTER_MEMBERSHIP_PATH = "/router/membership"
 PROGRESS = "DUALRUN_PROGRESS"              # rank0 (default) | all | none
 EXIT_TIMEOUT_S = "DUALRUN_EXIT_TIMEOUT_S"  # the exit watchdog's limit (default 60 s)
 CACHE = "DUALRUN_CACHE"                    # '0': no on-disk cache of accelerate's env
+JOBS_DIR = "DUALRUN_JOBS_DIR"              # where `dualrun scale` finds the running jobs (launchers/job_registry.py)
 DEBUG = "DUALRUN_DEBUG"                    # '1': print the traceback of an unexpected error
 FORWARD_ENV = "DUALRUN_FORWARD_ENV"        # more launching-env names (patterns) to forward to the workers
 

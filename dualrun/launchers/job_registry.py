@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Mapping
 
 from dualrun.contract.errors import DualrunError
+from dualrun.contract.protocol import JOBS_DIR   # overrides where the registry lives (tests; a private directory)
 
-JOBS_DIR = "DUALRUN_JOBS_DIR"   # overrides where the registry lives (tests; a shared home's private directory)
 SUFFIX = ".json"
 
 

@@ -69,6 +69,7 @@ class JobResult:
     wall_time_s: float = 0.0
     message: str | None = None     # one line naming the failing rank and its error
     restarts: int = 0
+    fleet: list[str] = field(default_factory=list)   # each change of a fleet while the job ran (the summary's)
 
     @property
     def ok(self) -> bool:
@@ -129,6 +130,7 @@ class Launcher(ABC):
         avoid: set[str] = set()   # endpoints of the sets replaced so far
         servers: ServerSet | None = None
         control: JobControl | None = None   # `dualrun scale`'s channel to the servers' fleet, while they run
+        changes: list[str] = []             # the fleets' changes, every server set's
         with self.session(), _in_environ(protocol.JOB_TOKEN, self.job_token):   # the launcher's router calls carry it
             try:
                 while True:
@@ -154,6 +156,7 @@ class Launcher(ABC):
                           flush=True)
                     if outcome.dead and servers is not None:   # fresh servers; never the dead one's address
                         avoid |= servers.used()
+                        changes += getattr(servers, "fleet_history", [])
                         control = _stopped(control)
                         servers.stop(self.server_grace_s(restarting=True))
                         servers = None
@@ -161,8 +164,10 @@ class Launcher(ABC):
             finally:
                 _stopped(control)   # `dualrun scale` reaches the job no more: its registry file goes first
                 if servers is not None:   # servers go with the job
+                    changes += getattr(servers, "fleet_history", [])
                     servers.stop(self.server_grace_s(restarting=False))
         result.restarts = attempt
+        result.fleet = changes
         result.wall_time_s = time.monotonic() - start
         return result
 

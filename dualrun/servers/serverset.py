@@ -206,6 +206,11 @@ class ServerSetBase(ABC):
         """Each resizable role's replicas running now and its bounds (`min_replicas`, `max_replicas`)."""
         return self.supervisor.fleets() if self.supervisor is not None else {}
 
+    @property
+    def fleet_history(self) -> list[str]:
+        """Each change of a fleet so far (a replica joined, left), for the job's summary."""
+        return list(self.supervisor.history) if self.supervisor is not None else []
+
     def scale(self, role: str, replicas: int) -> str:
         """Resize `role` to `replicas` (supervisor.py's `scale`): the line of what was done; ScaleRefused."""
         from dualrun.contract.errors import ScaleRefused

@@ -76,6 +76,7 @@ class Supervisor:
         self._prober: threading.Thread | None = None   # probes the lone servers while the set is watched
         self._resizing = threading.Lock()   # one resize at a time (`scale`)
         self._joining: set[int] = set()     # replicas a resize is starting (their death is the resize's failure)
+        self.history: list[str] = []        # each change of a fleet, for the job's summary ("... joined after 6.2 s")
 
     @property
     def restarting(self) -> frozenset[int]:
@@ -200,6 +201,7 @@ class Supervisor:
         self.replicas.kill(index, 0.0)
         print(left_line(proc.label, f"died: {death.one_line()}", self._running(proc.unit),
                         self.plan.fleets[proc.unit].low), file=sys.stderr, flush=True)
+        self.history.append(f"{proc.label} left (died)")
 
     def _running(self, unit: str) -> int:
         with self._lock:
@@ -257,6 +259,8 @@ class Supervisor:
                     address, started_s = brought
                     lines[index] = joined_line(label, address, time.monotonic() - began, started_s)
                     print(lines[index], file=sys.stderr, flush=True)
+                    self.history.append(f"{label} joined after {time.monotonic() - began:.1f} s (its engine started "
+                                        f"in {started_s:.1f} s)")
             except Exception as e:  # noqa: BLE001 - any failure to join is the resize's, named
                 failed[index] = str(e).splitlines()[0] if str(e) else type(e).__name__
             finally:
@@ -310,6 +314,7 @@ class Supervisor:
             self.replicas.kill(index, HUNG_GRACE_S)
             print(left_line(self.plan.servers[index].label, "scaled down", self._running(unit), low),
                   file=sys.stderr, flush=True)
+            self.history.append(f"{self.plan.servers[index].label} left (scaled down)")
         return f"dualrun: {unit}: {self._running(unit)} replicas now ({len(indices)} left)"
 
     # -- hung replicas ---------------------------------------------------------------------------------------
