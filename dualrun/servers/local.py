@@ -130,7 +130,7 @@ class LocalServers(ServerSetBase):
         except BaseException:
             self.failed_start()
             raise
-        self.addresses = addresses(self.plan, self.started)
+        self.addresses = addresses(self.plan, dict(self.started))   # a copy: another thread may add to it
         return self.addresses
 
     def _inputs_known(self, index: int) -> bool:
@@ -159,7 +159,7 @@ class LocalServers(ServerSetBase):
                     server.stop()
         if self.stopping:
             return None
-        self.addresses = addresses(self.plan, self.started)
+        self.addresses = addresses(self.plan, dict(self.started))   # a copy: another thread may add to it
         return {i: self.started[i] for i in indices}
 
     def _wait(self, index: int, server: ServerProcess) -> ServerProcess:

@@ -7,26 +7,22 @@ agent, `Machines.share` runs the exchange in a thread:
 - every machine publishes those addresses at once (`job_store.RESERVED_KEY`); machine 0 publishes the trainers'
   wiring env (`job_store.WIRING_KEY`, with `DUALRUN_SERVERS_STARTING`), which every rank reads before the user's
   program starts (dualrun/rank/store_wiring.py) and waits at where it first connects (dualrun/rank/server_wait.py);
-- each machine's start thread (`start`) publishes each server once it answered (`job_store.SERVER_KEY`), or the
-  line of the one that did not (`FAILED`, `not_started`: every machine ends naming it); machine 0 starts its
-  routers once every other machine's replica answered, and each machine health-checks the servers elsewhere it
-  watches from their answer on.
-Machine 0 also health-checks the other machines' servers while the job runs (`Machines.check`), so a replica
-that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds —
-unless machine K restarts it (`replica_restarts`: its own budget; it hands the fresh address to machine 0's router,
-whose address it read from the store, and machine 0's check follows the router's table meanwhile);
-machine K health-checks machine 0's routers the same way (machine 0 publishes their addresses too), so machine 0
-or its router dying ends machine K's job instead of leaving its ranks waiting in a collective. Each machine says
-when its ranks finished (`Machines.finish`) so that its servers' normal end is no failure. The store is the
-one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the rendezvous store).
-`Machines` is the multi-machine wrapper around this machine's `LocalServers`, and the one place that knows there
-are several machines: where the servers bind and are advertised (`machine_endpoint`), that the ranks read their
-wiring from the store, that a replica's last-replica rule asks its router (another machine's replica may be down),
-the exchange, and the health checks of the other machines' servers; the misses are the supervisor's table's
-(supervision.py), and a death it finds is reported to the set like any other. It is a server set itself
-(serverset.ServerSet): the launcher uses it in the machine's `LocalServers`' place. A machine without trainer
-ranks (the trainers' `roles.<name>.machines` leaves it out) uses it the same way, with no torchrun agent beside it
-(launchers/serve_only.py).
+- each machine's start thread (`start`) marks each server once it answered (`job_store.SERVER_KEY`), or names the
+  one that did not (`FAILED`, `not_started`: every machine ends); machine 0 starts its routers once every other
+  machine's replica answered.
+From a server's answer on, machine 0 health-checks the other machines' replicas (`check`) and they its routers, so
+a death anywhere ends the job on every machine within seconds, instead of leaving ranks waiting in a collective —
+unless the replica's machine restarts it (`replica_restarts`: it hands the fresh address to machine 0's router,
+whose table machine 0's check follows meanwhile). Each machine says when its ranks finished (`finish`) so that its
+servers' normal end is no failure.
+
+The store is the one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the
+rendezvous store). `Machines`, a server set itself (serverset.ServerSet) that the
+launcher uses in the machine's `LocalServers`' place, is the one place that knows there are several machines: where
+the servers bind and are advertised (`machine_endpoint`), that the ranks read their wiring from the store, that a
+replica's last-replica rule asks its router, the exchange and the health checks (their misses are the supervisor's
+table's, supervision.py). A machine without trainer ranks uses it the same way, with no torchrun agent beside it
+(serve_only.py).
 """
 from __future__ import annotations
 
@@ -34,6 +30,7 @@ import json
 import sys
 import threading
 import time
+from typing import Any
 
 from dualrun.backends.torchrun.machine_store import await_attempt, take_token  # noqa: F401 - their old home
 from dualrun.contract import job_store, protocol
@@ -85,6 +82,7 @@ class Machines:
         self.reserved: dict[int, str] = {}   # index -> address of this machine's servers, picked before they start
         self._answered: set[int] = set()     # this machine's servers published as answered (`SERVER_KEY`)
         self._marked = False                  # this machine's start failure is in the store (`not_started`)
+        self._ranks_ended = False             # the job's ranks ended here (`unwatch`): the store may close
         self._others_known = threading.Event()   # machine 0: every other machine's replica answered, or never will
         servers.endpoint = machine_endpoint(host, self.machine)
         servers.supervisor.others_serving = self._others_serving
@@ -150,7 +148,7 @@ class Machines:
         if not fresh:
             return
         try:
-            store = job_store.connect(self.host, self.port, _wait_s(self.servers))
+            store = self._connect()
             for index, address in fresh.items():
                 store.set(job_store.server_key(index), address)
                 self._answered.add(index)
@@ -160,9 +158,21 @@ class Machines:
         except Exception as e:  # noqa: BLE001 - the store is gone: name it while the job runs
             self._store_lost(e)
 
+    def _connect(self) -> Any:
+        """A client of the store to set keys in, waited for (machine 0's exists once its agent runs) up to
+        `_wait_s`, or until this machine's ranks ended or its servers stop (the store may be gone for good)."""
+        deadline = time.monotonic() + _wait_s(self.servers)
+        while True:
+            try:
+                return job_store.connect(self.host, self.port, 2.0)
+            except Exception:  # noqa: BLE001 - not up yet, or gone
+                if self._ranks_ended or self.servers.stopping or time.monotonic() >= deadline:
+                    raise
+
     def _store_lost(self, e: Exception) -> None:
-        """The store went away or a key never came: a death naming it while the job runs (else the job ended)."""
-        if self.servers.watching:
+        """The store went away or a key never came: a death naming it, unless this machine's ranks ended (then
+        the job ended: machine 0's store closes with its agent)."""
+        if not self._ranks_ended:
             self.servers.report(ServerDeath.of(None, ServerError(
                 "the servers' wiring", f"could not be shared through torchrun's store at {self.host}:{self.port}: "
                 f"{type(e).__name__}: {e}")))
@@ -210,6 +220,7 @@ class Machines:
         self.servers.watch()
 
     def unwatch(self) -> None:
+        self._ranks_ended = True
         self.servers.unwatch()
 
     def report(self, death: ServerDeath) -> None:
@@ -229,7 +240,7 @@ class Machines:
 
     def own(self) -> dict[int, str]:
         """plan.servers index -> advertised address, of the servers this machine runs."""
-        return {i: a for i, a in self.servers.started.items() if i in self.servers.mine}
+        return {i: a for i, a in list(self.servers.started.items()) if i in self.servers.mine}
 
     def _others_serving(self, index: int) -> bool:
         """The last-replica rule needs the router's view (machine 0's; machine K learns its address from the
