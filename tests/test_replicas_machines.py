@@ -117,8 +117,8 @@ def test_dry_run_of_machine_1_shows_the_replica_it_starts(tmp_path):
     out = dualrun("launch", "--config_file", "job.yaml", "--num_machines", "2", "--machine_rank", "1",
                   "--main_process_ip", "10.0.0.1", "--dry_run", "train.py", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert "# teacher server 1, started first" in out.stdout
-    assert "teacher server 0, started first" not in out.stdout and "teacher router, started" not in out.stdout
+    assert "# teacher server 1, started beside the trainers" in out.stdout
+    assert "teacher server 0, started" not in out.stdout and "teacher router, started" not in out.stdout
 
 
 # -- end to end: two machines on one host --------------------------------------------------------------------

@@ -172,7 +172,8 @@ def test_the_serving_machines_dry_run_starts_no_agent(tmp_path):
     dry = [dualrun("launch", "--dry_run", *flags, "--machine_rank", str(k), "t.py", cwd=tmp_path) for k in (0, 1)]
     assert [d.returncode for d in dry] == [0, 0], [d.stderr for d in dry]
     assert "--nnodes 1 --nproc-per-node 2 --node-rank 0 --master-addr 10.0.0.1" in dry[0].stdout
-    assert "torch.distributed.run" not in dry[1].stdout and "# teacher server 0, started first:" in dry[1].stdout
+    assert "torch.distributed.run" not in dry[1].stdout
+    assert "# teacher server 0, started beside the trainers:" in dry[1].stdout
     assert "# machine 1 runs no ranks and no torchrun agent: it serves, hands its servers' addresses to machine 0's " \
            "store at 10.0.0.1:29500 and ends when machine 0's ranks end" in dry[1].stdout
     for d in dry:
@@ -216,7 +217,7 @@ def test_plan_command_shows_the_machine_and_refuses_a_bad_one_with_exit_2(tmp_pa
         dry = dualrun("launch", "--dry_run", "--config_file", str(job), *flags, "--machine_rank", str(k), "t.py",
                       cwd=tmp_path)
         assert dry.returncode == 0, dry.stderr
-        assert ("# teacher server 0, started first:" in dry.stdout) == starts, (k, dry.stdout)
+        assert ("# teacher server 0, started beside the trainers:" in dry.stdout) == starts, (k, dry.stdout)
         assert ("--host 0.0.0.0" in dry.stdout) == starts and "--host 127.0.0.1" not in dry.stdout, dry.stdout
     job.write_text(job.read_text().replace("[1]", "[1, 2]"))
     bad = dualrun("plan", "--config_file", str(job), *flags, cwd=tmp_path)

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-SERVER_KEY = "dualrun/server/{index}"   # `host:port` of plan.servers[index] (routers too), set by its machine,
+RESERVED_KEY = "dualrun/reserved/{index}"   # `host:port` of plan.servers[index] (routers too), set by its machine
+                                        # as soon as its port is picked, before it answers (the trainers' wiring)
+SERVER_KEY = "dualrun/server/{index}"   # the same once it answered (the other machines' health checks begin),
 FAILED = "failed: "                     # or this prefix and one line when it did not start there
 TOKEN_KEY = "dualrun/job_token"        # the job's secret machine 0 made, for the other machines' servers and ranks
                                         # (empty: the user set DUALRUN_JOB_TOKEN there, which is not handed out)
-WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by machine 0 once every server answers
+WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by machine 0 once every address is
+                                        # known (with DUALRUN_SERVERS_STARTING while the servers still start)
 FINISHED_KEY = "dualrun/finished/{machine}"   # set by a machine whose ranks succeeded, before it stops its servers
 ATTEMPT_KEY = "dualrun/attempt"         # set by machine 0 in each attempt's store: which dualrun attempt it serves
 BEAT_KEY = "dualrun/beat/{machine}"     # machine K's launcher adds 1 every second (launchers/machine_watch.py)
@@ -49,6 +52,10 @@ def listening(host: str, port: int) -> bool:
 
 def server_key(index: int) -> str:
     return SERVER_KEY.format(index=index)
+
+
+def reserved_key(index: int) -> str:
+    return RESERVED_KEY.format(index=index)
 
 
 def finished_key(machine: int) -> str:

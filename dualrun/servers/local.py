@@ -1,9 +1,9 @@
 """The servers the plan puts on this machine (`plan.machine_rank`) run as its processes: started beside the
-trainers (or before them: several machines), watched, restarted by the set's supervisor, stopped after them.
+trainers, watched, restarted by the set's supervisor, stopped after them.
 
-Each server binds a port the OS picks, on the set's `endpoint` (loopback; several machines: machines.py gives the
+Each server binds a port the OS picks, on the set's `endpoint` (loopback; several machines: machine_servers.py gives the
 machine's own). A router starts once its replicas' addresses are known: here, after its replicas; when some run
-on another machine, once the multi-machine wrapper (machines.py) has them and calls `start_now`.
+on another machine, once the multi-machine wrapper (machine_servers.py) has them and calls `start_now`.
 """
 from __future__ import annotations
 
@@ -94,18 +94,23 @@ class LocalServers(ServerSetBase):
         return server.start()
 
     def reserve(self) -> dict[str, str] | None:
-        """Side by side: the port of each server the trainers talk to, picked now (`server_port`: out of the
-        range other processes' connections take theirs from); role -> address. Only where this machine runs
-        every server (several torchrun machines meet in the store once their servers answer: `Machines`)."""
-        from dualrun.light.ports import server_port
-
+        """Side by side: the port of each server the trainers talk to, picked now (`fix_ports`); role -> address.
+        Only where this machine runs every server (several torchrun machines: `Machines.reserve`)."""
         if not self.plan.servers or set(self.mine) != set(range(len(self.plan.servers))):
             return None
-        for index in facing(self.plan):
-            self._fixed[index] = server_port(self.endpoint.bind, self.avoid_ports)
-        self.side_by_side()
-        self.addresses = addresses(self.plan, {i: f"{self._host_of(i)}:{port}" for i, port in self._fixed.items()})
+        self.addresses = addresses(self.plan, self.fix_ports(facing(self.plan)))
         return self.addresses
+
+    def fix_ports(self, indices: Collection[int]) -> dict[int, str]:
+        """Pick now the port each of these servers will bind (`server_port`: out of the range other processes'
+        connections take theirs from, so it stays free until the server binds it), for an address handed out
+        before the server answers; the set then starts beside the trainers (`side_by_side`). index -> address."""
+        from dualrun.light.ports import server_port
+
+        for index in indices:
+            self._fixed[index] = server_port(self.endpoint.bind, self.avoid_ports | set(self._fixed.values()))
+        self.side_by_side()
+        return {i: f"{self._host_of(i)}:{self._fixed[i]}" for i in indices}
 
     def _host_of(self, index: int) -> str:
         """The host the trainers reach server `index` at."""
@@ -125,7 +130,7 @@ class LocalServers(ServerSetBase):
         except BaseException:
             self.failed_start()
             raise
-        self.addresses = addresses(self.plan, self.started)
+        self.addresses = addresses(self.plan, dict(self.started))   # a copy: another thread may add to it
         return self.addresses
 
     def _inputs_known(self, index: int) -> bool:
@@ -154,7 +159,7 @@ class LocalServers(ServerSetBase):
                     server.stop()
         if self.stopping:
             return None
-        self.addresses = addresses(self.plan, self.started)
+        self.addresses = addresses(self.plan, dict(self.started))   # a copy: another thread may add to it
         return {i: self.started[i] for i in indices}
 
     def _wait(self, index: int, server: ServerProcess) -> ServerProcess:
@@ -214,6 +219,7 @@ class LocalServers(ServerSetBase):
             dead = self.running.pop(index, None)   # ended: its output was drained by `wait_exit` (none: a spare)
             if index in self._advertised:
                 self.avoid_ports.add(port_of(self._advertised[index]))
+            self._fixed.pop(index, None)   # a port handed out at launch is the dead one's: a fresh one now
             self.running[index] = self._spawn(index)
         if dead is not None:
             dead.stop(0)   # the helpers its group may have left (vLLM's engine core)

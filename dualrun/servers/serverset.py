@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from dualrun.servers.server_death import ServerDeath
 
@@ -99,16 +99,18 @@ class ServerSetBase(ABC):
         then calls `side_by_side`)."""
         return None
 
-    def starting_env(self) -> dict[str, str]:
+    def starting_env(self, at: "Mapping[str, str] | None" = None) -> dict[str, str]:
         """For the trainers while the servers start beside them: which addresses to wait for where they first
-        connect, and how long (dualrun/rank/server_wait.py); nothing once they all answer."""
+        connect (role -> address: `at`, else the set's), and how long (dualrun/rank/server_wait.py); nothing once
+        they all answer."""
         import json
 
         from dualrun.contract.protocol import SERVERS_STARTING
 
         if self._ready.is_set():
             return {}
-        servers = {addr: role for role, addr in self.addresses.items() if role not in self.plan.external}
+        at = self.addresses if at is None else at
+        servers = {addr: role for role, addr in at.items() if role not in self.plan.external}
         wait_s = max((p.serving.health_timeout_s for p in self.plan.servers if p.serving is not None), default=0.0)
         return {SERVERS_STARTING: json.dumps({"servers": servers, "wait_s": wait_s + START_MARGIN_S})}
 
@@ -160,8 +162,9 @@ class ServerSetBase(ABC):
 
     def not_started(self, error: Exception) -> None:
         """Side by side: the servers did not all start (`error`, a LaunchError naming the server): the job ends
-        with it, as when they start first (an event `next_death` gives, never restarted)."""
-        if self.stopping:
+        with it, as when they start first (an event `next_death` gives, never restarted). Once: the first
+        error is the one named."""
+        if self.stopping or self.start_error is not None:
             return
         self.start_error = error
         line = str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -32,7 +32,8 @@ from dualrun.light.ports import free_port
 from dualrun.light.loopback_store import loopback_stores
 from dualrun.launchers.rendezvous_port import DEFAULT_PORT, on_loopback
 from dualrun.servers.local import LOOPBACK, LocalServers
-from dualrun.backends.torchrun.machine_servers import BIND, Machines, await_attempt, take_token
+from dualrun.backends.torchrun.machine_servers import BIND, Machines
+from dualrun.backends.torchrun.machine_store import await_attempt, take_token
 from dualrun.servers.planned import server_previews
 from dualrun.servers.serverset import ServerDeath, ServerSet
 from dualrun.weightsync.sync_group import group_host_env, node_host_env
@@ -194,9 +195,8 @@ class TorchrunLauncher(Launcher):
         note = self._gloo_note
         if note:
             lines.insert(1, f"# {note}")
-        when = "started first" if self._machines(prepared.plan) else "started beside the trainers"
         for label, argv, shown in prepared.servers:
-            lines.append(f"# {label}, {when}: " + server_preview_line(shown, argv))
+            lines.append(f"# {label}, started beside the trainers: " + server_preview_line(shown, argv))
         if not prepared.argv:
             lines.append(f"# machine {self.rdzv.machine_rank} runs no ranks and no torchrun agent: it serves, hands its "
                          f"servers' addresses to machine 0's store at {self._addr()}:{self._port()} and ends when "
@@ -211,7 +211,7 @@ class TorchrunLauncher(Launcher):
     # ports: Launcher.launch); torchrun restarts the workers itself ----------------------------------------------
     def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> "LocalServers | Machines":
         """Separate roles: their servers start beside the trainers (on their own devices), the trainers get their
-        addresses; several machines with servers start theirs first and meet in torchrun's store (machines.py)."""
+        addresses; on several machines those meet in torchrun's store (machine_servers.py)."""
         assert plan is not None
         local = LocalServers(plan, lambda p: self.with_gloo(self.worker_env(p.env)), lambda addresses: self._wiring(plan, addresses),
                              avoid=avoid)

@@ -1,29 +1,28 @@
 """Multi-machine torchrun: a separate role's servers on several machines, wired through torchrun's agent store.
 
 Why: machines started by hand do not talk before the job, and a role's replicas may run on any of them (the plan
-fills machine 0's free GPUs first, then machine 1's, ...). Each machine's launcher starts and watches its own
-servers before its torchrun agent; then, beside the agent, `Machines.share` runs in a thread:
-- machine K >= 1 publishes the address of each server it runs (`job_store.SERVER_KEY`);
-- machine 0 reads the others' addresses, starts the routers in front of every replica (watched and stopped
-  with its other servers), and publishes the trainers' wiring env (`job_store.WIRING_KEY`), the same for
-  every machine. Every rank reads it before the user's program starts (dualrun/rank/store_wiring.py), so no
-  rank uses the router's address before it answers for every replica.
-Machine 0 also health-checks the other machines' servers while the job runs (`Machines.check`), so a replica
-that dies on machine K ends the job there (its launcher watches the process) and on machine 0 within seconds —
-unless machine K restarts it (`replica_restarts`: its own budget; it hands the fresh address to machine 0's router,
-whose address it read from the store, and machine 0's check follows the router's table meanwhile);
-machine K health-checks machine 0's routers the same way (machine 0 publishes their addresses too), so machine 0
-or its router dying ends machine K's job instead of leaving its ranks waiting in a collective. Each machine says
-when its ranks finished (`Machines.finish`) so that its servers' normal end is no failure. The store is the
-one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the rendezvous store).
-`Machines` is the multi-machine wrapper around this machine's `LocalServers`, and the one place that knows there
-are several machines: where the servers bind and are advertised (`machine_endpoint`), that the ranks read their
-wiring from the store, that a replica's last-replica rule asks its router (another machine's replica may be down),
-the exchange, and the health checks of the other machines' servers; the misses are the supervisor's table's
-(supervision.py), and a death it finds is reported to the set like any other. It is a server set itself
-(serverset.ServerSet): the launcher uses it in the machine's `LocalServers`' place. A machine without trainer
-ranks (the trainers' `roles.<name>.machines` leaves it out) uses it the same way, with no torchrun agent beside it
-(launchers/serve_only.py).
+fills machine 0's free GPUs first, then machine 1's, ...). The servers start beside the trainers, as on one machine:
+each machine picks its servers' ports first (`reserve`: machine 0 its routers' too) and, beside its torchrun
+agent, `Machines.share` runs the exchange in a thread:
+- every machine publishes those addresses at once (`job_store.RESERVED_KEY`); machine 0 publishes the trainers'
+  wiring env (`job_store.WIRING_KEY`, with `DUALRUN_SERVERS_STARTING`), which every rank reads before the user's
+  program starts (dualrun/rank/store_wiring.py) and waits at where it first connects (dualrun/rank/server_wait.py);
+- each machine's start thread (`start`) marks each server once it answered (`job_store.SERVER_KEY`), or names the
+  one that did not (`FAILED`, `not_started`: every machine ends); machine 0 starts its routers once every other
+  machine's replica answered.
+From a server's answer on, machine 0 health-checks the other machines' replicas (`check`) and they its routers, so
+a death anywhere ends the job on every machine within seconds, instead of leaving ranks waiting in a collective —
+unless the replica's machine restarts it (`replica_restarts`: it hands the fresh address to machine 0's router,
+whose table machine 0's check follows meanwhile). Each machine says when its ranks finished (`finish`) so that its
+servers' normal end is no failure.
+
+The store is the one at `main_process_ip:main_process_port` (static rendezvous: the agent store; c10d: the
+rendezvous store). `Machines`, a server set itself (serverset.ServerSet) that the
+launcher uses in the machine's `LocalServers`' place, is the one place that knows there are several machines: where
+the servers bind and are advertised (`machine_endpoint`), that the ranks read their wiring from the store, that a
+replica's last-replica rule asks its router, the exchange and the health checks (their misses are the supervisor's
+table's, supervision.py). A machine without trainer ranks uses it the same way, with no torchrun agent beside it
+(serve_only.py).
 """
 from __future__ import annotations
 
@@ -31,12 +30,15 @@ import json
 import sys
 import threading
 import time
+from typing import Any
 
+from dualrun.backends.torchrun.machine_store import await_attempt, take_token  # noqa: F401 - their old home
 from dualrun.contract import job_store, protocol
+from dualrun.contract.errors import LaunchError
 from dualrun.plan.processes import ROUTER, Plan
 from dualrun.programs.rotation import PROBE_TIMEOUT_S
 from dualrun.servers.local import Endpoint, LocalServers
-from dualrun.servers.planned import facing
+from dualrun.servers.planned import addresses, at_launch, facing
 from dualrun.servers.process import ServerError
 from dualrun.servers.serverset import ServerDeath
 from dualrun.servers.supervision import liveness_path, restartable, restarting, router_of
@@ -77,6 +79,11 @@ class Machines:
         self.finished_elsewhere = lambda machine: _finished(host, port, machine, gone_is_finished)   # it said so
         self._next_probe = 0.0
         self._probe_lock = threading.Lock()
+        self.reserved: dict[int, str] = {}   # index -> address of this machine's servers, picked before they start
+        self._answered: set[int] = set()     # this machine's servers published as answered (`SERVER_KEY`)
+        self._marked = False                  # this machine's start failure is in the store (`not_started`)
+        self._ranks_ended = False             # the job's ranks ended here (`unwatch`): the store may close
+        self._others_known = threading.Event()   # machine 0: every other machine's replica answered, or never will
         servers.endpoint = machine_endpoint(host, self.machine)
         servers.supervisor.others_serving = self._others_serving
 
@@ -97,20 +104,113 @@ class Machines:
     def stopping(self) -> bool:
         return self.servers.stopping
 
-    def start(self) -> dict[str, str]:
-        return self.servers.start()
+    def reserve(self) -> dict[str, str]:
+        """Side by side: the port of every server this machine starts at launch (machine 0: its routers too),
+        picked now and published in the store at once (`share`), so that machine 0 can publish the trainers' wiring
+        before any server answers; role -> address of the roles whose server the trainers talk to runs here."""
+        launch = [i for phase in at_launch(self.plan) for i in phase if i in self.servers.mine]
+        self.reserved = self.servers.fix_ports(launch)
+        self.servers.addresses = addresses(self.plan, {i: a for i, a in self.reserved.items()
+                                                       if i in facing(self.plan)})
+        return self.servers.addresses
 
-    def reserve(self) -> None:
-        """Several machines start their servers first: their addresses meet in the store once each answers."""
-        return None
+    def start(self) -> dict[str, str]:
+        """The launcher's start thread, beside the ranks: this machine's replicas, each published in the store
+        once it answered (the other machines' health checks of it begin then); machine 0 then starts its routers
+        once every other machine's replica answered (`_exchange` reads them) and publishes them the same way.
+        LaunchError naming the server that did not start, here or on another machine."""
+        servers = self.servers
+        began = time.monotonic()
+        servers.start()   # this machine's replicas, and a router whose replicas all run here
+        self._publish_answered(began)
+        if self.machine != 0 or servers.stopping:
+            return servers.addresses
+        while not self._others_known.wait(0.25):   # `_exchange` has every other machine's replica, or its failure
+            if servers.stopping:
+                return servers.addresses
+        if servers.start_error is not None:
+            raise servers.start_error
+        if any(i not in servers.started for i in others(self.plan, 0)):
+            return servers.addresses   # the store went away first: its end is named, or the job ended
+        rest = [i for phase in at_launch(self.plan) for i in phase if i in servers.mine and i not in servers.started]
+        try:
+            if rest and servers.start_now(rest) is None:
+                return servers.addresses   # stopped meanwhile
+        except ServerError as e:
+            raise LaunchError(str(e)) from None
+        self._publish_answered(began)
+        return servers.addresses
+
+    def _publish_answered(self, began: float) -> None:
+        """This machine's servers that answered, under their `SERVER_KEY`: the machines watching them begin their
+        health checks. A store gone meanwhile ends nothing here: the job ended, or its end is named elsewhere."""
+        fresh = {i: a for i, a in self.own().items() if i not in self._answered}
+        if not fresh:
+            return
+        try:
+            store = self._connect()
+            for index, address in fresh.items():
+                store.set(job_store.server_key(index), address)
+                self._answered.add(index)
+                if self.machine != 0:
+                    print(f"dualrun: {self.plan.servers[index].label}: server healthy at {address} (machine "
+                          f"{self.machine}); started in {time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - the store is gone: name it while the job runs
+            self._store_lost(e)
+
+    def _connect(self) -> Any:
+        """A client of the store to set keys in, waited for (machine 0's exists once its agent runs) up to
+        `_wait_s`, or until this machine's ranks ended or its servers stop (the store may be gone for good)."""
+        deadline = time.monotonic() + _wait_s(self.servers)
+        while True:
+            try:
+                return job_store.connect(self.host, self.port, 2.0)
+            except Exception:  # noqa: BLE001 - not up yet, or gone
+                if self._ranks_ended or self.servers.stopping or time.monotonic() >= deadline:
+                    raise
+
+    def _store_lost(self, e: Exception) -> None:
+        """The store went away or a key never came: a death naming it, unless this machine's ranks ended (then
+        the job ended: machine 0's store closes with its agent)."""
+        if not self._ranks_ended:
+            self.servers.report(ServerDeath.of(None, ServerError(
+                "the servers' wiring", f"could not be shared through torchrun's store at {self.host}:{self.port}: "
+                f"{type(e).__name__}: {e}")))
 
     @property
     def start_error(self) -> Exception | None:
-        return None
+        return self.servers.start_error
+
+    def started_all(self) -> None:
+        self.servers.started_all()
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return self.servers.wait_stopped(timeout)
+
+    def not_started(self, error: "Exception | str") -> None:
+        """This machine's servers did not start (`error`): put its first line where the other machines wait for
+        them (each server's keys not yet set), so that they end the job too, naming it, instead of waiting for
+        servers that never answer; and end this machine's job with it (an `Exception`: the set's start error).
+        Best effort: machine 0's store may not be up yet (waited for a minute)."""
+        if isinstance(error, Exception):
+            self.servers.not_started(error)
+        if self._marked:
+            return
+        self._marked = True
+        line = next((ln for ln in str(error).splitlines() if ln.strip()), "no message")
+        try:
+            store = job_store.connect(self.host, self.port, 60.0)
+            for index in self.servers.mine:
+                if index not in self.reserved:
+                    store.set(job_store.reserved_key(index), job_store.FAILED + line)
+                if index not in self._answered:
+                    store.set(job_store.server_key(index), job_store.FAILED + line)
+        except Exception:  # noqa: BLE001 - no store: machine 0 is not running; this machine's error is named anyway
+            pass
 
     def wiring_env(self) -> dict[str, str]:
         """Only that the ranks read their wiring from the store, where machine 0's launcher puts it once every
-        machine's servers answer (`share`)."""
+        server's address is known (`_exchange`), before any answers."""
         return {protocol.WIRING_FETCH: f"{self.host}:{self.port}"}
 
     def used(self) -> frozenset[str]:
@@ -120,6 +220,7 @@ class Machines:
         self.servers.watch()
 
     def unwatch(self) -> None:
+        self._ranks_ended = True
         self.servers.unwatch()
 
     def report(self, death: ServerDeath) -> None:
@@ -139,7 +240,7 @@ class Machines:
 
     def own(self) -> dict[int, str]:
         """plan.servers index -> advertised address, of the servers this machine runs."""
-        return {i: a for i, a in self.servers.started.items() if i in self.servers.mine}
+        return {i: a for i, a in list(self.servers.started.items()) if i in self.servers.mine}
 
     def _others_serving(self, index: int) -> bool:
         """The last-replica rule needs the router's view (machine 0's; machine K learns its address from the
@@ -171,42 +272,38 @@ class Machines:
             if self.machine == 0:
                 store.set(job_store.TOKEN_KEY, self.token)   # the others' servers wait for it (`take_token`)
                 store.set(job_store.ATTEMPT_KEY, str(self.attempt))   # this store serves that attempt (`await_attempt`)
-            for index, address in self.own().items():
-                store.set(job_store.server_key(index), address)
+            for index, address in self.reserved.items():   # at once: the trainers' wiring needs no answer
+                store.set(job_store.reserved_key(index), address)
                 if self.machine != 0:
-                    print(f"dualrun: {plan.servers[index].label}: server healthy at {address} (machine "
+                    print(f"dualrun: {plan.servers[index].label}: server starting at {address} (machine "
                           f"{self.machine}), handed to machine 0", file=sys.stderr, flush=True)
-            if self.machine != 0:   # watch the servers the ranks talk to that run elsewhere (`check`)
-                self.watched.update({i: self._address(i, store.get(job_store.server_key(i)).decode())
-                                     for i in facing(plan) if plan.servers[i].node != self.machine})
-                # the routers' addresses: a replica restarted here is handed to its router there (supervisor.py)
-                servers.started.update({i: a for i, a in self.watched.items() if plan.servers[i].kind == ROUTER})
-                return
-            remote = {i: self._address(i, store.get(job_store.server_key(i)).decode())
-                      for i in others(plan, self.machine)}
-            self.watched.update(remote)
-            servers.started.update(remote)
-            done = servers.start_now([i for i in servers.mine if i not in servers.started])
-            if done is None:
-                return   # stopped meanwhile
-            for index, address in done.items():
-                store.set(job_store.server_key(index), address)   # the other machines watch it
-                print(f"dualrun: {plan.servers[index].unit}: server healthy at {address}", file=sys.stderr, flush=True)
-            store.set(job_store.WIRING_KEY, json.dumps(servers.wiring_env()))
-            # the thread that started the routers stays until they stop: a server dies with the thread that
-            # spawned it (PR_SET_PDEATHSIG, dualrun.light.parent_death)
-            servers.wait_stopped()
-        except ServerError as e:
-            servers.report(ServerDeath.of(None, e))
+            if self.machine == 0:   # the trainers' wiring, every server still starting: the ranks wait at first use
+                at = {i: self.reserved[i] for i in facing(plan) if i in self.reserved}
+                at.update({i: self._address(i, store.get(job_store.reserved_key(i)).decode())
+                           for i in facing(plan) if plan.servers[i].node != 0})
+                wired = addresses(plan, at)
+                store.set(job_store.WIRING_KEY, json.dumps({**servers.wiring(wired), **servers.starting_env(wired)}))
+            # the servers elsewhere watched from here (`check`), once each answered: machine 0 every other machine's
+            # (its routers start in front of them: `start`), machine K those the ranks talk to
+            watch = others(plan, 0) if self.machine == 0 else [i for i in facing(plan)
+                                                               if plan.servers[i].node != self.machine]
+            for index in watch:
+                address = self._address(index, store.get(job_store.server_key(index)).decode())
+                self.watched[index] = address
+                if self.machine == 0 or plan.servers[index].kind == ROUTER:
+                    # machine 0: its routers' replicas; machine K: a replica restarted here goes to its router there
+                    servers.started[index] = address
+        except LaunchError as e:   # another machine's server did not start: never restarted, as here; the
+            self.not_started(e)   # machines watching this one's servers learn it too
         except Exception as e:  # noqa: BLE001 - the store went away or a key never came: name it, end the job
-            servers.report(ServerDeath.of(None, ServerError(
-                "the servers' wiring", f"could not be shared through torchrun's store at {self.host}:{self.port}: "
-                f"{type(e).__name__}: {e}")))
+            self._store_lost(e)
+        finally:
+            self._others_known.set()
 
     def _address(self, index: int, value: str) -> str:
         if value.startswith(job_store.FAILED):
             proc = self.servers.plan.servers[index]
-            raise ServerError(proc.label, f"did not start on machine {proc.node}: {value[len(job_store.FAILED):]}")
+            raise LaunchError(f"{proc.label} did not start on machine {proc.node}: {value[len(job_store.FAILED):]}")
         return value
 
     # -- health checks of the other machines' servers ---------------------------------------------------------
@@ -275,21 +372,6 @@ class Machines:
         return self.servers.failure
 
     # -- marks in the store -------------------------------------------------------------------------------------
-    def not_started(self, error: str) -> None:
-        """Machine K >= 1 whose servers did not start: put the reason where machine 0 waits for their addresses,
-        so it ends the job too (naming them) instead of waiting for addresses that never come. Best effort:
-        machine 0's store may not be up yet (waited for a minute)."""
-        mine = self.servers.mine
-        if self.machine == 0 or not mine:
-            return
-        line = next((ln for ln in error.splitlines() if ln.strip()), "no message")
-        try:
-            store = job_store.connect(self.host, self.port, 60.0)
-            for index in mine:
-                store.set(job_store.server_key(index), job_store.FAILED + line)
-        except Exception:  # noqa: BLE001 - no store: machine 0 is not running; this machine's error is named anyway
-            pass
-
     def finish(self) -> None:
         """A machine whose ranks are done: say so before its servers stop, so that the machines watching them do
         not take their end for a death. The store may be gone already (it ends with machine 0's torchrun agent):
@@ -315,41 +397,6 @@ def probe_all(urls: dict[int, str]) -> dict[int, tuple[bool, str]]:
     with ThreadPoolExecutor(len(urls), thread_name_prefix="dualrun-probe") as pool:
         pending = {index: pool.submit(probe, url, PROBE_TIMEOUT_S, connect_s=CONNECT_S) for index, url in urls.items()}
         return {index: future.result() for index, future in pending.items()}
-
-
-def await_attempt(host: str, port: int, attempt: int, timeout_s: float = job_store.WAIT_S) -> None:
-    """Machine K >= 1, before its restart `attempt`: wait while the store at `host:port` is still the ending
-    attempt's (machine 0 restarts too, on the same port, once its agent has stopped), so that neither this machine's
-    addresses nor its torchrun agent go to a store about to vanish. Returns once it is gone or marked `attempt`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and job_store.listening(host, port):
-        try:
-            store = job_store.connect(host, port, 2.0)
-            if store.check([job_store.ATTEMPT_KEY]) and int(store.get(job_store.ATTEMPT_KEY)) >= attempt:
-                return
-        except Exception:  # noqa: BLE001 - the store went away meanwhile: the next look sees it gone
-            pass
-        time.sleep(0.5)
-
-
-def take_token(host: str, port: int, machine: int, timeout_s: float) -> str:
-    """Machine K >= 1 with no DUALRUN_JOB_TOKEN of its own, before its servers start: the secret machine 0 made, from
-    its store at `host:port` (machine 0 puts it there once its agent's store listens: `Machines._exchange`), so the
-    servers here refuse whoever lacks it. LaunchError when machine 0 does not hand it over within `timeout_s`, or
-    set DUALRUN_JOB_TOKEN itself (that one is not handed out: every machine needs the same)."""
-    from dualrun.contract.errors import LaunchError
-
-    try:
-        value = job_store.connect(host, port, timeout_s).get(job_store.TOKEN_KEY).decode()
-    except Exception as e:  # noqa: BLE001 - no store, or no key, within the bound: machine 0 is not there
-        raise LaunchError(
-            f"machine 0 ({host}) did not hand over the job's secret within {timeout_s:g} s "
-            f"(torchrun.rendezvous_timeout_s; its store at {host}:{port}, main_process_ip and main_process_port): it "
-            f"is not started, has ended, or this machine cannot reach it ({type(e).__name__})") from None
-    if not value:
-        raise LaunchError(f"{protocol.JOB_TOKEN}: expected the same value on every machine, got unset on machine "
-                          f"{machine} while machine 0 has one (set it on every machine, or on none)", 2)
-    return value
 
 
 def _finished(host: str, port: int, machine: int, gone_is_finished: bool) -> bool:
