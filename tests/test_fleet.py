@@ -243,3 +243,19 @@ def test_the_plan_says_whether_the_trainers_push_their_weights():
     assert not make_plan(gkd, method=get_plugin("gkd")).weight_sync   # a teacher takes no weights
     assert not make_plan(build_config({"method": "grpo", "use_cpu": True, "roles": {"train": {"gpus": 2}}},
                                       "job.yaml"), method=get_plugin("grpo")).weight_sync   # no separate rollout
+
+
+def test_the_dry_run_says_a_spare_is_started_by_a_resize_and_the_router_has_its_slot(tmp_path):
+    from helpers import dualrun
+
+    (tmp_path / "c.yaml").write_text("use_cpu: true\nmethod: gkd\nroles:\n  train: {gpus: 2}\n"
+                                     "  teacher: {gpus: 1, max_replicas: 2, model: m/m, top_k: 5}\n")
+    (tmp_path / "w.py").write_text("")
+    r = dualrun("launch", "--config_file", "c.yaml", "--dry_run", "w.py", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(ln.startswith("# teacher server 0, started beside the trainers: ") for ln in lines), r.stdout
+    assert any(ln.startswith("# teacher server 1, a spare, started by `dualrun scale` (not at launch): ")
+               for ln in lines), r.stdout
+    router = next(ln for ln in lines if ln.startswith("# teacher router, started beside the trainers: "))
+    assert "--replica '<auto>' --replica -" in router or "--replica <auto> --replica -" in router, router

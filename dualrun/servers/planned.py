@@ -59,6 +59,13 @@ def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> lis
             if p.unit == unit and p.kind != ROUTER]
 
 
+def started_when(plan: Plan, label: str) -> str:
+    """How a dry run says when the server `label` starts: beside the trainers, or (a spare) by a resize."""
+    proc = next((p for p in plan.servers if p.label == label), None)
+    return "a spare, started by `dualrun scale` (not at launch)" if proc is not None and spare(proc) else \
+        "started beside the trainers"
+
+
 def spare(proc: Process) -> bool:
     """A replica above the count its role starts at launch (`dualrun scale` starts it): its router has an empty
     slot for it."""

@@ -32,7 +32,7 @@ from dualrun.backends.ray.rank_watch import SHUTDOWN_S, Rank, RankWatch
 from dualrun.launchers.rendezvous_port import RANK0_STORE, refuse_taken, store_host, taken_error
 from dualrun.plan.processes import AUTO, Cluster, Plan, Process
 from dualrun.contract.protocol import ActorPlace, group_port_env
-from dualrun.servers.planned import server_previews
+from dualrun.servers.planned import server_previews, started_when
 from dualrun.servers.serverset import ServerDeath, ServerSet
 from dualrun.weightsync.sync_group import group_host_env, node_host_env
 
@@ -160,7 +160,7 @@ class RayLauncher(Launcher):
             lines.append(f"# {p.label}: bundle {self.bundle(p)}, planned node {p.node}")
             lines += [f"  {k}={join_cmd([v])}" for k, v in sorted(redact(own).items())]
         for p, (label, argv, shown) in zip(plan.servers, prepared.servers):
-            lines.append(f"# {label}: bundle {self.bundle(p)}, started beside the trainers, in "
+            lines.append(f"# {label}: bundle {self.bundle(p)}, {started_when(plan, label)}, in "
                          f"{prepared.cwd}: " + server_preview_line(shown, argv))
         return "\n".join(lines)
 

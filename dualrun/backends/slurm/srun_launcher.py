@@ -25,7 +25,7 @@ from dualrun.launchers.launcher import (JobResult, Launcher, Outcome, Prepared, 
                                         join_cmd, server_preview_line, stopped_by)
 from dualrun.light.ports import free_port
 from dualrun.plan.processes import AUTO, Plan
-from dualrun.servers.planned import server_previews
+from dualrun.servers.planned import server_previews, started_when
 from dualrun.servers.serverset import ServerSet
 from dualrun.weightsync.sync_group import group_host_env
 
@@ -113,7 +113,7 @@ class SlurmLauncher(Launcher):
                  else "outside an allocation: <node K> is the allocation's K-th node")
         lines = [f"# dualrun dry run: backend=slurm, {alloc}; nothing was started", f"cd {join_cmd([prepared.cwd])}"]
         for label, argv, shown in prepared.servers:
-            lines.append(f"# {label}, started beside the trainers: " + server_preview_line(shown, argv))
+            lines.append(f"# {label}, {started_when(prepared.plan, label)}: " + server_preview_line(shown, argv))
         lines.append("# the trainer ranks, one srun task each (the shim sets RANK, LOCAL_RANK, WORLD_SIZE, ... "
                      "from SLURM_PROCID, SLURM_LOCALID, ...):")
         lines.append("env \\")

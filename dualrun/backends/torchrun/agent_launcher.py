@@ -34,7 +34,7 @@ from dualrun.launchers.rendezvous_port import DEFAULT_PORT, on_loopback
 from dualrun.servers.local import LOOPBACK, LocalServers
 from dualrun.backends.torchrun.machine_servers import BIND, Machines
 from dualrun.backends.torchrun.machine_store import await_attempt, take_token
-from dualrun.servers.planned import server_previews
+from dualrun.servers.planned import server_previews, started_when
 from dualrun.servers.serverset import ServerDeath, ServerSet
 from dualrun.weightsync.sync_group import group_host_env, node_host_env
 
@@ -196,7 +196,7 @@ class TorchrunLauncher(Launcher):
         if note:
             lines.insert(1, f"# {note}")
         for label, argv, shown in prepared.servers:
-            lines.append(f"# {label}, started beside the trainers: " + server_preview_line(shown, argv))
+            lines.append(f"# {label}, {started_when(prepared.plan, label)}: " + server_preview_line(shown, argv))
         if not prepared.argv:
             lines.append(f"# machine {self.rdzv.machine_rank} runs no ranks and no torchrun agent: it serves, hands its "
                          f"servers' addresses to machine 0's store at {self._addr()}:{self._port()} and ends when "
