@@ -15,63 +15,21 @@ Writes OUT/rank0.json: the checks, the rows seen, the initial log-probabilities,
 import json
 import os
 import sys
-import time
+from functools import partial
 
-import requests
-import torch
 from datasets import load_dataset
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
+
+from grpo_probe_common import config, gap, logprobs_of, record_generations, reward, stats, trainer_side, wait_for
 
 model, data, out = sys.argv[1:4]
 KILL_AT, STEPS = 2, 5
-PROMPT = [2, 10, 11, 12, 13, 14]   # token ids of the tiny model's vocabulary
 dataset = load_dataset("json", data_files=data, split="train")
-# the user's own generation seed: TRL's one request a step, its 2 prompts split by the router over the replicas in
-# rotation, each prompt seeded 7 by whichever engine serves it
-config = GRPOConfig(output_dir=os.path.join(out, "grpo"), per_device_train_batch_size=4, max_steps=STEPS,
-                    learning_rate=0.05, logging_steps=1, seed=0, generation_kwargs={"seed": 7}, num_generations=2,
-                    max_completion_length=8, report_to="none", use_cpu=True, bf16=False)
+config = config(out, STEPS)
 base = f"http://{config.vllm_server_host}:{config.vllm_server_port}"
+stats, wait_for = partial(stats, base), partial(wait_for, base)
 rec = {"checks": [], "rows": {}}
-
-
-def reward(completions, **kwargs):
-    return [float(sum(map(ord, str(c))) % 7) for c in completions]   # varies with the text: non-zero advantages
-
-
-def stats() -> dict:
-    return requests.get(f"{base}/router/stats", timeout=30).json()
-
-
-def wait_for(what: str, check, timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        now = stats()
-        if check(now):
-            return now
-        time.sleep(0.2)
-    raise TimeoutError(f"{what}: not within {timeout:g} s; the router's table: {stats()}")
-
-
-def logprobs_of(address: str) -> list:
-    body = {"model": requests.get(f"http://{address}/v1/models", timeout=30).json()["data"][0]["id"],
-            "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
-    choice = requests.post(f"http://{address}/v1/completions", json=body, timeout=60).json()["choices"][0]
-    return [None if d is None else d[str(t)]["logprob"] for d, t in zip(choice["prompt_logprobs"], PROMPT)]
-
-
-@torch.no_grad()
-def trainer_side(m) -> list:
-    was_training = m.training
-    m.eval()
-    lp = torch.log_softmax(m(torch.tensor([PROMPT])).logits[0, :-1].float(), -1)
-    m.train(was_training)
-    return [None] + [lp[i, t].item() for i, t in enumerate(PROMPT[1:])]
-
-
-def gap(a: list, b: list) -> float:
-    return max(abs(x - y) for x, y in zip(a[1:], b[1:]))
 
 
 class RestartProof(TrainerCallback):
@@ -113,17 +71,7 @@ class RestartProof(TrainerCallback):
 
 trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
                       callbacks=[RestartProof()])
-rec["generations"] = []
-generate = trainer.vllm_generation.vllm_client.generate
-
-
-def recorded_generate(*args, **kwargs):
-    answer = generate(*args, **kwargs)
-    rec["generations"].append({"completion_ids": answer["completion_ids"], "logprobs": answer["logprobs"]})
-    return answer
-
-
-trainer.vllm_generation.vllm_client.generate = recorded_generate
+record_generations(trainer, rec)
 trainer.train()
 rec["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 rec["final_rows"] = stats()["replicas"]
