@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The cluster tier alone: the tests marked `cluster` (tests/test_vcluster.py and tests/test_cluster_*.py; those also
 # marked `vllm` with the vLLM venv, after the others), which
-# run dualrun on the virtual cluster of tests/vcluster.py: machines with addresses of their own on a private bridge
+# run dualrun on the virtual cluster of tests/support/vcluster.py: machines with addresses of their own on a private bridge
 # (network, mount and PID namespaces held by processes; needs root). The tests themselves run in a loopback-only
 # namespace, as the main suite does; the machines' namespaces are made from there. scripts/test.sh runs this beside
 # the main suite and the vLLM tier; arguments go to pytest, and test paths among them (`bash

@@ -1,6 +1,7 @@
-"""The suite's fixtures and collection rules (what tests import lives in helpers.py). Tests that start torchrun or Ray
-need a loopback-only network namespace (`unshare -n` + `ip link set lo up`, as .ci/run does); elsewhere they are
-skipped with that reason."""
+"""The suite's fixtures and collection rules, for every folder under tests/ (tests/README.md says which folder a test
+goes in; what tests import lives in tests/support/, on sys.path through pyproject.toml's `pythonpath`). Tests that
+start torchrun or Ray need a loopback-only network namespace (`unshare -n` + `ip link set lo up`, as .ci/run does);
+elsewhere they are skipped with that reason."""
 from __future__ import annotations
 
 import os
@@ -65,7 +66,7 @@ def _interrupted(signum, frame):
 
 
 def skip_cluster(items) -> None:
-    """The cluster tier (marker `cluster`: tests on tests/vcluster.py's machines) runs on its own, beside the main
+    """The cluster tier (marker `cluster`: tests on tests/support/vcluster.py's machines) runs on its own, beside the main
     suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); a cluster test of the vLLM tier (also marked
     `vllm`: it needs .venv-vllm) runs in that tier instead. Elsewhere, and where no cluster can be made, they are
     skipped with the reason."""
@@ -162,7 +163,7 @@ def write(tmp_path):
 
 @pytest.fixture(scope="session")
 def sft_one_machine(tiny, tmp_path_factory) -> list[float]:
-    """The cluster tier's reference: TRL's sft.py with 2 ranks on one machine (tests/cluster_jobs.py), its losses; the
+    """The cluster tier's reference: TRL's sft.py with 2 ranks on one machine (tests/support/cluster_jobs.py), its losses; the
     same job across torchrun machines and across Ray nodes must give them. Run once per session."""
     import cluster_jobs
 
@@ -188,7 +189,7 @@ def gkd_one_machine(tiny, tmp_path_factory) -> list[list[float]]:
 
 @pytest.fixture(scope="session")
 def grpo_one_machine(vllm_tiny, tmp_path_factory):
-    """The vLLM tier's reference GRPO run: the probe's job (tests/vllm_helpers.py `grpo_job`: one trainer, one vLLM
+    """The vLLM tier's reference GRPO run: the probe's job (tests/support/vllm_helpers.py `grpo_job`: one trainer, one vLLM
     CPU engine in vLLM's own processes) on torchrun on one machine, run once per session: test_vllm_rollout.py
     compares its other layouts with it, test_vllm_cluster_ray.py the same job across Ray nodes."""
     from vllm_helpers import ProbeRun, run_grpo_probe

@@ -1,4 +1,4 @@
-"""The bad-input corpus (tests/bad_inputs.yaml) through the real CLI: `dualrun.cli.main` in this process for most
+"""The bad-input corpus (tests/support/bad_inputs.yaml) through the real CLI: `dualrun.cli.main` in this process for most
 cases (milliseconds each instead of an interpreter start), a fresh `python -m dualrun` for the representative ones
 (the first case of each command, of `env`, `secret`, `script` and `both`) and for every `make` case (fifos, huge files
 and bombs stay out of the test process).
@@ -23,8 +23,9 @@ import yaml
 
 from dualrun.contract import errors
 from dualrun.cli import main
+from helpers import SUPPORT
 
-CORPUS = yaml.safe_load((Path(__file__).parent / "bad_inputs.yaml").read_text())
+CORPUS = yaml.safe_load((SUPPORT / "bad_inputs.yaml").read_text())
 SCRIPT = "import pathlib; pathlib.Path('STARTED').write_text('yes')\n"
 MAX_LINE_BYTES = 300
 MAX_SECONDS = 10.0

@@ -1,4 +1,4 @@
-"""Faults while training across two torchrun machines of the virtual cluster (tests/vcluster.py): machine 1 lost (every
+"""Faults while training across two torchrun machines of the virtual cluster (tests/support/vcluster.py): machine 1 lost (every
 process of it SIGKILLed) and machine 1's link cut (the switch drops its frames silently), each after TRL's sft.py has
 saved its second checkpoint. The job ends on every machine that is left within the bound `torchrun.machine_timeout_s`
 gives it (plus the agent's stop), not gloo's or HF's 30 minutes, with a line naming the machine gone (its address) and

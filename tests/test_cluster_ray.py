@@ -1,4 +1,4 @@
-"""Ray across three machines of the virtual cluster (tests/vcluster.py), each with its own address and its own /tmp:
+"""Ray across three machines of the virtual cluster (tests/support/vcluster.py), each with its own address and its own /tmp:
 a head and two worker nodes, each started with `ray start` on its machine by the lines of
 examples/multi-node/ray-by-hand/README.md ("Try it on a virtual cluster"), whose other lines run as written too;
 the head declares no CPUs (`--num-cpus 0`), so the ranks and the servers, which each ask for a CPU, run on the
@@ -22,7 +22,7 @@ import pytest
 import cluster_ray
 from cluster_jobs import ENV, debian_hosts, gkd_args, gkd_config, gkd_losses, losses, sft_args, sft_data
 from cluster_ray import HEAD, RAY, WORKERS, launch, nothing_left, on_head, pids, readme, table
-from test_recipes import run_block, substitute
+from doc_recipes import run_block, substitute
 from vcluster import address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]

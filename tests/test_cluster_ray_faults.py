@@ -1,4 +1,4 @@
-"""A Ray worker node lost mid-run on the virtual cluster (tests/vcluster.py): a head on machine 0 that runs no job and
+"""A Ray worker node lost mid-run on the virtual cluster (tests/support/vcluster.py): a head on machine 0 that runs no job and
 a worker node on machines 1 and 2 (3 CPUs each), started by the lines of examples/multi-node/ray-by-hand/README.md.
 TRL's sft.py trains with one rank on each worker node (SPREAD), saving every 2 steps, with `max_failures: 1`; once
 checkpoint-2 is complete, machine 2 is lost (every process of it SIGKILLed, its raylet with them). The whole job
@@ -25,7 +25,7 @@ import pytest
 from cluster_jobs import ENV, sft_args, sft_data
 from cluster_ray import RAY, nothing_left, ray3, table
 from helpers import eventually
-from test_recipes import shell_env
+from doc_recipes import shell_env
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.ray]

@@ -1,5 +1,5 @@
-"""The SLURM recipes across two machines of the virtual cluster (tests/vcluster.py), each with its own address and
-its own /tmp: slurmctld on machine 0, munged and slurmd on each (tests/slurm_helpers.py, `MachinesSlurm`), then
+"""The SLURM recipes across two machines of the virtual cluster (tests/support/vcluster.py), each with its own address and
+its own /tmp: slurmctld on machine 0, munged and slurmd on each (tests/support/slurm_helpers.py, `MachinesSlurm`), then
 `sbatch --nodes=2` of examples/multi-node/slurm/{torchrun,ray}.sbatch exactly as written, submitted on machine 0,
 each training a tiny model with one rank per node. Only the scripts' own knobs change (a CPU config, one process per
 node, the output dir); `--gpus-per-node=0` is given to sbatch, as a user overrides #SBATCH lines. The Ray recipe's
@@ -15,7 +15,7 @@ import pytest
 
 from helpers import REPO
 from slurm_helpers import dualrun_in_sbatch, two_node_slurm
-from test_recipes import shell_env
+from doc_recipes import shell_env
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]

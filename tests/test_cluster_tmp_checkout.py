@@ -1,4 +1,4 @@
-"""The cluster tier from a checkout under /tmp: each machine of tests/vcluster.py has a /tmp of its own, which would
+"""The cluster tier from a checkout under /tmp: each machine of tests/support/vcluster.py has a /tmp of its own, which would
 hide a checkout there and its venv (`vcluster: /tmp/.../.venv/bin/python: No such file or directory` on every
 machine); vcluster binds them back in at the same path (`vcluster.image`).
 

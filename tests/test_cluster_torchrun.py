@@ -1,4 +1,4 @@
-"""torchrun by hand across two machines of the virtual cluster (tests/vcluster.py), each with its own address:
+"""torchrun by hand across two machines of the virtual cluster (tests/support/vcluster.py), each with its own address:
 the accelerate recipe of examples/multi-node/torchrun-by-hand, `dualrun launch --num_machines 2 --machine_rank K
 --main_process_ip 192.168.77.1` on each machine. TRL's own scripts/sft.py, unchanged, gives the losses of one machine
 with the same world size; a GKD job whose teacher has a CPU-engine replica on each machine serves through machine 0's
@@ -88,13 +88,13 @@ def test_the_recipes_virtual_cluster_lines_run_as_written(vc, shared, tiny):
     """examples/multi-node/torchrun-by-hand/README.md, "Try it on a virtual cluster": its lines after the cluster's
     start, in a shell beside this test's cluster (its pids in VCLUSTER_PIDS, as the README's first command sets
     them), only the paths changed to this test's own: both checks pass, then both machines train."""
-    from test_recipes import one_machine_block, run_block, substitute
+    from doc_recipes import one_machine_block, run_block, substitute
 
     work = shared / "readme"
     work.mkdir()
     lines = one_machine_block("torchrun-by-hand", "## Try it on a virtual cluster")
     assert lines[0].startswith("python examples/make_tiny_model.py --out /tmp/tiny")
-    assert lines[1].startswith("python tests/vcluster.py --machines 2 --share /tmp/tiny -- bash")
+    assert lines[1].startswith("python tests/support/vcluster.py --machines 2 --share /tmp/tiny -- bash")
     link = work / "tiny"
     link.symlink_to(tiny, target_is_directory=True)
     cmds = substitute(lines[2:], {"/tmp/tiny/out": str(work / "out"), "/tmp/tiny": str(link)})

@@ -1,5 +1,5 @@
 """GRPO with a real vLLM rollout (the CPU build) under `dualrun launch --backend slurm`, inside a two-node SLURM
-allocation on the virtual cluster (tests/slurm_helpers.py `MachinesSlurm`): both trainer ranks one srun step on
+allocation on the virtual cluster (tests/support/slurm_helpers.py `MachinesSlurm`): both trainer ranks one srun step on
 node 0 (`roles.train.machines: [0]`), the rollout's engine an srun step alone on node 1 (`roles.rollout.machines:
 [1]`), each node routing out through an interface no other node reaches (`route_out_elsewhere`). The weight-sync
 group crosses the link (trainer rank 0 advertises its node's address on the cluster's network: the srun task sets

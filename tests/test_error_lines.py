@@ -1,6 +1,6 @@
 """What a one-line error may show: no secret-looking part of a value, no key that is not a name, the variable or
 flag that caused it, the YAML problem's position. Pure functions in milliseconds (the CLI cases are in
-tests/bad_inputs.yaml)."""
+tests/support/bad_inputs.yaml)."""
 from __future__ import annotations
 
 import pytest

@@ -9,15 +9,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import ASSETS
 from ray_helpers import ray_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(300)]
 
-PROBE = Path(__file__).resolve().parent / "assets" / "grpo_wiring_probe.py"
+PROBE = ASSETS / "grpo_wiring_probe.py"
 TRL_DEFAULT = 51216
 
 

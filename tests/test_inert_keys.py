@@ -1,5 +1,5 @@
 """Keys that promised what nothing did: each is now honoured or refused with one line, and what is read stays
-accepted (the refusals themselves, end to end, are cases of tests/bad_inputs.yaml)."""
+accepted (the refusals themselves, end to end, are cases of tests/support/bad_inputs.yaml)."""
 from __future__ import annotations
 
 from typing import Any

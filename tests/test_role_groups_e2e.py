@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from helpers import REPO, dualrun
+from helpers import ASSETS, dualrun
 
 CONFIG = """\
 method: sampling
@@ -37,7 +37,7 @@ def test_a_two_worker_group_all_reduces_when_launched(backend, tmp_path):
     out = tmp_path / "out.json"
     env = {"RAY_ADDRESS": "", "RAY_TMPDIR": tempfile.mkdtemp(prefix="drg", dir="/tmp"), "OMP_NUM_THREADS": "1"}
     res = dualrun("launch", "--backend", backend, "--config_file", str(cfg),
-                  str(REPO / "tests" / "assets" / "group_allreduce.py"), str(out), cwd=tmp_path, env=env, timeout=180)
+                  str(ASSETS / "group_allreduce.py"), str(out), cwd=tmp_path, env=env, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     # the driver's exit stops the group's workers itself, before multiprocessing's exit handler (which would wait on
     # them until the exit guard gave up, 60 s later)

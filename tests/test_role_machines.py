@@ -227,7 +227,7 @@ def test_plan_command_shows_the_machine_and_refuses_a_bad_one_with_exit_2(tmp_pa
 def test_the_recipes_serving_layout_plans_as_it_says(tmp_path):
     """examples/multi-node/torchrun-by-hand: its YAML with the trainers on machine 0 and the rollout on machine 1."""
     from helpers import REPO, dualrun
-    from test_recipes import doc_blocks
+    from doc_recipes import doc_blocks
 
     doc = REPO / "examples" / "multi-node" / "torchrun-by-hand" / "README.md"
     (tmp_path / "grpo_two_nodes.yaml").write_text(next(b for b in doc_blocks(doc, "yaml") if "machines: [0]" in b))

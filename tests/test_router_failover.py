@@ -1,4 +1,4 @@
-"""The router when a replica fails, with real processes on loopback: stub replicas (tests/assets/recording_replica.py,
+"""The router when a replica fails, with real processes on loopback: stub replicas (tests/support/assets/recording_replica.py,
 which records each request on arrival and answers each prompt with itself) behind a real router. A replica
 SIGKILLed with a request on it: that request and every other one is answered once, correctly, by the replica left;
 one SIGSTOPped: found by request_timeout_s (probes off), or by the health probes, the request retried elsewhere;

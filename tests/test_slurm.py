@@ -15,7 +15,7 @@ import pytest
 
 from helpers import REPO, free_port, pids_matching
 from slurm_helpers import one_node_slurm
-from test_recipes import shell_env, stop_cluster
+from doc_recipes import shell_env, stop_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SLURM = REPO / "examples" / "multi-node" / "slurm"

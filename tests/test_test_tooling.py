@@ -1,4 +1,4 @@
-"""The knobs the test tooling documents (CONTRIBUTING.md, scripts/test.sh, tests/helpers.py) do what they say:
+"""The knobs the test tooling documents (CONTRIBUTING.md, scripts/test.sh, tests/support/helpers.py) do what they say:
 `DUALRUN_TEST_WORKERS` sets pytest-xdist's worker count (`0`: one process, no xdist) and `DUALRUN_TEST_CACHE`
 moves the tiny-asset cache. scripts/test.sh runs against a stand-in venv (`DUALRUN_VENV`) whose `python`
 records its arguments, so nothing is installed and no suite runs (milliseconds)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import REPO
+from helpers import REPO, SUPPORT
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_slow_e2e_tests_that_start_their_own_ray_cluster_run_in_one_queue_under_
 
     (tmp_path / "conftest.py").write_text(   # the repo's hook, loaded under another module name
         "import importlib.util, sys\n"
-        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        f"sys.path.insert(0, {str(SUPPORT)!r})\n"
         f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
         "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\n"
         "pytest_collection_modifyitems = repo.pytest_collection_modifyitems\n"
@@ -181,9 +181,9 @@ def test_sigterm_ends_a_run_like_ctrl_c_so_fixtures_tear_down(tmp_path):
     import sys
     import time
 
-    (tmp_path / "conftest.py").write_text(   # the repo's hook (its conftest imports helpers from tests/)
+    (tmp_path / "conftest.py").write_text(   # the repo's hook (its conftest imports helpers from tests/support/)
         "import importlib.util, sys\n"
-        f"sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        f"sys.path.insert(0, {str(SUPPORT)!r})\n"
         f"spec = importlib.util.spec_from_file_location('repo_conftest', {str(REPO / 'tests' / 'conftest.py')!r})\n"
         "repo = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(repo)\n"
         "pytest_configure = repo.pytest_configure\n")

@@ -1,4 +1,4 @@
-"""The virtual cluster itself (tests/vcluster.py): each machine its own address, name and /tmp; machines reach each
+"""The virtual cluster itself (tests/support/vcluster.py): each machine its own address, name and /tmp; machines reach each
 other and nothing else; a cut link drops traffic silently, a slow one is slow, a link taken down has no carrier; a
 killed machine loses every process; and nothing is left behind, not even when the process that made the cluster is
 SIGKILLed."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import eventually, loopback_only, pids_matching
+from helpers import SUPPORT, eventually, loopback_only, pids_matching
 from vcluster import GATEWAY, VCluster, address, held
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
@@ -215,7 +215,7 @@ def test_nothing_is_left_after_the_cluster_even_when_its_maker_is_sigkilled(end)
             made = set(vc.made)
             assert held(made) == made
     else:
-        maker = subprocess.Popen([sys.executable, "-c", MAKER, os.path.dirname(__file__)], stdout=subprocess.PIPE,
+        maker = subprocess.Popen([sys.executable, "-c", MAKER, str(SUPPORT)], stdout=subprocess.PIPE,
                                  text=True)
         made = set(json.loads(maker.stdout.readline()))
         assert held(made) == made and len(made) == 9   # the switch's network, 4 of each machine

@@ -1,4 +1,4 @@
-"""Ray across three machines of the virtual cluster (tests/vcluster.py), for the modules that run jobs there
+"""Ray across three machines of the virtual cluster (tests/support/vcluster.py), for the modules that run jobs there
 (tests/test_cluster_ray.py, tests/test_cluster_ray_faults.py, tests/test_vllm_cluster_ray.py): a head on machine 0
 started with `--num-cpus 0` and a worker node on machines 1 and 2 (3 CPUs each), each by its own `ray start` there,
 as the lines of examples/multi-node/ray-by-hand/README.md ("Try it on a virtual cluster") write it; the cluster's
@@ -6,7 +6,7 @@ actor table read from a driver on the head; `dualrun launch` on the head.
 
 Why one place: each module starts its own cluster (a lost node spoils the next job; the vLLM tier runs in another
 venv), and each reads the same table to say where every actor ran and that none is left. The `ray` and `python` the
-README's lines run are those of the interpreter running the tests (tests/test_recipes.py's `shell_env`), so the vLLM
+README's lines run are those of the interpreter running the tests (tests/support/doc_recipes.py's `shell_env`), so the vLLM
 tier's cluster runs .venv-vllm's Ray and dualrun."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Iterator
 
 from cluster_jobs import ENV
 from helpers import eventually
-from test_recipes import one_machine_block, run_block, shell_env, token_mode
+from doc_recipes import one_machine_block, run_block, shell_env, token_mode
 from vcluster import VCluster, address
 
 HEAD = address(0)
@@ -54,7 +54,7 @@ def readme() -> tuple[list[str], list[str]]:
     the cluster's own start), and the rest (a config, the check, the launch)."""
     lines = one_machine_block("ray-by-hand", "## Try it on a virtual cluster")
     assert lines[0].startswith("python examples/make_tiny_model.py --out /tmp/tiny")
-    assert lines[1].startswith("python tests/vcluster.py --machines 3 --share /tmp/tiny -- bash")
+    assert lines[1].startswith("python tests/support/vcluster.py --machines 3 --share /tmp/tiny -- bash")
     rest = next(i for i, line in enumerate(lines) if line.startswith("printf"))
     return lines[2:rest], lines[rest:]
 

@@ -57,7 +57,7 @@ def gkd_config(tiny: Path, extra: str = "") -> str:
 
 
 def gkd_args(tiny: Path, out: Path) -> list[str]:
-    """tests/assets/gkd_probe.py (TRL's GKDTrainer, 2 steps; each rank writes its losses to out/rank{N}.json)."""
+    """tests/support/assets/gkd_probe.py (TRL's GKDTrainer, 2 steps; each rank writes its losses to out/rank{N}.json)."""
     return [str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path",
             str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", str(out)]
 

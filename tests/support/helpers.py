@@ -17,11 +17,12 @@ from typing import Any, Callable
 
 from dualrun.light.ports import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-ASSETS = REPO / "tests" / "assets"   # the small scripts and programs tests run
+SUPPORT = Path(__file__).resolve().parent   # tests/support: what every tier's tests import (on sys.path: pyproject)
+REPO = SUPPORT.parents[1]
+ASSETS = SUPPORT / "assets"   # the small scripts and programs tests run
 BUILDER = REPO / "examples" / "make_tiny_model.py"
 
-__all__ = ["ASSETS", "REPO", "cmdline", "dualrun", "engine_pid", "eventually", "free_port", "gone", "link_tiny",
+__all__ = ["ASSETS", "REPO", "SUPPORT", "cmdline", "dualrun", "engine_pid", "eventually", "free_port", "gone", "link_tiny",
            "loopback_only", "pids_matching", "tiny_assets"]
 
 

@@ -1,11 +1,11 @@
-"""What runs inside the virtual cluster's namespaces (tests/vcluster.py makes them): a holder, the first process
+"""What runs inside the virtual cluster's namespaces (tests/support/vcluster.py makes them): a holder, the first process
 of a machine (or of the switch), and the entry shim that runs a command on a machine.
 
-Both run as `python -I -S tests/vcluster_ns.py ...`: the standard library only (ctypes for setns, mount and prctl),
+Both run as `python -I -S tests/support/vcluster_ns.py ...`: the standard library only (ctypes for setns, mount and prctl),
 so they start fast and import nothing of the project or the venv.
 
-    python -I -S tests/vcluster_ns.py _hold [--host NAME --hosts TEXT] [SHARED_DIR...]   (under unshare)
-    python -I -S tests/vcluster_ns.py on K [--pid PID] [--cwd DIR] -- CMD...
+    python -I -S tests/support/vcluster_ns.py _hold [--host NAME --hosts TEXT] [SHARED_DIR...]   (under unshare)
+    python -I -S tests/support/vcluster_ns.py on K [--pid PID] [--cwd DIR] -- CMD...
 """
 from __future__ import annotations
 
@@ -115,10 +115,10 @@ def enter(pid: int, cwd: str, argv: list[str]) -> None:
 
 
 def pids_from_env() -> tuple[list[int], int]:
-    """The holders' pids of the cluster this shell was started in (`python tests/vcluster.py ... -- CMD`)."""
+    """The holders' pids of the cluster this shell was started in (`python tests/support/vcluster.py ... -- CMD`)."""
     pids, switch = os.environ.get("VCLUSTER_PIDS"), os.environ.get("VCLUSTER_SWITCH")
     if not pids or not switch:
-        sys.exit("vcluster: no cluster here: start one with `python tests/vcluster.py --machines N -- CMD`")
+        sys.exit("vcluster: no cluster here: start one with `python tests/support/vcluster.py --machines N -- CMD`")
     return [int(p) for p in pids.split(",")], int(switch)
 
 

@@ -33,11 +33,11 @@ From Python (tests):
 
 By hand (as root):
 
-    python tests/vcluster.py --machines 2 [--share DIR]... -- bash
-        # in that shell: python tests/vcluster.py on 1 -- bash        (a shell on machine 1)
-        #                python tests/vcluster.py net 1 cut|restore|down|slow RATE
+    python tests/support/vcluster.py --machines 2 [--share DIR]... -- bash
+        # in that shell: python tests/support/vcluster.py on 1 -- bash        (a shell on machine 1)
+        #                python tests/support/vcluster.py net 1 cut|restore|down|slow RATE
 Both need the cluster's pids, which the first command puts in VCLUSTER_PIDS and VCLUSTER_SWITCH. What runs inside the
-namespaces (the holders, the entry shim) is tests/vcluster_ns.py.
+namespaces (the holders, the entry shim) is tests/support/vcluster_ns.py.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def image() -> list[str]:
     named = [os.environ.get(v) for v in ("VIRTUAL_ENV", "DUALRUN_VENV", "DUALRUN_VLLM_VENV")]
     # and what this interpreter imports from there (a venv whose .pth names another venv's site-packages)
     imported = [p for p in sys.path if p and under_private(os.path.realpath(p))]
-    return [str(Path(__file__).resolve().parents[1]), sys.prefix, sys.exec_prefix, *filter(None, named), *imported]
+    return [str(Path(__file__).resolve().parents[2]), sys.prefix, sys.exec_prefix, *filter(None, named), *imported]
 
 
 # -- the cluster, from the outside --------------------------------------------------------------------------------

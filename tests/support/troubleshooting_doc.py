@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "troubleshooting.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
 NONE = "none"   # the proof comment of an entry that says plainly dualrun does not catch it
 
 _PROOF = re.compile(r"^<!-- proof: ([a-z0-9-]+) -->$")

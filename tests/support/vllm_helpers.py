@@ -175,7 +175,7 @@ def assert_async_syncs_landed(rec: dict, replicas: int) -> None:
 def vllm_processes() -> list[int]:
     """vLLM's engine processes (they rename themselves `VLLM::...`) in this test's network namespace: the vLLM tier
     and the cluster tier's vLLM tests run side by side in CI, each in namespaces of its own
-    (scripts/in-loopback.sh, tests/vcluster.py), so another tier's engines are not this test's leftovers."""
+    (scripts/in-loopback.sh, tests/support/vcluster.py), so another tier's engines are not this test's leftovers."""
     return [pid for pid in pids_matching("VLLM::") if _same_netns(pid)]
 
 
