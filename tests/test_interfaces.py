@@ -1,5 +1,5 @@
 """What `dualrun check` on several torchrun machines reads from each machine and compares (pure parts; the
-meeting itself runs on the virtual cluster, tests/test_cluster_check.py): which interface variables a machine
+meeting itself runs on the virtual cluster, tests/cluster/test_cluster_check.py): which interface variables a machine
 cannot honour, the address gloo would advertise there, and what each machine advertises to the others."""
 from __future__ import annotations
 

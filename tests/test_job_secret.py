@@ -55,7 +55,7 @@ def test_each_launch_has_its_own_secret_in_every_process_env_and_never_shown(tmp
     assert job_token_for(rendezvous_of(one)) != job_token_for(rendezvous_of(one)) and len(job_token_for(rendezvous_of(one))) >= 40
     assert redact({protocol.JOB_TOKEN: "abcdef"})[protocol.JOB_TOKEN] != "abcdef"
     # torchrun on several machines (each its own launcher): machine 0 makes one, the others read it from its store
-    # at launch (tests/test_cluster_job_secret.py); a token the user gives is every machine's own
+    # at launch (tests/cluster/test_cluster_job_secret.py); a token the user gives is every machine's own
     two = _cfg("use_cpu: true\nnum_machines: 2\nmain_process_ip: 10.0.0.1\nmain_process_port: 29500\n"
                "roles: {train: {gpus: 2}}\n", tmp_path)
     other = _cfg("use_cpu: true\nnum_machines: 2\nmachine_rank: 1\nmain_process_ip: 10.0.0.1\n"

@@ -2,7 +2,7 @@
 `GLOO_SOCKET_IFNAME=lo` left exported from a one-machine recipe made gloo advertise 127.0.0.1, and the job failed
 naming another cause or hung. The pure rule (light/interfaces.py), the launcher's refusal (launchers/loopback.py),
 and Ray's dry run across nodes; a one-machine job, or one whose machine 0 is this host's loopback, keeps it. The
-refusal on two real machines is tests/test_cluster_faults.py's."""
+refusal on two real machines is tests/cluster/test_cluster_faults.py's."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """Machine 0's side of the machine watch (dualrun/backends/torchrun/machine_watch.py) against a real TCPStore on 127.0.0.1, the
 other machine's beats written by hand: silence after a beat is a loss named with the machine's address, a machine
 that never beat or that left is none, and `settle` names one that stops beating once the ranks failed. The network
-side (a cut link, a lost machine) is tests/test_cluster_faults.py's."""
+side (a cut link, a lost machine) is tests/cluster/test_cluster_faults.py's."""
 from __future__ import annotations
 
 import time

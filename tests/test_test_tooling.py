@@ -62,14 +62,13 @@ def test_test_sh_runs_the_cluster_tier_beside_the_main_suite(recording_venv, ski
     if skip:
         assert len(runs) == 1 and "cluster tier" not in proc.stdout
     else:
-        assert runs[1] == "1 -m pytest -q -p no:cacheprovider -m cluster and not vllm tests/test_vcluster.py " + " ".join(
-            sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_cluster_*.py"))), runs
+        assert runs[1] == "1 -m pytest -q -p no:cacheprovider -m cluster and not vllm tests/cluster", runs
         assert proc.stdout.endswith("=== cluster tier (scripts/test-cluster.sh) ===\n"), proc.stdout
 
 
 @pytest.mark.parametrize("args,named", [((), False), (("-k", "teacher"), False),
-                                         (("-k", "teacher", "tests/test_cluster_faults.py"), True),
-                                         (("tests/test_vcluster.py::test_x",), True)])
+                                         (("-k", "teacher", "tests/cluster/test_cluster_faults.py"), True),
+                                         (("tests/cluster/test_vcluster.py::test_x",), True)])
 def test_test_cluster_sh_runs_the_test_paths_named_else_the_whole_tier(recording_venv, args, named):
     """scripts/test-cluster.sh passes its arguments to pytest; test paths among them (a file, or file::test) replace
     the tier's list of files, which is what runs without one."""
@@ -79,8 +78,7 @@ def test_test_cluster_sh_runs_the_test_paths_named_else_the_whole_tier(recording
                           text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     (argv,) = log.read_text().splitlines()
-    tier = ["tests/test_vcluster.py",
-            *sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_cluster_*.py"))]
+    tier = ["tests/cluster"]
     assert argv == " ".join(["-m pytest -q -p no:cacheprovider -m cluster and not vllm", *args,
                              *([] if named else tier)]), argv
 

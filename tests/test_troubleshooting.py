@@ -22,7 +22,7 @@ from ray_helpers import ray_env
 
 # proofs that run in another tier (the virtual cluster: two machines of their own): the test file that calls
 # troubleshooting_doc.says(NAME, ...) on its own run's output
-EXTERNAL = {"weight-sync-0000": "tests/test_cluster_check.py"}
+EXTERNAL = {"weight-sync-0000": "tests/cluster/test_cluster_check.py"}
 RAY = {"ray-pending"}   # below, on this worker's running Ray cluster
 
 SFT2 = "use_cpu: true\nroles: {train: {gpus: 2}}\n"

@@ -1,7 +1,7 @@
 """The jobs the cluster tier runs on several machines, and the one-machine runs their losses are compared with.
 
-Why one place: TRL's sft.py and the GKD probe run across torchrun machines (tests/test_cluster_torchrun.py) and across
-Ray nodes (tests/test_cluster_ray.py), and each must give the losses of the same job on one machine. The one-machine
+Why one place: TRL's sft.py and the GKD probe run across torchrun machines (tests/cluster/test_cluster_torchrun.py) and across
+Ray nodes (tests/cluster/test_cluster_ray.py), and each must give the losses of the same job on one machine. The one-machine
 runs are session fixtures in conftest.py (`sft_one_machine`, `gkd_one_machine`), run once for both modules.
 """
 from __future__ import annotations

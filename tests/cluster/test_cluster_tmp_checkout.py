@@ -21,8 +21,8 @@ import pytest
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALLEST = "tests/test_cluster_check.py::test_two_sound_machines_pass_and_form_the_weight_sync_group_across_them"
+ROOT = Path(__file__).resolve().parents[2]
+SMALLEST = "tests/cluster/test_cluster_check.py::test_two_sound_machines_pass_and_form_the_weight_sync_group_across_them"
 
 
 def copy_tree(dest: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from cluster_jobs import gkd_args, gkd_config, launch_on, sft_args, sft_data
+from helpers import REPO
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
@@ -61,7 +62,7 @@ def left_on(vc: VCluster, machine: int) -> list[str]:
 
 def test_the_watch_names_each_side_of_a_cut_link_within_its_timeout(shared):
     (shared / "watch.py").write_text(WATCH)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     with VCluster(2, shared=[shared]) as vc:
         procs = [vc.popen(k, [sys.executable, str(shared / "watch.py"), str(k), MAIN], env=env, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) for k in (0, 1)]
