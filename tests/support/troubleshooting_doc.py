@@ -1,6 +1,6 @@
 """docs/troubleshooting.md read as claims: each entry's dualrun lines (the ```text block under "**dualrun says**"),
 with their `<WORD>` placeholders turned into regexes, so a test can hold a real run's output to them. One parser for
-tests/test_troubleshooting.py and the tier tests that prove an entry there (`says`): a reworded doc line or a
+tests/e2e/test_troubleshooting.py and the tier tests that prove an entry there (`says`): a reworded doc line or a
 changed message fails the proof instead of drifting apart."""
 from __future__ import annotations
 

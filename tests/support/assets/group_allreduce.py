@@ -1,5 +1,5 @@
 """A role program whose two-worker `prm` group all-reduces in a torch.distributed process group of its own
-(tests/test_role_groups_e2e.py). Run it with `dualrun launch --backend torchrun|ray --config_file C this.py OUT`."""
+(tests/e2e/test_role_groups_e2e.py). Run it with `dualrun launch --backend torchrun|ray --config_file C this.py OUT`."""
 import json
 import os
 import sys

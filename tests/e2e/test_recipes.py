@@ -80,7 +80,7 @@ def test_ray_by_hand_two_local_nodes(tiny, ray_temp, tmp_path):
 @pytest.mark.timeout(200)
 def test_torchrun_by_hand_two_local_nodes(tiny, tmp_path):
     """examples/multi-node/torchrun-by-hand: the same `dualrun launch --backend torchrun` twice, machine_rank 0
-    and 1 (tests/test_torchrun_e2e.py::test_two_nodes_on_one_machine checks the env of such ranks)."""
+    and 1 (tests/e2e/test_torchrun_e2e.py::test_two_nodes_on_one_machine checks the env of such ranks)."""
     port, out = free_port(), tmp_path / "out"
     cmds = substitute(one_machine_block("torchrun-by-hand"), {
         "29500": str(port), "/tmp/tiny": str(tiny), "/tmp/out-torchrun-by-hand": str(out)})

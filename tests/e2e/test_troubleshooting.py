@@ -39,7 +39,7 @@ def _two_machines(rank: int, port: int) -> list[str]:
 
 
 # Each scenario: (files to write, command, env), in a directory of its own. The same faults as
-# tests/test_taken_port.py, test_cluster_faults.py (machine 1 never started, machine 0 not there: here both
+# tests/e2e/test_taken_port.py, test_cluster_faults.py (machine 1 never started, machine 0 not there: here both
 # "machines" on loopback), test_loopback_interfaces.py, test_cluster_check.py (an interface machine 1 lacks),
 # test_check_weight_sync.py (a member that cannot form the group) and test_separate_torchrun.py.
 Scenario = Callable[[int], tuple[dict[str, str], list[str], dict[str, str]]]
@@ -136,7 +136,7 @@ def test_the_doc_quotes_what_dualrun_prints(outputs, proof):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ray_pending_for_resources(tmp_path, ray_cluster):
-    """As tests/test_ray_backend.py's unplaceable group: 3 workers spread strictly over this worker's one node."""
+    """As tests/e2e/test_ray_backend.py's unplaceable group: 3 workers spread strictly over this worker's one node."""
     (tmp_path / "job.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 3}}\n"
                                        "ray: {placement_strategy: STRICT_SPREAD, placement_timeout_s: 3}\n")
     (tmp_path / "s.py").write_text("print('ran')\n")
