@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "dualrun"
 # the built-in method plugins: the top-level `plugins/` folder, installed as `dualrun.plugins` (pyproject.toml)
 # imports under `if TYPE_CHECKING:` count too: an annotation naming a module above is a seam the wrong way round
