@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import folders
 import helpers
 
 # DeepSpeed JIT-builds its CPU op into TORCH_EXTENSIONS_DIR with the `ninja` on PATH. scripts/setup.sh built it into
@@ -84,6 +85,24 @@ def skip_cluster(items) -> None:
             item.add_marker(pytest.mark.skip(reason=why))
 
 
+def refuse_misplaced(items) -> None:
+    """A test in the wrong folder of tests/ (tests/support/folders.py) ends the collection with one line naming it:
+    the scripts pick the vLLM and cluster tiers by folder, so it would run in no tier or in the wrong venv."""
+    here = Path(__file__).resolve().parent
+    seen: dict[Path, str | None] = {}
+    for item in items:
+        if item.path not in seen:
+            seen[item.path] = None
+            path = item.path.resolve()
+            if path.is_relative_to(here):
+                seen[item.path] = str(path.relative_to(here))
+        if seen[item.path] is None:
+            continue
+        why = folders.misplaced(Path(seen[item.path]).parts, {m.name for m in item.iter_markers()})
+        if why:
+            raise pytest.UsageError(f"tests/{seen[item.path]}::{item.name}: {why} (see tests/README.md)")
+
+
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (its hook turns them into node ids)
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests that start a Ray cluster of
@@ -91,6 +110,7 @@ def pytest_collection_modifyitems(config, items):
     # time out). Every other test, those that join the worker's running cluster (`ray_cluster`, one per worker)
     # included, goes to whichever worker is free. xdist hands out the largest group first, so the queue starts at
     # once and the other worker takes the rest meanwhile.
+    refuse_misplaced(items)
     for item in items:
         mark_ray(item)
         if "e2e" in item.keywords and "slow" in item.keywords and starts_own_ray(item):

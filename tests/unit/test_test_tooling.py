@@ -213,3 +213,24 @@ def test_engine_pid_is_the_last_start_of_the_labelled_server():
     assert helpers.engine_pid(text) == 33
     with pytest.raises(AssertionError, match="no engine start of rollout server 0"):
         helpers.engine_pid(text, "rollout server 0")
+
+
+@pytest.mark.parametrize("path,markers,expected", [
+    ("unit/test_a.py", {"slow"}, None),
+    ("unit/test_a.py", {"e2e", "slow"}, "marked e2e: its folder is tests/e2e/, not tests/unit/"),
+    ("e2e/test_a.py", set(), None),                  # a module with unit and e2e tests sits with its slowest
+    ("e2e/test_a.py", {"e2e", "cluster"}, "marked cluster: its folder is tests/cluster/, not tests/e2e/"),
+    ("vllm/test_vllm_a.py", {"vllm", "cluster", "e2e"}, None),
+    ("vllm/test_vllm_a.py", {"e2e"}, "not marked vllm: its folder is tests/e2e/, not tests/vllm/"),
+    ("cluster/test_cluster_a.py", {"cluster", "vllm"}, None),
+    ("cluster/test_cluster_a.py", {"vllm"}, "not marked cluster: its folder is tests/vllm/, not tests/cluster/"),
+    ("test_a.py", set(), "a test outside the tiers' folders: its folder is tests/unit/"),
+    ("support/test_a.py", {"vllm", "cluster"}, "a test outside the tiers' folders: its folder is tests/vllm/ or "
+                                               "tests/cluster/"),
+])
+def test_a_test_in_the_wrong_folder_is_named_with_its_folder(path, markers, expected):
+    """tests/README.md's table as tests/conftest.py holds it (tests/support/folders.py): the scripts pick the vLLM and
+    cluster tiers by folder, so a test elsewhere would run in no tier or in the wrong venv."""
+    import folders
+
+    assert folders.misplaced(Path(path).parts, markers) == expected
