@@ -67,8 +67,8 @@ def _interrupted(signum, frame):
 
 
 def skip_cluster(items) -> None:
-    """The cluster tier (marker `cluster`: tests on tests/support/vcluster.py's machines) runs on its own, beside the main
-    suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); a cluster test of the vLLM tier (also marked
+    """The cluster tier (marker `cluster`: tests on tests/support/vcluster.py's machines) runs on its own, beside the
+    main suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); a cluster test of the vLLM tier (also marked
     `vllm`: it needs .venv-vllm) runs in that tier instead. Elsewhere, and where no cluster can be made, they are
     skipped with the reason."""
     import vcluster
@@ -183,8 +183,8 @@ def write(tmp_path):
 
 @pytest.fixture(scope="session")
 def sft_one_machine(tiny, tmp_path_factory) -> list[float]:
-    """The cluster tier's reference: TRL's sft.py with 2 ranks on one machine (tests/support/cluster_jobs.py), its losses; the
-    same job across torchrun machines and across Ray nodes must give them. Run once per session."""
+    """The cluster tier's reference: TRL's sft.py with 2 ranks on one machine (tests/support/cluster_jobs.py), its
+    losses; the same job across torchrun machines and across Ray nodes must give them. Run once per session."""
     import cluster_jobs
 
     work = tmp_path_factory.mktemp("sft-one-machine")
@@ -209,8 +209,8 @@ def gkd_one_machine(tiny, tmp_path_factory) -> list[list[float]]:
 
 @pytest.fixture(scope="session")
 def grpo_one_machine(vllm_tiny, tmp_path_factory):
-    """The vLLM tier's reference GRPO run: the probe's job (tests/support/vllm_helpers.py `grpo_job`: one trainer, one vLLM
-    CPU engine in vLLM's own processes) on torchrun on one machine, run once per session: test_vllm_rollout.py
+    """The vLLM tier's reference GRPO run: the probe's job (tests/support/vllm_helpers.py `grpo_job`: one trainer, one
+    vLLM CPU engine in vLLM's own processes) on torchrun on one machine, run once per session: test_vllm_rollout.py
     compares its other layouts with it, test_vllm_cluster_ray.py the same job across Ray nodes."""
     from vllm_helpers import ProbeRun, run_grpo_probe
 

@@ -1,5 +1,5 @@
-"""`dualrun check` on two torchrun machines of the virtual cluster (tests/support/vcluster.py), run on each machine with the
-flags `dualrun launch` takes there: a sound pair passes (and forms the trainer's weight-sync group across them);
+"""`dualrun check` on two torchrun machines of the virtual cluster (tests/support/vcluster.py), run on each machine with
+the flags `dualrun launch` takes there: a sound pair passes (and forms the trainer's weight-sync group across them);
 each fault that would otherwise hang the job after its models load is one line naming the machine, the interface,
 the address and the port, exit 1 on both machines, before anything loads: machine 1's link down, a
 GLOO_SOCKET_IFNAME that machine 1 lacks, the rendezvous port taken on machine 0 (on torchrun only machine 0 binds a

@@ -1,8 +1,9 @@
-"""Faults while training across two torchrun machines of the virtual cluster (tests/support/vcluster.py): machine 1 lost (every
-process of it SIGKILLed) and machine 1's link cut (the switch drops its frames silently), each after TRL's sft.py has
-saved its second checkpoint. The job ends on every machine that is left within the bound `torchrun.machine_timeout_s`
-gives it (plus the agent's stop), not gloo's or HF's 30 minutes, with a line naming the machine gone (its address) and
-why; nothing of the job is left on either machine, and every checkpoint directory in the shared output is complete.
+"""Faults while training across two torchrun machines of the virtual cluster (tests/support/vcluster.py): machine 1 lost
+(every process of it SIGKILLed) and machine 1's link cut (the switch drops its frames silently), each after TRL's sft.py
+has saved its second checkpoint. The job ends on every machine that is left within the bound
+`torchrun.machine_timeout_s` gives it (plus the agent's stop), not gloo's or HF's 30 minutes, with a line naming the
+machine gone (its address) and why; nothing of the job is left on either machine, and every checkpoint directory in the
+shared output is complete.
 
 The watch alone (dualrun/backends/torchrun/machine_watch.py, no job) is tested first: it is what bounds both faults. A machine
 that never comes ends the other within `torchrun.rendezvous_timeout_s`, naming it (machine 1 never started, or machine

@@ -1,5 +1,5 @@
-"""Ray across three machines of the virtual cluster (tests/support/vcluster.py), each with its own address and its own /tmp:
-a head and two worker nodes, each started with `ray start` on its machine by the lines of
+"""Ray across three machines of the virtual cluster (tests/support/vcluster.py), each with its own address and its own
+/tmp: a head and two worker nodes, each started with `ray start` on its machine by the lines of
 examples/multi-node/ray-by-hand/README.md ("Try it on a virtual cluster"), whose other lines run as written too;
 the head declares no CPUs (`--num-cpus 0`), so the ranks and the servers, which each ask for a CPU, run on the
 workers; `ray.placement_strategy: SPREAD` puts the two ranks on two nodes. One `dualrun launch --backend ray` on the

@@ -1,10 +1,11 @@
-"""A Ray worker node lost mid-run on the virtual cluster (tests/support/vcluster.py): a head on machine 0 that runs no job and
-a worker node on machines 1 and 2 (3 CPUs each), started by the lines of examples/multi-node/ray-by-hand/README.md.
-TRL's sft.py trains with one rank on each worker node (SPREAD), saving every 2 steps, with `max_failures: 1`; once
-checkpoint-2 is complete, machine 2 is lost (every process of it SIGKILLed, its raylet with them). The whole job
-restarts on the node that is left (both ranks there: SPREAD is a preference), resumes from the newest complete
-checkpoint and ends its steps. The restart line is the error of the rank that failed first: gloo's connection reset
-by the lost node's address. Every checkpoint directory is complete, and no actor or placement group is left.
+"""A Ray worker node lost mid-run on the virtual cluster (tests/support/vcluster.py): a head on machine 0 that runs no
+job and a worker node on machines 1 and 2 (3 CPUs each), started by the lines of
+examples/multi-node/ray-by-hand/README.md. TRL's sft.py trains with one rank on each worker node (SPREAD), saving every
+2 steps, with `max_failures: 1`; once checkpoint-2 is complete, machine 2 is lost (every process of it SIGKILLed, its
+raylet with them). The whole job restarts on the node that is left (both ranks there: SPREAD is a preference), resumes
+from the newest complete checkpoint and ends its steps. The restart line is the error of the rank that failed first:
+gloo's connection reset by the lost node's address. Every checkpoint directory is complete, and no actor or placement
+group is left.
 
 The same with machine 2's link cut instead (its port on the switch dropping every frame): Ray's control plane
 declares the node dead once its health checks fail, the job restarts on the node left the same way, and once the

@@ -1,6 +1,6 @@
-"""The layout TRL's docs teach, on two torchrun machines of the virtual cluster (tests/support/vcluster.py): both trainer ranks
-on machine 0 (`roles.train.machines: [0]`) and the separate role's server alone on machine 1 (`machines: [1]`).
-Machine 0 runs a one-node torchrun; machine 1 runs no agent: its launcher starts the server, hands its address to
+"""The layout TRL's docs teach, on two torchrun machines of the virtual cluster (tests/support/vcluster.py): both
+trainer ranks on machine 0 (`roles.train.machines: [0]`) and the separate role's server alone on machine 1 (`machines:
+[1]`). Machine 0 runs a one-node torchrun; machine 1 runs no agent: its launcher starts the server, hands its address to
 machine 0's store, and ends with the job, learning the result from machine 0's store (held past the agent). GKD with
 a CPU-engine teacher on machine 1 trains with the losses of one machine and both launchers exit 0 with nothing left;
 trainers that fail end machine 1 too, naming machine 0 and the failed rank; the teacher killed on machine 1 ends both,
@@ -40,7 +40,8 @@ def vc(shared, tiny):
 
 
 def layout(tiny: Path, work: Path, extra: str = "") -> str:
-    """The GKD job of tests/support/cluster_jobs.py with both trainer ranks on machine 0 and one teacher server on machine 1."""
+    """The GKD job of tests/support/cluster_jobs.py with both trainer ranks on machine 0 and one teacher server on
+    machine 1."""
     return gkd_config(tiny, f"log_dir: {work / 'logsMACHINE'}\n{extra}").replace(
         "train: {gpus: 2}", "train: {gpus: 2, machines: [0]}").replace(
         "teacher: {gpus: 2,", "teacher: {gpus: 1, machines: [1],")

@@ -1,6 +1,6 @@
-"""The SLURM recipes across two machines of the virtual cluster (tests/support/vcluster.py), each with its own address and
-its own /tmp: slurmctld on machine 0, munged and slurmd on each (tests/support/slurm_helpers.py, `MachinesSlurm`), then
-`sbatch --nodes=2` of examples/multi-node/slurm/{torchrun,ray}.sbatch exactly as written, submitted on machine 0,
+"""The SLURM recipes across two machines of the virtual cluster (tests/support/vcluster.py), each with its own address
+and its own /tmp: slurmctld on machine 0, munged and slurmd on each (tests/support/slurm_helpers.py, `MachinesSlurm`),
+then `sbatch --nodes=2` of examples/multi-node/slurm/{torchrun,ray}.sbatch exactly as written, submitted on machine 0,
 each training a tiny model with one rank per node. Only the scripts' own knobs change (a CPU config, one process per
 node, the output dir); `--gpus-per-node=0` is given to sbatch, as a user overrides #SBATCH lines. The Ray recipe's
 config spreads its two ranks (`ray.placement_strategy: SPREAD`), one per node as torchrun's are. The head's

@@ -1,5 +1,5 @@
-"""The cluster tier from a checkout under /tmp: each machine of tests/support/vcluster.py has a /tmp of its own, which would
-hide a checkout there and its venv (`vcluster: /tmp/.../.venv/bin/python: No such file or directory` on every
+"""The cluster tier from a checkout under /tmp: each machine of tests/support/vcluster.py has a /tmp of its own, which
+would hide a checkout there and its venv (`vcluster: /tmp/.../.venv/bin/python: No such file or directory` on every
 machine); vcluster binds them back in at the same path (`vcluster.image`).
 
 Here: this tree copied under /tmp (its files as git lists them, uncommitted changes included), a venv of its own
@@ -22,7 +22,8 @@ import pytest
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALLEST = "tests/cluster/test_cluster_check.py::test_two_sound_machines_pass_and_form_the_weight_sync_group_across_them"
+SMALLEST = ("tests/cluster/test_cluster_check.py::"
+            "test_two_sound_machines_pass_and_form_the_weight_sync_group_across_them")
 
 
 def copy_tree(dest: Path) -> None:

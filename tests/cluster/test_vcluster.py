@@ -1,5 +1,5 @@
-"""The virtual cluster itself (tests/support/vcluster.py): each machine its own address, name and /tmp; machines reach each
-other and nothing else; a cut link drops traffic silently, a slow one is slow, a link taken down has no carrier; a
+"""The virtual cluster itself (tests/support/vcluster.py): each machine its own address, name and /tmp; machines reach
+each other and nothing else; a cut link drops traffic silently, a slow one is slow, a link taken down has no carrier; a
 killed machine loses every process; and nothing is left behind, not even when the process that made the cluster is
 SIGKILLed."""
 from __future__ import annotations

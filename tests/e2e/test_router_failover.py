@@ -1,11 +1,12 @@
-"""The router when a replica fails, with real processes on loopback: stub replicas (tests/support/assets/recording_replica.py,
-which records each request on arrival and answers each prompt with itself) behind a real router. A replica
-SIGKILLed with a request on it: that request and every other one is answered once, correctly, by the replica left;
-one SIGSTOPped: found by request_timeout_s (probes off), or by the health probes, the request retried elsewhere;
-a 5xx takes a replica out, but a request that fails on every replica gets the engine's answer, as with one engine;
-the launcher's control endpoints swap in a new engine held out of rotation until restored; the weight-transfer calls
-follow the members (a removed replica left out, its replacement in, held until its first completed update); the last
-replica dead: the request fails naming it, as with one engine. (The rules themselves: test_rotation.py.)"""
+"""The router when a replica fails, with real processes on loopback: stub replicas
+(tests/support/assets/recording_replica.py, which records each request on arrival and answers each prompt with itself)
+behind a real router. A replica SIGKILLed with a request on it: that request and every other one is answered once,
+correctly, by the replica left; one SIGSTOPped: found by request_timeout_s (probes off), or by the health probes, the
+request retried elsewhere; a 5xx takes a replica out, but a request that fails on every replica gets the engine's
+answer, as with one engine; the launcher's control endpoints swap in a new engine held out of rotation until restored;
+the weight-transfer calls follow the members (a removed replica left out, its replacement in, held until its first
+completed update); the last replica dead: the request fails naming it, as with one engine. (The rules themselves:
+test_rotation.py.)"""
 from __future__ import annotations
 
 import os

@@ -1,8 +1,8 @@
 """docs/troubleshooting.md's dualrun lines are what dualrun prints (issue 48): each entry names its proof in a
 `<!-- proof: NAME -->` comment, and the real run of that name (a launch or a check on loopback, the scenario of the
 test that covers the behaviour) must print every line the entry quotes, placeholders matched as regexes
-(tests/support/troubleshooting_doc.py). An entry without a proof here, in a tier test (`EXTERNAL`), or an honest "does not
-catch", fails; so does a proof whose entry is gone. The scenarios run at once in one fixture: most of their time
+(tests/support/troubleshooting_doc.py). An entry without a proof here, in a tier test (`EXTERNAL`), or an honest "does
+not catch", fails; so does a proof whose entry is gone. The scenarios run at once in one fixture: most of their time
 is waiting out a short bound (a rendezvous of 5 s, a health check of 3 s)."""
 from __future__ import annotations
 

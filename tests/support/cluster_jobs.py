@@ -1,8 +1,8 @@
 """The jobs the cluster tier runs on several machines, and the one-machine runs their losses are compared with.
 
-Why one place: TRL's sft.py and the GKD probe run across torchrun machines (tests/cluster/test_cluster_torchrun.py) and across
-Ray nodes (tests/cluster/test_cluster_ray.py), and each must give the losses of the same job on one machine. The one-machine
-runs are session fixtures in conftest.py (`sft_one_machine`, `gkd_one_machine`), run once for both modules.
+Why one place: TRL's sft.py and the GKD probe run across torchrun machines (tests/cluster/test_cluster_torchrun.py) and
+across Ray nodes (tests/cluster/test_cluster_ray.py), and each must give the losses of the same job on one machine. The
+one-machine runs are session fixtures in conftest.py (`sft_one_machine`, `gkd_one_machine`), run once for both modules.
 """
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def gkd_config(tiny: Path, extra: str = "") -> str:
 
 
 def gkd_args(tiny: Path, out: Path) -> list[str]:
-    """tests/support/assets/gkd_probe.py (TRL's GKDTrainer, 2 steps; each rank writes its losses to out/rank{N}.json)."""
+    """tests/support/assets/gkd_probe.py (TRL's GKDTrainer, 2 steps; each rank writes its losses to
+    out/rank{N}.json)."""
     return [str(ASSETS / "gkd_probe.py"), "--model_name_or_path", str(tiny / "model"), "--teacher_model_name_or_path",
             str(tiny / "teacher"), "--data", str(tiny / "data" / "gkd.jsonl"), "--output_dir", str(out)]
 

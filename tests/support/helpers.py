@@ -22,8 +22,8 @@ REPO = SUPPORT.parents[1]
 ASSETS = SUPPORT / "assets"   # the small scripts and programs tests run
 BUILDER = REPO / "examples" / "make_tiny_model.py"
 
-__all__ = ["ASSETS", "REPO", "SUPPORT", "cmdline", "dualrun", "engine_pid", "eventually", "free_port", "gone", "link_tiny",
-           "loopback_only", "pids_matching", "tiny_assets"]
+__all__ = ["ASSETS", "REPO", "SUPPORT", "cmdline", "dualrun", "engine_pid", "eventually", "free_port", "gone",
+           "link_tiny", "loopback_only", "pids_matching", "tiny_assets"]
 
 
 def dualrun(*args: str, cwd: str | Path | None = None, timeout: float = 240, env: dict | None = None,

@@ -185,8 +185,8 @@ PartitionName=debug Nodes={names} Default=YES MaxTime=INFINITE State=UP
 
 
 class MachinesSlurm:
-    """A SLURM cluster on the machines of a virtual cluster (tests/support/vcluster.py): slurmctld on machine 0, slurmd and
-    munged on every machine (its socket in the machine's own /tmp, the key shared), each node named by its host name
+    """A SLURM cluster on the machines of a virtual cluster (tests/support/vcluster.py): slurmctld on machine 0, slurmd
+    and munged on every machine (its socket in the machine's own /tmp, the key shared), each node named by its host name
     and reached at its address. Config, state and logs live in `root`, a directory every machine sees. Its daemons
     live as long as the machines (`VCluster.close` ends them)."""
 

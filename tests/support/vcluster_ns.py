@@ -1,8 +1,8 @@
 """What runs inside the virtual cluster's namespaces (tests/support/vcluster.py makes them): a holder, the first process
 of a machine (or of the switch), and the entry shim that runs a command on a machine.
 
-Both run as `python -I -S tests/support/vcluster_ns.py ...`: the standard library only (ctypes for setns, mount and prctl),
-so they start fast and import nothing of the project or the venv.
+Both run as `python -I -S tests/support/vcluster_ns.py ...`: the standard library only (ctypes for setns, mount and
+prctl), so they start fast and import nothing of the project or the venv.
 
     python -I -S tests/support/vcluster_ns.py _hold [--host NAME --hosts TEXT] [SHARED_DIR...]   (under unshare)
     python -I -S tests/support/vcluster_ns.py on K [--pid PID] [--cwd DIR] -- CMD...

@@ -1,5 +1,5 @@
-"""The bad-input corpus (tests/support/bad_inputs.yaml) through the real CLI: `dualrun.cli.main` in this process for most
-cases (milliseconds each instead of an interpreter start), a fresh `python -m dualrun` for the representative ones
+"""The bad-input corpus (tests/support/bad_inputs.yaml) through the real CLI: `dualrun.cli.main` in this process for
+most cases (milliseconds each instead of an interpreter start), a fresh `python -m dualrun` for the representative ones
 (the first case of each command, of `env`, `secret`, `script` and `both`) and for every `make` case (fifos, huge files
 and bombs stay out of the test process).
 

@@ -1,6 +1,6 @@
 """Hostile traffic makes one line per kind of trouble, not a traceback per request (dualrun/light/noise.py): a real
-misbehaving client (tests/support/assets/hostile_client.py) against a real CPU engine and a real router on loopback; both
-still serve afterwards."""
+misbehaving client (tests/support/assets/hostile_client.py) against a real CPU engine and a real router on loopback;
+both still serve afterwards."""
 from __future__ import annotations
 
 import io

@@ -1,7 +1,7 @@
 """`torchrun.rendezvous_timeout_s`: the bound each machine of a multi-machine torchrun job waits for the others. It
 reaches torchrun's own rendezvous (what torch's static TCP rendezvous reads from `--rdzv-conf`); a bad value is
-refused (tests/support/bad_inputs.yaml). The machines' ends that name the missing machine are tests/unit/test_machine_watch.py's
-(no job) and tests/cluster/test_cluster_faults.py's (the virtual cluster)."""
+refused (tests/support/bad_inputs.yaml). The machines' ends that name the missing machine are
+tests/unit/test_machine_watch.py's (no job) and tests/cluster/test_cluster_faults.py's (the virtual cluster)."""
 from __future__ import annotations
 
 from datetime import timedelta

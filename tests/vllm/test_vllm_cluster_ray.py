@@ -1,9 +1,10 @@
-"""GRPO with a real vLLM rollout (the CPU build) across three Ray nodes of the virtual cluster (tests/support/vcluster.py):
-the head on machine 0 (`--num-cpus 0`, the driver only) and two worker nodes of 3 CPUs, started by the lines of
-examples/multi-node/ray-by-hand/README.md from this venv (tests/support/cluster_ray.py). Each machine's default route goes
-out through an interface of its own that no other machine reaches (`route_out_elsewhere`), as on nodes with a
-management or public network beside the cluster's: "this host's address on its route out", which vLLM's `get_ip()`
-gives trainer rank 0 to advertise to the engines, is then wrong, and only the node's Ray address is right.
+"""GRPO with a real vLLM rollout (the CPU build) across three Ray nodes of the virtual cluster
+(tests/support/vcluster.py): the head on machine 0 (`--num-cpus 0`, the driver only) and two worker nodes of 3 CPUs,
+started by the lines of examples/multi-node/ray-by-hand/README.md from this venv (tests/support/cluster_ray.py). Each
+machine's default route goes out through an interface of its own that no other machine reaches (`route_out_elsewhere`),
+as on nodes with a management or public network beside the cluster's: "this host's address on its route out", which
+vLLM's `get_ip()` gives trainer rank 0 to advertise to the engines, is then wrong, and only the node's Ray address is
+right.
 
 `dualrun check` forms the weight-sync group at trainer rank 0's Ray address. Then one `dualrun launch --backend ray`
 on the head runs the vLLM tier's probe job (tests/support/vllm_helpers.py `grpo_job`, assets/grpo_server_probe.py: TRL's
