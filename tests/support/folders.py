@@ -1,24 +1,27 @@
 """Which folder of tests/ a test belongs in, by its markers (tests/README.md's table), so `ls tests` stays true: the
 scripts pick the vLLM and cluster tiers by folder (scripts/test-vllm.sh, scripts/test-cluster.sh), and a test in the
-wrong one would run in no tier or in the wrong venv. tests/conftest.py refuses a collection with a misplaced test."""
+wrong one would run in no tier or in the wrong venv. tests/conftest.py refuses a collection with a misplaced test.
+No folder is named as a module the code imports (`vllm/` would be the namespace package `vllm` for every test, since
+tests/ is on sys.path): the vLLM tier's is `vllm_tier/`."""
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-FOLDERS = ("unit", "e2e", "vllm", "cluster")
-# the markers a test in each folder may not carry, and those it must carry
-NOT_HERE = {"unit": ("e2e", "vllm", "cluster"), "e2e": ("vllm", "cluster"), "vllm": (), "cluster": ()}
-MUST = {"unit": (), "e2e": (), "vllm": ("vllm",), "cluster": ("cluster",)}
+# each folder: the markers its tests may not carry, and those they must carry
+NOT_HERE = {"unit": ("e2e", "vllm", "cluster"), "e2e": ("vllm", "cluster"), "vllm_tier": (), "cluster": ()}
+MUST = {"unit": (), "e2e": (), "vllm_tier": ("vllm",), "cluster": ("cluster",)}
+FOLDERS = tuple(NOT_HERE)
 
 
 def home(markers: Iterable[str]) -> str:
     """The folder for a test with `markers`: the slowest tier's. One marked both `vllm` and `cluster` goes where the
-    script that should run it looks: tests/vllm/ (the vLLM tier) or tests/cluster/ (the cluster tier's vLLM part)."""
+    script that should run it looks: tests/vllm_tier/ (the vLLM tier) or tests/cluster/ (the cluster tier's vLLM
+    part)."""
     found = set(markers)
     if {"vllm", "cluster"} <= found:
-        return "tests/vllm/ or tests/cluster/"
-    for folder in ("cluster", "vllm", "e2e"):
-        if folder in found:
+        return "tests/vllm_tier/ or tests/cluster/"
+    for marker, folder in (("cluster", "cluster"), ("vllm", "vllm_tier"), ("e2e", "e2e")):
+        if marker in found:
             return f"tests/{folder}/"
     return "tests/unit/"
 

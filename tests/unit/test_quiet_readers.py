@@ -1,6 +1,6 @@
 """The plan marks every vLLM CPU engine so that vLLM's shared-memory queue readers wait instead of spinning
 (dualrun/servers/quiet_readers.py); the marker is dualrun's alone. vLLM's side:
-tests/vllm/test_vllm_quiet_readers.py."""
+tests/vllm_tier/test_vllm_quiet_readers.py."""
 from __future__ import annotations
 
 import pytest

@@ -220,13 +220,14 @@ def test_engine_pid_is_the_last_start_of_the_labelled_server():
     ("unit/test_a.py", {"e2e", "slow"}, "marked e2e: its folder is tests/e2e/, not tests/unit/"),
     ("e2e/test_a.py", set(), None),                  # a module with unit and e2e tests sits with its slowest
     ("e2e/test_a.py", {"e2e", "cluster"}, "marked cluster: its folder is tests/cluster/, not tests/e2e/"),
-    ("vllm/test_vllm_a.py", {"vllm", "cluster", "e2e"}, None),
-    ("vllm/test_vllm_a.py", {"e2e"}, "not marked vllm: its folder is tests/e2e/, not tests/vllm/"),
+    ("vllm_tier/test_vllm_a.py", {"vllm", "cluster", "e2e"}, None),
+    ("vllm_tier/test_vllm_a.py", {"e2e"}, "not marked vllm: its folder is tests/e2e/, not tests/vllm_tier/"),
     ("cluster/test_cluster_a.py", {"cluster", "vllm"}, None),
-    ("cluster/test_cluster_a.py", {"vllm"}, "not marked cluster: its folder is tests/vllm/, not tests/cluster/"),
+    ("cluster/test_cluster_a.py", {"vllm"}, "not marked cluster: its folder is tests/vllm_tier/, not tests/cluster/"),
     ("test_a.py", set(), "a test outside the tiers' folders: its folder is tests/unit/"),
-    ("support/test_a.py", {"vllm", "cluster"}, "a test outside the tiers' folders: its folder is tests/vllm/ or "
-                                               "tests/cluster/"),
+    ("support/test_a.py", {"vllm", "cluster"}, "a test outside the tiers' folders: its folder is "
+                                               "tests/vllm_tier/ or tests/cluster/"),
+    ("vllm/test_vllm_a.py", {"vllm"}, "a test outside the tiers' folders: its folder is tests/vllm_tier/"),
 ])
 def test_a_test_in_the_wrong_folder_is_named_with_its_folder(path, markers, expected):
     """tests/README.md's table as tests/conftest.py holds it (tests/support/folders.py): the scripts pick the vLLM and
@@ -234,3 +235,21 @@ def test_a_test_in_the_wrong_folder_is_named_with_its_folder(path, markers, expe
     import folders
 
     assert folders.misplaced(Path(path).parts, markers) == expected
+
+
+def test_no_folder_of_tests_is_named_as_a_module_the_code_imports():
+    """pytest puts tests/ on sys.path (conftest.py's folder), so a folder tests/NAME is the namespace package NAME for
+    every test: a tests/vllm/ made `import vllm` succeed in the main venv, which has no vLLM, and its tests took vLLM
+    for installed. Hence tests/vllm_tier/."""
+    import ast
+
+    imported = set()
+    for root in ("dualrun", "plugins", "tests", "benchmarks"):
+        for path in (REPO / root).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module.split(".")[0])
+    folders = {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert "vllm" in imported and not folders & imported, folders & imported

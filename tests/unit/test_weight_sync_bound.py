@@ -1,7 +1,7 @@
 """Forming the trainer<->vLLM weight-sync group is bounded (issue 49): `weight_sync_timeout_s` (default 120 s)
 reaches both ends through DUALRUN_WEIGHT_SYNC_TIMEOUT_S in the plan (the trainers' env and the rollout servers',
 whose vLLM workers inherit it), and the line that ends the job names both ends. The group that cannot form, on a
-real vLLM server, is tests/vllm/test_vllm_weight_sync_bound.py."""
+real vLLM server, is tests/vllm_tier/test_vllm_weight_sync_bound.py."""
 from __future__ import annotations
 
 from concurrent.futures import Future

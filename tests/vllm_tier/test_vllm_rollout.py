@@ -21,7 +21,8 @@ pytestmark = [*TIER, pytest.mark.timeout(600)]
 RESULTS: dict[str, dict] = {}   # per run, for the same-training check
 # (backend, engines, vLLM's own worker processes): the same job on each launcher, then with 2 engines (in-process
 # workers, unbound threads: another process layout and thread binding, which must change nothing either); the first
-# is the session's reference run, which tests/vllm/test_vllm_cluster_ray.py compares the same job across Ray nodes with
+# is the session's reference run, which tests/vllm_tier/test_vllm_cluster_ray.py compares the same job across Ray
+# nodes with
 RUNS = [("torchrun", 1, True), ("ray", 1, False), ("torchrun", 2, False)]
 
 
