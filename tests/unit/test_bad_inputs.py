@@ -197,6 +197,15 @@ def _in_this_process(tmp_path: Path, case: dict, monkeypatch, capfdbinary) -> tu
     return code, out, err
 
 
+def _ray_connected(case: dict) -> bool:
+    """A case on the Ray backend, in a process still connected to a Ray cluster (an earlier test on this pytest-xdist
+    worker joined the session's `ray_cluster`): dualrun would use that connection, as no fresh `python -m dualrun`
+    can, so the case runs in a fresh interpreter instead."""
+    ray = sys.modules.get("ray")
+    on_ray = "ray" in case.get("args", []) or "backend: ray" in (case.get("config") or "")
+    return on_ray and ray is not None and ray.is_initialized()
+
+
 def test_both_ways_are_used():
     fresh = [c for _, c, f in CASES if f]
     assert len(CASES) - len(fresh) >= 100 and len(fresh) >= 8
@@ -206,7 +215,7 @@ def test_both_ways_are_used():
 @pytest.mark.parametrize("case,fresh", [(c, f) for _, c, f in CASES], ids=[i for i, _, _ in CASES])
 def test_bad_input(tmp_path, case, fresh, monkeypatch, capfdbinary):
     start = time.monotonic()
-    if fresh:
+    if fresh or _ray_connected(case):
         returncode, stdout, stderr = _in_a_fresh_interpreter(tmp_path, case)
     else:
         returncode, stdout, stderr = _in_this_process(tmp_path, case, monkeypatch, capfdbinary)
