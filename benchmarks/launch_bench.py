@@ -29,7 +29,7 @@ short temp dir, no dashboard) while the cluster variants run, and shut down (its
 no-cluster variants; it never runs `ray stop`.
 
 `--fake` writes the table, the chart and the planner results from synthetic numbers without starting anything
-(used by tests/test_benchmarks.py).
+(used by tests/e2e/test_benchmarks.py).
 
 This script is the session (the schedule, the run loop, the command line); the sandbox, the machine's noise, the
 measuring, the running cluster, the report and the planner are benchmarks/benchlib/, which the other benchmarks

@@ -42,7 +42,7 @@ from benchlib.servers import start_router  # noqa: E402
 
 OUT = os.path.join(BENCH, "results", "weight_sync.md")
 CHART = os.path.join(BENCH, "results", "weight_sync.png")
-# The vLLM tier's CPU settings (tests/vllm_helpers.py): eager float32, a 1 GiB KV cache; timing extension added.
+# The vLLM tier's CPU settings (tests/support/vllm_helpers.py): eager float32, a 1 GiB KV cache; timing extension added.
 # Each server's cores as dualrun's launch gives them (dualrun/servers/cpu_share.py): one replica all of them, two
 # replicas one share each.
 SERVER_ARGS = ("--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
@@ -255,7 +255,7 @@ class TimedClient:
 
 # -- the weights landed --------------------------------------------------------------------------------------------
 PROMPT = [2, 10, 11, 12, 13, 14]   # token ids of the tiny tokenizer's vocabulary (the 100M model shares it)
-TOLERANCE = 1e-3                   # vLLM's CPU kernels against transformers', float32 (tests/vllm_helpers.py)
+TOLERANCE = 1e-3                   # vLLM's CPU kernels against transformers', float32 (tests/support/vllm_helpers.py)
 
 
 def served_logprobs(url: str) -> list[float]:

@@ -4,7 +4,7 @@ loaded: the receivers' `load` does nothing), on loopback or on a virtual cluster
 with `tc tbf`.
 
     bash scripts/in-loopback.sh .venv/bin/python benchmarks/weight_sync_wire.py --loopback        # 1, 2, 4 receivers
-    .venv/bin/python benchmarks/weight_sync_wire.py --rates 1gbit,5gbit   # as root: tests/vcluster.py's machines
+    .venv/bin/python benchmarks/weight_sync_wire.py --rates 1gbit,5gbit   # root: tests/support/vcluster.py's machines
 
 On the virtual cluster the trainer (rank 0) runs on machine 0 and each receiver on a machine of its own; every
 machine's link is limited to the rate both ways. Each repetition runs both ways in the same group, alternating
@@ -150,7 +150,7 @@ def _bits(rate: str) -> float:
 
 def shaped(rates: list[str], layouts: list[int], reps: int, segment: int) -> list[dict]:
     """The trainer on machine 0 and each receiver on its own machine, every link limited to `rate` both ways."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "support"))
     from vcluster import VCluster
 
     rows = []

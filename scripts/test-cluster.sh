@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The cluster tier alone: the tests marked `cluster` (tests/test_vcluster.py and tests/test_cluster_*.py; those also
-# marked `vllm` with the vLLM venv, after the others), which
-# run dualrun on the virtual cluster of tests/vcluster.py: machines with addresses of their own on a private bridge
-# (network, mount and PID namespaces held by processes; needs root). The tests themselves run in a loopback-only
-# namespace, as the main suite does; the machines' namespaces are made from there. scripts/test.sh runs this beside
-# the main suite and the vLLM tier; arguments go to pytest, and test paths among them (`bash
-# scripts/test-cluster.sh tests/test_cluster_faults.py -k teacher`) replace the tier's list.
+# The cluster tier alone: the tests marked `cluster` under tests/cluster/ (test_vcluster.py and test_cluster_*.py;
+# those also marked `vllm` with the vLLM venv, after the others), which run dualrun on the virtual cluster of
+# tests/support/vcluster.py: machines with addresses of their own on a private bridge (network, mount and PID
+# namespaces held by processes; needs root). The tests themselves run in a loopback-only namespace, as the main suite
+# does; the machines' namespaces are made from there. scripts/test.sh runs this beside the main suite and the vLLM
+# tier; arguments go to pytest, and test paths among them (`bash scripts/test-cluster.sh
+# tests/cluster/test_cluster_faults.py -k teacher`) replace the tier's list.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
@@ -13,8 +13,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 export DUALRUN_CLUSTER_TIER=1
 # Test paths among the arguments (a file, or file::test) are what runs; without one, the whole tier.
-targets=(tests/test_vcluster.py tests/test_cluster_*.py)
-vllm_targets=(tests/test_cluster_*.py)
+targets=(tests/cluster)
+vllm_targets=(tests/cluster)
 for arg in "$@"; do
   case "$arg" in
     -*) ;;
@@ -25,7 +25,7 @@ status=0
 bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider -m "cluster and not vllm" "$@" \
   "${targets[@]}" || status=$?
 [ "$status" != 5 ] || status=0   # 5: no such test selected (the paths named hold only vLLM ones)
-# The cluster tests that run vLLM (marked `cluster` and `vllm`, in tests/test_cluster_*.py) run here, with the vLLM
+# The cluster tests that run vLLM (marked `cluster` and `vllm`, in tests/cluster/) run here, with the vLLM
 # venv (scripts/setup-vllm.sh: it waits while the vLLM tier makes it), not in the vLLM tier: that tier is the longer.
 # DUALRUN_SKIP_VLLM=1 leaves them out, as it leaves out the vLLM tier.
 if [ "${DUALRUN_SKIP_VLLM:-0}" = 1 ]; then

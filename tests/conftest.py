@@ -1,6 +1,7 @@
-"""The suite's fixtures and collection rules (what tests import lives in helpers.py). Tests that start torchrun or Ray
-need a loopback-only network namespace (`unshare -n` + `ip link set lo up`, as .ci/run does); elsewhere they are
-skipped with that reason."""
+"""The suite's fixtures and collection rules, for every folder under tests/ (tests/README.md says which folder a test
+goes in; what tests import lives in tests/support/, on sys.path through pyproject.toml's `pythonpath`). Tests that
+start torchrun or Ray need a loopback-only network namespace (`unshare -n` + `ip link set lo up`, as .ci/run does);
+elsewhere they are skipped with that reason."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import folders
 import helpers
 
 # DeepSpeed JIT-builds its CPU op into TORCH_EXTENSIONS_DIR with the `ninja` on PATH. scripts/setup.sh built it into
@@ -65,8 +67,8 @@ def _interrupted(signum, frame):
 
 
 def skip_cluster(items) -> None:
-    """The cluster tier (marker `cluster`: tests on tests/vcluster.py's machines) runs on its own, beside the main
-    suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); a cluster test of the vLLM tier (also marked
+    """The cluster tier (marker `cluster`: tests on tests/support/vcluster.py's machines) runs on its own, beside the
+    main suite (scripts/test-cluster.sh sets DUALRUN_CLUSTER_TIER=1); a cluster test of the vLLM tier (also marked
     `vllm`: it needs .venv-vllm) runs in that tier instead. Elsewhere, and where no cluster can be made, they are
     skipped with the reason."""
     import vcluster
@@ -83,6 +85,24 @@ def skip_cluster(items) -> None:
             item.add_marker(pytest.mark.skip(reason=why))
 
 
+def refuse_misplaced(items) -> None:
+    """A test in the wrong folder of tests/ (tests/support/folders.py) ends the collection with one line naming it:
+    the scripts pick the vLLM and cluster tiers by folder, so it would run in no tier or in the wrong venv."""
+    here = Path(__file__).resolve().parent
+    seen: dict[Path, str | None] = {}
+    for item in items:
+        if item.path not in seen:
+            seen[item.path] = None
+            path = item.path.resolve()
+            if path.is_relative_to(here):
+                seen[item.path] = str(path.relative_to(here))
+        if seen[item.path] is None:
+            continue
+        why = folders.misplaced(Path(seen[item.path]).parts, {m.name for m in item.iter_markers()})
+        if why:
+            raise pytest.UsageError(f"tests/{seen[item.path]}::{item.name}: {why} (see tests/README.md)")
+
+
 @pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the groups (its hook turns them into node ids)
 def pytest_collection_modifyitems(config, items):
     # Under pytest-xdist (`--dist loadgroup`, scripts/test.sh) the slow end-to-end tests that start a Ray cluster of
@@ -90,6 +110,7 @@ def pytest_collection_modifyitems(config, items):
     # time out). Every other test, those that join the worker's running cluster (`ray_cluster`, one per worker)
     # included, goes to whichever worker is free. xdist hands out the largest group first, so the queue starts at
     # once and the other worker takes the rest meanwhile.
+    refuse_misplaced(items)
     for item in items:
         mark_ray(item)
         if "e2e" in item.keywords and "slow" in item.keywords and starts_own_ray(item):
@@ -162,8 +183,8 @@ def write(tmp_path):
 
 @pytest.fixture(scope="session")
 def sft_one_machine(tiny, tmp_path_factory) -> list[float]:
-    """The cluster tier's reference: TRL's sft.py with 2 ranks on one machine (tests/cluster_jobs.py), its losses; the
-    same job across torchrun machines and across Ray nodes must give them. Run once per session."""
+    """The cluster tier's reference: TRL's sft.py with 2 ranks on one machine (tests/support/cluster_jobs.py), its
+    losses; the same job across torchrun machines and across Ray nodes must give them. Run once per session."""
     import cluster_jobs
 
     work = tmp_path_factory.mktemp("sft-one-machine")
@@ -188,8 +209,8 @@ def gkd_one_machine(tiny, tmp_path_factory) -> list[list[float]]:
 
 @pytest.fixture(scope="session")
 def grpo_one_machine(vllm_tiny, tmp_path_factory):
-    """The vLLM tier's reference GRPO run: the probe's job (tests/vllm_helpers.py `grpo_job`: one trainer, one vLLM
-    CPU engine in vLLM's own processes) on torchrun on one machine, run once per session: test_vllm_rollout.py
+    """The vLLM tier's reference GRPO run: the probe's job (tests/support/vllm_helpers.py `grpo_job`: one trainer, one
+    vLLM CPU engine in vLLM's own processes) on torchrun on one machine, run once per session: test_vllm_rollout.py
     compares its other layouts with it, test_vllm_cluster_ray.py the same job across Ray nodes."""
     from vllm_helpers import ProbeRun, run_grpo_probe
 

@@ -227,10 +227,11 @@ def report(rows: list[dict], meta: dict, wire: dict | None = None) -> str:
         w = wire["shaped"]
         lines += ["## Shaped links: the trainer on machine 0, each receiver on a machine of its own", "",
                   f"`{w['command']}` ({w['when']}; load {_loads(w)}). The wire alone: plain processes on the "
-                  "virtual cluster's machines (tests/vcluster.py: network namespaces on a bridge), running dualrun's "
-                  "wire and stream code (`dualrun.weightsync.stream`: the trainer's Sender, relaying Receivers whose "
-                  "`load` does nothing) without vLLM (four vLLM CPU engines do not fit beside the other jobs on this "
-                  "machine). Every machine's link is limited with `tc tbf` to the rate, both ways. The limit: the "
+                  "virtual cluster's machines (tests/support/vcluster.py: network namespaces on a bridge), running "
+                  "dualrun's wire and stream code (`dualrun.weightsync.stream`: the trainer's Sender, relaying "
+                  "Receivers whose `load` does nothing) without vLLM (four vLLM CPU engines do not fit beside the "
+                  "other jobs on this machine). Every machine's link is limited with `tc tbf` to the rate, both "
+                  "ways. The limit: the "
                   f"model's bytes at the link's rate; targets: 1 receiver >= {LINK_TARGET} of the link's rate, 4 "
                   f"receivers <= {FAN_TARGET}x the time of 1. Beside it, gloo's own broadcast of the same chunks "
                   "(its binomial tree: the trainer's link carries 1, 2, 3 copies for 1, 2, 4 receivers).", "",

@@ -1,7 +1,7 @@
 """`dualrun config`'s conversation: ask each question, ask again on an invalid answer, check the whole file.
 
 Why the check is passed in: the file must be one `dualrun plan` takes, and that verdict needs the plan and the
-method plugins, which sit above the config (tests/test_layers.py); the command line passes its own `plan` check.
+method plugins, which sit above the config (tests/unit/test_layers.py); the command line passes its own `plan` check.
 A refusal of the whole file names a key; the question answering that key is asked again, with the refusal's line.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ import textwrap
 
 from dualrun.config import schema
 
-MAX_CELL = 200   # tests/test_doc_shape.py holds every doc to it: a longer text goes below its table
+MAX_CELL = 200   # tests/unit/test_doc_shape.py holds every doc to it: a longer text goes below its table
 
 
 def _sentences(text: str, ends: str = ".") -> list[str]:
