@@ -32,17 +32,20 @@ import sys
 import time
 from typing import Any, Sequence
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, DummyCookieJar, TCPConnector, web
 
 from dualrun.contract import job_token, protocol
 from dualrun.config.cross_keys import host_port
 from dualrun.light.noise import Noise
-from dualrun.programs import guard, rotation
+from dualrun.programs import guard, one_handler, rotation
 from dualrun.programs import routing
 from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
 
 JSON = "application/json"
+# Headers aiohttp's client would add to every call to a replica by default; the engines use none of them, and with no
+# Accept-Encoding a replica has no reason to compress what the router would only decompress again.
+SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 
 
 class RouterError(Exception):
@@ -85,19 +88,14 @@ class Router:
         self._json_headers = {"Content-Type": JSON, **self.headers}
 
     # -- lifecycle --------------------------------------------------------------------------------------
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1024 ** 3)
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        app.on_startup.append(self._open)
-        app.on_cleanup.append(self._close)
-        return app
-
-    async def _open(self, _: web.Application) -> None:
-        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout)
+    async def _open(self, _: object = None) -> None:
+        # no cookies (the engines set none; a jar is filtered and updated on every call) and no default headers
+        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout,
+                                     cookie_jar=DummyCookieJar(), skip_auto_headers=SKIPPED_HEADERS)
         if self.probe_interval_s > 0:
             self._probes = [asyncio.ensure_future(self._probe_loop(i)) for i in range(len(self.replicas))]
 
-    async def _close(self, _: web.Application) -> None:
+    async def _close(self, _: object = None) -> None:
         for task in self._probes:
             task.cancel()
         await asyncio.gather(*self._probes, return_exceptions=True)
@@ -266,7 +264,7 @@ class Router:
         return [int(a["world_size"]) for a in answers]
 
     # -- the handler ----------------------------------------------------------------------------------------
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
         if request.method == "GET" and path.rstrip("/") == routing.STATS_PATH:
             return web.json_response({"replicas": self.table.rows(), "in_rotation": self.table.in_rotation(),
@@ -318,7 +316,7 @@ class Router:
         return web.json_response({"status": "ok", "replicas": len(self.replicas),
                                   "in_rotation": len(self.table.in_rotation()), "problems": problems})
 
-    async def completions(self, request: web.Request, body: bytes) -> web.Response:
+    async def completions(self, request: web.BaseRequest, body: bytes) -> web.Response:
         payload = _json(body)
         prompts = routing.prompts_of(payload)
         usable = self.table.in_rotation()
@@ -375,7 +373,7 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, allow_nan=True)  # logprobs may be -inf, as the engines send them
 
 
-def _content_type(request: web.Request) -> str:
+def _content_type(request: web.BaseRequest) -> str:
     return request.headers.get("Content-Type", JSON)
 
 
@@ -385,15 +383,6 @@ def _passthrough(status: int, data: bytes, content_type: str) -> web.Response:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop where it is installed (it comes with vLLM): the router's time is the loop's and the sockets'."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -417,8 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     quiet_client_trouble(Noise("dualrun router", debug=os.environ.get(protocol.DEBUG) == "1"))
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
-    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
-                handle_signals=True, loop=_event_loop(), backlog=1024)   # a connection per request in flight
+    one_handler.run(one_handler.serve(router.handle, args.host, args.port, start=router._open, stop=router._close,
+                                      client_max_size=1024 ** 3, backlog=1024))   # a connection per request in flight
 
 
 if __name__ == "__main__":
