@@ -10,6 +10,7 @@ before the port opens, the handlers in flight given the runner's 60 s to end, th
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from typing import Awaitable, Callable
 
@@ -17,6 +18,10 @@ from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+# Allocations between two collections of the youngest generation (Python's default: 700). A request allocates
+# thousands of short-lived objects (aiohttp's request, response, headers, futures): at 700 the collector ran every
+# few requests and walked the requests in flight each time, about 8 % of the router's instructions.
+YOUNG_GENERATION = 10_000
 
 
 def event_loop() -> asyncio.AbstractEventLoop:
@@ -26,6 +31,14 @@ def event_loop() -> asyncio.AbstractEventLoop:
     except ImportError:
         return asyncio.new_event_loop()
     return uvloop.new_event_loop()
+
+
+def fewer_collections() -> None:
+    """Once started: what was loaded so far (modules, the session) is left out of every collection from now on
+    (`gc.freeze`), and the youngest generation is collected every `YOUNG_GENERATION` allocations. Memory grows by
+    at most that many young objects; reference cycles are still collected."""
+    gc.freeze()
+    gc.set_threshold(YOUNG_GENERATION, *gc.get_threshold()[1:])
 
 
 async def expect_continue(request: web.BaseRequest) -> web.StreamResponse | None:
@@ -64,6 +77,7 @@ async def serve(handler: Handler, host: str, port: int, *, start: Callable[[], A
     runner = web.ServerRunner(web.Server(handle, request_factory=request_factory, access_log=None))
     await runner.setup()
     await start()
+    fewer_collections()
     try:
         await web.TCPSite(runner, host, port, backlog=backlog).start()
         await done.wait()

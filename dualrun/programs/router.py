@@ -43,9 +43,6 @@ from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
 
 JSON = "application/json"
-# Headers aiohttp's client would add to every call to a replica by default; the engines use none of them, and with no
-# Accept-Encoding a replica has no reason to compress what the router would only decompress again.
-SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 
 
 class RouterError(Exception):
@@ -89,9 +86,8 @@ class Router:
 
     # -- lifecycle --------------------------------------------------------------------------------------
     async def _open(self, _: object = None) -> None:
-        # no cookies (the engines set none; a jar is filtered and updated on every call) and no default headers
-        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout,
-                                     cookie_jar=DummyCookieJar(), skip_auto_headers=SKIPPED_HEADERS)
+        # no cookie jar: the engines set no cookies, and one client's must not ride on another's requests
+        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout, cookie_jar=DummyCookieJar())
         if self.probe_interval_s > 0:
             self._probes = [asyncio.ensure_future(self._probe_loop(i)) for i in range(len(self.replicas))]
 
@@ -319,8 +315,8 @@ class Router:
     async def completions(self, request: web.BaseRequest, body: bytes) -> web.Response:
         payload = _json(body)
         prompts = routing.prompts_of(payload)
-        usable = self.table.in_rotation()
-        if prompts is None or len(prompts) == 1 or len(usable) <= 1 or payload.get("stream"):
+        usable = [] if prompts is None or len(prompts) == 1 else self.table.in_rotation()
+        if len(usable) <= 1 or payload.get("stream"):
             return _passthrough(*await self.forward("POST", request.path_qs, body, _content_type(request)))
         parts = routing.split_completion(payload, prompts, len(usable))
         first = usable.index(self.table.pick())
