@@ -1,8 +1,8 @@
 """The router's server (dualrun/programs/one_handler.py): aiohttp's low-level server with one handler keeps what the
 Application gave a client — any method and path reach the handler, a body up to the limit given (aiohttp's own
-default refuses more than 1 MiB), `Expect: 100-continue` answered, another expectation refused with 417 — and its
-lifecycle: `start` before the port opens, `stop` after SIGTERM, the collector's young generation raised meanwhile.
-In-process, real sockets on loopback."""
+default refuses more than 1 MiB), `Expect: 100-continue` answered, another expectation refused with 417, an empty
+one ignored — and its lifecycle: `start` before the port opens, `stop` after SIGTERM, the collector's young
+generation raised meanwhile. In-process, real sockets on loopback."""
 from __future__ import annotations
 
 import asyncio
@@ -66,6 +66,8 @@ def test_every_request_reaches_the_one_handler_with_the_body_limit_and_expect_th
                                                 b"Expect: 100-continue\r\n\r\n", b"hello")
         out["unknown"] = await _exchange(port, b"POST /u HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
                                                b"Expect: something\r\n\r\n", b"hello")
+        out["empty"] = await _exchange(port, b"POST /e HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                                             b"Expect: \r\n\r\nhello", b"")
         os.kill(os.getpid(), signal.SIGTERM)   # the loop's handler ends serve()
         return out
 
@@ -88,4 +90,5 @@ def test_every_request_reaches_the_one_handler_with_the_body_limit_and_expect_th
     assert first.startswith(b"HTTP/1.1 417") and rest == b""
     assert ("PUT", "/any/path?x=1", 3 * 2 ** 20) in seen and ("POST", "/c", 5) in seen
     assert not any(path == "/u" for _, path, _ in seen)
+    assert out["empty"][0].startswith(b"HTTP/1.1 200") and ("POST", "/e", 5) in seen   # an empty Expect: none
     assert order == ["start", "stop"]

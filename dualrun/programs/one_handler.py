@@ -73,7 +73,7 @@ async def serve(handler: Handler, host: str, port: int, *, start: Callable[[], A
 
     def handle(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
         # (not a coroutine of its own: the handler's is awaited directly, one frame less on every resumption)
-        return expecting(request) if "Expect" in request.headers else handler(request)
+        return expecting(request) if request.headers.get("Expect") else handler(request)   # (as aiohttp's: if set)
 
     runner = web.ServerRunner(web.Server(handle, request_factory=request_factory, access_log=None))
     await runner.setup()
