@@ -9,6 +9,7 @@ paths vLLM's own `--api-key` guards; `/health` and the rest stay open.
 """
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 from dualrun.contract import job_token
@@ -19,12 +20,14 @@ from dualrun.programs import routing
 API_KEY_PREFIXES = ("/v1", "/v2", "/inference", "/cohere", "/generate")
 
 
+@functools.lru_cache(maxsize=256)   # pure, and asked on every request to a server that has a key
 def needs_api_key(path: str) -> bool:
     """Is `path` an inference endpoint (what a user's `--api-key` guards)?"""
     path = path.split("?")[0]
     return any(path == p or path.startswith(p + "/") for p in API_KEY_PREFIXES)
 
 
+@functools.lru_cache(maxsize=256)   # pure, and asked on every request to a server that has a secret
 def job_only(method: str, path: str) -> bool:
     """Does `method path` change the job (only its own processes may ask it)? The router's control endpoints, and
     the calls it fans out to every replica: weight transfer, pause and resume, adapters, prefix-cache reset."""

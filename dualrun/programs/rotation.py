@@ -35,7 +35,7 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 UNREACHABLE = "unreachable"  # connection refused or reset: the engine is down
 STATUS = "status"            # it answered a 5xx: alive, sick
@@ -141,12 +141,11 @@ class Rotation:
         one not yet removed makes the call fail, as with one engine; a held one is there to receive the weights)."""
         return [i for i, r in enumerate(self.replicas) if r.member]
 
-    def pick(self, exclude: Iterable[int] = (), prefer: int | None = None) -> int | None:
+    def pick(self, exclude: Collection[int] = (), prefer: int | None = None) -> int | None:
         """The replica for the next attempt of a request: `prefer` when it is in rotation and not excluded, else the
         least busy one in rotation, ties round-robin (sequential requests still visit every replica); None when
         none is left."""
-        exclude = set(exclude)
-        usable = [i for i in self.in_rotation() if i not in exclude]
+        usable = [i for i, r in enumerate(self.replicas) if r.in_rotation and i not in exclude]
         if not usable:
             return None
         if prefer in usable:

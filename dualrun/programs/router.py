@@ -4,10 +4,10 @@
 
 Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data parallelism for dense models inside one
 server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
-What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp, one kept-alive
-connection pool to the replicas). Both launchers start it (a ServerProcess like any server: health-checked,
-logged, watched, stopped with the servers) in front of a separate role's replicas once they are healthy; its
-`host:port` is the one the trainers get.
+What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp: its low-level server
+with this one handler, `one_handler.py`, and one kept-alive connection pool to the replicas). Both launchers start
+it (a ServerProcess like any server: health-checked, logged, watched, stopped with the servers) in front of a
+separate role's replicas once they are healthy; its `host:port` is the one the trainers get.
 
 A replica that fails — connection refused or reset, a 5xx, no answer within `--request-timeout-s` (the role's
 `request_timeout_s`), a failed health probe (every replica is probed about once a second) — leaves the rotation at
@@ -32,12 +32,12 @@ import sys
 import time
 from typing import Any, Sequence
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, DummyCookieJar, TCPConnector, web
 
 from dualrun.contract import job_token, protocol
 from dualrun.config.cross_keys import host_port
 from dualrun.light.noise import Noise
-from dualrun.programs import guard, rotation
+from dualrun.programs import guard, one_handler, rotation
 from dualrun.programs import routing
 from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
@@ -85,19 +85,13 @@ class Router:
         self._json_headers = {"Content-Type": JSON, **self.headers}
 
     # -- lifecycle --------------------------------------------------------------------------------------
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=1024 ** 3)
-        app.router.add_route("*", "/{tail:.*}", self.handle)
-        app.on_startup.append(self._open)
-        app.on_cleanup.append(self._close)
-        return app
-
-    async def _open(self, _: web.Application) -> None:
-        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout)
+    async def _open(self, _: object = None) -> None:
+        # no cookie jar: the engines set no cookies, and one client's must not ride on another's requests
+        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout, cookie_jar=DummyCookieJar())
         if self.probe_interval_s > 0:
             self._probes = [asyncio.ensure_future(self._probe_loop(i)) for i in range(len(self.replicas))]
 
-    async def _close(self, _: web.Application) -> None:
+    async def _close(self, _: object = None) -> None:
         for task in self._probes:
             task.cancel()
         await asyncio.gather(*self._probes, return_exceptions=True)
@@ -266,7 +260,7 @@ class Router:
         return [int(a["world_size"]) for a in answers]
 
     # -- the handler ----------------------------------------------------------------------------------------
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         path = request.path
         if request.method == "GET" and path.rstrip("/") == routing.STATS_PATH:
             return web.json_response({"replicas": self.table.rows(), "in_rotation": self.table.in_rotation(),
@@ -318,11 +312,11 @@ class Router:
         return web.json_response({"status": "ok", "replicas": len(self.replicas),
                                   "in_rotation": len(self.table.in_rotation()), "problems": problems})
 
-    async def completions(self, request: web.Request, body: bytes) -> web.Response:
+    async def completions(self, request: web.BaseRequest, body: bytes) -> web.Response:
         payload = _json(body)
         prompts = routing.prompts_of(payload)
-        usable = self.table.in_rotation()
-        if prompts is None or len(prompts) == 1 or len(usable) <= 1 or payload.get("stream"):
+        usable = [] if prompts is None or len(prompts) == 1 else self.table.in_rotation()
+        if len(usable) <= 1 or payload.get("stream"):
             return _passthrough(*await self.forward("POST", request.path_qs, body, _content_type(request)))
         parts = routing.split_completion(payload, prompts, len(usable))
         first = usable.index(self.table.pick())
@@ -375,7 +369,7 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, allow_nan=True)  # logprobs may be -inf, as the engines send them
 
 
-def _content_type(request: web.Request) -> str:
+def _content_type(request: web.BaseRequest) -> str:
     return request.headers.get("Content-Type", JSON)
 
 
@@ -385,15 +379,6 @@ def _passthrough(status: int, data: bytes, content_type: str) -> web.Response:
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop where it is installed (it comes with vLLM): the router's time is the loop's and the sockets'."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -417,8 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     quiet_client_trouble(Noise("dualrun router", debug=os.environ.get(protocol.DEBUG) == "1"))
     print(f"dualrun router: serving http://{args.host}:{args.port} for {len(args.replica)} replicas: "
           f"{' '.join(args.replica)}", file=sys.stderr, flush=True)
-    web.run_app(router.app(), host=args.host, port=args.port, print=None, access_log=None,
-                handle_signals=True, loop=_event_loop(), backlog=1024)   # a connection per request in flight
+    one_handler.run(one_handler.serve(router.handle, args.host, args.port, start=router._open, stop=router._close,
+                                      client_max_size=1024 ** 3, backlog=1024))   # a connection per request in flight
 
 
 if __name__ == "__main__":
