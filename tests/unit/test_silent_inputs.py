@@ -68,7 +68,7 @@ def test_forward_patterns_still_match():
 @pytest.mark.parametrize("env,key", [
     ({"DUALRUN_PROGRESS": "bogus"}, "DUALRUN_PROGRESS"), ({"DUALRUN_EXIT_TIMEOUT_S": "0"}, "DUALRUN_EXIT_TIMEOUT_S"),
     ({"DUALRUN_EXIT_TIMEOUT_S": "inf"}, "DUALRUN_EXIT_TIMEOUT_S"), ({"DUALRUN_FORWARD_ENV": "A,?*"}, "DUALRUN_FORWARD_ENV"),
-    ({"DUALRUN_FORWARD_ENV": "A B"}, "DUALRUN_FORWARD_ENV"),
+    ({"DUALRUN_FORWARD_ENV": "A B"}, "DUALRUN_FORWARD_ENV"), ({"DUALRUN_JOBS_DIR": __file__}, "DUALRUN_JOBS_DIR"),
 ])
 def test_documented_variables_are_checked(env, key):
     with pytest.raises(ConfigError) as e:
@@ -78,7 +78,8 @@ def test_documented_variables_are_checked(env, key):
 
 def test_good_variables_pass():
     check_environment({"DUALRUN_PROGRESS": "all", "DUALRUN_EXIT_TIMEOUT_S": "2.5", "DUALRUN_FORWARD_ENV": "A,B_*,",
-                       "DUALRUN_CACHE": "0", "DUALRUN_DEBUG": "1", "RAY_ADDRESS": "http://h:8265"})  # torchrun
+                       "DUALRUN_CACHE": "0", "DUALRUN_DEBUG": "1", "RAY_ADDRESS": "http://h:8265",
+                       "DUALRUN_JOBS_DIR": "/nonexistent/made-when-missing"})  # torchrun
     for address in ("auto", "10.0.0.1:6379", "ray://head:10001", "[::1]:6379", ""):
         check_environment({"RAY_ADDRESS": address}, backend="ray")
 
