@@ -15,9 +15,9 @@ from ray_helpers import ray_env
 
 PROGRAM = """import os, sys
 rank = os.environ["RANK"]
-print("out of rank", rank, flush=True)
-print("err of rank", rank, file=sys.stderr, flush=True)
-print("last words of rank", rank)          # never flushed by the program: the exit guard flushes it
+print(f"out of rank {rank}", flush=True)   # one write: torchrun prefixes each write (under -u print writes each
+print(f"err of rank {rank}", file=sys.stderr, flush=True)   # argument and the separator apart)
+print(f"last words of rank {rank}")          # never flushed by the program: the exit guard flushes it
 """
 
 

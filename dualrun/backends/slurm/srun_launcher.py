@@ -180,7 +180,8 @@ class SlurmLauncher(Launcher):
         extra = {protocol.JOB_TOKEN: self.job_token, RESTARTS: str(attempt)}
         if servers is not None:
             extra.update(servers.wiring_env())
-            extra.update(group_host_env(extra, prepared.env, len(self.nodes()) == 1))
+            weight_sync = bool(prepared.plan is not None and prepared.plan.weight_sync)
+            extra.update(group_host_env(weight_sync, prepared.env, len(self.nodes()) == 1))
         if attempt:
             extra[protocol.JOB_RESTARTS] = str(attempt)
         if self._error_dir is None:

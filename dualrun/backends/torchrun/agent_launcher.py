@@ -274,7 +274,8 @@ class TorchrunLauncher(Launcher):
 
     def _job_env(self, prepared: Prepared, attempt: int, servers: ServerSet) -> dict[str, str]:
         extra = {protocol.JOB_TOKEN: self.job_token, **servers.wiring_env()}   # machine K: read at launch
-        extra.update(group_host_env(extra, prepared.env, self.rdzv.num_machines == 1))
+        weight_sync = bool(prepared.plan is not None and prepared.plan.weight_sync)
+        extra.update(group_host_env(weight_sync, prepared.env, self.rdzv.num_machines == 1))
         if attempt:   # restarted by dualrun (a server died): torchrun's own count starts again at 0
             extra[protocol.JOB_RESTARTS] = str(attempt)
         return {**prepared.env, **extra}
