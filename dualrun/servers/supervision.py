@@ -67,9 +67,8 @@ def liveness_path(plan: Plan, index: int) -> str:
 def router_of(plan: Plan, index: int) -> tuple[int, int]:
     """(plan.servers index of the router in front of replica `index`, the replica's slot in that router)."""
     unit = plan.servers[index].unit
-    replicas = [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
     router = next(i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind == ROUTER)
-    return router, replicas.index(index)
+    return router, replicas_of(plan, unit).index(index)
 
 
 def replicas_of(plan: Plan, unit: str) -> list[int]:
@@ -82,9 +81,7 @@ def survivable(plan: Plan, index: int | None, left: Mapping[int, int], down: Col
     of its unit is neither dead nor being restarted (`down`)."""
     if index is None or left.get(index, 0) <= 0:
         return False
-    unit = plan.servers[index].unit
-    others = [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER and i != index]
-    return any(i not in down for i in others)
+    return any(i not in down for i in replicas_of(plan, plan.servers[index].unit) if i != index)
 
 
 def hung(row: Mapping[str, Any], out_for_s: float, request_timeout_s: float) -> bool:
@@ -166,10 +163,9 @@ class Supervision:
         parked now."""
         if index is None or index in self.parked or not others_serving or not self.in_fleet(index):
             return False
-        proc = self.plan.servers[index]
-        fleet = self.plan.fleets.get(proc.unit)
-        rest = [i for i in self.running(proc.unit) if i != index]
-        if fleet is None or len(rest) < fleet.low or not any(i not in self.down for i in rest):
+        unit = self.plan.servers[index].unit
+        rest = [i for i in self.running(unit) if i != index]
+        if len(rest) < self.plan.fleets[unit].low or not any(i not in self.down for i in rest):
             return False
         self.parked.add(index)
         self.down.discard(index)

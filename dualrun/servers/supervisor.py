@@ -5,8 +5,8 @@ lone server (no router in front) probed and, hung, stopped (its death the job's)
 Why apart from the server sets: the policy (supervision.py's table) and the steps of a restart (the router's
 `remove`, a fresh process, the router's `replace`, the wait for rotation, the lines the user reads) are the same
 whether the replica is a process here (`LocalServers`) or runs from a Ray actor (`RayServers`); a backend only
-gives the few primitives below (`Replicas`). The multi-machine wrapper (machines.py) adds what only several
-machines need: the router's view of whether another replica serves.
+gives the few primitives below (`Replicas`). The multi-machine wrapper (backends/torchrun/machine_servers.py) adds
+what only several machines need: the router's view of whether another replica serves.
 """
 from __future__ import annotations
 
@@ -186,22 +186,30 @@ class Supervisor:
     def _leave(self, death: ServerDeath) -> None:
         """A dead replica that is not restarted leaves its role (enough others run: `Supervision.leaves`): out of
         its router for good, its remains stopped, one line."""
-        from dualrun.servers import router_client
-
         index = death.index
         assert index is not None
-        proc = self.plan.servers[index]
-        router, slot = router_of(self.plan, index)
         try:
-            router_client.control(self.address_of(router) or "", slot, "retire", reason=f"died: {death.one_line()}")
+            self._retire(index, f"died: {death.one_line()}")
         except (OSError, RuntimeError) as e:
-            self.events.fatal(ServerDeath.of(index, ServerError(proc.label, f"died and could not leave its router "
-                                                                            f"({e})")))
+            self.events.fatal(ServerDeath.of(index, ServerError(self.plan.servers[index].label,
+                                                                f"died and could not leave its router ({e})")))
             return
-        self.replicas.kill(index, 0.0)
-        print(left_line(proc.label, f"died: {death.one_line()}", self._running(proc.unit),
-                        self.plan.fleets[proc.unit].low), file=sys.stderr, flush=True)
-        self.history.append(f"{proc.label} left (died)")
+        self._gone(index, 0.0, f"died: {death.one_line()}", "died")
+
+    def _retire(self, index: int, reason: str) -> None:
+        """Replica `index` out of its router's rotation and weight-sync group for good (its slot a spare again)."""
+        from dualrun.servers import router_client
+
+        router, slot = router_of(self.plan, index)
+        router_client.control(self.address_of(router) or "", slot, "retire", reason=reason)
+
+    def _gone(self, index: int, grace_s: float, why: str, summary: str) -> None:
+        """Stop what is left of a replica that left its role (`why`, `summary`: its line's and the job summary's)."""
+        proc = self.plan.servers[index]
+        self.replicas.kill(index, grace_s)
+        print(left_line(proc.label, why, self._running(proc.unit), self.plan.fleets[proc.unit].low),
+              file=sys.stderr, flush=True)
+        self.history.append(f"{proc.label} left ({summary})")
 
     def _running(self, unit: str) -> int:
         with self._lock:
@@ -236,7 +244,7 @@ class Supervisor:
             if not start and not stop:
                 return f"dualrun: {unit}: {now} replicas already (min {fleet.low}, max {fleet.high}); nothing to do"
             if stop:
-                return self._shrink(unit, stop, fleet.low)
+                return self._shrink(unit, stop)
             return self._grow(unit, start)
         finally:
             self._resizing.release()
@@ -246,8 +254,6 @@ class Supervisor:
         that did not (they are parked again, their remains stopped: the job goes on)."""
         began = time.monotonic()
         failed: dict[int, str] = {}
-        lines: dict[int, str] = {}
-
         done = {i: threading.Event() for i in indices}
 
         def one(index: int) -> None:
@@ -257,8 +263,8 @@ class Supervisor:
                 brought = self._bring_in(index, label, 0, again=False)
                 if brought is not None:
                     address, started_s = brought
-                    lines[index] = joined_line(label, address, time.monotonic() - began, started_s)
-                    print(lines[index], file=sys.stderr, flush=True)
+                    print(joined_line(label, address, time.monotonic() - began, started_s), file=sys.stderr,
+                          flush=True)
                     self.history.append(f"{label} joined after {time.monotonic() - began:.1f} s (its engine started "
                                         f"in {started_s:.1f} s)")
             except Exception as e:  # noqa: BLE001 - any failure to join is the resize's, named
@@ -283,11 +289,8 @@ class Supervisor:
 
     def _park(self, index: int) -> None:
         """A replica that failed to join: out of its router's slot, its remains stopped, parked again."""
-        from dualrun.servers import router_client
-
-        router, slot = router_of(self.plan, index)
         try:
-            router_client.control(self.address_of(router) or "", slot, "retire", reason="did not join")
+            self._retire(index, "did not join")
         except (OSError, RuntimeError):
             pass   # its router gone too: the watcher ends the job
         self.replicas.kill(index, HUNG_GRACE_S)
@@ -295,26 +298,22 @@ class Supervisor:
             self.table.down.discard(index)
             self.table.parked.add(index)
 
-    def _shrink(self, unit: str, indices: list[int], low: int) -> str:
+    def _shrink(self, unit: str, indices: list[int]) -> str:
         """Retire `indices` at their router (no new request goes to them), let the requests in flight on them end
         (up to `DRAIN_S`), stop them; their lines."""
         from dualrun.servers import router_client
 
-        router = router_of(self.plan, indices[0])[0]
-        at = self.address_of(router)
-        assert at is not None
         for index in indices:
-            router_client.control(at, router_of(self.plan, index)[1], "retire", reason="scaled down")
+            self._retire(index, "scaled down")
+        at = self.address_of(router_of(self.plan, indices[0])[0])
+        assert at is not None
         deadline = time.monotonic() + DRAIN_S
         slots = [router_of(self.plan, i)[1] for i in indices]
         while time.monotonic() < deadline and any(router_client.replicas(at)["replicas"][s]["in_flight"]
                                                   for s in slots):
             time.sleep(0.1)
         for index in indices:
-            self.replicas.kill(index, HUNG_GRACE_S)
-            print(left_line(self.plan.servers[index].label, "scaled down", self._running(unit), low),
-                  file=sys.stderr, flush=True)
-            self.history.append(f"{self.plan.servers[index].label} left (scaled down)")
+            self._gone(index, HUNG_GRACE_S, "scaled down", "scaled down")
         return f"dualrun: {unit}: {self._running(unit)} replicas now ({len(indices)} left)"
 
     # -- hung replicas ---------------------------------------------------------------------------------------
