@@ -6,7 +6,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     """The new package's public names, read on use. No `__path__` (nor another dunder but `__all__`, for `import *`):
-    `import dualrun.roles.runtime` would load a second copy of the runtime's module, with a runtime of its own."""
+    a submodule imported by the old name would be a second copy of the new one's, with a runtime of its own."""
     if name.startswith("__") and name != "__all__":
         raise AttributeError(f"module 'dualrun.roles' has no attribute {name!r}")
     import importlib

@@ -2,11 +2,11 @@
 replica found and stopped, a restarted one taken back by its router (held until it has the trainer's weights), a
 lone server (no router in front) probed and, hung, stopped (its death the job's).
 
-Why apart from the server sets: the policy (supervision.py's table) and the steps of a restart (the router's
-`remove`, a fresh process, the router's `replace`, the wait for rotation, the lines the user reads) are the same
-whether the replica is a process here (`LocalServers`) or runs from a Ray actor (`RayServers`); a backend only
-gives the few primitives below (`Replicas`). The multi-machine wrapper (machines.py) adds what only several
-machines need: the router's view of whether another replica serves.
+Why apart from the server sets: the policy (supervision.py's table) and the steps of a restart (the router's `remove`, a
+fresh process, the router's `replace`, the wait for rotation, the lines the user reads) are the same whether the replica
+is a process here (`LocalServers`) or runs from a Ray actor (`RayServers`); a backend only gives the few primitives
+below (`Replicas`). The multi-machine wrapper (backends/torchrun/machine_servers.py) adds what only several machines
+need: the router's view of whether another replica serves.
 """
 from __future__ import annotations
 
