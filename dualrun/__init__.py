@@ -13,10 +13,10 @@ _LAZY = {
     "JobResult": ("dualrun.launchers.launcher", "JobResult"),
     "load_config": ("dualrun.config", "load_config"),
     "ConfigError": ("dualrun.contract.errors", "ConfigError"),
-    # role-splitting API (docs/roles.md)
-    **{name: ("dualrun.roles", name) for name in (
-        "worker", "function", "WorkerGroup", "init", "shutdown", "current", "WorkerError", "UnknownGroupError",
-        "GroupFuture", "register_dispatch", "register_collect")},
+    # role-program API (docs/roles.md)
+    **{name: ("dualrun.role_programs", name) for name in (
+        "worker", "function", "WorkerGroup", "init", "shutdown", "current", "get_runtime", "WorkerError",
+        "UnknownGroupError", "GroupFuture", "register_dispatch", "register_collect", "DISPATCH", "COLLECT")},
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -28,4 +28,8 @@ def __getattr__(name: str) -> Any:
 
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
+    if name in ("role_programs", "roles"):   # `import dualrun` then `dualrun.roles.get_runtime()` (the old spelling)
+        import importlib
+
+        return importlib.import_module(f"dualrun.{name}")
     raise AttributeError(f"module 'dualrun' has no attribute {name!r}")

@@ -38,7 +38,7 @@ def _run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bo
              out: TextIO | None) -> JobResult:
     out = out or sys.stderr
     started = time.monotonic()
-    from dualrun.roles.driver import is_role_job
+    from dualrun.role_programs.driver import is_role_job
 
     if is_role_job(program, plugin):  # a role program (docs/roles.md): once, as the driver of its groups
         return _run_role_driver(cfg, program, plugin, dry_run)
@@ -88,8 +88,8 @@ def _run_job(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bo
 
 def _run_role_driver(cfg: JobConfig, program: Program, plugin: MethodPlugin, dry_run: bool) -> JobResult:
     """A role program: one driver process, no plan of ranks and no accelerate env of its own to prepare."""
-    from dualrun.launchers.roles import RoleDriverLauncher
-    from dualrun.roles.driver import check_role_job
+    from dualrun.launchers.role_program import RoleDriverLauncher
+    from dualrun.role_programs.driver import check_role_job
 
     check_role_job(cfg)
     launcher = RoleDriverLauncher(cfg, program, plugin=plugin)

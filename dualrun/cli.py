@@ -152,9 +152,9 @@ def _plan_role_program(cfg: Any, as_json: bool) -> int:
     import json
     from dataclasses import asdict
 
-    from dualrun.roles.driver import check_role_job, roles_mode
-    from dualrun.roles.modes import groups_table
-    from dualrun.roles.spec import spec_from_config
+    from dualrun.role_programs.driver import check_role_job, roles_mode
+    from dualrun.role_programs.modes import groups_table
+    from dualrun.role_programs.spec import spec_from_config
 
     check_role_job(cfg)
     spec = spec_from_config(cfg)

@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--orm", default=None, help="outcome reward: model path or function (default: roles.orm.model)")
     args = p.parse_args()
 
-    runtime = dualrun.init(args.config) if args.config else dualrun.roles.get_runtime()
+    runtime = dualrun.init(args.config) if args.config else dualrun.get_runtime()
     role_model = lambda name: (runtime.spec.group(name).model if runtime.spec.group(name) else None)  # noqa: E731
     model = args.model or role_model("sampler")
     if not model:

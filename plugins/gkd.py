@@ -25,8 +25,8 @@ class GKDPlugin(MethodPlugin):
     roles = ("train", "teacher", "rollout")
     required_roles = ("train",)
     weight_roles = frozenset({"rollout"})   # DistillationTrainer sends its weights to a separate rollout, as GRPO's
-    # workers/gkd.py: a colocated teacher's model fills GKDConfig, a user-run one's gives the vocabulary size; top_k
-    # truncates a colocated teacher and is what a teacher server is asked for
+    # workers/gkd_worker.py: a colocated teacher's model fills GKDConfig, a user-run one's gives the vocabulary size;
+    # top_k truncates a colocated teacher and is what a teacher server is asked for
     role_key_reads = {"teacher": {"model": ("colocated", "address"), "top_k": ("colocated", "separate", "address")}}
 
     def validate(self, cfg: JobConfig) -> None:

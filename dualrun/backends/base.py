@@ -56,9 +56,9 @@ class Backend(ABC):
         return None
 
     def groups_mode(self) -> Any:
-        """How a role program's worker groups run on this backend (roles/modes.py `GroupsMode`): by default the
+        """How a role program's worker groups run on this backend (role_programs/modes.py `GroupsMode`): by default the
         driver's own child processes, on the devices the plan gives each role on this machine."""
-        from dualrun.roles.modes import LOCAL_GROUPS
+        from dualrun.role_programs.modes import LOCAL_GROUPS
 
         return LOCAL_GROUPS
 

@@ -187,7 +187,7 @@ _DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "server_args": 
 def program_sizes(cfg: Any) -> None:
     """A role program (`single_controller`: runs once, as the driver, its groups sized by their roles) takes
     `num_processes` in accelerate's meaning only: the job's total (each colocate group counted once), or unset. Any
-    other number would be accepted and do nothing (several torchrun machines: roles/driver.py)."""
+    other number would be accepted and do nothing (several torchrun machines: role_programs/driver.py)."""
     if "num_processes" not in cfg.written:
         return
     n, sizes = cfg.accelerate.get("num_processes"), {}

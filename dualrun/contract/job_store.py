@@ -23,11 +23,12 @@ WIRING_KEY = "dualrun/wiring/env"       # JSON: the trainers' wiring env, set by
                                         # known (with DUALRUN_SERVERS_STARTING while the servers still start)
 FINISHED_KEY = "dualrun/finished/{machine}"   # set by a machine whose ranks succeeded, before it stops its servers
 ATTEMPT_KEY = "dualrun/attempt"         # set by machine 0 in each attempt's store: which dualrun attempt it serves
-BEAT_KEY = "dualrun/beat/{machine}"     # machine K's launcher adds 1 every second (launchers/machine_watch.py)
+BEAT_KEY = "dualrun/beat/{machine}"     # machine K's launcher adds 1 every second (backends/torchrun/machine_watch.py)
 MACHINE_KEY = "dualrun/machine/{machine}"   # machine K's address on its route to machine 0
 LEFT_KEY = "dualrun/left/{machine}"     # set by machine K's launcher once its agent returned: its silence is no loss
 RESULT_KEY = "dualrun/result"           # JSON {exit_code, message, restart}: set by machine 0's launcher once its
-                                        # agent returned, for the machines that run no ranks (launchers/serve_only.py)
+                                        # agent returned, for the machines that run no ranks
+                                        # (backends/torchrun/serve_only.py)
 WAIT_S = 600.0                          # how long a reader waits for a key (machines are started by hand)
 
 

@@ -27,7 +27,7 @@ LOG_DIR = "DUALRUN_LOG_DIR"         # torchrun: each rank also appends its outpu
 ADDRESS_PATTERN = "DUALRUN_*_ADDRESS"  # a separate role's `host:port` (see `address_env`)
 API_KEY_PATTERN = "DUALRUN_*_API_KEY"  # a separate role's `--api-key`, for the trainers' requests (see `api_key_env`)
 
-# -- role programs (dualrun.roles) ---------------------------------------------------------------------------
+# -- role programs (dualrun.role_programs) -------------------------------------------------------------------
 ROLES_SPEC = "DUALRUN_ROLES_SPEC"   # JSON of RolesSpec, set by `dualrun launch` for a role program
 ROLES_MODE = "DUALRUN_ROLES_MODE"   # 'ray' (this process is the driver of a Ray job) | 'local'
 GROUP_RANK = "DUALRUN_GROUP_RANK"   # a role group worker's rank in its group

@@ -1,6 +1,6 @@
 """One child process in a process group of its own: started, signalled as a group, stopped SIGTERM -> grace -> SIGKILL.
 
-Why one class: a server (servers/process.py) and a Ray rank's program (actors/rank.py) both start a
+Why one class: a server (servers/process.py) and a Ray rank's program (backends/ray/actors/rank_actor.py) both start a
 command that may start helpers of its own (vLLM's engine core, a dataloader's workers); stopping the whole group
 is what leaves nothing behind, and the two must stop alike. Standard library only: Ray worker processes and
 server actors import it.

@@ -3,7 +3,7 @@
 Why: on several torchrun machines the agent store on machine 0 is the one channel to the other machines, and it
 closes with the agent. A machine that runs no ranks (it only serves) has no agent of its own to tell it how the job
 ended, so machine 0's launcher holds the store while it writes the job's result there and the serving machines
-read it (launchers/serve_only.py). `held_stores()` appends every master TCPStore this process creates to a list:
+read it (backends/torchrun/serve_only.py). `held_stores()` appends every master TCPStore this process creates to a list:
 a reference there keeps its server listening until the list is cleared.
 """
 from __future__ import annotations

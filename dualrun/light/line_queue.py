@@ -3,11 +3,11 @@ on a LineQueue; the driver calls the actor's `lines()` (`LineQueue.take`) in a l
 
 Why a long-poll and not Ray's log forwarding: the driver prints whole lines with its own `[label]` prefix, without
 Ray's prefixes, and there is one remote call per burst of output, not per line. Why the burst gathers for
-`LINGER_S` before the batch is answered (a sleep, not a wait per line): a trainer logging every step writes ~50
-lines a second; waking the taking thread for each cost a rank's actor ~0.01 cores, the batch costs one
-wake-up. A line reaches the driver's console at most ~LINGER_S late; the end of output cuts the linger short.
-Used by the rank actors (actors/rank.py) and the server actors (servers/ray_server.py); standard library
-only, as both are imported by Ray worker processes.
+`LINGER_S` before the batch is answered (a sleep, not a wait per line): a trainer logging every step writes ~50 lines a
+second; waking the taking thread for each cost a rank's actor ~0.01 cores, the batch costs one wake-up. A line reaches
+the driver's console at most ~LINGER_S late; the end of output cuts the linger short. Used by the rank actors
+(backends/ray/actors/rank_actor.py) and the server actors (backends/ray/actor_servers.py); standard library only, as
+both are imported by Ray worker processes.
 """
 from __future__ import annotations
 

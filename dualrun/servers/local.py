@@ -61,7 +61,8 @@ class LocalServers(ServerSetBase):
         self._advertised: dict[int, str] = {}   # plan.servers index -> advertised host:port of its latest process
         self._fixed: dict[int, int] = {}        # index -> the port `reserve` handed out (the trainers have it)
         self._reported: set[int] = set()    # servers whose end was reported
-        self._lock = threading.Lock()       # a start beside torchrun's agent (machines.py) against `stop`
+        # a start beside torchrun's agent (backends/torchrun/machine_servers.py) against `stop`
+        self._lock = threading.Lock()
         self.supervisor = Supervisor(plan, self, self, lambda index: self.started.get(index), self.mine)
 
     def _log_path(self, proc: Process) -> str:

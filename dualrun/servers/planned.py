@@ -1,8 +1,9 @@
 """The plan's servers, whichever backend starts them: the method's commands put into the plan, the start order,
 the addresses, and the trainers' wiring of them.
 
-Why a module of its own: the one-machine set (local.py), the multi-machine coordinator (machines.py) and the Ray
-set (ray_server.py) start the same servers from the same plan; only where and how they run differs.
+Why a module of its own: the one-machine set (local.py), the multi-machine coordinator
+(backends/torchrun/machine_servers.py) and the Ray set (backends/ray/actor_servers.py) start the same servers from the
+same plan; only where and how they run differs.
 """
 from __future__ import annotations
 

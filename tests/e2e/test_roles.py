@@ -9,9 +9,9 @@ import tempfile
 import pytest
 
 import dualrun
-from dualrun.roles import dispatch as D
-from dualrun.roles.runtime import Runtime
-from dualrun.roles.spec import RolesSpec, load_spec
+from dualrun.role_programs import dispatch as D
+from dualrun.role_programs.runtime import Runtime
+from dualrun.role_programs.spec import RolesSpec, load_spec
 
 ROLES = {"roles": {"a": {"gpus": 2}, "b": {"gpus": 3}, "c": {"gpus": 1}, "d": {"gpus": 1}},
          "colocate_groups": [["c", "d"]]}
@@ -142,7 +142,7 @@ def test_unknown_group_is_a_clear_error():
 
 def test_torchrun_groups_get_their_planned_gpus():
     from dualrun.config.load import build_config
-    from dualrun.roles.child_workers import worker_devices
+    from dualrun.role_programs.child_workers import worker_devices
 
     swift = {"method": "sampling", "device_groups": {
         "nproc_per_node": 4, "s": {"device": "GPU", "ranks": "list(range(0, 2))", "workers": ["sampler"]},
@@ -163,7 +163,7 @@ def test_spec_survives_env_round_trip():
 
 
 def test_role_program_detection(tmp_path):
-    from dualrun.roles.driver import is_role_program
+    from dualrun.role_programs.driver import is_role_program
 
     yes = tmp_path / "a.py"
     yes.write_text("import dualrun\n@dualrun.worker(group='x')\nclass A: pass\n")
@@ -219,7 +219,7 @@ def test_a_group_the_cluster_cannot_place_fails_with_one_line(local_ray):
     from dualrun.contract.errors import LaunchError
     from dualrun.backends.ray.cluster import Gang
     from dualrun.backends.ray.actor_groups import make_placement
-    from dualrun.roles.spec import GroupSpec
+    from dualrun.role_programs.spec import GroupSpec
 
     from dualrun.config.model import RayOptions
 
@@ -390,8 +390,8 @@ def test_local_workers_get_their_groups_rendezvous():
 THREAD_MADE_GROUP = """
 import json, os, threading, time
 import dualrun
-from dualrun.roles.runtime import Runtime
-from dualrun.roles.spec import load_spec
+from dualrun.role_programs.runtime import Runtime
+from dualrun.role_programs.spec import load_spec
 runtime = Runtime(load_spec({"use_cpu": True, "roles": {"a": {"processes": 2}}}), "local")
 made = {}
 maker = threading.Thread(target=lambda: made.update(group=dualrun.WorkerGroup(lambda: None, "a", runtime=runtime)))

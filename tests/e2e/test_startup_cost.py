@@ -105,6 +105,7 @@ def test_the_launch_path_reads_no_package_metadata_and_imports_no_role_api(tmp_p
                        timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
     mods = set(json.loads((tmp_path / "mods.json").read_text()))
-    assert "dualrun.plan.processes" in mods and "dualrun.roles.driver" in mods   # the path was taken
-    assert not mods & {"importlib.metadata", "urllib.request", "dualrun.roles.decorators", "dualrun.roles.group",
-                       "torch", "accelerate"}, sorted(mods & {"importlib.metadata", "urllib.request"})
+    assert "dualrun.plan.processes" in mods and "dualrun.role_programs.driver" in mods   # the path was taken
+    assert not mods & {"importlib.metadata", "urllib.request", "dualrun.role_programs.decorators",
+                       "dualrun.role_programs.group", "torch", "accelerate"}, \
+        sorted(mods & {"importlib.metadata", "urllib.request"})

@@ -14,10 +14,10 @@ from dualrun.config import build_config
 from dualrun.backends.ray.packing import RayPlacement
 from dualrun.config.backends import installed, kind_of
 from dualrun.plan.placement import MachinesPlacement, placement_for
-from dualrun.roles.driver import roles_mode
+from dualrun.role_programs.driver import roles_mode
 from dualrun.backends.ray.actor_groups import RAY_GROUPS
-from dualrun.roles.modes import LOCAL_GROUPS, groups_table, mode_of
-from dualrun.roles.spec import GroupSpec, RolesSpec
+from dualrun.role_programs.modes import LOCAL_GROUPS, groups_table, mode_of
+from dualrun.role_programs.spec import GroupSpec, RolesSpec
 
 TORCHRUN, RAY = kind_of("torchrun"), kind_of("ray")
 NAMES = set(installed())

@@ -26,8 +26,9 @@ MUST_HAVE = ["dualrun/__init__.py", "dualrun/cli.py", "dualrun/rank/bootstrap.py
              "dualrun/plugins/gkd.py", "dualrun/plugins/sampling.py", "dualrun/plugins/workers/grpo_worker.py",
              "dualrun/plugins/workers/gkd_worker.py", "dualrun/backends/ray/actor_launcher.py",
              "dualrun/backends/ray/actors/rank_actor.py", "dualrun/backends/torchrun/agent_launcher.py"]
-MUST_HAVE_DIRS = ["dualrun/servers/", "dualrun/programs/", "dualrun/light/", "dualrun/roles/", "dualrun/launchers/",
-                  "dualrun/config/", "dualrun/plugins/", "dualrun/weightsync/engine/", "dualrun/backends/ray/actors/"]
+MUST_HAVE_DIRS = ["dualrun/servers/", "dualrun/programs/", "dualrun/light/", "dualrun/role_programs/",
+                  "dualrun/launchers/", "dualrun/config/", "dualrun/plugins/", "dualrun/weightsync/engine/",
+                  "dualrun/backends/ray/actors/"]
 
 
 def _pyproject() -> dict:

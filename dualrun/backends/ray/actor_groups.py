@@ -10,13 +10,13 @@ import os
 from typing import Any, Callable
 
 from dualrun.backends.ray.actors.role_actor import RoleActor
-from dualrun.roles.context import RemoteFailure, WorkerError, method_name
-from dualrun.roles.dispatch import CollectFn
-from dualrun.roles.modes import GroupsMode
-from dualrun.roles.workers import Calls, GroupFuture, Workers
+from dualrun.role_programs.context import RemoteFailure, WorkerError, method_name
+from dualrun.role_programs.dispatch import CollectFn
+from dualrun.role_programs.modes import GroupsMode
+from dualrun.role_programs.workers import Calls, GroupFuture, Workers
 from dualrun.light.ports import free_port
-from dualrun.roles.rendezvous import member_env
-from dualrun.roles.spec import GroupSpec, RolesSpec
+from dualrun.role_programs.rendezvous import member_env
+from dualrun.role_programs.spec import GroupSpec, RolesSpec
 
 # A worker with one GPU asks for this fraction of its bundle's GPU: the placement group already reserves the
 # role's GPUs, and a small share lets colocated roles (and several classes of one role) sit on the same GPU.

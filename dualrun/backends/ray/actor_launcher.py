@@ -178,7 +178,7 @@ class RayLauncher(Launcher):
             restore()
 
     def server_set(self, plan: Plan | None, attempt: int, avoid: frozenset[str]) -> ServerSet:
-        """Separate roles: each server in its own placement group and actor (servers/ray_server.py)."""
+        """Separate roles: each server in its own placement group and actor (actor_servers.py)."""
         from dualrun.backends.ray.cluster import Gang
         from dualrun.backends.ray.actor_servers import RayServers
 

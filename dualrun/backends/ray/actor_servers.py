@@ -19,7 +19,7 @@ server on a fresh port. A fleet's spare replicas (`Serving.spare`) get neither a
 appears in the cluster (fleet_follow.py), places and starts one on any node with room; one resized away, or whose
 node left, gives back its actor and its group (`kill`).
 
-The actor itself (`ServerActor`) lives in ray_actor.py: Ray worker processes import only that.
+The actor itself (`ServerActor`) lives in actors/server_actor.py: Ray worker processes import only that.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The Ray driver's wait on one attempt's ranks: their exits, their output, the servers' deaths and the shutdown
 deadline, each handled by its own method.
 
-Why a class of its own: the four concerns share one loop (one `ray.wait` over every rank's pending calls) but
-nothing else; the launcher (ray.py) keeps placement, start and teardown. The first failure - a rank that exits
-non-zero, a dead actor, or a server's death event from the job's server set - stops every rank and starts a
-shutdown deadline (`SHUTDOWN_S`) after which the wait gives up on ranks that never reported.
+Why a class of its own: the four concerns share one loop (one `ray.wait` over every rank's pending calls) but nothing
+else; the launcher (actor_launcher.py) keeps placement, start and teardown. The first failure - a rank that exits
+non-zero, a dead actor, or a server's death event from the job's server set - stops every rank and starts a shutdown
+deadline (`SHUTDOWN_S`) after which the wait gives up on ranks that never reported.
 """
 from __future__ import annotations
 

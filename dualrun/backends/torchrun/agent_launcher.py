@@ -186,7 +186,7 @@ class TorchrunLauncher(Launcher):
         return super().launch(prepared)
 
     def _machines(self, plan: Plan | None) -> bool:
-        """Several machines whose servers meet in torchrun's store (machines.py), the job's secret with them."""
+        """Several machines whose servers meet in torchrun's store (machine_servers.py), the job's secret with them."""
         return self.rdzv.num_machines > 1 and plan is not None and bool(plan.servers)
 
     def describe(self, prepared: Prepared) -> str:

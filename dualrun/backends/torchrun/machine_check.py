@@ -201,7 +201,7 @@ def report_of(v: dict[str, Any]) -> NodeReport:
 
 def loopback_refused(cfg: JobConfig, env: dict[str, str], ifaces: dict[str, Interface]) -> list[tuple[str, str, str]]:
     """The interface variables of `env` naming loopback that `dualrun launch` refuses on this machine: several
-    machines whose machine 0 this one reaches off loopback (launchers/torchrun.py, `refuse_loopback`)."""
+    machines whose machine 0 this one reaches off loopback (agent_launcher.py, `refuse_loopback`)."""
     here = reached_at(cfg.main_process_ip or "127.0.0.1") if cfg.num_machines > 1 else None
     return loopback_named(env, ifaces) if here and not here.startswith("127.") else []
 
@@ -240,7 +240,7 @@ def sync_verdict(group: SyncGroup, results: list[dict[str, Any] | None], names: 
 
 def master_env(cfg: JobConfig, group: SyncGroup) -> dict[str, str]:
     """Trainer rank 0's interface variables as the launcher gives them: on several machines, VLLM_HOST_IP = the
-    address the others reach machine 0 at, unless its env sets one (launchers/torchrun.py)."""
+    address the others reach machine 0 at, unless its env sets one (agent_launcher.py)."""
     env = dict(group.master.env)
     if cfg.num_machines > 1:
         env.update(node_host_env(env, reached_at(cfg.main_process_ip or "127.0.0.1")))

@@ -1,5 +1,5 @@
-"""The Ray actor behind one worker of a role program (roles/ray_backend.py places and drives it): its context is set
-before the user's class is built, and it serves calls by name.
+"""The Ray actor behind one worker of a role program (backends/ray/actor_groups.py places and drives it): its
+context is set before the user's class is built, and it serves calls by name.
 
 Payloads arrive *boxed* (`[ref]`), so each actor pulls only the share it was given and can report how many bytes it
 received (`track_bytes`).
@@ -11,8 +11,8 @@ from typing import Any, Callable
 
 from dualrun.contract import protocol
 from dualrun.contract.protocol import ActorPlace, WorkerStats
-from dualrun.roles.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
-from dualrun.roles.workers import bind
+from dualrun.role_programs.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
+from dualrun.role_programs.workers import bind
 
 
 def _object_size(ref: Any) -> int:

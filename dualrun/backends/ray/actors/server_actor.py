@@ -1,4 +1,4 @@
-"""The actor that runs one of a job's servers on its Ray node (servers/ray_server.py places and drives it).
+"""The actor that runs one of a job's servers on its Ray node (backends/ray/actor_servers.py places and drives it).
 
 Why a module of its own: Ray worker processes import it, so it needs only the standard library (and ray), while
 the driver's side (`RayServers`) imports the plan and the replicas' supervisor.

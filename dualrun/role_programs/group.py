@@ -1,18 +1,19 @@
 """`WorkerGroup`: the workers of one role, and calls on them under the dispatch/execute/collect rules.
 
 The group is the same object on both backends; only its workers differ: Ray actors placed on the role's
-devices (`dualrun.backends.ray.actor_groups`), or without Ray one child process per worker (`dualrun.roles.child_workers`;
-a group of one worker: an instance in this process, `dualrun.roles.workers.LocalWorkers`), so a program gets
-the same results, and its groups the same process groups, with or without Ray.
+devices (`dualrun.backends.ray.actor_groups`), or without Ray one child process per worker
+(`dualrun.role_programs.child_workers`; a group of one worker: an instance in this process,
+`dualrun.role_programs.workers.LocalWorkers`), so a program gets the same results, and its groups the same process
+groups, with or without Ray.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from dualrun.roles.dispatch import CollectFn, DispatchFn, plan_calls, resolve_collect
-from dualrun.roles.runtime import get_runtime
-from dualrun.roles.spec import GroupSpec
-from dualrun.roles.workers import GroupFuture, Workers
+from dualrun.role_programs.dispatch import CollectFn, DispatchFn, plan_calls, resolve_collect
+from dualrun.role_programs.runtime import get_runtime
+from dualrun.role_programs.spec import GroupSpec
+from dualrun.role_programs.workers import GroupFuture, Workers
 
 
 class WorkerGroup:

@@ -10,7 +10,7 @@ MASTER_ADDR / MASTER_PORT (a port free here, picked before any worker starts), n
 calls and results travel as cloudpickle bytes over one pipe per worker, so classes defined in `__main__` need no
 import in the child (as on Ray), and the child does not re-run the program (`__main__` is hidden from
 multiprocessing while the workers start: a script without an `if __name__ == "__main__"` guard would otherwise
-start itself again in every worker). The child side is roles/process_worker.py.
+start itself again in every worker). The child side is role_programs/process_worker.py.
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn
 
 from dualrun.contract.errors import killed_by
-from dualrun.roles.context import RemoteFailure, WorkerError, method_name
-from dualrun.roles.dispatch import CollectFn
-from dualrun.roles.rendezvous import member_env
-from dualrun.roles.spec import GroupSpec
-from dualrun.roles.workers import Calls, GroupFuture, Workers
+from dualrun.role_programs.context import RemoteFailure, WorkerError, method_name
+from dualrun.role_programs.dispatch import CollectFn
+from dualrun.role_programs.rendezvous import member_env
+from dualrun.role_programs.spec import GroupSpec
+from dualrun.role_programs.workers import Calls, GroupFuture, Workers
 
 GRACE_S = 2.0     # how long a SIGTERMed worker gets before SIGKILL
 STOP_S = 10.0     # at shutdown: how long workers get to return from their serve loop
@@ -75,7 +75,7 @@ class ProcessWorkers(Workers):
 
         from dualrun.contract.calls import pickler
         from dualrun.light.ports import free_port
-        from dualrun.roles.process_worker import serve
+        from dualrun.role_programs.process_worker import serve
 
         self.spec, self.factory, self.track_bytes = spec, factory, runtime.track_bytes
         self._dumps = pickler().dumps

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from dualrun.contract import protocol
-from dualrun.roles.spec import GroupSpec
+from dualrun.role_programs.spec import GroupSpec
 
 
 def group_env(rank: int, size: int, master_addr: str, master_port: int) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """The role-program launcher (`dualrun launch` of a single-controller program, docs/roles.md), both backends.
 
 A role program runs once, as the driver: its worker classes become groups placed by the config's roles
-(dualrun.roles) - Ray actors on `--backend ray`, child processes of the driver under `--backend torchrun` - so
+(dualrun.role_programs) - Ray actors on `--backend ray`, child processes of the driver under `--backend torchrun` - so
 each group is started once, as in Ray Train or ms-swift's Ray helper. This launcher starts one local process,
 `python -m dualrun.rank.bootstrap ...`, with `DUALRUN_ROLES_MODE` (`ray` / `local`) and the groups in
 `DUALRUN_ROLES_SPEC`; the program itself joins Ray or spawns its local workers.
@@ -17,9 +17,9 @@ from dualrun.contract.redact import redact_argv, redact_value
 from dualrun.launchers.launcher import JobResult, Launcher, Outcome, Prepared, RankResult, bootstrap_cmd, join_cmd
 from dualrun.plan.processes import Plan
 from dualrun.contract.protocol import ROLES_MODE, ROLES_SPEC
-from dualrun.roles.driver import driver_env, roles_mode
-from dualrun.roles.modes import groups_table
-from dualrun.roles.spec import spec_from_config
+from dualrun.role_programs.driver import driver_env, roles_mode
+from dualrun.role_programs.modes import groups_table
+from dualrun.role_programs.spec import spec_from_config
 
 if TYPE_CHECKING:
     from dualrun.config.model import JobConfig

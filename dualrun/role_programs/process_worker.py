@@ -1,4 +1,4 @@
-"""Runs inside each child process of a local group (roles/child_workers.py): build the worker, then serve calls.
+"""Runs inside each child process of a local group (role_programs/child_workers.py): build the worker, then serve calls.
 
 Why a module of its own: it is what the spawned interpreter imports, so it stays small (no Ray, no torch: a
 worker that needs torch imports it itself). Messages are cloudpickle bytes over one pipe: the parent
@@ -13,8 +13,8 @@ from typing import Any
 
 from dualrun.contract import protocol
 from dualrun.light.parent_death import exit_with_process
-from dualrun.roles.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
-from dualrun.roles.workers import bind
+from dualrun.role_programs.context import RemoteFailure, WorkerContext, call_safely, set_actor_context
+from dualrun.role_programs.workers import bind
 
 # What torchrun tells the process that started the group: a worker must not see it (TORCHELASTIC_USE_AGENT_STORE
 # would make init_process_group() look for the agent's store on the group's port and hang).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dualrun.roles.spec import GroupSpec, RolesSpec
+from dualrun.role_programs.spec import GroupSpec, RolesSpec
 
 
 class GroupsMode:
@@ -37,7 +37,7 @@ class GroupsMode:
 
     def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
                 kwargs: dict) -> Any:
-        """A group's started workers (roles/workers.py `Workers`)."""
+        """A group's started workers (role_programs/workers.py `Workers`)."""
         raise NotImplementedError
 
     def placement(self, spec: RolesSpec, group: GroupSpec, placements: Any) -> Any:
@@ -46,8 +46,8 @@ class GroupsMode:
 
 
 class LocalGroups(GroupsMode):
-    """A group of one worker in the driver itself; a larger one a child process per worker (roles/child_workers.py),
-    on the devices the plan gives its role on this machine."""
+    """A group of one worker in the driver itself; a larger one a child process per worker
+    (role_programs/child_workers.py), on the devices the plan gives its role on this machine."""
 
     name = "local"
     where = "each worker a child process of the driver, a group of one worker in the driver itself"
@@ -55,10 +55,10 @@ class LocalGroups(GroupsMode):
     def workers(self, runtime: Any, spec: GroupSpec, factory: Callable[..., Any], args: tuple,
                 kwargs: dict) -> Any:
         if spec.size > 1:   # its workers run at the same time, each its own process (a process group of theirs)
-            from dualrun.roles.child_workers import ProcessWorkers
+            from dualrun.role_programs.child_workers import ProcessWorkers
 
             return ProcessWorkers(runtime, spec, factory, args, kwargs)
-        from dualrun.roles.workers import LocalWorkers
+        from dualrun.role_programs.workers import LocalWorkers
 
         return LocalWorkers(spec, factory, args, kwargs)
 

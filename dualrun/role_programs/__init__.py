@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# name -> its module; imported on first use (PEP 562), so the launch path's `dualrun.roles.driver` (is this a role
-# program?) does not import the whole API (~15 ms of every launch)
+# name -> its module; imported on first use (PEP 562), so the launch path's `dualrun.role_programs.driver` (is this
+# a role program?) does not import the whole API (~15 ms of every launch)
 _WHERE = {
     "UnknownGroupError": "context", "WorkerContext": "context", "WorkerError": "context", "current": "context",
     "RoleProxy": "decorators", "function": "decorators", "worker": "decorators",
@@ -28,10 +28,10 @@ __all__ = ["COLLECT", "DISPATCH", "GroupFuture", "RoleProxy", "UnknownGroupError
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
-        raise AttributeError(f"module 'dualrun.roles' has no attribute {name!r}")
+        raise AttributeError(f"module 'dualrun.role_programs' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f"dualrun.roles.{_WHERE[name]}"), name)
+    value = getattr(importlib.import_module(f"dualrun.role_programs.{_WHERE[name]}"), name)
     globals()[name] = value
     return value
 

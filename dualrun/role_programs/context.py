@@ -16,7 +16,7 @@ from dualrun.contract.errors import DualrunError
 @dataclass(frozen=True)
 class WorkerContext:
     """Where the current code runs: inside worker `rank` of `group` (of `world_size`), and the group's own
-    torch.distributed rendezvous (roles/rendezvous.py)."""
+    torch.distributed rendezvous (role_programs/rendezvous.py)."""
 
     group: str
     rank: int

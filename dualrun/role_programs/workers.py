@@ -10,9 +10,9 @@ import functools
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
-from dualrun.roles.context import RemoteFailure, WorkerContext, WorkerError, as_worker, call_safely, method_name
-from dualrun.roles.dispatch import CollectFn
-from dualrun.roles.spec import GroupSpec
+from dualrun.role_programs.context import RemoteFailure, WorkerContext, WorkerError, as_worker, call_safely, method_name
+from dualrun.role_programs.dispatch import CollectFn
+from dualrun.role_programs.spec import GroupSpec
 
 Calls = list[tuple[int, tuple, dict]]
 
@@ -49,8 +49,8 @@ class GroupFuture:
 class Workers(ABC):
     """The workers of one group, whatever runs them: `WorkerGroup` (group.py) talks to this and nothing else.
 
-    Implemented by `LocalWorkers` (one worker, in this process), `ProcessWorkers` (roles/child_workers.py: a child
-    process per worker) and `RayWorkers` (roles/ray_backend.py: an actor per worker)."""
+    Implemented by `LocalWorkers` (one worker, in this process), `ProcessWorkers` (role_programs/child_workers.py: a
+    child process per worker) and `RayWorkers` (backends/ray/actor_groups.py: an actor per worker)."""
 
     backend: str   # "local" or "ray": what `WorkerGroup.backend` reports
 
@@ -76,7 +76,7 @@ class Workers(ABC):
 
 
 class LocalWorkers(Workers):
-    """A one-worker group as an instance in this process (groups of more: roles/child_workers.py)."""
+    """A one-worker group as an instance in this process (groups of more: role_programs/child_workers.py)."""
 
     backend = "local"
 

@@ -10,10 +10,10 @@ import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
-from dualrun.roles.context import in_worker
-from dualrun.roles.dispatch import CollectFn, DispatchFn, check_execute, resolve_collect, resolve_dispatch
-from dualrun.roles.group import WorkerGroup
-from dualrun.roles.workers import GroupFuture
+from dualrun.role_programs.context import in_worker
+from dualrun.role_programs.dispatch import CollectFn, DispatchFn, check_execute, resolve_collect, resolve_dispatch
+from dualrun.role_programs.group import WorkerGroup
+from dualrun.role_programs.workers import GroupFuture
 
 SPEC_ATTR = "__dualrun_function__"
 WORKER_ATTR = "__dualrun_worker__"

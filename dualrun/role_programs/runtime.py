@@ -13,16 +13,16 @@ import threading
 from typing import Any, Callable
 
 from dualrun.contract.protocol import ROLES_MODE, SETTINGS, Settings
-from dualrun.roles.context import UnknownGroupError
-from dualrun.roles.modes import mode_of
-from dualrun.roles.spec import GroupSpec, RolesSpec, load_spec
+from dualrun.role_programs.context import UnknownGroupError
+from dualrun.role_programs.modes import mode_of
+from dualrun.role_programs.spec import GroupSpec, RolesSpec, load_spec
 
 _LOCK = threading.Lock()
 _RUNTIME: "Runtime | None" = None
 
 
 class Runtime:
-    """The groups of this process, in one mode (roles/modes.py: `backend` names it)."""
+    """The groups of this process, in one mode (role_programs/modes.py: `backend` names it)."""
 
     def __init__(self, spec: RolesSpec, backend: str, track_bytes: bool = False) -> None:
         self.mode = mode_of(backend)

@@ -1,4 +1,4 @@
-"""Recognising a role program, and the env it starts with (the launcher is dualrun.launchers.roles).
+"""Recognising a role program, and the env it starts with (the launcher is dualrun.launchers.role_program).
 
 A *role program* is a single controller: its worker classes become actor groups placed by the config's roles.
 `dualrun launch` recognises one (a `@dualrun.worker` / `@worker` class, a `dualrun.init(...)` or `WorkerGroup(...)`
@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from dualrun.contract.protocol import ROLES_MODE, ROLES_SPEC
-from dualrun.roles.spec import spec_from_config
+from dualrun.role_programs.spec import spec_from_config
 
 _CALLS = {"init", "WorkerGroup"}
 
@@ -65,7 +65,7 @@ def roles_mode(cfg: Any) -> str:
 
 def check_role_job(cfg: Any) -> None:
     """Layouts a role program cannot run: local groups are processes of this machine, so torchrun on several."""
-    from dualrun.roles.modes import mode_of
+    from dualrun.role_programs.modes import mode_of
 
     if not mode_of(roles_mode(cfg)).spread and cfg.num_machines > 1:
         from dualrun.contract.errors import ConfigError
