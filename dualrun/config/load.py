@@ -15,6 +15,8 @@ from dualrun.config.model import (CLI_SOURCE, JobConfig, RayOptions, RoleSpec, T
                                   key_origin, trainer_machines)
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.role_machines import check_role_machines, parse_machines
+from dualrun.config.sections import backend_sections, keyed
+from dualrun.config.sections import section as _section
 from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
 from dualrun.config.yamlfile import read_yaml
@@ -101,7 +103,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     found = machines_found(name, os.environ if environ is None else environ) if acc.get("num_machines") is None \
         else None
     if found is not None:   # unset: the machines the backend finds (its allocation's nodes), not written by the user
-        acc["num_machines"] = check(source, "num_machines", "int", found[0], (), *schema.ACCELERATE_BOUNDS["num_machines"])
+        low, high = schema.ACCELERATE_BOUNDS["num_machines"]
+        acc["num_machines"] = check(source, "num_machines", "int", found[0], (), low, high)
     raw_roles = raw.get("roles")
     raw_groups = raw.get("colocate_groups")
     origin: dict[str, str] = {}
@@ -158,11 +161,12 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
             f"the {with_ranks} machines of roles.{roles[0].name}.machines"
         raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"],
                           f"num_machines unset: {found[1]}" if found else "")
-    sections = _backend_sections(source, raw, owned, backend_object(values.get("backend", DEFAULT)))
-    return JobConfig(sections=sections, machines_from=found[1] if found else None,source=source, accelerate=frozen_map(acc), roles=tuple(roles),
+    sections = backend_sections(source, raw, owned, backend_object(values.get("backend", DEFAULT)))
+    return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
                      colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
                      ray=ray_opts, torchrun=tr_opts, written_as=frozen_map(origin), written=written,
-                     flags=frozenset(k for k in overrides if k in OVERRIDABLE), **values)
+                     flags=frozenset(k for k in overrides if k in OVERRIDABLE), sections=sections,
+                     machines_from=found[1] if found else None, **values)
 
 
 def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:
@@ -184,14 +188,6 @@ def errors_as_written(written_as: Mapping[str, str]) -> Iterator[None]:
         yield
     except ConfigError as e:
         raise as_written(e, written_as) from None
-
-
-def keyed(source: str, name: str, key: schema.Key, value: Any) -> Any:
-    """One dualrun key's value checked against its schema entry; null for a key whose default is unset (`—` in the
-    reference) leaves it unset, as not writing it does."""
-    if value is None and key.default is None:
-        return None
-    return check(source, name, key.type, value, key.choices, key.minimum, key.maximum)
 
 
 def _accelerate_value(source: str, key: str, value: Any) -> Any:
@@ -220,41 +216,6 @@ def _env(source: str, key: str, raw: Mapping[Any, Any]) -> Mapping[str, str]:
             raise ConfigError(source, f"{key}.{name}", "a string, number or boolean", value)
         out[name] = str(value).lower() if isinstance(value, bool) else str(value)
         refusals.env_entry(source, f"{key}.{name}", name, out[name])
-    return frozen_map(out)
-
-
-def _section(source: str, name: str, raw: Mapping[str, Any], keys: tuple[schema.Key, ...]) -> dict[str, Any]:
-    known = {k.name: k for k in keys}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(source, f"{name}.{key}", f"a known `{name}` key", "an unknown key",
-                              did_you_mean(str(key), known))
-        out[key] = keyed(source, f"{name}.{key}", known[key], value)
-    if "runtime_env" in out or "env" in out:
-        for k in ("runtime_env", "env"):
-            if k in out:
-                out[k] = frozen_map(out[k])
-    return out
-
-
-def _backend_sections(source: str, raw: Mapping[str, Any], owned: Mapping[str, Any],
-                      job_backend: Any) -> Mapping[str, Mapping[str, Any]]:
-    """The backends' own sections (`Backend.section_keys`): each one the file has, checked whichever backend the job
-    runs on (one file serves every backend, as `ray:` and `torchrun:` do), and the job's backend's always, its
-    defaults filled in. section -> its frozen values."""
-    out: dict[str, Mapping[str, Any]] = {}
-    own = getattr(job_backend, "section", None) if getattr(job_backend, "section_keys", ()) else None
-    for section, owner in {**owned, **({own: job_backend} if own else {})}.items():
-        given = raw.get(section, {})
-        if given is None:
-            given = {}
-        if not isinstance(given, dict):
-            raise ConfigError(source, section, f"a mapping of `{section}` keys", given)
-        values = {k.name: k.default for k in owner.section_keys}
-        values.update(_section(source, section, given, tuple(owner.section_keys)))
-        owner.check_section(source, values)
-        out[section] = frozen_map({k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
     return frozen_map(out)
 
 

@@ -33,7 +33,8 @@ def slurm():
 
 
 def _env(slurm) -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}, "SLURM_CONF": slurm.env["SLURM_CONF"]}
+    outside = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**outside, "SLURM_CONF": slurm.env["SLURM_CONF"]}
 
 
 def _salloc(slurm, cwd: Path, *command: str, **popen) -> subprocess.Popen:
