@@ -3,7 +3,7 @@ hooks around one launch, the backend's name nowhere else)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dualrun.config.backends import BackendKind
 from dualrun.config.backends import backend_object as backend_of_name
@@ -25,6 +25,9 @@ class Backend(ABC):
     output: str
     plans_live: bool = False
     section: str | None = None   # the config section its launcher reads (`torchrun`, `ray`), in plan.rendezvous
+    # the keys of `section` when the backend owns it (a plug-in's: the core's schema holds only `ray` and `torchrun`):
+    # the config checks them as its own (`config/schema.py` `Key`s) and the plan carries the values
+    section_keys: tuple = ()
 
     @property
     def name(self) -> str:
@@ -41,6 +44,15 @@ class Backend(ABC):
 
     def plan_cluster(self, cfg: "JobConfig") -> "Cluster | None":
         """The live cluster `dualrun plan` places onto (None: the one the config implies)."""
+        return None
+
+    def check_section(self, source: str, values: Mapping[str, Any]) -> None:
+        """Its own checks of its section's values, once each key has its type (a ConfigError: one line, exit 2);
+        run wherever the file has the section, whichever backend the job runs on."""
+
+    def machines_found(self, environ: Mapping[str, str]) -> tuple[int, str] | None:
+        """The machines a job gets from where it is launched, when the config leaves `num_machines` unset (a
+        scheduler's allocation): (count, what they are, for the lines that name them); None: one machine."""
         return None
 
     def plan_notes(self, cfg: "JobConfig", plan: "Plan") -> list[str]:

@@ -103,3 +103,32 @@ def backend_object(name: str) -> Any:
 def kind_of(name: str) -> BackendKind:
     """The record of the backend named `name` (the config's `backend`, checked against `installed()` on load)."""
     return backend_object(name).kind
+
+
+def section_owner(section: str) -> Any | None:
+    """The installed backend whose own config section is `section` (it declares the section's keys, `section_keys`:
+    a plug-in's section is checked as the core's are); None: no backend owns it. Asked only of a top-level key the
+    core does not know, so a config without one reads no package metadata."""
+    for name in installed():
+        obj = backend_object(name)
+        if getattr(obj, "section", None) == section and getattr(obj, "section_keys", ()):
+            return obj
+    return None
+
+
+def owned_sections(shipped_only: bool = True) -> dict[str, Any]:
+    """section -> its backend, for every installed backend that declares its section's keys (`shipped_only`: the
+    ones in dualrun's own package, which docs/config-reference.md lists)."""
+    out: dict[str, Any] = {}
+    for name in installed():
+        obj = backend_object(name)
+        if getattr(obj, "section_keys", ()) and (not shipped_only or type(obj).__module__.startswith("dualrun.")):
+            out.setdefault(obj.section, obj)
+    return out
+
+
+def machines_found(name: str, environ: Any) -> tuple[int, str] | None:
+    """(count, what they are) of the machines backend `name` finds where it is launched, for a config that leaves
+    num_machines unset (a scheduler's allocation); None: it finds none (one machine)."""
+    found = getattr(backend_object(name), "machines_found", None)
+    return found(environ) if found is not None else None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import re
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping
@@ -9,11 +10,13 @@ from typing import Any, Iterator, Mapping
 from dualrun.config import accelerate_keys, cross_keys, schema
 
 from dualrun.config import refusals
-from dualrun.config.backends import DEFAULT, UnknownBackend, installed, kind_of
+from dualrun.config.backends import DEFAULT, UnknownBackend, backend_object, kind_of, machines_found, section_owner
 from dualrun.config.model import (CLI_SOURCE, JobConfig, RayOptions, RoleSpec, TorchrunOptions, frozen_map,
                                   key_origin, trainer_machines)
 from dualrun.config.offload import offload_optimizer
 from dualrun.config.role_machines import check_role_machines, parse_machines
+from dualrun.config.sections import backend_sections, keyed
+from dualrun.config.sections import section as _section
 from dualrun.config.swift import convert_device_groups
 from dualrun.config.values import check, did_you_mean, parse_ids
 from dualrun.config.yamlfile import read_yaml
@@ -34,7 +37,9 @@ def load_config(path: str | None, overrides: Mapping[str, Any] | None = None,
 
 
 def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, Any] | None = None,
-                 backend: str | None = None) -> JobConfig:
+                 backend: str | None = None, environ: Mapping[str, str] | None = None) -> JobConfig:
+    """`environ`: where the job is launched (default os.environ): an unset num_machines is the count of machines
+    the backend finds there (`Backend.machines_found`: a SLURM allocation's nodes), else 1."""
     raw = dict(raw)
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     for key in overrides:
@@ -51,6 +56,8 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         raise ConfigError(source, refused, schema.REFUSED[refused], raw[refused])
     known_top = {k.name: k for k in schema.TOP_KEYS}
     unknown = [k for k in raw if k not in known_top and k not in schema.ACCELERATE_TYPES and k != schema.SWIFT_KEY]
+    owned = {k: owner for k in unknown if (owner := section_owner(k)) is not None}   # a backend's own section
+    unknown = [k for k in unknown if k not in owned]
     if unknown:
         name = unknown[0]
         raise ConfigError(source, name, "a known key (accelerate's or dualrun's)", "an unknown key",
@@ -93,6 +100,11 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
                           name) from None
     if on_ray:
         cross_keys.ray_machines(key_origin(source, "machine_rank", overrides), acc.get("machine_rank"))
+    found = machines_found(name, os.environ if environ is None else environ) if acc.get("num_machines") is None \
+        else None
+    if found is not None:   # unset: the machines the backend finds (its allocation's nodes), not written by the user
+        low, high = schema.ACCELERATE_BOUNDS["num_machines"]
+        acc["num_machines"] = check(source, "num_machines", "int", found[0], (), low, high)
     raw_roles = raw.get("roles")
     raw_groups = raw.get("colocate_groups")
     origin: dict[str, str] = {}
@@ -134,7 +146,7 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
         names = ", ".join(r.name for r in roles)
         raise ConfigError(CLI_SOURCE, "--num_processes", f"no --num_processes for roles {names} (size each with "
                           "roles.<name>.gpus or processes)", overrides["num_processes"])
-    written = frozenset(k for k, v in acc.items() if v is not None)
+    written = frozenset(k for k, v in acc.items() if v is not None and not (k == "num_machines" and found))
     if acc.get("num_processes") is None or "num_processes" in overrides:
         acc["num_processes"] = roles[0].processes
     acc.setdefault("num_machines", 1)
@@ -147,11 +159,14 @@ def build_config(raw: Mapping[str, Any], source: str, overrides: Mapping[str, An
     if kind_of(values.get("backend", DEFAULT)).per_machine and roles[0].processes % with_ranks:
         across = f"num_machines={acc['num_machines']}" if with_ranks == acc["num_machines"] else \
             f"the {with_ranks} machines of roles.{roles[0].name}.machines"
-        raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"])
+        raise ConfigError(source, "num_processes", f"a multiple of {across}", acc["num_processes"],
+                          f"num_machines unset: {found[1]}" if found else "")
+    sections = backend_sections(source, raw, owned, backend_object(values.get("backend", DEFAULT)))
     return JobConfig(source=source, accelerate=frozen_map(acc), roles=tuple(roles),
                      colocate_groups=tuple(tuple(g) for g in groups), env=frozen_map(env),
                      ray=ray_opts, torchrun=tr_opts, written_as=frozen_map(origin), written=written,
-                     flags=frozenset(k for k in overrides if k in OVERRIDABLE), **values)
+                     flags=frozenset(k for k in overrides if k in OVERRIDABLE), sections=sections,
+                     machines_from=found[1] if found else None, **values)
 
 
 def as_written(error: ConfigError, origin: Mapping[str, str]) -> ConfigError:
@@ -173,14 +188,6 @@ def errors_as_written(written_as: Mapping[str, str]) -> Iterator[None]:
         yield
     except ConfigError as e:
         raise as_written(e, written_as) from None
-
-
-def keyed(source: str, name: str, key: schema.Key, value: Any) -> Any:
-    """One dualrun key's value checked against its schema entry; null for a key whose default is unset (`—` in the
-    reference) leaves it unset, as not writing it does."""
-    if value is None and key.default is None:
-        return None
-    return check(source, name, key.type, value, key.choices, key.minimum, key.maximum)
 
 
 def _accelerate_value(source: str, key: str, value: Any) -> Any:
@@ -210,21 +217,6 @@ def _env(source: str, key: str, raw: Mapping[Any, Any]) -> Mapping[str, str]:
         out[name] = str(value).lower() if isinstance(value, bool) else str(value)
         refusals.env_entry(source, f"{key}.{name}", name, out[name])
     return frozen_map(out)
-
-
-def _section(source: str, name: str, raw: Mapping[str, Any], keys: tuple[schema.Key, ...]) -> dict[str, Any]:
-    known = {k.name: k for k in keys}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(source, f"{name}.{key}", f"a known `{name}` key", "an unknown key",
-                              did_you_mean(str(key), known))
-        out[key] = keyed(source, f"{name}.{key}", known[key], value)
-    if "runtime_env" in out or "env" in out:
-        for k in ("runtime_env", "env"):
-            if k in out:
-                out[k] = frozen_map(out[k])
-    return out
 
 
 def _roles(source: str, raw: Any, acc: Mapping[str, Any], overrides: Mapping[str, Any],

@@ -85,6 +85,10 @@ class JobConfig:
     written: frozenset[str] = frozenset()
     # the accelerate keys given as command-line flags: errors found after loading name them `--key` too
     flags: frozenset[str] = frozenset()
+    # the backends' own sections (a plug-in backend's `Backend.section_keys`): section -> its checked values
+    sections: Mapping[str, Mapping[str, Any]] = field(default_factory=frozen_map)
+    # num_machines left unset and found where the job is launched (`Backend.machines_found`): what they are
+    machines_from: str | None = None
 
     def where(self, key: str) -> tuple[str, str]:
         """Where an accelerate key's value came from, as an error names it (`key_origin`)."""

@@ -9,6 +9,7 @@ import re
 import textwrap
 
 from dualrun.config import schema
+from dualrun.config.backends import owned_sections
 
 MAX_CELL = 200   # tests/unit/test_doc_shape.py holds every doc to it: a longer text goes below its table
 
@@ -67,7 +68,11 @@ def render() -> str:
            "sync. A config file holds accelerate's keys (with accelerate's meaning) and the dualrun keys below.", ""]
     titles = {"": "Top-level dualrun keys", "ray": "`ray:` section", "torchrun": "`torchrun:` section",
               "roles.<name>": "`roles.<name>:` — one entry per role"}
-    for section, keys in schema.SECTIONS.items():
+    sections = dict(schema.SECTIONS)
+    for name, backend in owned_sections().items():   # a backend's own section (`Backend.section_keys`)
+        sections[name] = tuple(backend.section_keys)
+        titles[name] = f"`{name}:` section (declared by backend `{backend.name}`, checked on every backend)"
+    for section, keys in sections.items():
         out += [f"## {titles[section]}", "", "| key | type | default | backend | meaning |", "|---|---|---|---|---|"]
         notes: list[str] = []
         for k in keys:

@@ -311,7 +311,8 @@ ACCELERATE_TYPES: dict[str, str] = {
 # What each accelerate key does under dualrun, where that is not simply accelerate's meaning (the reference lists it).
 _NO_EFFECT = "accepted, no effect: accelerate reads it only for a TPU launch (dualrun launches torchrun or Ray)"
 ACCELERATE_NOTES: dict[str, str] = {
-    "num_machines": "torchrun: machines launched by hand; Ray: the planned node count",
+    "num_machines": "torchrun: machines launched by hand; Ray: the planned node count; unset: 1, or the machines "
+                    "the backend finds where it is launched (`Backend.machines_found`: SLURM's allocation's nodes)",
     "machine_rank": "torchrun only; Ray: refused unless 0 (Ray places the ranks across its nodes)",
     "main_process_ip": "torchrun: machine 0's address; Ray: no effect (Ray gives the ranks rank 0's address)",
     "main_process_port": "torchrun: machine 0's store; Ray: rank 0's MASTER_PORT (unset: a free port); one held by "

@@ -44,7 +44,7 @@ def rendezvous_of(cfg: Any) -> Rendezvous:
     from dualrun.config.backends import backend_object
 
     section = backend_object(cfg.backend).section   # the config section its launcher reads (a subclass's: its base's)
-    options = getattr(cfg, section) if section else None
+    options = (cfg.sections[section] if section in cfg.sections else getattr(cfg, section)) if section else None
     return Rendezvous(cfg.backend, cfg.source, cfg.num_machines, cfg.machine_rank, cfg.main_process_ip,
                       cfg.main_process_port, cfg.where("main_process_port"), cfg.max_failures, cfg.log_dir,
                       cfg.backend_kind.per_machine, options)

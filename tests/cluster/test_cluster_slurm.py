@@ -77,8 +77,9 @@ def test_dualrun_on_slurm_runs_trl_sft_one_rank_per_node_with_the_losses_of_one_
 
 @pytest.mark.timeout(900)
 def test_dualrun_on_slurm_serves_gkd_from_a_teacher_on_node_1(slurm, tiny, gkd_one_machine):
-    """GKD with `roles.teacher.machines: [1]`: the teacher's CPU-engine server an srun step on node 1, both ranks
-    (one a node) scoring against it at node 1's name, with the losses of one machine."""
+    """GKD with `roles.teacher.machines: [1]` and no num_machines (the allocation's two nodes: machine 1 exists only
+    through them): the teacher's CPU-engine server an srun step on node 1, both ranks (one a node) scoring against it
+    at node 1's name, with the losses of one machine."""
     import json
 
     from cluster_jobs import gkd_args, gkd_config
@@ -86,7 +87,7 @@ def test_dualrun_on_slurm_serves_gkd_from_a_teacher_on_node_1(slurm, tiny, gkd_o
     cluster, shared = slurm
     work = shared / "dualrun-gkd"
     (work / "out").mkdir(parents=True)
-    config = gkd_config(tiny, "num_machines: 2\n").replace("teacher: {gpus: 2,", "teacher: {gpus: 1, machines: [1],")
+    config = gkd_config(tiny).replace("teacher: {gpus: 2,", "teacher: {gpus: 1, machines: [1],")
     (work / "job.yaml").write_text(config)
     code, log = dualrun_in_sbatch(cluster, work, ["--config_file", "job.yaml", *gkd_args(tiny, work / "out")])
     assert code == 0 and "job succeeded" in log, log[-6000:] + cluster.logs()

@@ -33,6 +33,15 @@ def job_id(environ: Mapping[str, str]) -> str | None:
     return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None
 
 
+def node_count(environ: Mapping[str, str]) -> int | None:
+    """How many nodes the allocation holds (SLURM_JOB_NUM_NODES, as salloc and sbatch set it; an older SLURM's
+    SLURM_NNODES); None outside one, or where SLURM said nothing readable."""
+    if job_id(environ) is None:
+        return None
+    raw = (environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "").strip()
+    return int(raw) if raw.isdigit() and 0 < int(raw) <= 1_000_000 else None
+
+
 def parse_hostnames(text: str) -> tuple[str, ...]:
     """`scontrol show hostnames`'s output: one name a line, blank lines dropped."""
     return tuple(line.strip() for line in text.splitlines() if line.strip())

@@ -3,9 +3,10 @@ is the core's `MachinesPlacement` over the allocation's nodes (`roles.<name>.mac
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from dualrun.backends.base import Backend
+from dualrun.backends.slurm import options
 from dualrun.config.backends import BackendKind
 from dualrun.plan.placement import MachinesPlacement
 
@@ -21,6 +22,19 @@ class SlurmBackend(Backend):
     # torchrun; the launcher starts every machine's share itself, through srun
     kind = BackendKind("slurm", per_machine=True, ray=False, groups="local", placement=MachinesPlacement)
     output = "output of every rank on this terminal, through srun"
+    section = "slurm"               # `--submit`'s batch script lines (options.py); the plan carries it
+    section_keys = options.KEYS
+
+    def check_section(self, source: str, values: Mapping[str, Any]) -> None:
+        options.check(source, values)
+
+    def machines_found(self, environ: Mapping[str, str]) -> tuple[int, str] | None:
+        """Inside an allocation, an unset num_machines is its node count: `salloc -N 4` and a config without
+        num_machines plan 4 nodes."""
+        from dualrun.backends.slurm.allocation import job_id, node_count
+
+        count = node_count(environ)
+        return None if count is None else (count, f"the {count} node(s) of SLURM job {job_id(environ)}")
 
     def launcher_class(self) -> "type[Launcher]":
         from dualrun.backends.slurm.srun_launcher import SlurmLauncher
@@ -45,8 +59,17 @@ class SlurmBackend(Backend):
         """The srun lines a launch of this plan runs (its dry run's, the training script as SCRIPT)."""
         from dualrun.launchers.launcher import Program
 
+        from dualrun.backends.slurm.allocation import job_id
+
         launcher = self.launcher(cfg, Program("SCRIPT"), None)
-        return launcher.describe(launcher.prepare(plan)).splitlines()
+        if cfg.machines_from:
+            notes = [f"# num_machines unset: {cfg.machines_from}"]
+        elif "num_machines" not in cfg.written and job_id(os.environ) is None:
+            notes = ["# num_machines unset and outside an allocation: planned on 1 node (inside salloc or sbatch it "
+                     "is the allocation's node count)"]
+        else:
+            notes = []
+        return notes + launcher.describe(launcher.prepare(plan)).splitlines()
 
     def submit(self, cfg: "JobConfig", command: list[str], dry_run: bool = False) -> int:
         """From a login node: the batch script the plan needs, sbatch, the job's output followed (submit.py)."""

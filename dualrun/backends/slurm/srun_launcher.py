@@ -37,6 +37,15 @@ def slurm_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith("SLURM_")}
 
 
+def given_here(env: dict[str, str]) -> None:
+    """A step's srun gets this launcher's own CUDA_VISIBLE_DEVICES (the batch step's GPUs, as SLURM set them), not
+    the plan's: the plan's share travels as positions (DEVICES) and each task maps it through what the step was
+    given there."""
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+
+
 class Signalled(BaseException):
     """SIGTERM (scancel) or SIGINT reached the launcher: the job's steps are stopped, nothing left."""
 
@@ -85,7 +94,8 @@ class SlurmLauncher(Launcher):
                 env.pop(name, None)
         env["MASTER_ADDR"], env["MASTER_PORT"] = nodes[self.trainer_nodes(plan)[0]], str(self.port())
         per_node = [next(p for p in workers if p.node == k) for k in self.trainer_nodes(plan)]
-        env[DEVICES] = json.dumps([p.env.get("CUDA_VISIBLE_DEVICES") for p in per_node])
+        env[DEVICES] = json.dumps([self.positions(plan, p) for p in per_node])
+        given_here(env)
         env[RANKS], env[MAX_RESTARTS] = "1", str(self.rdzv.max_failures)
         env[NODES] = ",".join(nodes)
         omp = self.omp_threads(len(workers) // len(per_node))
@@ -95,6 +105,12 @@ class SlurmLauncher(Launcher):
         if self.rdzv.log_dir:   # each rank also appends its output to log_dir/<role>_<rank>.log
             env[protocol.LOG_DIR] = os.path.abspath(os.path.expanduser(self.rdzv.log_dir))
         return {k: v for k, v in env.items() if v != AUTO}
+
+    @staticmethod
+    def positions(plan: Plan, proc: Any) -> str | None:
+        """`proc`'s GPUs as positions among its node's (steps.device_positions), what its task narrows to."""
+        node = plan.cluster.nodes[proc.node]
+        return steps.device_positions(proc.env.get("CUDA_VISIBLE_DEVICES"), node.device_ids or range(node.gpus))
 
     def prepare(self, plan: Plan | None) -> Prepared:
         assert plan is not None
@@ -161,7 +177,8 @@ class SlurmLauncher(Launcher):
 
         def env_for(p: Any) -> dict[str, str]:
             env = {**slurm_env(os.environ), **self.worker_env(p.env)}
-            env[DEVICES] = json.dumps([p.env.get("CUDA_VISIBLE_DEVICES")])
+            env[DEVICES] = json.dumps([self.positions(plan, p)])
+            given_here(env)
             env[NODES] = ",".join(self.nodes())
             return env
 

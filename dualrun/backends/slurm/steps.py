@@ -1,8 +1,17 @@
 """The `srun` command lines of a job (pure: what `--dry_run` shows is what the launch runs).
 
 Why `--overlap`: the ranks' step and every server's step share the allocation's CPUs and GPUs, as the plan
-divides them (each process gets its devices through CUDA_VISIBLE_DEVICES, set by the task shim), not as SLURM
-would carve them. Why `--kill-on-bad-exit=1`: one rank that fails ends the step's other tasks at once, as
+divides them, not as SLURM would carve them.
+
+Why the GPUs go by CUDA_VISIBLE_DEVICES, not `--gpus-per-task` or `--gres` on each step: a step that asks for no
+GPUs is given all of the job's GPUs on its nodes (srun's default), and the task shim narrows each task to the
+plan's share of them (`device_positions`: the plan's devices as positions among the node's, mapped through the
+GPUs SLURM gave the step, so that on a node shared with other jobs position 0 is this job's first GPU, not the
+node's). `--gpus-per-task=1` would put each rank alone with its GPU under cgroup-constrained devices, and NCCL's
+peer-to-peer between the ranks of a node needs them to see each other's (torchrun's ranks see the node's trainer
+GPUs, LOCAL_RANK picks one; SLURM users running torchrun ask for the node's GPUs once for the same reason); and
+overlapping steps share GRES too (`--overlap`, SLURM 21.08+), so per-step `--gres` would not keep the servers'
+GPUs apart from the ranks'. Why `--kill-on-bad-exit=1`: one rank that fails ends the step's other tasks at once, as
 torchrun's agent does. Why `--export=ALL`: the step's env is the launcher's, built from the plan."""
 from __future__ import annotations
 
@@ -29,6 +38,17 @@ def server_step(node: str, cmd: Sequence[str], name: str, python: str | None = N
     """One step of one task on `node`: an engine replica or a router."""
     return ["srun", f"--job-name={name}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--cpus-per-task=1",
             "--overlap", "--export=ALL", "--unbuffered", *task_argv(cmd, python)]
+
+
+def device_positions(visible: str | None, node_ids: Sequence[int]) -> str | None:
+    """A process's CUDA_VISIBLE_DEVICES in the plan (ids of its node, `node_ids` in the node's order) -> the
+    positions of those ids among the node's (`"4,5"` on a node of ids 4..7 -> `"0,1"`), what the task shim maps
+    through the GPUs SLURM gave the step. None stays None (as srun gave it), "" stays "" (no GPU)."""
+    if visible is None or not visible.strip():
+        return visible
+    order = list(node_ids)
+    ids = [int(part) for part in visible.split(",") if part.strip()]
+    return ",".join(str(order.index(i) if i in order else i) for i in ids)
 
 
 def step_name(label: str, tag: str) -> str:

@@ -1,11 +1,12 @@
 """`dualrun launch --backend slurm --submit ...` from a login node: the batch script the plan needs, `sbatch`, the
 job's output followed here, its exit code returned.
 
-Why: the multi-node recipe people fail to write by hand (how many nodes, GPUs per node, one launch on the first
-node that starts every node's share with srun) is what the plan already knows. What the plan does not say (time,
-partition, account) stays sbatch's own: its input variables (`SBATCH_TIMELIMIT`, `SBATCH_PARTITION`,
-`SBATCH_ACCOUNT`, ...) apply as with any sbatch, and sbatch passes the submitting shell's environment on (its
-default), so the job runs with the variables of this shell. `batch_script` and `job_state` are pure.
+Why: the multi-node recipe people fail to write by hand (how many nodes, GPUs and CPUs per node, one launch on the
+first node that starts every node's share with srun) is what the plan already knows. What the plan does not say
+(time, partition, account, qos, more options) comes from the config's `slurm:` section (options.py), each an
+`#SBATCH` line; sbatch's input variables (`SBATCH_TIMELIMIT`, `SBATCH_PARTITION`, `SBATCH_ACCOUNT`, ...) still win
+over the script's lines, as with any sbatch, and sbatch passes the submitting shell's environment on (its default),
+so the job runs with the variables of this shell. `batch_script` and `job_state` are pure.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from dualrun.backends.slurm.options import sbatch_lines
 from dualrun.contract.errors import LaunchError
 
 POLL_S = 0.5
@@ -30,26 +32,34 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED"
 @dataclass(frozen=True)
 class Shape:
     """What the allocation must hold: `nodes`, the trainer ranks on the fullest node (`tasks_per_node`: the
-    ranks' srun step; the servers' steps overlap it) and its GPUs."""
+    ranks' srun step; the servers' steps overlap it), its GPUs, and CPUs per task such that every node holds a CPU
+    for each process the plan puts there (ranks, engine replicas, routers: each step asks one CPU a task)."""
 
     nodes: int
     tasks_per_node: int
     gpus_per_node: int
+    cpus_per_task: int = 1
 
 
 def shape_of(plan: Any) -> Shape:
     """The allocation a plan needs (a `plan.processes.Plan` on the cluster the config implies)."""
     ranks = [sum(1 for p in plan.workers if p.node == n.index) for n in plan.cluster.nodes]
     gpus = [len({d for p in plan.processes if p.node == n.index for d in p.devices}) for n in plan.cluster.nodes]
-    return Shape(len(plan.cluster.nodes), max(ranks or [1]) or 1, max(gpus or [0]))
+    every = [sum(1 for p in plan.processes if p.node == n.index) for n in plan.cluster.nodes]
+    tasks = max(ranks or [1]) or 1
+    return Shape(len(plan.cluster.nodes), tasks, max(gpus or [0]), max(1, -(-max(every or [1]) // tasks)))
 
 
-def batch_script(command: Sequence[str], cwd: str, shape: Shape, name: str, output: str) -> str:
-    """The sbatch script: the allocation the plan needs and one command, this launch without `--submit`."""
+def batch_script(command: Sequence[str], cwd: str, shape: Shape, name: str, output: str,
+                 options: Mapping[str, Any] | None = None) -> str:
+    """The sbatch script: the allocation the plan needs, the `slurm:` section's lines (`options`) and one command,
+    this launch without `--submit`."""
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={shape.nodes}",
-             f"#SBATCH --ntasks-per-node={shape.tasks_per_node}", f"#SBATCH --output={output}"]
+             f"#SBATCH --ntasks-per-node={shape.tasks_per_node}", f"#SBATCH --cpus-per-task={shape.cpus_per_task}",
+             f"#SBATCH --output={output}"]
     if shape.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={shape.gpus_per_node}")
+    lines += sbatch_lines(options)
     lines += ["# written by `dualrun launch --submit`: one launch on the first node; it starts every node's share with "
               "srun", f"cd {shlex.quote(cwd)}", "exec " + " ".join(shlex.quote(c) for c in command), ""]
     return "\n".join(lines)
@@ -73,7 +83,7 @@ def submit(cfg: Any, plan: Any, command: Sequence[str], dry_run: bool, environ: 
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"dualrun-{cfg.method}"
     output = os.path.join(folder, f"dualrun-slurm-{stamp}-%j.out")
-    text = batch_script(command, cwd, shape_of(plan), name, output)
+    text = batch_script(command, cwd, shape_of(plan), name, output, plan.rendezvous.options)
     if dry_run:
         print(f"# dualrun dry run: backend=slurm --submit; nothing was submitted\n# sbatch --parsable "
               f"{os.path.join(folder, f'dualrun-slurm-{stamp}.sbatch')}\n{text}", end="")

@@ -14,7 +14,8 @@ from typing import Mapping
 
 from dualrun.env.worker import rank_env
 
-DEVICES = "DUALRUN_SLURM_DEVICES"        # JSON list: the step's node k -> CUDA_VISIBLE_DEVICES (null: as srun gave it)
+DEVICES = "DUALRUN_SLURM_DEVICES"        # JSON list: the step's node k -> the plan's GPUs there as positions among
+                                         # the GPUs the step sees ("0,1"; "": none; null: as srun gave them)
 ERROR_DIR = "DUALRUN_SLURM_ERROR_DIR"    # where rank R writes its error file, rank<R>.json
 RANKS = "DUALRUN_SLURM_RANKS"            # "1": the step's tasks are trainer ranks (else a server: devices only)
 RESTARTS = "DUALRUN_SLURM_RESTARTS"      # the attempt: TORCHELASTIC_RESTART_COUNT
@@ -31,13 +32,27 @@ def tasks_per_node(spec: str) -> list[int]:
     return out
 
 
+def on_given(positions: str, given: str | None) -> str:
+    """The plan's share (`positions` among the node's GPUs) of the GPUs the step was given (`given`: the
+    CUDA_VISIBLE_DEVICES SLURM set for the step, the job's GPUs on this node; unset: the node's all, positions are
+    ids). A position past them: ValueError (the plan asked for more GPUs than the allocation holds here)."""
+    wanted = [p.strip() for p in positions.split(",") if p.strip()]
+    ids = [g.strip() for g in (given or "").split(",") if g.strip()]
+    if not wanted or given is None or not ids:
+        return ",".join(wanted)
+    if any(not p.isdigit() or int(p) >= len(ids) for p in wanted):
+        raise ValueError(f"the plan puts GPU(s) {','.join(wanted)} (positions) here but the step was given "
+                         f"CUDA_VISIBLE_DEVICES={given}: ask salloc/sbatch for more GPUs per node")
+    return ",".join(ids[int(p)] for p in wanted)
+
+
 def env_for(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables this task sets on top of what srun gave it (pure: a test gives it SLURM's variables)."""
     node = int(environ.get("SLURM_NODEID", "0"))
     out: dict[str, str] = {}
     devices = json.loads(environ.get(DEVICES) or "[]")
     if node < len(devices) and devices[node] is not None:
-        out["CUDA_VISIBLE_DEVICES"] = devices[node]   # SLURM's own binding (a step's gres) yields to the plan's
+        out["CUDA_VISIBLE_DEVICES"] = on_given(devices[node], environ.get("CUDA_VISIBLE_DEVICES"))
     if environ.get(RANKS) != "1":
         return out
     rank = int(environ["SLURM_PROCID"])
@@ -84,7 +99,11 @@ def network_here(environ: Mapping[str, str]) -> dict[str, str]:
 def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: python -m dualrun.backends.slurm.task CMD [ARGS...]")
-    env = {**os.environ, **env_for(os.environ), **network_here(os.environ)}
+    try:
+        own = env_for(os.environ)
+    except ValueError as e:
+        sys.exit(f"dualrun: {os.environ.get('SLURMD_NODENAME', 'this node')}: {e}")
+    env = {**os.environ, **own, **network_here(os.environ)}
     os.execvpe(argv[0], argv, env)
 
 
