@@ -142,9 +142,7 @@ class Upstream:
             self.forget(address)
 
     def _head(self, address: str, content_type: str | None) -> bytes:
-        lines = f"Host: {address}\r\n" + ("" if content_type is None else f"Content-Type: {content_type}\r\n")
-        _check(lines)
-        head = lines.encode("latin-1") + self._fixed
+        head = _header_lines({"Host": address, "Content-Type": content_type}) + self._fixed
         if len(self._heads) < 256:   # (the addresses and types a router sees are a handful)
             self._heads[(address, content_type)] = head
         return head
@@ -252,13 +250,10 @@ async def _chunked(conn: _Connection) -> bytes:
         del buf[:end + 2 + size + 2]
 
 
-def _header_lines(headers: Mapping[str, str]) -> bytes:
-    lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-    _check(lines)
-    return lines.encode("latin-1")
-
-
-def _check(lines: str) -> None:
-    """A header value with a line break of its own would be a header (or a request) of its own: refused."""
-    if lines.count("\n") != lines.count("\r\n") or lines.count("\r") != lines.count("\r\n"):
-        raise ValueError(f"a header with a line break of its own: {lines!r}")
+def _header_lines(headers: Mapping[str, str | None]) -> bytes:
+    """`Name: value` lines; a value with a line break of its own would be a header (or a request) of its own:
+    refused (ValueError)."""
+    for name, value in headers.items():
+        if any(c in f"{name}{value}" for c in "\r\n"):
+            raise ValueError(f"a header with a line break of its own: {name}: {value!r}")
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items() if value is not None).encode("latin-1")
