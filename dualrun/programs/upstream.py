@@ -158,6 +158,8 @@ class Upstream:
                 return conn, True
             conn.close()
         host, _, port = address.rpartition(":")
+        if not port.isdigit():
+            raise UpstreamError(f"not a host:port: {address!r}")
         connect = loop.create_connection(lambda: _Connection(loop), host.strip("[]"), int(port))
         if deadline is None:
             _, conn = await connect
