@@ -4,10 +4,10 @@
 
 Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data parallelism for dense models inside one
 server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
-What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp: its low-level server
-with this one handler, `one_handler.py`, and one kept-alive connection pool to the replicas). Both launchers start
-it (a ServerProcess like any server: health-checked, logged, watched, stopped with the servers) in front of a
-separate role's replicas once they are healthy; its `host:port` is the one the trainers get.
+What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp's low-level server with
+this one handler, `one_handler.py`; kept-alive connections of its own to the replicas, `upstream.py`). Both
+launchers start it (a ServerProcess like any server: health-checked, logged, watched, stopped with the servers) in
+front of a separate role's replicas once they are healthy; its `host:port` is the one the trainers get.
 
 A replica that fails — connection refused or reset, a 5xx, no answer within `--request-timeout-s` (the role's
 `request_timeout_s`), a failed health probe (every replica is probed about once a second) — leaves the rotation at

@@ -1,7 +1,7 @@
 """The router's per-request path does only the work a request needs: forwarding one starts no task of its own (the
 abort of a replica leaving the rotation cancels the task awaiting it instead), and a call carries the job's headers
-(its connection's, upstream.py, built once). In-process: a real Router and real aiohttp replicas on loopback, in one event loop. No timing here:
-what it saves is measured in benchmarks/router_vs_vllm.py."""
+(upstream.py's, built once). In-process: a real Router and real aiohttp replicas on loopback, in one event loop. No
+timing here: what it saves is measured in benchmarks/router_vs_vllm.py."""
 from __future__ import annotations
 
 import asyncio
