@@ -107,6 +107,7 @@ class Upstream:
                             b"Content-Length: %d\r\n\r\n" % len(body) if body or method != "GET" else b"\r\n", body))
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        retry = True
         while True:
             conn, reused = await self._connection(address, loop, deadline)
             timer = None if deadline is None else loop.call_at(deadline, conn.time_out)
@@ -116,7 +117,9 @@ class Upstream:
                 answer, keep = await _answer(conn, method)
             except UpstreamError:
                 conn.close()
-                if reused and not conn.received:   # closed while idle, before this call reached it: once more, anew
+                if retry and reused and not conn.received:   # closed while idle, before this call reached it
+                    retry = False
+                    self.forget(address)   # (its other idle connections likely with it): once more, anew
                     continue
                 raise
             except BaseException:   # a timeout, a cancel: an answer may still come on this connection
