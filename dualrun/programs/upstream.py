@@ -109,7 +109,7 @@ class Upstream:
         deadline = None if timeout is None else loop.time() + timeout
         retry = True
         while True:
-            conn, reused = await self._connection(address, loop, deadline)
+            conn, reused = await self._connection(address, loop, deadline, reuse=retry)
             timer = None if deadline is None else loop.call_at(deadline, conn.time_out)
             conn.received = False
             try:
@@ -119,7 +119,7 @@ class Upstream:
                 conn.close()
                 if retry and reused and not conn.received:   # closed while idle, before this call reached it
                     retry = False
-                    self.forget(address)   # (its other idle connections likely with it): once more, anew
+                    self.forget(address)   # (its other idle ones likely with it): once more, on a new one
                     continue
                 raise
             except BaseException:   # a timeout, a cancel: an answer may still come on this connection
@@ -150,9 +150,9 @@ class Upstream:
             self._heads[(address, content_type)] = head
         return head
 
-    async def _connection(self, address: str, loop: asyncio.AbstractEventLoop,
-                          deadline: float | None) -> tuple[_Connection, bool]:
-        idle = self._idle.get(address)
+    async def _connection(self, address: str, loop: asyncio.AbstractEventLoop, deadline: float | None,
+                          reuse: bool = True) -> tuple[_Connection, bool]:
+        idle = self._idle.get(address) if reuse else None
         now = None
         while idle:
             conn = idle.pop()
