@@ -153,7 +153,7 @@ def report(res: dict, args: argparse.Namespace, command: str) -> str:
     m = res["machine"]
     lines = ["# dualrun's router against vllm-router", "",
              f"`{command}` ({res['started']}; dualrun {m.get('git', '?')}, vllm-router "
-             f"{_version('vllm-router')}, aiohttp {_version('aiohttp')}, uvloop {_version('uvloop')}: dualrun's router runs "
+             f"{_vllm_router_version()}, aiohttp {_version('aiohttp')}, uvloop {_version('uvloop')}: dualrun's router runs "
              "on uvloop where it is installed).", "",
              "2 replicas behind each router; a closed-loop client keeps N requests in flight: straight to the "
              "replicas (alternating: no router), through dualrun's router, through vllm-router (round robin). "
@@ -213,6 +213,24 @@ def _version(pkg: str) -> str:
     try:
         return version(pkg)
     except PackageNotFoundError:
+        return "-"
+
+
+def _vllm_router_version() -> str:
+    """vllm-router's version, also where it is installed in an environment of its own (its script's interpreter)."""
+    here = _version("vllm-router")
+    binary = vllm_router_bin()
+    if here != "-" or binary is None:
+        return here
+    try:
+        with open(binary, "rb") as f:
+            first = f.readline()
+        if not first.startswith(b"#!"):
+            return "-"
+        r = subprocess.run([first[2:].decode().strip(), "-c", "from importlib.metadata import version; "
+                            "print(version('vllm-router'))"], capture_output=True, text=True, timeout=60)
+        return r.stdout.strip() or "-"
+    except (OSError, UnicodeDecodeError, subprocess.SubprocessError):
         return "-"
 
 

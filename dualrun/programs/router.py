@@ -4,10 +4,10 @@
 
 Why: TRL's trainers take one server address, and vLLM 0.14+ refuses data parallelism for dense models inside one
 server; a role with more GPUs than one engine needs runs several engines, and this router makes them one address.
-What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp: its low-level server
-with this one handler, `one_handler.py`, and one kept-alive connection pool to the replicas). Both launchers start
-it (a ServerProcess like any server: health-checked, logged, watched, stopped with the servers) in front of a
-separate role's replicas once they are healthy; its `host:port` is the one the trainers get.
+What each endpoint gets is the table in `routing.py`; this module only moves bytes (aiohttp's low-level server with
+this one handler, `one_handler.py`; kept-alive connections of its own to the replicas, `upstream.py`). Both
+launchers start it (a ServerProcess like any server: health-checked, logged, watched, stopped with the servers) in
+front of a separate role's replicas once they are healthy; its `host:port` is the one the trainers get.
 
 A replica that fails — connection refused or reset, a 5xx, no answer within `--request-timeout-s` (the role's
 `request_timeout_s`), a failed health probe (every replica is probed about once a second) — leaves the rotation at
@@ -32,12 +32,12 @@ import sys
 import time
 from typing import Any, Sequence
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, DummyCookieJar, TCPConnector, web
+from aiohttp import web
 
 from dualrun.contract import job_token, protocol
 from dualrun.config.cross_keys import host_port
 from dualrun.light.noise import Noise
-from dualrun.programs import guard, one_handler, rotation
+from dualrun.programs import guard, one_handler, rotation, upstream
 from dualrun.programs import routing
 from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
@@ -72,22 +72,18 @@ class Router:
                  probe_interval_s: float = PROBE_INTERVAL_S, api_key: str | None = None) -> None:
         self.table = rotation.Rotation(replicas)
         self.replicas = self.table.replicas   # the slots (a replacement changes a slot in place)
-        self.timeout = ClientTimeout(total=request_timeout_s)
+        self.request_timeout_s = request_timeout_s
         self.probe_interval_s = probe_interval_s
-        self.session: ClientSession | None = None
         self._abort: list[set[asyncio.Task]] = [set() for _ in self.replicas]  # the tasks awaiting it, to abort
         self._aborted: set[asyncio.Task] = set()   # cancelled by an abort: retried on another replica
         self._probes: list[asyncio.Task] = []
         self.token = job_token.job_token()   # the job's secret: guard.job_only endpoints require it
         self.api_key = api_key               # the role's --api-key: its inference endpoints require it
         self.headers = job_token.auth_headers(self.token, api_key)   # what its own calls to the replicas carry
-        # ...and with a JSON body (nearly every call): built once, not per request
-        self._json_headers = {"Content-Type": JSON, **self.headers}
+        self.upstream = upstream.Upstream(self.headers)   # kept-alive connections to the replicas
 
     # -- lifecycle --------------------------------------------------------------------------------------
     async def _open(self, _: object = None) -> None:
-        # no cookie jar: the engines set no cookies, and one client's must not ride on another's requests
-        self.session = ClientSession(connector=TCPConnector(limit=0), timeout=self.timeout, cookie_jar=DummyCookieJar())
         if self.probe_interval_s > 0:
             self._probes = [asyncio.ensure_future(self._probe_loop(i)) for i in range(len(self.replicas))]
 
@@ -95,40 +91,30 @@ class Router:
         for task in self._probes:
             task.cancel()
         await asyncio.gather(*self._probes, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
+        self.upstream.close()
         # the last line of its log: how the work was spread (the launcher stops the router with the servers)
         print(f"dualrun router: served per replica: {[r.served for r in self.replicas]}", file=sys.stderr, flush=True)
 
     # -- talking to replicas ------------------------------------------------------------------------------
-    def outgoing(self, content_type: str | None) -> dict[str, str]:
-        """A call's headers: its body's type and the job's own (the same dict each time for JSON and no body)."""
-        if content_type is None or content_type == JSON:
-            return self.headers if content_type is None else self._json_headers
-        return {"Content-Type": content_type, **self.headers}
-
     async def call(self, index: int, method: str, path_qs: str, body: bytes | None = None,
-                   content_type: str | None = None, timeout: ClientTimeout | None = None) -> tuple[int, bytes, str]:
+                   content_type: str | None = None) -> tuple[int, bytes, str]:
+        """(status, body, content type) of one call to replica `index`, with the job's headers (upstream.py)."""
         replica = self.replicas[index]
         replica.requests += 1
         if routing.route(method, path_qs) not in (routing.HEALTH, routing.WORLD_SIZE, routing.FIRST):
             replica.served += 1
         replica.in_flight += 1
         try:
-            assert self.session is not None
-            async with self.session.request(method, replica.url + path_qs, data=body,
-                                            headers=self.outgoing(content_type),
-                                            timeout=timeout or self.timeout) as resp:
-                data = await resp.read()
-                if resp.status >= 400:
-                    replica.errors += 1
-                return resp.status, data, resp.content_type
+            answer = await self.upstream.request(replica.address, method, path_qs, body, content_type,
+                                                 self.request_timeout_s)
+            if answer[0] >= 400:
+                replica.errors += 1
+            return answer
         except asyncio.TimeoutError:  # (before OSError: TimeoutError is one) accepted, no answer: hung
             replica.errors += 1
-            limit = (timeout or self.timeout).total
             raise ReplicaError(index, replica, 504, "", rotation.TIMEOUT,
-                               f"gave no answer within {limit:g} s (request_timeout_s)") from None
-        except (ClientError, OSError) as e:  # the replica is unreachable: a 502
+                               f"gave no answer within {self.request_timeout_s:g} s (request_timeout_s)") from None
+        except OSError as e:  # the replica is unreachable, or broke its answer off: a 502
             replica.errors += 1
             raise ReplicaError(index, replica, 502, "", rotation.UNREACHABLE,
                                f"is unreachable: {type(e).__name__}: {e}") from None
@@ -211,7 +197,6 @@ class Router:
                 request.cancel()
 
     async def _probe_loop(self, index: int) -> None:
-        timeout = ClientTimeout(total=PROBE_TIMEOUT_S)
         while True:
             await asyncio.sleep(self.probe_interval_s)
             replica = self.replicas[index]
@@ -219,10 +204,9 @@ class Router:
                 continue
             incarnation, ok, detail = replica.incarnation, False, ""
             try:
-                assert self.session is not None
-                async with self.session.get(replica.url + "/health", timeout=timeout) as resp:
-                    await resp.read()
-                    ok, detail = resp.status == 200, f"health probe answered {resp.status}"
+                status, _, _ = await self.upstream.request(replica.address, "GET", "/health", None, None,
+                                                           PROBE_TIMEOUT_S)
+                ok, detail = status == 200, f"health probe answered {status}"
             except asyncio.TimeoutError:
                 detail = f"health probe not answered within {PROBE_TIMEOUT_S:g} s"
             except Exception as e:  # noqa: BLE001 - whatever keeps a probe from passing fails it
@@ -234,7 +218,7 @@ class Router:
         restore one, remove one."""
         if index >= len(self.replicas):
             raise ValueError(f"no replica {index}: this router has {len(self.replicas)}")
-        now = time.monotonic()
+        now, old = time.monotonic(), self.replicas[index].address
         if action == "replace":
             address = payload.get("address")
             if not isinstance(address, str) or not host_port(address):
@@ -246,6 +230,8 @@ class Router:
             event = self.table.retire(index, str(payload.get("reason") or "retired by the launcher"), now)
         else:
             event = self.table.restore(index, now)
+        if action != "restore":   # (its engine gone or going: its idle connections with it)
+            self.upstream.forget(old)
         self._apply(event)
         return web.json_response({"replica": self.table.rows()[index], "membership": self.table.membership})
 

@@ -1,7 +1,7 @@
 """The router's per-request path does only the work a request needs: forwarding one starts no task of its own (the
-abort of a replica leaving the rotation cancels the task awaiting it instead), and a JSON call's headers are one dict
-built at start. In-process: a real Router and real aiohttp replicas on loopback, in one event loop. No timing here:
-what it saves is measured in benchmarks/router_vs_vllm.py."""
+abort of a replica leaving the rotation cancels the task awaiting it instead), and a call carries the job's headers
+(upstream.py's, built once). In-process: a real Router and real aiohttp replicas on loopback, in one event loop. No
+timing here: what it saves is measured in benchmarks/router_vs_vllm.py."""
 from __future__ import annotations
 
 import asyncio
@@ -118,14 +118,35 @@ def test_an_abort_moves_the_request_in_flight_to_another_replica_and_leaves_its_
     asyncio.run(main())
 
 
-def test_a_json_calls_headers_are_one_dict_with_the_jobs_secret(monkeypatch):
+def test_a_call_carries_the_jobs_secret_the_api_key_and_its_bodys_type(monkeypatch):
     monkeypatch.setenv(protocol.JOB_TOKEN, "s" * 43)
-    router = Router(["127.0.0.1:1"], probe_interval_s=0, api_key="k")
-    first = router.outgoing(JSON)
-    assert first is router.outgoing(JSON)
-    assert first == {"Content-Type": JSON, job_token.HEADER: "s" * 43, "Authorization": "Bearer k"}
-    assert router.outgoing(None) == {job_token.HEADER: "s" * 43, "Authorization": "Bearer k"}
-    assert router.outgoing("text/plain")["Content-Type"] == "text/plain"
+
+    async def main():
+        seen: list = []
+
+        async def answer(request: web.Request) -> web.Response:
+            seen.append((dict(request.headers), await request.read()))
+            return web.json_response({"ok": 1})
+
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        address = f"127.0.0.1:{runner.addresses[0][1]}"
+        router = Router([address], probe_interval_s=0, api_key="k")
+        try:
+            assert (await router.call(0, "POST", "/v1/completions", BODY, JSON))[0] == 200
+            assert (await router.call(0, "POST", "/v1/completions", b"x", "text/plain"))[0] == 200
+        finally:
+            await router._close(None)
+            await runner.cleanup()
+        (first, body), (second, _) = seen
+        assert body == BODY and first["Host"] == address and first["Content-Length"] == str(len(BODY))
+        assert first[job_token.HEADER] == "s" * 43 and first["Authorization"] == "Bearer k"
+        assert first["Content-Type"] == JSON and second["Content-Type"] == "text/plain"
+
+    asyncio.run(main())
 
 
 def test_a_request_retried_after_a_5xx_carries_its_own_content_type_not_the_answers():
