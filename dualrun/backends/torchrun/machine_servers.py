@@ -109,6 +109,10 @@ class Machines:
     def stopping(self) -> bool:
         return self.servers.stopping
 
+    @property
+    def fleet_history(self) -> list[str]:   # the job's summary: replicas that joined and left with their machine
+        return self.servers.fleet_history
+
     def reserve(self) -> dict[str, str]:
         """Side by side: the port of every server this machine starts at launch (machine 0: its routers too),
         picked now and published in the store at once (`share`), so that machine 0 can publish the trainers' wiring
