@@ -16,7 +16,7 @@ import pytest
 from cluster_jobs import gkd_args, gkd_config, gkd_losses, launch_on, outputs, wait_all
 from vcluster import VCluster, address
 
-pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(700)]
 
 WAIT_S = 300
 
@@ -38,6 +38,17 @@ def _until(check, procs, work: Path, timeout: float = WAIT_S) -> None:
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
             [o[-2000:] for o in outputs(work, range(len(procs)))]
         time.sleep(0.2)
+
+
+def _ended(procs, work: Path, timeout: float = WAIT_S) -> list[str]:
+    """Each machine's output once all have ended (what is still running after `timeout` is killed: a failure)."""
+    import subprocess
+
+    try:
+        wait_all(procs, timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout:g} s: {[o[-3000:] for o in outputs(work, range(len(procs)))]}")
+    return outputs(work, range(len(procs)))
 
 
 def _held(work: Path, step: int) -> bool:
@@ -71,10 +82,9 @@ def test_joins_late_then_sigterm_drains_it_with_the_losses_of_one_machine(shared
         _until(lambda: _held(work, 2), procs, work)
         assert '"POST /v1/completions' in (work / "logs1" / "teacher-server-1.log").read_text()
         procs[1].send_signal(signal.SIGTERM)
-        wait_all([procs[1]], 90)
+        _ended(procs[1:], work, 90)
         (work / "gate.2").unlink()
-        wait_all(procs, WAIT_S)
-        outs = outputs(work)
+        outs = _ended(procs, work)
         assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
         assert "teacher server 1 left (machine 1 stopped by SIGTERM; drained); 1 of min 1 remain" in outs[0]
         assert "dualrun: machine 1 left the job (SIGTERM)" in outs[1], outs[1][-2000:]
@@ -93,8 +103,7 @@ def test_joins_late_then_its_link_is_cut_and_the_job_goes_on_with_the_losses_of_
                        "health check" in (work / "m0" / "out").read_text(), procs[:1], work, 60)
         for step in (1, 2):
             (work / f"gate.{step}").unlink()
-        wait_all(procs, WAIT_S)
-        outs = outputs(work)
+        outs = _ended(procs, work)
         assert procs[0].returncode == 0, outs[0][-3000:]
         assert "1 of min 1 remain" in outs[0]
         assert procs[1].returncode != 0 and f"machine 0 ({address(0)}) did not answer for 6 s" in outs[1], \
