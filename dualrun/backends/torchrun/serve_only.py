@@ -97,22 +97,36 @@ def serve(servers: Machines, host: str, port: int, machine: int, machines: int, 
 
 def _wait_result(servers: Machines, host: str, port: int, stop: threading.Event) -> dict[str, Any] | None:
     """Machine 0's result once it is in the store; None when the store closed without one, or `stop` was set, or
-    one of this machine's servers (or one of machine 0's that its ranks talk to) died."""
+    one of this machine's servers (or one of machine 0's that its ranks talk to) died. The store is read on a
+    thread of its own: a read over a cut link may block past its timeout, and `stop` (the watch's loss, a signal)
+    must end the wait all the same."""
+    found: list[dict[str, Any] | None] = []
+    done = threading.Event()
+    threading.Thread(target=_look_result, args=(servers, host, port, stop, found, done), name="dualrun-result",
+                     daemon=True).start()
+    while not stop.wait(LOOK_S) and servers.failure is None and not done.is_set():
+        pass
+    return found[0] if found and not stop.is_set() else None
+
+
+def _look_result(servers: Machines, host: str, port: int, stop: threading.Event,
+                 found: list[dict[str, Any] | None], done: threading.Event) -> None:
     store, seen = None, False
     while not stop.wait(LOOK_S) and servers.failure is None:
         try:
             if store is None:
                 if not job_store.listening(host, port):
                     if seen:
-                        return None
+                        break
                     continue   # machine 0 has not started yet: it is started by hand
                 store = job_store.connect(host, port, 10.0)
                 seen = True
             if store.check([job_store.RESULT_KEY]):
-                return json.loads(store.get(job_store.RESULT_KEY))
+                found.append(json.loads(store.get(job_store.RESULT_KEY)))
+                break
         except Exception:  # noqa: BLE001 - the store went away meanwhile: the next look finds it gone
             store = None
-    return None
+    done.set()
 
 
 def _on_signals(handle: Callable[[int], None]) -> Callable[[], None]:
