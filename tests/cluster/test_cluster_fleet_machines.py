@@ -106,8 +106,9 @@ def test_joins_late_then_its_link_is_cut_and_the_job_goes_on_with_the_losses_of_
         outs = _ended(procs, work)
         assert procs[0].returncode == 0, outs[0][-3000:]
         assert "1 of min 1 remain" in outs[0]
-        assert procs[1].returncode != 0 and f"machine 0 ({address(0)}) did not answer for 6 s" in outs[1], \
-            outs[1][-2000:]
+        assert procs[1].returncode != 0 and re.search(   # cut off: machine 1 ends, naming machine 0 (whichever look
+            rf"dualrun: error: (machine 0 \({re.escape(address(0))}\) did not answer for 6 s|teacher router on "
+            r"machine 0 stopped answering its health check)", outs[1]), outs[1][-2000:]   # finds the silence first)
         assert [gkd_losses(work / "out", r) for r in (0, 1)] == gkd_one_machine
         vc.restore(1)
         assert _left_on(vc, 0) == [] and _left_on(vc, 1) == []
