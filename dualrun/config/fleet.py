@@ -65,12 +65,11 @@ def refuse_bounds(cfg: JobConfig) -> None:
         if b.low > b.start:
             raise ConfigError(cfg.source, f"roles.{role.name}.min_replicas", f"at most the planned count ({size} = "
                               f"{b.start}: the replicas started at launch)", b.low)
-        kind = cfg.backend_kind
-        if (b.low, b.high) != (b.start, b.start) and (not kind.fleets or (kind.per_machine and cfg.num_machines > 1)):
+        kind = cfg.backend_kind   # (several torchrun machines: where the replicas sit, plan/optional.py)
+        if (b.low, b.high) != (b.start, b.start) and not kind.fleets:
             moved = "max_replicas" if b.high != b.start else "min_replicas"
-            where = f"{cfg.num_machines} torchrun machines" if kind.fleets else f"backend {cfg.backend}"
             raise ConfigError(cfg.source, f"roles.{role.name}.{moved}", f"unset or {b.start} (the planned count) on "
-                              f"{where}: fleets resize on Ray and on torchrun on one machine only, for now",
+                              f"backend {cfg.backend}: fleets resize on Ray and on torchrun only, for now",
                               getattr(role, moved))
         if b.high > b.start and role.gpu_ids is not None:
             raise ConfigError(cfg.source, f"roles.{role.name}.max_replicas", f"unset or {b.start} beside gpu_ids "

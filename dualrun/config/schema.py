@@ -230,17 +230,21 @@ ROLE_KEYS: tuple[Key, ...] = (
         "restarted GRPO `rollout` replica on vLLM is held out of rotation until it "
         "holds the trainer's weights (it joins the weight-sync group at the next sync).",
         minimum=0, maximum=MAX_RESTARTS),
-    Key("min_replicas", "int", None, "A separate role dualrun starts (torchrun on one machine, Ray): the fewest "
+    Key("min_replicas", "int", None, "A separate role dualrun starts (torchrun, Ray): the fewest "
         "engine replicas the job goes on with. A replica that dies with its restarts spent (`replica_restarts`) or "
-        "with its Ray node, or is scaled down (`dualrun scale`), leaves the router while at least this many remain; below, the job ends "
+        "with its Ray node or its serving machine, or is scaled down (`dualrun scale`), leaves the router while at "
+        "least this many remain; below, the job ends "
         "naming it (or restarts whole with `max_failures`). Unset: the planned count (`gpus / "
-        "tensor_parallel_size`), as without the key. At most the planned count.", minimum=1,
+        "tensor_parallel_size`), as without the key. At most the planned count. On several torchrun machines the "
+        "replicas above it must sit on serving machines (no ranks) that then are optional: see docs/fleets.md.",
+        minimum=1,
         maximum=MAX_PROCESSES),
-    Key("max_replicas", "int", None, "A separate role dualrun starts (torchrun on one machine, Ray): the most "
+    Key("max_replicas", "int", None, "A separate role dualrun starts (torchrun, Ray): the most "
         "engine replicas `dualrun scale ROLE N` may grow it to; on Ray the role grows onto room the cluster gets, up "
-        "to it. The replicas above the planned count are spares, not started at launch (`dualrun plan` shows them); "
+        "to it; on several torchrun machines it grows as its optional serving machines are launched. The replicas "
+        "above the planned count are spares, not started at launch (`dualrun plan` shows them); "
         "a router stands in front even of one. Unset: the planned count. Both keys are refused (unless equal to the "
-        "planned count) on several torchrun machines and SLURM: not yet there.", minimum=1,
+        "planned count) on SLURM: not yet there.", minimum=1,
         maximum=MAX_PROCESSES),
     Key("server_args", "list", [], "Extra command-line arguments for the role's server, one word per item (a flag "
         "and its value are two items; only on a separate role dualrun starts a server for); not the flags dualrun "

@@ -29,6 +29,10 @@ LEFT_KEY = "dualrun/left/{machine}"     # set by machine K's launcher once its a
 RESULT_KEY = "dualrun/result"           # JSON {exit_code, message, restart}: set by machine 0's launcher once its
                                         # agent returned, for the machines that run no ranks
                                         # (backends/torchrun/serve_only.py)
+JOIN_KEY = "dualrun/join/{machine}"     # JSON {index: address}: an optional serving machine's replicas, set once
+                                        # they answered (backends/torchrun/machine_fleet.py): machine 0 takes them in
+LEAVING_KEY = "dualrun/leaving/{machine}"   # ... why it leaves (SIGTERM): machine 0 drains its replicas, then
+LET_GO_KEY = "dualrun/let_go/{machine}"     # machine 0 sets this: they are out of rotation, drained; stop them
 WAIT_S = 600.0                          # how long a reader waits for a key (machines are started by hand)
 
 
@@ -73,3 +77,15 @@ def machine_key(machine: int) -> str:
 
 def left_key(machine: int) -> str:
     return LEFT_KEY.format(machine=machine)
+
+
+def join_key(machine: int) -> str:
+    return JOIN_KEY.format(machine=machine)
+
+
+def leaving_key(machine: int) -> str:
+    return LEAVING_KEY.format(machine=machine)
+
+
+def let_go_key(machine: int) -> str:
+    return LET_GO_KEY.format(machine=machine)

@@ -23,6 +23,7 @@ from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
 from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
 from dualrun.plan.meeting import Rendezvous, rendezvous_of
+from dualrun.plan.optional import machine_of_fleet, optional_machines, refuse_placement
 from dualrun.plan.server_commands import ServerMethod, with_method
 from dualrun.plan.servers import ROUTER, Serving
 
@@ -130,6 +131,7 @@ class Plan:
         lines = [f"plan: backend={self.backend} method={self.method} config={escaped(self.source)} "
                  f"cluster={self.cluster.source} ({len(self.cluster.nodes)} node(s))"]
         by_node: dict[int, list[Process]] = {}
+        optional = optional_machines(self)
         for p in self.processes:   # once, not per node: 65536 ranks on 8192 nodes stay fast
             by_node.setdefault(p.node, []).append(p)
         for node in self.cluster.nodes:
@@ -139,10 +141,12 @@ class Plan:
             mark = " (this machine)" if self.machine_rank == node.index else ""
             lines.append(f"node {node.index} {node.address}{mark}: {node.gpus} {self.slot}(s)")
             if not any(p.kind == "worker" for p in procs):
-                lines.append("  no ranks: this machine runs only the servers below")
+                lines.append("  no ranks: this machine runs only the servers below"
+                             + ("; optional: the job starts without it, and it may join later, stop (SIGTERM) "
+                                "or be lost" if node.index in optional else ""))
             for p in procs:
                 dev = "GPU " + ",".join(map(str, p.devices)) if p.devices else "CPU"
-                spare = p.serving is not None and p.serving.spare
+                spare = p.serving is not None and p.serving.spare and p.node not in optional
                 lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
                                                           if p.kind == "worker" else "")
                              + ("  (spare: started by `dualrun scale`)" if spare else ""))
@@ -150,7 +154,9 @@ class Plan:
             lines.append(f"external {role} server at {addr}")
         for unit, b in self.fleets.items():
             if b.resizable:
-                lines.append(f"fleet {unit}: {b.shown()} replicas (`dualrun scale {unit} N` while it runs)")
+                how = "its optional machines come and go" if unit in machine_of_fleet(self) else \
+                    f"`dualrun scale {unit} N` while it runs"
+                lines.append(f"fleet {unit}: {b.shown()} replicas ({how})")
         return "\n".join(lines)
 
 
@@ -195,9 +201,11 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
         fleets[unit] = bounds(cfg, role)
     _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
-    return Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
+    plan = Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
                 frozen_map(common), frozen_map(external), slot, rendezvous_of(cfg),
                 frozen_map(fleets), _pushed_to(cfg, weight_roles))
+    refuse_placement(cfg, plan, fleets)   # several torchrun machines: a fleet moves by optional machines
+    return plan
 
 
 def _pushed_to(cfg: JobConfig, weight_roles: frozenset[str]) -> frozenset[str]:

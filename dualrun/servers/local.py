@@ -17,7 +17,7 @@ from typing import Callable, Collection, Mapping, TextIO
 
 from dualrun.contract.errors import LaunchError
 from dualrun.plan.processes import ROUTER, Plan, Process
-from dualrun.servers.planned import addresses, at_launch, facing, replica_addresses, spare
+from dualrun.servers.planned import addresses, at_launch, awaited, facing, replica_addresses
 from dualrun.servers.process import ServerError, ServerProcess
 from dualrun.servers.serverset import START_TRIES, ServerDeath, ServerSetBase
 from dualrun.servers.supervisor import Supervisor
@@ -140,7 +140,7 @@ class LocalServers(ServerSetBase):
             return True
         unit = self.plan.servers[index].unit
         return all(i in self.started for i, p in enumerate(self.plan.servers)
-                   if p.unit == unit and p.kind != ROUTER and not spare(p))
+                   if p.unit == unit and p.kind != ROUTER and awaited(self.plan, i))
 
     def start_now(self, indices: list[int]) -> dict[int, str] | None:
         """Start these servers of this machine at once, wait until each is healthy; index -> address. ServerError

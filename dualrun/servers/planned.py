@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from dualrun.plan.optional import joining, optional_machines
 from dualrun.plan.processes import AUTO, ROUTER, Plan, Process
 from dualrun.programs.rotation import SPARE
 
@@ -22,10 +23,12 @@ def server_previews(plan: Plan, host: str, node: int | None = None,
     from dualrun.config.engine_kinds import ENGINES
 
     out = []
+    later = joining(plan)
     for p in plan.servers:
         if node is None or p.node == node:
             assert p.serving is not None
-            slots = [SPARE if spare(r) else AUTO for r in plan.servers if r.unit == p.unit and r.kind != ROUTER]
+            slots = [SPARE if spare(r) or i in later else AUTO for i, r in enumerate(plan.servers)
+                     if r.unit == p.unit and r.kind != ROUTER]
             argv = p.serving.argv(host, AUTO, slots if p.kind == ROUTER else ())
             planned = p.env.get("CUDA_VISIBLE_DEVICES", "")
             shown = {"CUDA_VISIBLE_DEVICES": devices if devices is not None and p.devices else planned}
@@ -56,13 +59,16 @@ def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> lis
     unit = plan.servers[index].unit
     if plan.servers[index].kind != ROUTER:
         return []
-    return [started.get(i, SPARE) if spare(p) else started[i] for i, p in enumerate(plan.servers)
+    later = joining(plan)   # several torchrun machines: an optional machine's replicas join when it comes
+    return [started.get(i, SPARE) if spare(p) or i in later else started[i] for i, p in enumerate(plan.servers)
             if p.unit == unit and p.kind != ROUTER]
 
 
 def started_when(plan: Plan, label: str) -> str:
     """How a dry run says when the server `label` starts: beside the trainers, or (a spare) by a resize."""
     proc = next((p for p in plan.servers if p.label == label), None)
+    if proc is not None and proc.node in optional_machines(plan):
+        return f"started with machine {proc.node}, which is optional (it joins the job whenever it is launched)"
     return "a spare, started by `dualrun scale` (not at launch)" if proc is not None and spare(proc) else \
         "started beside the trainers"
 
@@ -74,8 +80,15 @@ def spare(proc: Process) -> bool:
 
 
 def at_launch(plan: Plan) -> list[list[int]]:
-    """`phases` without the spare replicas: what a set starts at launch."""
-    return [[i for i in phase if not spare(plan.servers[i])] for phase in phases(plan)]
+    """`phases` without the spare replicas: what a set starts at launch (an optional machine's, spares or not: all
+    its replicas, when it is launched)."""
+    later = joining(plan)
+    return [[i for i in phase if not spare(plan.servers[i]) or i in later] for phase in phases(plan)]
+
+
+def awaited(plan: Plan, index: int) -> bool:
+    """Whether a router waits for replica `index` before it starts (not a spare, not an optional machine's)."""
+    return not spare(plan.servers[index]) and index not in joining(plan)
 
 
 def addresses(plan: Plan, started: Mapping[int, str]) -> dict[str, str]:

@@ -111,15 +111,23 @@ class Supervision:
     answered_at: dict[int, float] = field(default_factory=dict) # a lone server -> its last answer (or first probe)
     silent: set[int] = field(default_factory=set)               # lone servers whose silence was told
     parked: set[int] = field(default_factory=set)               # spare replicas, not running (a resize starts one)
+    # several torchrun machines: the replicas this set may see leave (its own, and those of optional machines,
+    # which come and go with their machine: plan/optional.py); None: every replica
+    leavers: frozenset[int] | None = None
 
     @classmethod
     def of(cls, plan: Plan, mine: Collection[int] | None = None) -> "Supervision":
         """The replicas of `plan` this set runs (`mine`; None: all), each with its full budget."""
+        from dualrun.plan.optional import joining
+
         allowed = restart_budget(plan, mine)
+        later = joining(plan)   # an optional machine's replicas: running there, parked elsewhere until it comes
         spares = {i for i, p in enumerate(plan.servers) if p.serving is not None and p.serving.spare
-                  and (mine is None or i in mine)}
+                  and (mine is None or i in mine) and i not in later}
+        spares |= {i for i in later if mine is not None and i not in mine}
+        leavers = None if mine is None else frozenset(mine) | later
         return cls(plan, allowed, dict(allowed), alone={i: Rotation([plan.servers[i].label]) for i in lone(plan, mine)},
-                   parked=spares)
+                   parked=spares, leavers=leavers)
 
     @property
     def supervised(self) -> list[int]:
@@ -155,7 +163,8 @@ class Supervision:
         if index is None:
             return False
         fleet = self.plan.fleets.get(self.plan.servers[index].unit)
-        return fleet is not None and fleet.resizable and self.plan.servers[index].kind != ROUTER
+        return fleet is not None and fleet.resizable and self.plan.servers[index].kind != ROUTER and \
+            (self.leavers is None or index in self.leavers)
 
     def leaves(self, index: int | None, others_serving: bool) -> bool:
         """A replica that died and is not restarted (`died` said False): True when it leaves its role instead of

@@ -149,10 +149,11 @@ class Supervisor:
             address, started_s = brought
             print(back_line(label, address, time.monotonic() - died, started_s), file=sys.stderr, flush=True)
 
-    def _bring_in(self, index: int, label: str, restart: int, again: bool) -> tuple[str, float] | None:
-        """Start replica `index`'s engine (`respawn`), `replace` its slot at the router (held until its first weight
-        update when it takes the trainer's weights), wait for rotation: (its address, its engine's start-up), None
-        when the set is stopped meanwhile."""
+    def _bring_in(self, index: int, label: str, restart: int, again: bool,
+                  elsewhere: str | None = None) -> tuple[str, float] | None:
+        """Start replica `index`'s engine (`respawn`; `elsewhere`: its address, another machine started it), `replace`
+        its slot at the router (held until its first weight update when it takes the trainer's weights), wait for
+        rotation: (its address, its engine's start-up), None when the set is stopped meanwhile."""
         from dualrun.servers import router_client
 
         router, slot = router_of(self.plan, index)
@@ -161,7 +162,7 @@ class Supervisor:
         serving = self.plan.servers[index].serving
         assert serving is not None
         began = time.monotonic()
-        address = self.replicas.respawn(index, restart)
+        address = self.replicas.respawn(index, restart) if elsewhere is None else elsewhere
         if address is None:
             return None
         started_s = time.monotonic() - began   # the fresh engine's start-up, while the other replicas serve
@@ -173,7 +174,7 @@ class Supervisor:
         while self.events.watching and slot not in router_client.replicas(at)["in_rotation"]:
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"its router's health probes did not pass within {serving.health_timeout_s:g} s")
-            if not self.replicas.alive(index):
+            if elsewhere is None and not self.replicas.alive(index):
                 raise ServerError(label, "exited before its router took it back (its log says why)")
             time.sleep(0.1)   # the router's probes pass about once a second
         if not self.replicas.rearm(index, address):
@@ -216,15 +217,59 @@ class Supervisor:
             return len(self.table.running(unit))
 
     def fleets(self) -> dict[str, dict[str, int]]:
-        """Each resizable role's replicas running (or starting) now and its bounds (launchers/job_control.py)."""
+        """Each role `dualrun scale` resizes: its replicas running (or starting) now and its bounds
+        (launchers/job_control.py). Not a fleet that moves by machines (plan/optional.py)."""
+        from dualrun.plan.optional import machine_of_fleet
+
+        by_machines = machine_of_fleet(self.plan)
         return {unit: {"replicas": self._running(unit), "min": b.low, "max": b.high}
-                for unit, b in self.plan.fleets.items() if b.resizable}
+                for unit, b in self.plan.fleets.items() if b.resizable and unit not in by_machines}
+
+    # -- another machine's replicas that come and go with it (backends/torchrun/machine_fleet.py) ---------------
+    def take_in(self, index: int, address: str) -> tuple[str, float] | None:
+        """Parked replica `index`, started by its own machine at `address`: taken in by its router as a grown spare
+        is (held for the trainer's weights where it takes them); None when it is not parked or the set stops. Any
+        failure parks it again and is raised."""
+        with self._lock:
+            if index not in self.table.parked:
+                return None
+            self.table.parked.discard(index)
+            self.table.down.add(index)
+        self._joining.add(index)
+        try:
+            return self._bring_in(index, self.plan.servers[index].label, 0, again=False, elsewhere=address)
+        except Exception:
+            self._park(index)
+            raise
+        finally:
+            self._joining.discard(index)
+
+    def depart(self, indices: list[int], why: str) -> int:
+        """Running replicas `indices` of one role leave with their machine: parked at once (their end is no
+        death), retired at the router, drained (`_shrink`); how many of the role run now."""
+        unit = self.plan.servers[indices[0]].unit
+        with self._lock:
+            self.table.parked.update(indices)
+            self.table.down.difference_update(indices)
+        self._shrink(unit, indices, why)
+        return self._running(unit)
+
+    def parked(self, index: int) -> bool:
+        """Whether replica `index` runs nowhere the job knows of (a spare, gone, or its machine not come)."""
+        with self._lock:
+            return index in self.table.parked
 
     def scale(self, unit: str, replicas: int) -> str:
         """Resize `unit` to `replicas` within its bounds: spares started side by side and taken in by the router
         (held for the trainer's weights where they take them), or the highest replicas retired (drained, then
         stopped); the line of what was done. ScaleRefused when it cannot; one resize at a time."""
+        from dualrun.plan.optional import machine_of_fleet
+
         fleet = self.plan.fleets.get(unit)
+        if unit in machine_of_fleet(self.plan):
+            raise ScaleRefused(f"{unit}: on several torchrun machines its fleet follows its optional machines: "
+                               "launch one (`dualrun launch ... --machine_rank K`) to grow it, stop one (SIGTERM) to "
+                               "shrink it")
         if fleet is None or not fleet.resizable:
             names = ", ".join(u for u, b in self.plan.fleets.items() if b.resizable) or "none"
             raise ScaleRefused(f"no resizable fleet {unit!r} in this job (resizable: {names}; set "
@@ -298,13 +343,13 @@ class Supervisor:
             self.table.down.discard(index)
             self.table.parked.add(index)
 
-    def _shrink(self, unit: str, indices: list[int]) -> str:
+    def _shrink(self, unit: str, indices: list[int], why: str = "scaled down") -> str:
         """Retire `indices` at their router (no new request goes to them), let the requests in flight on them end
-        (up to `DRAIN_S`), stop them; their lines."""
+        (up to `DRAIN_S`), stop them (another machine's: its machine does); their lines."""
         from dualrun.servers import router_client
 
         for index in indices:
-            self._retire(index, "scaled down")
+            self._retire(index, why)
         at = self.address_of(router_of(self.plan, indices[0])[0])
         assert at is not None
         deadline = time.monotonic() + DRAIN_S
@@ -313,7 +358,7 @@ class Supervisor:
                                                   for s in slots):
             time.sleep(0.1)
         for index in indices:
-            self._gone(index, HUNG_GRACE_S, "scaled down", "scaled down")
+            self._gone(index, HUNG_GRACE_S, why, why)
         return f"dualrun: {unit}: {self._running(unit)} replicas now ({len(indices)} left)"
 
     # -- hung replicas ---------------------------------------------------------------------------------------

@@ -52,11 +52,42 @@ def test_bounds_are_refused_where_no_fleet_grows():
     with pytest.raises(ConfigError) as e:
         _cfg({"address": "127.0.0.1:9", "max_replicas": 2, "gpus": 0})
     assert e.value.key == "roles.teacher.max_replicas" and "beside `address`" in e.value.expected
-    with pytest.raises(ConfigError) as e:
-        _cfg({"gpus": 1, "max_replicas": 2}, "torchrun", num_machines=2, main_process_ip="10.0.0.1",
-             torchrun={"gpus_per_machine": 4})
-    assert e.value.key == "roles.teacher.max_replicas" and "unset or 1 (the planned count)" in e.value.expected
-    assert "fleets resize on Ray and on torchrun on one machine only" in e.value.line()
+    with pytest.raises(ConfigError) as e:   # several torchrun machines: a spare where ranks run has no way to start
+        make_plan(_cfg({"gpus": 1, "max_replicas": 2}, "torchrun", num_machines=2, main_process_ip="10.0.0.1",
+                       torchrun={"gpus_per_machine": 4}))
+    assert e.value.key == "roles.teacher.max_replicas" and "optional serving machines" in e.value.expected
+    assert "teacher server 1 is on machine 0, where ranks run" in e.value.line(), e.value.line()
+
+
+def test_on_several_torchrun_machines_the_replicas_above_min_come_with_an_optional_serving_machine():
+    """Trainers on machine 0 beside replica 0 and the router; replica 1 alone on machine 1, which runs no ranks: an
+    optional machine. Machine 0's router keeps its slot empty and its table parks it; machine 1 starts it."""
+    from dualrun.plan.optional import joining, optional_machines
+    from dualrun.servers.planned import awaited
+
+    top = {"num_machines": 2, "main_process_ip": "10.0.0.1", "torchrun": {"gpus_per_machine": 3}}
+    spec = {"gpus": 1, "max_replicas": 2}
+    cfg = build_config({"backend": "torchrun", "method": "gkd", "use_cpu": True, **top, "roles": {
+        "train": {"gpus": 2, "machines": [0]}, "teacher": {"model": "m/m", "top_k": 5, **spec}}}, "job.yaml")
+    plan = make_plan(cfg)
+    assert optional_machines(plan) == {1: (1,)} and joining(plan) == {1}
+    assert [p.node for p in plan.servers] == [0, 1, 0]
+    assert 1 in at_launch(plan)[0] and not awaited(plan, 1) and awaited(plan, 0)
+    assert replica_addresses(plan, {0: "a:1"}, 2) == ["a:1", SPARE]
+    assert Supervision.of(plan, [0, 2]).parked == {1}   # machine 0: parked until machine 1 comes
+    assert Supervision.of(plan, [1]).parked == set()    # machine 1: it runs it
+    assert "optional: the job starts without it" in plan.table() and "optional machines come and go" in plan.table()
+    with pytest.raises(ScaleRefused, match="follows its optional machines"):
+        from dualrun.servers.supervisor import Supervisor
+        Supervisor(plan, None, None, lambda i: None, [0, 2]).scale("teacher", 2)   # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as e:   # a replica below min there too: that machine is needed, not optional
+        make_plan(build_config({"backend": "torchrun", "method": "gkd", "use_cpu": True, **top, "roles": {
+            "train": {"gpus": 3, "machines": [0]}, "teacher": {"model": "m/m", "top_k": 5, "gpus": 2,
+                                                              "min_replicas": 1}}}, "job.yaml"))
+    assert "where a replica the job needs runs too" in e.value.line(), e.value.line()
+    with pytest.raises(ConfigError) as e:   # SLURM: no fleets yet
+        _cfg({"gpus": 1, "max_replicas": 2}, "slurm")
+    assert "on backend slurm" in e.value.line(), e.value.line()
 
 
 def test_ray_runs_fleets():

@@ -173,7 +173,7 @@ def test_the_floor_checker_sees_an_import_upward():
 
 # The plan is pure: placement and env from the config and a cluster, below everything that starts a process.
 PLAN_LAYER = {"dualrun.plan.processes", "dualrun.plan.placement", "dualrun.plan.engines", "dualrun.plan.servers",
-              "dualrun.plan.meeting", "dualrun.plan.server_commands"}
+              "dualrun.plan.meeting", "dualrun.plan.server_commands", "dualrun.plan.optional"}
 # ... and it reads values only: the config's model, the backends' and the engines' records, the protocol's names,
 # the env builders, the errors, the interpreter placeholder.
 PLAN_READS = PLAN_LAYER | {"dualrun.config.model", "dualrun.config.backends", "dualrun.config.engine_kinds",

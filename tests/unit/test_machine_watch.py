@@ -150,3 +150,17 @@ def test_once_machine_0s_workers_started_every_machine_came(store):
     time.sleep(2.5)
     w.stop()
     assert lost == [] and w.unjoined() == []
+
+
+def test_an_optional_machine_is_neither_awaited_nor_lost_when_it_goes_silent(store):
+    """An optional serving machine (plan/optional.py) may never come, and its loss is its replicas' (machine_fleet.py):
+    machine 2 never comes, machine 1 beats once and goes silent, and the watch says nothing of either."""
+    server, port = store
+    lost: list[str] = []
+    w = MachineWatch("127.0.0.1", port, 0, 3, 1.0, lost.append, join_timeout_s=1.0, optional=(1, 2))
+    w.start()
+    server.set(job_store.machine_key(1), "10.0.0.2")
+    server.add(job_store.beat_key(1), 1)
+    time.sleep(3.0)
+    w.stop()
+    assert lost == [] and w.unjoined() == [] and w.awaited() == []

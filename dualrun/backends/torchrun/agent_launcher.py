@@ -25,6 +25,7 @@ from dualrun.backends.torchrun.agent_results import first_failure, not_met, serv
 from dualrun.backends.torchrun.machine_watch import MachineWatch
 from dualrun.backends.torchrun.serve_only import announce, machines_with_ranks, serve, serving_machines
 from dualrun.light.held_stores import held_stores
+from dualrun.plan.optional import optional_machines
 from dualrun.plan.processes import AUTO, Plan
 from dualrun.light.interfaces import Interface, gloo_ifname
 from dualrun.launchers.loopback import refuse_loopback
@@ -200,7 +201,10 @@ class TorchrunLauncher(Launcher):
         if not prepared.argv:
             lines.append(f"# machine {self.rdzv.machine_rank} runs no ranks and no torchrun agent: it serves, hands its "
                          f"servers' addresses to machine 0's store at {self._addr()}:{self._port()} and ends when "
-                         "machine 0's ranks end")
+                         "machine 0's ranks end"
+                         + ("; it is optional: launched while the job runs it joins, and SIGTERM drains its replicas "
+                            "and ends it with exit 0" if self.rdzv.machine_rank in optional_machines(prepared.plan)
+                            else ""))
             return "\n".join(lines)
         lines.append("env -i \\")
         lines += [f"  {k}={join_cmd([v])} \\" for k, v in sorted(redact(prepared.env).items())]
@@ -239,17 +243,20 @@ class TorchrunLauncher(Launcher):
             return serve(servers, self._addr(), self._port(), job.machine_rank, job.num_machines,
                          job.options.machine_timeout_s, attempt < job.max_failures)
         serving = serving_machines(prepared.plan, job.num_machines) if job.machine_rank == 0 else []
+        fleet = getattr(servers, "fleet", None)   # optional machines: only those present wait for the result
+        now = lambda: [k for k in serving if k not in optional_machines(prepared.plan)] + (  # noqa: E731
+            fleet.present() if fleet is not None else [])
         with held_stores() if serving else contextlib.nullcontext([]) as held:   # the store outlives the agent
             try:
                 result = self._run_agent(prepared, attempt, servers)
             except BaseException:
-                announce(held, Outcome(JobResult(1, message="machine 0's launcher was stopped")), False, serving)
+                announce(held, Outcome(JobResult(1, message="machine 0's launcher was stopped")), False, now())
                 raise
             # several machines: a dead server ends the attempt on every machine (each watches the others' servers
             # it depends on), and each restarts; machine K waits for machine 0's new store (`before_restart`)
             outcome = Outcome(result) if servers.failure is None else Outcome(
                 result, f"{servers.failure.one_line()}; restarting the job with fresh servers", (servers.failure,))
-            announce(held, outcome, attempt < job.max_failures, serving)   # the machines that only serve
+            announce(held, outcome, attempt < job.max_failures, now())   # the machines that only serve
         return outcome
 
     def before_restart(self, prepared: Prepared, attempt: int) -> Prepared:
@@ -304,7 +311,7 @@ class TorchrunLauncher(Launcher):
                                          lambda line: _end_job(servers, line, _terminate_process_handler),
                                          join_timeout_s=self.rdzv.options.rendezvous_timeout_s,
                                          workers_started=lambda: signal.getsignal(signal.SIGTERM)
-                                         is _terminate_process_handler)
+                                         is _terminate_process_handler, optional=optional_machines(prepared.plan))
                     watch.start()
             if machines is not None:   # the machines' servers meet in torchrun's store
                 machines.share()

@@ -32,9 +32,11 @@ import threading
 import time
 from typing import Any
 
+from dualrun.backends.torchrun.machine_fleet import MachineFleet, offer
 from dualrun.backends.torchrun.machine_store import await_attempt, take_token  # noqa: F401 - their old home
 from dualrun.contract import job_store, protocol
 from dualrun.contract.errors import LaunchError
+from dualrun.plan.optional import joining, optional_machines
 from dualrun.plan.processes import ROUTER, Plan
 from dualrun.programs.rotation import PROBE_TIMEOUT_S
 from dualrun.servers.local import Endpoint, LocalServers
@@ -48,8 +50,9 @@ CONNECT_S = 1.0       # ... how long its machine may take to accept the check's 
 
 
 def others(plan: Plan, machine: int) -> list[int]:
-    """plan.servers indices of the servers other machines run."""
-    return [i for i, p in enumerate(plan.servers) if p.node != machine]
+    """plan.servers indices of the servers other machines run at the job's start (not an optional machine's)."""
+    later = joining(plan)
+    return [i for i, p in enumerate(plan.servers) if p.node != machine and i not in later]
 
 
 BIND = "0.0.0.0"   # where the servers of a job across machines listen: every address (the others reach them)
@@ -86,6 +89,8 @@ class Machines:
         self._others_known = threading.Event()   # machine 0: every other machine's replica answered, or never will
         servers.endpoint = machine_endpoint(host, self.machine)
         servers.supervisor.others_serving = self._others_serving
+        self.optional = optional_machines(self.plan)   # machines that come and go (machine_fleet.py)
+        self.fleet = MachineFleet(self, self.optional) if self.machine == 0 and self.optional else None
 
     # -- the server-set interface: the local set's, but for the ranks' wiring ------------------------------------
     @property
@@ -103,6 +108,10 @@ class Machines:
     @property
     def stopping(self) -> bool:
         return self.servers.stopping
+
+    @property
+    def fleet_history(self) -> list[str]:   # the job's summary: replicas that joined and left with their machine
+        return self.servers.fleet_history
 
     def reserve(self) -> dict[str, str]:
         """Side by side: the port of every server this machine starts at launch (machine 0: its routers too),
@@ -123,6 +132,8 @@ class Machines:
         began = time.monotonic()
         servers.start()   # this machine's replicas, and a router whose replicas all run here
         self._publish_answered(began)
+        if self.machine in self.optional and not servers.stopping:
+            offer(self)   # machine 0 takes its replicas in
         if self.machine != 0 or servers.stopping:
             return servers.addresses
         while not self._others_known.wait(0.25):   # `_exchange` has every other machine's replica, or its failure
@@ -263,6 +274,8 @@ class Machines:
         thread = threading.Thread(target=self._exchange, name="dualrun-server-wiring", daemon=True)
         thread.start()
         threading.Thread(target=self._probe_loop, name="dualrun-server-probe", daemon=True).start()
+        if self.fleet is not None:
+            self.fleet.start()
         return thread
 
     def _exchange(self) -> None:
@@ -324,8 +337,8 @@ class Machines:
         kernel accepts at once, so a lost machine or a dead server is found as fast as before), and a router's
         table, not its `/health` (503 while its replicas are out, which is their state, not the router's)."""
         with self._probe_lock:
-            urls = {index: f"http://{address}{liveness_path(self.plan, index)}"
-                    for index, address in list(self.watched.items())}
+            urls = {index: f"http://{address}{liveness_path(self.plan, index)}"   # (one that left: no more)
+                    for index, address in list(self.watched.items()) if not self.servers.supervisor.parked(index)}
             for index, (ok, detail) in probe_all(urls).items():
                 proc, url = self.plan.servers[index], urls[index]
                 answered = ok or self._being_restarted(index)

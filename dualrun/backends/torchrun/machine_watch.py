@@ -11,7 +11,8 @@ when it comes, does not say which machine went away. Here, beside each machine's
   `machine_timeout_s` ends the job, naming the machine and its address. Once ranks failed by themselves,
   `settle` gives each other machine a few seconds to beat again: one that does not is named as the cause.
 A machine whose agent returned says so (`LEFT_KEY`) before its beats stop, so its normal end is no loss.
-Machines are started by hand, so one may never come: machine 0 names each machine that has not shown itself in the
+An optional serving machine (plan/optional.py) is not watched here: it may never come, and its loss is its
+replicas' (machine_fleet.py). Machines are started by hand, so one may never come: machine 0 names each machine that has not shown itself in the
 store (`MACHINE_KEY`) within `torchrun.rendezvous_timeout_s` (`join_timeout_s`), the bound torchrun's rendezvous
 waits too; machine K whose agent gave up on machine 0's store names machine 0 (`absent_line`).
 The store is torchrun's agent store (job_store.py); machine 0's reads go to its own process, so they never wait on
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from typing import Callable, Collection
 
 from dualrun.contract import job_store
 
@@ -35,8 +36,9 @@ class MachineWatch:
 
     def __init__(self, host: str, port: int, machine: int, machines: int, timeout_s: float,
                  on_lost: Callable[[str], None], join_timeout_s: float | None = None,
-                 workers_started: Callable[[], bool] = lambda: False) -> None:
+                 workers_started: Callable[[], bool] = lambda: False, optional: Collection[int] = ()) -> None:
         self.host, self.port, self.machine, self.machines = host, port, machine, machines
+        self.optional = frozenset(optional)   # machine 0: machines that come and go (machine_fleet.py): not watched
         self.timeout_s, self.on_lost, self.join_timeout_s = timeout_s, on_lost, join_timeout_s
         self.workers_started = workers_started   # machine 0: its agent's rendezvous is over, every machine came
         self.joined: set[int] = set()   # machine 0: the machines seen in the store so far
@@ -154,7 +156,7 @@ class MachineWatch:
 
     def _look(self) -> dict[int, float]:
         now, silent = time.monotonic(), {}
-        for k in range(1, self.machines):
+        for k in self.awaited():
             if k not in self.joined and any(self._store.check([key]) for key in (job_store.machine_key(k),
                                                                                   job_store.left_key(k))):
                 self.joined.add(k)
@@ -198,7 +200,11 @@ class MachineWatch:
 
     def unjoined(self) -> list[int]:
         """Machine 0: the other machines not seen in the store (as of the last look)."""
-        return [k for k in range(1, self.machines) if k not in self.joined] if self.machine == 0 else []
+        return [k for k in self.awaited() if k not in self.joined] if self.machine == 0 else []
+
+    def awaited(self) -> list[int]:
+        """The other machines the job needs (an optional one's replicas are health-checked instead)."""
+        return [k for k in range(1, self.machines) if k not in self.optional]
 
     def unjoined_line(self, missing: list[int]) -> str:
         """Machine 0: the line naming the machines that did not come within the rendezvous bound."""

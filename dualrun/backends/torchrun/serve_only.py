@@ -9,6 +9,8 @@ channel to machine 0, the agent store at main_process_ip:main_process_port, clos
 - machine 0's launcher holds its agent's store past the agent (light/held_stores.py), writes the result there
   (`announce`: the exit code, the line naming the failure, whether the job restarts) and waits, bounded, for each
   serving machine to say it read it (its `LEFT_KEY`) before the store closes.
+An optional serving machine (plan/optional.py) stopped by SIGTERM or SIGINT while the job runs leaves it instead:
+machine 0 drains its replicas first (machine_fleet.py), then it stops them and ends with exit 0.
 The serving machine ends with exit 0 when the ranks succeeded; non-zero naming machine 0 when they failed, when
 machine 0 went silent (`torchrun.machine_timeout_s`) or its store closed without a result; non-zero naming its own
 server when one died (machine 0 health-checks it and ends the ranks too).
@@ -17,12 +19,14 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import threading
 import time
 from typing import Any, Callable, Sequence
 
 from dualrun.contract import job_store
 from dualrun.launchers.launcher import JobResult, Outcome, stopped_by
+from dualrun.backends.torchrun.machine_fleet import leave
 from dualrun.backends.torchrun.machine_watch import MachineWatch
 from dualrun.backends.torchrun.machine_servers import Machines
 
@@ -59,6 +63,10 @@ def serve(servers: Machines, host: str, port: int, machine: int, machines: int, 
         restore()
         servers.unwatch()
     took = time.monotonic() - start
+    if signals and machine in servers.optional and result is None and servers.failure is None:
+        print(leave(host, port, machine, signal.Signals(signals[0]).name), file=sys.stderr, flush=True)
+        watch.leave()   # an optional machine leaves the job that goes on: its part ended well
+        return Outcome(JobResult(0, wall_time_s=time.monotonic() - start))
     if signals:
         watch.leave()
         return Outcome(stopped_by(signals[0], "this machine's servers were stopped", took))
@@ -89,22 +97,36 @@ def serve(servers: Machines, host: str, port: int, machine: int, machines: int, 
 
 def _wait_result(servers: Machines, host: str, port: int, stop: threading.Event) -> dict[str, Any] | None:
     """Machine 0's result once it is in the store; None when the store closed without one, or `stop` was set, or
-    one of this machine's servers (or one of machine 0's that its ranks talk to) died."""
+    one of this machine's servers (or one of machine 0's that its ranks talk to) died. The store is read on a
+    thread of its own: a read over a cut link may block past its timeout, and `stop` (the watch's loss, a signal)
+    must end the wait all the same."""
+    found: list[dict[str, Any] | None] = []
+    done = threading.Event()
+    threading.Thread(target=_look_result, args=(servers, host, port, stop, found, done), name="dualrun-result",
+                     daemon=True).start()
+    while not stop.wait(LOOK_S) and servers.failure is None and not done.is_set():
+        pass
+    return found[0] if found and not stop.is_set() else None
+
+
+def _look_result(servers: Machines, host: str, port: int, stop: threading.Event,
+                 found: list[dict[str, Any] | None], done: threading.Event) -> None:
     store, seen = None, False
     while not stop.wait(LOOK_S) and servers.failure is None:
         try:
             if store is None:
                 if not job_store.listening(host, port):
                     if seen:
-                        return None
+                        break
                     continue   # machine 0 has not started yet: it is started by hand
                 store = job_store.connect(host, port, 10.0)
                 seen = True
             if store.check([job_store.RESULT_KEY]):
-                return json.loads(store.get(job_store.RESULT_KEY))
+                found.append(json.loads(store.get(job_store.RESULT_KEY)))
+                break
         except Exception:  # noqa: BLE001 - the store went away meanwhile: the next look finds it gone
             store = None
-    return None
+    done.set()
 
 
 def _on_signals(handle: Callable[[int], None]) -> Callable[[], None]:
