@@ -13,7 +13,8 @@ replica, as a node's room would on Ray). Each repetition:
    tier's CPU settings, one engine process each). `--syncs` syncs timed at 1 member.
 2. `dualrun scale rollout 2`: the ask -> the supervisor's "serving N s after the resize asked for it" (the new engine
    started beside the other, held out of rotation until the next sync gave it the trainer's weights), the CLI's
-   wall, the trainer's steps meanwhile; then `--syncs` syncs at 2 members. The same for 4 when the memory allows.
+   wall, the trainer's steps meanwhile; then `--syncs` syncs at 2 members. The same for 4 (3, then 4: one replica a
+   grow unless `--at-once`) when the memory allows.
 3. The restart: once the newest checkpoint is the last step logged, SIGTERM to the launch; when it is gone the same
    launch with a fixed fleet of 2 and the trainer resuming from that checkpoint. From the SIGTERM: the restarted
    job's first sync done (its replicas serving the trainer's weights again) and its first step past the last one
@@ -165,7 +166,7 @@ def timed(job: Job, members: int, syncs: int, reps: dict) -> None:
     reps["rss_gib"][str(members)] = rss_gib(job.proc.pid)
 
 
-def one_rep(work: Path, model: str, data: str, sizes: list[int], syncs: int, env: dict) -> dict:
+def one_rep(work: Path, model: str, data: str, sizes: list[int], syncs: int, env: dict, at_once: bool) -> dict:
     rep: dict = {"load": loadavg()[0], "syncs": {}, "reforms": [], "rss_gib": {}, "joins": [], "skipped": []}
     jobs: list[Job] = []
     try:
@@ -180,9 +181,10 @@ def one_rep(work: Path, model: str, data: str, sizes: list[int], syncs: int, env
             if n == sizes[1]:   # the trainer's pace before the first grow: what a step costs it, alone with 1
                 steps = [e["t"] for e in grown.events() if e["kind"] == "step"][-6:]
                 rep["step_before_s"] = statistics.median(b - a for a, b in zip(steps, steps[1:]))
-            rep["joins"].append(grow(grown, n, running, env))
+            for m in [n] if at_once else range(running + 1, n + 1):   # one replica a grow: see NOTES
+                rep["joins"].append(grow(grown, m, running, env))
+                running = m
             timed(grown, n, syncs, rep)
-            running = n
         syncs_seen = [e for e in grown.events() if e["kind"] == "sync"]
         rep["reforms"] = [{"members": b["members"], "s": b["t1"] - b["t0"]}
                           for a, b in zip(syncs_seen, syncs_seen[1:]) if b["members"] != a["members"]]
@@ -241,6 +243,12 @@ NOTES = [
     "results/weight_sync.md. `--model` takes another model vLLM can serve.",
     "- **One engine process each** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and a 1 GiB KV cache: so that 4 engines, the "
     "trainer and the other jobs on this 24 GiB machine fit; a grow is skipped when the memory available is short.",
+    "- **One replica a grow** (2 -> 3 -> 4; `--at-once` grows 2 -> 4 in one ask): two replicas joining at once can "
+    "end the job. The second became a weight-sync member while the trainer re-formed the group for the first: the "
+    "trainer had read the world size (3 engines) before, the router's `init_weight_transfer_engine` fan-out "
+    "counted 4 members, the engines refused it (\"init_info.world_size 4 cannot hold rank_offset 1 plus the 4 "
+    "workers\"), and the trainer waited out `weight_sync_timeout_s` (120 s) and failed (GroupNotFormed). Seen in 1 "
+    "of 3 grows 2 -> 4 here, before this default.",
     "- **The restart** is the one a job that cannot grow needs to use a new node: stop it, launch it again with one "
     "more replica, resume from the newest checkpoint (`max_failures` would restart the same plan, without the "
     "node). Checkpoints every step, and the kill waits until the last step logged is saved, so the restart redoes "
@@ -257,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 repetition, sizes 1,2, 3 syncs each")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--json", default=None, help="also write every repetition's numbers here")
+    p.add_argument("--at-once", action="store_true",
+                   help="grow straight to each size (2 -> 4 starts 2 replicas at once) instead of one replica a grow")
+    p.add_argument("--keep-logs", default=None, metavar="DIR", help="work in DIR and keep it (the jobs' logs)")
     p.add_argument("--from-json", default=None, help="re-write the report from an earlier --json")
     p.add_argument("--fake", action="store_true", help="synthetic numbers, nothing started (the report's test)")
     args = p.parse_args(argv)
@@ -282,15 +293,20 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_loopback_only(given)
         with tempfile.TemporaryDirectory(prefix="dualrun-fleet-growth-") as tmp:
-            work = Path(tmp)
+            work = Path(args.keep_logs or tmp)
             subprocess.run([sys.executable, str(BENCH.parent / "examples" / "make_tiny_model.py"), "--vllm", "--out",
                             str(work / "tiny")], check=True, capture_output=True)
             model = args.model or str(work / "tiny" / "model")
             env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", DUALRUN_JOBS_DIR=str(work / "jobs"))
             reps = []
             for i in range(args.reps):
-                reps.append(one_rep(work / f"rep{i}", model, str(work / "tiny" / "data" / "prompts.jsonl"), sizes,
-                                    args.syncs, env))
+                load = loadavg()[0]
+                try:
+                    reps.append(one_rep(work / f"rep{i}", model, str(work / "tiny" / "data" / "prompts.jsonl"),
+                                        sizes, args.syncs, env, args.at_once))
+                except RuntimeError as e:   # a repetition that failed is a finding: said in the report, not hidden
+                    print(e, file=sys.stderr, flush=True)
+                    reps.append({"load": load, "failed": str(e).splitlines()[0]})
                 print(json.dumps(reps[-1]), flush=True)
     if not args.from_json:
         info = machine()

@@ -3,7 +3,7 @@
 Why apart: the run takes minutes of vLLM engines; the tables, the ratios and what each number means are checked
 without starting anything (tests/e2e/test_benchmarks.py).
 
-One repetition's numbers (`rep`):
+One repetition's numbers (`rep`; a failed one: {load, failed: its one line}):
   load                     1-min load average when it began
   syncs {"n": [s, ...]}    seconds of each timed weight sync with n members (the fleet's first sync, and each one
                            that re-formed the group, left out)
@@ -78,7 +78,8 @@ def training_lost(rep: dict) -> tuple[float | None, float | None]:
     return lost_join, lost_restart
 
 
-def report(reps: list[dict], meta: dict) -> str:
+def report(every: list[dict], meta: dict) -> str:
+    reps = [r for r in every if not r.get("failed")]   # a failed repetition: its row and its reason only
     sizes = sorted({int(n) for rep in reps for n in rep["syncs"]})
     to = reps[0]["restart"]["to"] if reps and reps[0].get("restart") else 2
     first = [_join(r, to) for r in reps]
@@ -87,7 +88,8 @@ def report(reps: list[dict], meta: dict) -> str:
     fake = " **FAKE NUMBERS** (`--fake`: the report's test; nothing was started)." if meta.get("fake") else ""
     lines = [
         "# A replica joining a running job against a whole-job restart; the weight sync after growth", "",
-        f"`{meta['command']}` ({meta['when']}, {len(reps)} repetitions).{fake}", "",
+        f"`{meta['command']}` ({meta['when']}, {len(every)} repetitions"
+        f"{f', {len(every) - len(reps)} failed' if len(every) > len(reps) else ''}).{fake}", "",
         "GRPO on `--backend torchrun`: TRL's unchanged `GRPOTrainer` (1 rank, `benchmarks/benchlib/fleet_rank.py`) "
         f"and a vLLM CPU rollout fleet ({meta['model']}). Each repetition is one job started with 1 replica "
         f"(`min_replicas: 1`, `max_replicas: {max(sizes) if sizes else '?'}`), grown with `dualrun scale rollout N` "
@@ -143,11 +145,12 @@ def report(reps: list[dict], meta: dict) -> str:
                   f"{spread(fixed, 3)} s."]
     grows = sorted({j["to"] for r in reps for j in r.get("joins", [])} - {to})
     for n in grows:
-        js = [_join(r, n) for r in reps]
-        js = [j for j in js if j]
-        prev = max((m for m in sizes if m < n), default=1)
-        lines += ["", f"Grow to {n} ({prev} -> {n}, the {n - prev} new engines started at once): the ask -> the last new replica serving {spread(max(j['serving_s']) for j in js)} s, "
-                  f"its engine's start {spread(max(j['engine_s']) for j in js)} s."]
+        js = [j for j in (_join(r, n) for r in reps) if j]
+        new = max(len(j["serving_s"]) for j in js)
+        lines += ["", f"Grow {n - new} -> {n} ({new} new engine{'s started at once' if new > 1 else ''}): the ask -> "
+                  f"the last new replica serving {spread(max(j['serving_s']) for j in js)} s, its engine's start "
+                  f"{spread(max(j['engine_s']) for j in js)} s, the trainer's steps meanwhile "
+                  f"{spread((j['steps_during'] for j in js), 0)}."]
     skipped = sorted({n for r in reps for n in r.get("skipped", [])})
     if skipped:
         lines += ["", f"Not grown to {', '.join(map(str, skipped))}: the machine's available memory was short "
@@ -155,7 +158,10 @@ def report(reps: list[dict], meta: dict) -> str:
     lines += ["", "## Every repetition", "",
               "| # | load 1 min | join s (engine s) | restart: stop / to serving / to the next step s | syncs "
               "medians s by members |", "|---:|---:|---:|---:|---|"]
-    for i, r in enumerate(reps):
+    for i, r in enumerate(every):
+        if r.get("failed"):
+            lines.append(f"| {i} | {r['load']:.1f} | failed: {r['failed']} | | |")
+            continue
         j, rs = _join(r, to), r.get("restart") or {}
         join = f"{max(j['serving_s']):.1f} ({max(j['engine_s']):.1f})" if j else "-"
         f = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731

@@ -6,7 +6,7 @@ step's end, as wall-clock times it can hold against its own (`dualrun scale`'s a
 Appends one JSON line per event to EVENTS (a restarted run appends to the same file):
   {"kind": "start", "t", "resumed": step or null}       the trainer is built (resumed: the checkpoint's step)
   {"kind": "sync", "step", "t0", "t1", "members"}        one `sync_weights` (members: the router's weight-sync
-                                                          members right after it)
+                                                          members as it began: the engines it reaches)
   {"kind": "step", "step", "t"}                          a step ended (its checkpoint follows: save_steps 1)
 The run ends when OUT/stop exists (at the next step's end). `--resume`: from the newest checkpoint in OUT/grpo.
 
@@ -59,10 +59,11 @@ sync = trainer.vllm_generation.sync_weights
 
 
 def timed_sync():
-    t0 = time.time()
+    reach = members()   # a replica joins the router's members when it is started; this sync re-forms the group
+    t0 = time.time()    # with it (dualrun/weightsync/trainer/regroup.py) and reaches it
     sync()
     t1 = time.time()
-    event(kind="sync", step=trainer.state.global_step, t0=t0, t1=t1, members=members())
+    event(kind="sync", step=trainer.state.global_step, t0=t0, t1=t1, members=reach)
 
 
 trainer.vllm_generation.sync_weights = timed_sync

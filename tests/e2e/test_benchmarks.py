@@ -336,13 +336,17 @@ def test_fleet_growth_report_on_fake_numbers(tmp_path):
     assert "| 1 | 9 | 0.101 (0.100–0.102) | 1.00x | - | 3.0 (3.0–3.0) |" in md
     assert "| 2 | 9 | 0.151 (0.150–0.153) | 1.50x (1.50–1.50) | 0.505 (0.500–0.510) | 4.5 (4.5–4.5) |" in md
     assert "| 4 | 9 | 0.253 (0.250–0.255) | 2.50x (2.50–2.50) |" in md
-    assert "Grow to 4 (2 -> 4, the 2 new engines started at once)" in md
+    assert "Grow 2 -> 4 (2 new engines started at once): the ask -> the last new replica serving 31.31" in md
     assert md.count("\n| 0 | 1.0 | 20.0 (15.0) | 5.0 / 60.0 / 62.0 |") == 1, md
     fg = _bench_module("benchlib.fleet_growth_report")
     one = fg.fake_reps(1)[0]
     assert fg.ratios_to_one([one, dict(one, syncs={"1": [0.2], "2": [0.2]})], 2) == pytest.approx([1.5, 1.0])
     assert fg.training_lost(dict(one, step_before_s=None)) == (None, None)
     assert fg.spread([]) == "-" and fg.spread([None, 2.0, 1.0, 3.0], 1) == "2.0 (1.0–3.0)"
+    failed = fg.report([one, {"load": 9.0, "failed": "the job ended (1) before 6 syncs with 2 members:"}],
+                       {"command": "c", "when": "w", "model": "m"})
+    assert "2 repetitions, 1 failed" in failed and "| 1 | 9.0 | failed: the job ended (1) before 6 syncs" in failed
+    assert "| 20.00 (20.00–20.00) |" in failed   # the numbers are the repetition that ran
 
 
 def test_quiet_readers_report_holds_each_mode_side_by_side():
