@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="1 repetition, sizes 1,2, 3 syncs each")
     p.add_argument("--out", default=str(OUT))
     p.add_argument("--json", default=None, help="also write every repetition's numbers here")
+    p.add_argument("--retries", type=int, default=1,
+                   help="more repetitions allowed when some fail (a failed one is reported, with its reason)")
     p.add_argument("--at-once", action="store_true",
                    help="grow straight to each size (2 -> 4 starts 2 replicas at once) instead of one replica a grow")
     p.add_argument("--keep-logs", default=None, metavar="DIR", help="work in DIR and keep it (the jobs' logs)")
@@ -283,9 +285,14 @@ def main(argv: list[str] | None = None) -> int:
             "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "fake": args.fake, "notes": NOTES,
             "engine_gib": ENGINE_GIB, "load_start": " / ".join(f"{x:.1f}" for x in loadavg()),
             "model": "the tiny model of examples/make_tiny_model.py --vllm" if not args.model else args.model}
+    if not args.from_json:
+        info = machine()
+        meta["machine"] = (f"{info.get('cpus')} cores ({info.get('cpu', '?')}), {info.get('mem_total_gib', '?')} GiB, "
+                           f"shared with other jobs; git {info.get('git', '?')}")
+        meta["versions"] = versions()
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        reps, meta = saved["reps"], saved["meta"]
+        reps, meta = saved["reps"], {**meta, **saved["meta"]}
     elif args.fake:
         reps = fake_reps(args.reps)
     else:
@@ -298,22 +305,22 @@ def main(argv: list[str] | None = None) -> int:
                             str(work / "tiny")], check=True, capture_output=True)
             model = args.model or str(work / "tiny" / "model")
             env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", DUALRUN_JOBS_DIR=str(work / "jobs"))
-            reps = []
-            for i in range(args.reps):
+            reps: list[dict] = []
+            i = 0
+            while sum(not r.get("failed") for r in reps) < args.reps and i < args.reps + args.retries:
+                i += 1
                 load = loadavg()[0]
                 try:
-                    reps.append(one_rep(work / f"rep{i}", model, str(work / "tiny" / "data" / "prompts.jsonl"),
+                    reps.append(one_rep(work / f"rep{i - 1}", model, str(work / "tiny" / "data" / "prompts.jsonl"),
                                         sizes, args.syncs, env, args.at_once))
                 except RuntimeError as e:   # a repetition that failed is a finding: said in the report, not hidden
                     print(e, file=sys.stderr, flush=True)
                     reps.append({"load": load, "failed": str(e).splitlines()[0]})
                 print(json.dumps(reps[-1]), flush=True)
-    if not args.from_json:
-        info = machine()
-        meta["machine"] = (f"{info.get('cpus')} cores ({info.get('cpu', '?')}), {info.get('mem_total_gib', '?')} GiB, "
-                           f"shared with other jobs; git {info.get('git', '?')}")
+                if args.json:   # every repetition so far: a cut-short run is still read back (--from-json)
+                    Path(args.json).write_text(json.dumps({"meta": meta, "reps": reps}, indent=1))
+    if not args.from_json or "load_end" not in meta:   # (a cut-short run's: when it was read back)
         meta["load_end"] = " / ".join(f"{x:.1f}" for x in loadavg())
-        meta["versions"] = versions()
     text = report(reps, meta)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
