@@ -94,7 +94,9 @@ class Job:
             if check(events):
                 return events
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the job ended ({self.proc.returncode}) before {what}:\n{self.stderr()[-3000:]}")
+                said = re.findall(r"dualrun: error: .*", self.stderr())
+                raise RuntimeError(f"the job ended ({self.proc.returncode}) before {what}: "
+                                   f"{said[-1][15:400] if said else ''}\n{self.stderr()[-3000:]}")
             time.sleep(0.1)
         raise RuntimeError(f"not within {timeout:g} s: {what}\n{self.stderr()[-3000:]}")
 
@@ -243,12 +245,21 @@ NOTES = [
     "results/weight_sync.md. `--model` takes another model vLLM can serve.",
     "- **One engine process each** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and a 1 GiB KV cache: so that 4 engines, the "
     "trainer and the other jobs on this 24 GiB machine fit; a grow is skipped when the memory available is short.",
-    "- **One replica a grow** (2 -> 3 -> 4; `--at-once` grows 2 -> 4 in one ask): two replicas joining at once can "
-    "end the job. The second became a weight-sync member while the trainer re-formed the group for the first: the "
-    "trainer had read the world size (3 engines) before, the router's `init_weight_transfer_engine` fan-out "
-    "counted 4 members, the engines refused it (\"init_info.world_size 4 cannot hold rank_offset 1 plus the 4 "
-    "workers\"), and the trainer waited out `weight_sync_timeout_s` (120 s) and failed (GroupNotFormed). Seen in 1 "
-    "of 3 grows 2 -> 4 here, before this default.",
+    "- **A grow can end the job** (why a repetition may fail, and `--retries`): the router's weight-transfer members "
+    "change the moment a replica is started, not between syncs. (1) Started while an update is open (after its "
+    "`start_weight_update`, before its `finish_weight_update`): the new replica gets only the finish, vLLM answers "
+    "500 (\"finish_weight_update called without a matching start_weight_update\"), the router 502, TRL's client "
+    "retries the finish on every member, all now refuse it, and the trainer fails (RetryError). (2) Started while "
+    "the trainer re-forms the group for another (2 -> 4 in one ask): the trainer had read the world size before, "
+    "the router's `init_weight_transfer_engine` fan-out counted one member more, the engines refused it "
+    "(\"init_info.world_size 4 cannot hold rank_offset 1 plus the 4 workers\") and the trainer waited out "
+    "`weight_sync_timeout_s` (120 s): GroupNotFormed. Seen here in 3 of 18 asks (1) and in 1 of 3 asks growing 2 "
+    "-> 4 at once (2); so the default grows one replica at a time (`--at-once`: in one ask).",
+    "- **Reading it**: on one machine the joining engine starts on the cores the trainer and the serving engines "
+    "use, so joining is no faster than a restart whose engines start before any training; a node that joins brings "
+    "its own. What the join saves is the training: it goes on meanwhile (the steps taken, the time lost), and a "
+    "restart stands still. With every engine on the same 2 cores, the sync's time per member is each engine's CPU "
+    "work, which separate nodes would do side by side.",
     "- **The restart** is the one a job that cannot grow needs to use a new node: stop it, launch it again with one "
     "more replica, resume from the newest checkpoint (`max_failures` would restart the same plan, without the "
     "node). Checkpoints every step, and the kill waits until the last step logged is saved, so the restart redoes "
@@ -292,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["versions"] = versions()
     if args.from_json:
         saved = json.loads(Path(args.from_json).read_text())
-        reps, meta = saved["reps"], {**meta, **saved["meta"]}
+        reps, meta = saved["reps"], {**meta, **saved["meta"], "notes": NOTES}   # the notes: this code's
     elif args.fake:
         reps = fake_reps(args.reps)
     else:
