@@ -45,7 +45,7 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
 
 @pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost",
                                     "replica_throughput", "weight_sync_bench", "router_vs_vllm",
-                                    "replica_restart_bench", "startup_bench", "quiet_readers_bench"])
+                                    "replica_restart_bench", "startup_bench", "quiet_readers_bench", "fleet_growth"])
 def test_the_scripts_built_on_benchlib_start(script):
     """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,
@@ -316,6 +316,37 @@ def test_weight_sync_server_timings_are_grouped_per_update(tmp_path):
     syncs = ws.server_timings(str(log))
     assert [s["start"] for s in syncs] == [0.1, 0.2] and [s["finish"] for s in syncs] == [0.01, 0.02]
     assert syncs[1]["update"] == 2.0 and syncs[1]["relay"] == 0.1 and syncs[0]["bytes"] == 8
+
+
+def test_fleet_growth_report_on_fake_numbers(tmp_path):
+    """`fleet_growth.py --fake`: the join against the restart, the training time each loses, the sync at 1, 2 and 4
+    members with its ratio to 1 member per repetition; nothing started."""
+    out = tmp_path / "fg.md"
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fleet_growth.py"), "--fake", "--reps", "3",
+                        "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    md = out.read_text()
+    assert "FAKE" in md and "3 repetitions" in md and "Load average at the start" in md
+    # the fake join: 20 s x (1, 1.01, 1.02); the restart to serving 60 s alike: 3x in every repetition
+    assert "the ask -> the new replica in rotation holding the trainer's weights" in md
+    assert "| 20.20 (20.00–20.40) |" in md and "| 3.00x (3.00–3.00) |" in md, md
+    # lost: the join 20 s less 12 steps of 1 s; the restart 62 s less one step
+    assert "its time less the steps taken meanwhile at that pace | 8.08 (8.00–8.16) |" in md, md
+    assert "less one step, plus the steps redone | 61.61 (61.00–62.22) |" in md, md
+    assert "| 1 | 9 | 0.101 (0.100–0.102) | 1.00x | - | 3.0 (3.0–3.0) |" in md
+    assert "| 2 | 9 | 0.151 (0.150–0.153) | 1.50x (1.50–1.50) | 0.505 (0.500–0.510) | 4.5 (4.5–4.5) |" in md
+    assert "| 4 | 9 | 0.253 (0.250–0.255) | 2.50x (2.50–2.50) |" in md
+    assert "Grow 2 -> 4 (2 new engines started at once): the ask -> the last new replica serving 31.31" in md
+    assert md.count("\n| 0 | 1.0 | 20.0 (15.0) | 5.0 / 60.0 / 62.0 |") == 1, md
+    fg = _bench_module("benchlib.fleet_growth_report")
+    one = fg.fake_reps(1)[0]
+    assert fg.ratios_to_one([one, dict(one, syncs={"1": [0.2], "2": [0.2]})], 2) == pytest.approx([1.5, 1.0])
+    assert fg.training_lost(dict(one, step_before_s=None)) == (None, None)
+    assert fg.spread([]) == "-" and fg.spread([None, 2.0, 1.0, 3.0], 1) == "2.0 (1.0–3.0)"
+    failed = fg.report([one, {"load": 9.0, "failed": "the job ended (1) before 6 syncs with 2 members:"}],
+                       {"command": "c", "when": "w", "model": "m"})
+    assert "2 repetitions, 1 failed" in failed and "| 1 | 9.0 | failed: the job ended (1) before 6 syncs" in failed
+    assert "| 20.00 (20.00–20.00) |" in failed   # the numbers are the repetition that ran
 
 
 def test_quiet_readers_report_holds_each_mode_side_by_side():
