@@ -79,8 +79,11 @@ def ended(launch: subprocess.Popen, timeout: float) -> int:
 
 
 def engines(vc: VCluster, machine: int, marker: str) -> list[str]:
-    """The job's processes still on `machine`: vLLM's, or any naming the job's folder."""
-    return [r for r in processes(vc, machine) if "vllm" in r.lower() or marker in r]
+    """The job's processes still on `machine`: vLLM's (its API server, its engine core), the job's Ray workers, any
+    naming the job's folder; not the head's own Ray processes (which run from .venv-vllm: a path, not vLLM)."""
+    job = ("vllm", "ray::serveractor", "ray::rankworker")
+    return [r for r in processes(vc, machine)
+            if any(w in r.lower().replace(".venv-vllm", "") for w in job) or marker in r]
 
 
 def test_a_vllm_rollout_fleet_grows_onto_a_joining_node_and_loses_it_and_trains_as_a_fixed_one(vc, shared,

@@ -2,7 +2,9 @@
 (tests/cluster/test_cluster_ray.py, tests/cluster/test_cluster_ray_faults.py, tests/vllm_tier/test_vllm_cluster_ray.py):
 a head on machine 0 started with `--num-cpus 0` and a worker node on machines 1 and 2 (3 CPUs each), each by its own
 `ray start` there, as the lines of examples/multi-node/ray-by-hand/README.md ("Try it on a virtual cluster") write it;
-the cluster's actor table read from a driver on the head; `dualrun launch` on the head.
+the cluster's actor table read from a driver on the head; `dualrun launch` on the head. And, for the fleet tests
+(tests/cluster/test_cluster_ray_fleet.py, tests/cluster/test_cluster_vllm_ray_fleet.py), a head of a given size and a
+node that joins mid-run and leaves (`start_head`, `join`, `leave`).
 
 Why one place: each module starts its own cluster (a lost node spoils the next job; the vLLM tier runs in another
 venv), and each reads the same table to say where every actor ran and that none is left. The `ray` and `python` the
