@@ -241,11 +241,9 @@ class RayLauncher(Launcher):
         self._stop_time = None
         gang = Gang(self.rdzv.options, self.rdzv.source, self._check_signal)
         ranks: list[Rank] = []
+        follower = getattr(servers, "follower", None)   # a fleet's room is asked for once the ranks have theirs
         try:
             try:
-                follower = getattr(servers, "follower", None)   # a fleet's room is asked for after the ranks'
-                if follower is not None:
-                    follower.hold(True)
                 ranks = self.place_ranks(prepared.plan, attempt, gang)
                 if follower is not None:
                     follower.hold(False)
@@ -260,6 +258,8 @@ class RayLauncher(Launcher):
                 self._stop_all(ranks)
                 return stopped_by(e.signum), ()
         finally:   # every program stopped, every actor killed, every placement group removed
+            if follower is not None:   # held before the ranks' room is given back: a restart's ranks get it again
+                follower.hold(True)
             self._stop_all(ranks)
             gang.call_all("cleanup", timeout=2.0)
             gang.stop()
