@@ -261,14 +261,19 @@ def test_which_endpoints_need_the_secret():
 def test_ray_servers_listen_on_loopback_only_when_every_node_is_this_machine():
     from types import SimpleNamespace
 
-    from dualrun.backends.ray.actor_servers import on_this_host
+    from dualrun.backends.ray.actor_servers import grows_elsewhere, on_this_host
 
-    def plan(*addresses):
-        return SimpleNamespace(cluster=SimpleNamespace(nodes=[SimpleNamespace(address=a) for a in addresses]))
+    def plan(*addresses, spare=False):
+        servers = [SimpleNamespace(serving=SimpleNamespace(spare=spare))]
+        return SimpleNamespace(cluster=SimpleNamespace(nodes=[SimpleNamespace(address=a) for a in addresses]),
+                               servers=servers)
 
     assert on_this_host(plan("127.0.0.1")) and on_this_host(plan("127.0.0.1", "127.0.0.1"))   # nodes on one host
     assert not on_this_host(plan("127.0.0.1", "10.0.0.2"))        # several machines: their own addresses
     assert not on_this_host(plan("203.0.113.9"))                 # one node elsewhere (joined through ray://)
+    # a fleet's spare may start on a node that joins later, unless the cluster is bound to loopback (embedded)
+    assert on_this_host(plan("127.0.0.1", spare=True)) and not grows_elsewhere(plan("127.0.0.1", spare=True))
+    assert grows_elsewhere(plan("10.0.0.2", spare=True)) and not grows_elsewhere(plan("10.0.0.2"))
 
 
 def test_the_middleware_vllm_is_given_is_the_guard_and_a_coroutine_function():

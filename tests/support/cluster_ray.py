@@ -2,7 +2,9 @@
 (tests/cluster/test_cluster_ray.py, tests/cluster/test_cluster_ray_faults.py, tests/vllm_tier/test_vllm_cluster_ray.py):
 a head on machine 0 started with `--num-cpus 0` and a worker node on machines 1 and 2 (3 CPUs each), each by its own
 `ray start` there, as the lines of examples/multi-node/ray-by-hand/README.md ("Try it on a virtual cluster") write it;
-the cluster's actor table read from a driver on the head; `dualrun launch` on the head.
+the cluster's actor table read from a driver on the head; `dualrun launch` on the head. And, for the fleet tests
+(tests/cluster/test_cluster_ray_fleet.py, tests/cluster/test_cluster_vllm_ray_fleet.py), a head of a given size and a
+node that joins mid-run and leaves (`start_head`, `join`, `leave`).
 
 Why one place: each module starts its own cluster (a lost node spoils the next job; the vLLM tier runs in another
 venv), and each reads the same table to say where every actor ran and that none is left. The `ray` and `python` the
@@ -101,3 +103,47 @@ def launch(vc: VCluster, work: Path, config: str, argv: list[str], timeout: floa
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     return out
+
+
+# -- a cluster whose nodes come and go (tests/cluster/test_cluster_ray_fleet.py, test_cluster_vllm_ray_fleet.py) ----
+def start_head(vc: VCluster, cpus: int, cwd: Path) -> None:
+    """`ray start --head` on machine 0 with `cpus` logical CPUs: exactly what the plan's actors there hold, so that a
+    fleet's spare finds room only on a node that joins."""
+    proc = vc.run(0, ["ray", "start", "--head", "--node-ip-address", HEAD, "--port", "6379", "--num-cpus", str(cpus),
+                      "--include-dashboard=false", "--disable-usage-stats"], cwd=cwd, timeout=240,
+                  env=shell_env(**token_mode()))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def join(vc: VCluster, machine: int, cpus: int, cwd: Path) -> subprocess.Popen:
+    """`ray start --address HEAD --block` on `machine` (a node joining mid-run), returned once the cluster counts
+    it. The Popen is the test's own: its raylet and the rest of the node's Ray processes end with it (`leave`)."""
+    before = len(table(vc, cwd)["nodes"])
+    log = open(cwd / f"ray-start-{machine}.out", "w")
+    node = vc.popen(machine, ["ray", "start", "--address", RAY, "--num-cpus", str(cpus), "--disable-usage-stats",
+                              "--block"], cwd=cwd, env=shell_env(**token_mode()), stdout=log,
+                    stderr=subprocess.STDOUT)
+    log.close()
+    assert eventually(lambda: node.poll() is not None or len(table(vc, cwd)["nodes"]) > before, timeout=180), \
+        (cwd / f"ray-start-{machine}.out").read_text()[-3000:]
+    assert node.poll() is None, (cwd / f"ray-start-{machine}.out").read_text()[-3000:]
+    return node
+
+
+def leave(vc: VCluster, machine: int, node: subprocess.Popen, cwd: Path) -> None:
+    """The node on `machine` removed: its raylet stopped by its pid there (SIGTERM, as a drained or reclaimed machine's
+    is; never `ray stop`, which would stop every node this host runs). Once the cluster counts it gone, `ray start
+    --block` (which takes a raylet's SIGTERM as a graceful end and keeps blocking) is ended too, with what it
+    started."""
+    found = vc.run(machine, ["pgrep", "-x", "raylet"], timeout=30).stdout.split()
+    assert len(found) == 1, found
+    vc.run(machine, ["kill", "-TERM", found[0]], timeout=30, check=True)
+    assert eventually(lambda: address(machine) not in table(vc, cwd)["nodes"], timeout=120), table(vc, cwd)
+    node.terminate()
+    node.wait(timeout=60)
+
+
+def processes(vc: VCluster, machine: int) -> list[str]:
+    """Every process on `machine` but its first (the namespace's holder) and the `ps` that lists them."""
+    rows = vc.run(machine, ["ps", "-eo", "pid,args"], timeout=30, check=True).stdout.strip().splitlines()[1:]
+    return [r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r]

@@ -182,11 +182,13 @@ class RayLauncher(Launcher):
         from dualrun.backends.ray.cluster import Gang
         from dualrun.backends.ray.actor_servers import RayServers
 
-        return RayServers(plan, self.run_id, env_for=lambda p: self.worker_env(p.env, base=forwarded_env()),
-                          wiring=plan.wiring_env, bundle=self.bundle,
-                          gang=lambda check: Gang(self.rdzv.options, self.rdzv.source, check),
-                          wait_s=max(60.0, self.rdzv.options.placement_timeout_s), check=self._check_signal,
-                          attempt=attempt, avoid=avoid)
+        servers = RayServers(plan, self.run_id, env_for=lambda p: self.worker_env(p.env, base=forwarded_env()),
+                             wiring=plan.wiring_env, bundle=self.bundle,
+                             gang=lambda check: Gang(self.rdzv.options, self.rdzv.source, check),
+                             wait_s=max(60.0, self.rdzv.options.placement_timeout_s), check=self._check_signal,
+                             attempt=attempt, avoid=avoid)
+        servers.follower.hold(True)   # no room asked for a spare before the ranks have theirs (`_attempt`)
+        return servers
 
     def start_servers(self, servers: ServerSet | None, plan: Plan | None) -> JobResult | None:
         """Placed before any trainer starts and started beside them; the trainers get the plugin's wiring of their
@@ -239,9 +241,12 @@ class RayLauncher(Launcher):
         self._stop_time = None
         gang = Gang(self.rdzv.options, self.rdzv.source, self._check_signal)
         ranks: list[Rank] = []
+        follower = getattr(servers, "follower", None)   # a fleet's room is asked for once the ranks have theirs
         try:
             try:
                 ranks = self.place_ranks(prepared.plan, attempt, gang)
+                if follower is not None:
+                    follower.hold(False)
                 self.start_ranks(prepared, ranks, attempt, servers.wiring_env() if servers is not None else {})
                 watch = RankWatch(ranks, servers, lambda: self._stop_all(ranks, wait=False),
                                     self._check_signal).run()
@@ -253,6 +258,8 @@ class RayLauncher(Launcher):
                 self._stop_all(ranks)
                 return stopped_by(e.signum), ()
         finally:   # every program stopped, every actor killed, every placement group removed
+            if follower is not None:   # held before the ranks' room is given back: a restart's ranks get it again
+                follower.hold(True)
             self._stop_all(ranks)
             gang.call_all("cleanup", timeout=2.0)
             gang.stop()
@@ -298,8 +305,10 @@ class RayLauncher(Launcher):
                 call = f.read()
             argv = [CALL if a == self.program.call_file else a for a in argv]
         log_dir = self.rdzv.log_dir
-        several = bool(prepared.plan and prepared.plan.cluster.addresses() > 1)
-        from dualrun.backends.ray.actor_servers import on_this_host
+        from dualrun.backends.ray.actor_servers import grows_elsewhere, on_this_host
+
+        # nodes of several addresses, now or once a fleet grows onto a node that joins
+        several = bool(prepared.plan and (prepared.plan.cluster.addresses() > 1 or grows_elsewhere(prepared.plan)))
 
         one_host = bool(prepared.plan and on_this_host(prepared.plan))   # every node is this machine
         weight_sync = bool(prepared.plan and prepared.plan.weight_sync)

@@ -47,7 +47,16 @@ def on_this_host(plan: Any) -> bool:
 
     nodes = {n.address for n in plan.cluster.nodes}
     here = {i.address for i in interfaces().values() if i.address} | {"127.0.0.1"}
-    return len(nodes) == 1 and nodes <= here
+    return len(nodes) == 1 and nodes <= here and not grows_elsewhere(plan)
+
+
+def grows_elsewhere(plan: Any) -> bool:
+    """A fleet with spares on a cluster that other machines can join (a node with an address off loopback): a spare
+    may start on a node that joins after launch (fleet_follow.py), which must reach the router and the weight-sync
+    group and be reached, so the job cannot count on one host even while the cluster has one node. An embedded
+    cluster (bound to 127.0.0.1) keeps every spare on this machine."""
+    spares = any(p.serving is not None and p.serving.spare for p in plan.servers)
+    return spares and any(not n.address.startswith("127.") for n in plan.cluster.nodes)
 
 
 class RayServers(ActorReplicas, ServerSetBase):

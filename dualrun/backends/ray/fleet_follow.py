@@ -9,6 +9,10 @@ held for the trainer's weights where it takes them). The target starts at `max_r
 room); `dualrun scale` sets it (`RayServers.scale`). A replica whose node leaves is the supervisor's
 (`ServerDeath.node_gone`: it leaves its role while `min_replicas` remain); then fewer run than the target and a
 pending group waits for room again. The decisions (`step`) are pure; the Ray calls are in `Follower`.
+
+While the trainers' ranks are being placed (each attempt), no room is asked for and a pending group is given back
+(`hold`): a group asked for between the servers' start and the ranks' placement would take the room the plan counted
+on for a rank, on a cluster with just that much, and the rank would wait for a node that may never come.
 """
 from __future__ import annotations
 
@@ -74,6 +78,14 @@ class Follower:
         self._after: dict[str, float] = {}   # unit -> no room asked for before this (a join failed)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._held = False   # the launcher holds it from the set's making until the first ranks are placed
+
+    def hold(self, held: bool) -> None:
+        """While `held` (the trainers' ranks being placed) ask for no room, and give back the pending groups."""
+        with self._lock:
+            self._held = held
+        if held:
+            self.stop()
 
     def set_target(self, unit: str, replicas: int) -> None:
         """`dualrun scale`: the role's replicas from now on (within its bounds: the caller checks)."""
@@ -136,12 +148,16 @@ class Follower:
             with self._lock:
                 self.pending.pop(unit, None)
             remove_placement_group(held.pg)
-        elif todo == ASK and time.monotonic() >= self._after.get(unit, 0.0):
+        elif todo == ASK and time.monotonic() >= self._after.get(unit, 0.0) and not self._held:
             self._asked += 1
             shape = self.servers.bundle(self.servers.plan.servers[self._spare_of(unit)])
             pg = placement_group([shape], name=f"{self.servers.run_id}-{unit}-room-{self._asked}")
             with self._lock:
-                self.pending[unit] = Pending(pg)
+                held_now = self._held
+                if not held_now:
+                    self.pending[unit] = Pending(pg)
+            if held_now:   # `hold` came meanwhile: the ranks are placed first
+                remove_placement_group(pg)
         elif todo == GROW:
             self._grow(unit, held, running, target)
 
