@@ -241,7 +241,7 @@ ROLE_KEYS: tuple[Key, ...] = (
         maximum=MAX_PROCESSES),
     Key("max_replicas", "int", None, "A separate role dualrun starts (torchrun, Ray): the most "
         "engine replicas `dualrun scale ROLE N` may grow it to; on Ray the role grows onto room the cluster gets, up "
-        "to it; on several torchrun machines it grows as its optional serving machines are launched. The replicas "
+        "to it (a spare with no free GPUs when the plan is made waits for a node with room); on several torchrun machines it grows as its optional serving machines are launched. The replicas "
         "above the planned count are spares, not started at launch (`dualrun plan` shows them); "
         "a router stands in front even of one. Unset: the planned count. Both keys are refused (unless equal to the "
         "planned count) on SLURM: not yet there.", minimum=1,

@@ -8,11 +8,15 @@ passed in. Pure functions of the config.
 """
 from __future__ import annotations
 
-from typing import Collection
+from dataclasses import replace
+from typing import Any, Collection, TypeVar
 
+from dualrun.contract import protocol
 from dualrun.config.engine_kinds import engine_of, takes_weights
 from dualrun.config.fleet import planned_count
-from dualrun.config.model import JobConfig, RoleSpec
+from dualrun.config.model import JobConfig, RoleSpec, frozen_map
+
+P = TypeVar("P", bound=Any)   # the plan's Process (plan/processes.py), which imports this module
 
 
 def role_takes_weights(cfg: JobConfig, role: RoleSpec | None, weight_roles: Collection[str]) -> bool:
@@ -38,3 +42,23 @@ def replica_count(cfg: JobConfig, role: RoleSpec) -> int:
     """Engines a separate role runs: its GPUs (or CPU processes) over one engine's size. More than one stand
     behind one address, the router's (`dualrun.programs.router`): TRL's trainers take a single server address."""
     return planned_count(cfg, role)
+
+
+def mark_cpu_engines(cfg: JobConfig, procs: list[P]) -> list[P]:
+    """CPU engines whose record asks it (`EngineKind.quiet_on_cpu`: vLLM's CPU build): each marked to wait instead
+    of spin (dualrun/servers/quiet_readers.py), and where a machine has several, each with its share of the
+    machine's cores ('j/k'), which it binds its OpenMP threads to where it starts (dualrun/servers/cpu_share.py);
+    vLLM alone binds them all to the same cores."""
+    if not cfg.use_cpu:
+        return procs
+    on_node: dict[int, list[int]] = {}
+    for i, p in enumerate(procs):
+        role = cfg.role(p.roles[0])
+        if p.kind == "server" and role is not None and engine_of(cfg, role).quiet_on_cpu:
+            on_node.setdefault(p.node, []).append(i)
+    out = list(procs)
+    for engines in on_node.values():
+        for j, i in enumerate(engines):
+            share = {protocol.CPU_SHARE: f"{j}/{len(engines)}"} if len(engines) > 1 else {}
+            out[i] = replace(out[i], env=frozen_map({**out[i].env, protocol.QUIET_READERS: "1", **share}))
+    return out

@@ -15,6 +15,7 @@ from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.contract.errors import ConfigError
 
 AUTO = "<auto>"   # a value only known at launch time (the master port, a server's address, the run id)
+UNPLACED = -1     # the node of a spare planned without room (`Placement.spares_unplaced`): known where it starts
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,12 @@ class Placement(Protocol):
     @property
     def processes_take_slots(self) -> bool:
         """Whether on CPU a machine's slots (`torchrun.gpus_per_machine`) are processes, one per rank or engine."""
+
+    @property
+    def spares_unplaced(self) -> bool:
+        """Whether a fleet's spare replica that finds no room when the plan is made is planned unplaced (its node
+        and devices given by the cluster when room appears while the job runs) instead of refused (a backend whose
+        machines are fixed when the job starts). The trainers and the replicas started at launch always need room."""
 
     def assumed_cluster(self, environ: Mapping[str, str]) -> Cluster:
         """The cluster the config implies when none is described, given the launching shell's environment."""
@@ -188,6 +195,10 @@ class MachinesPlacement:
     @property
     def processes_take_slots(self) -> bool:
         return bool(self.cfg.torchrun.gpus_per_machine)
+
+    @property
+    def spares_unplaced(self) -> bool:
+        return False   # the machines are fixed: a spare sits on one of them (several: an optional one)
 
     def assumed_cluster(self, environ: Mapping[str, str]) -> Cluster:
         """On the GPUs the shell makes visible when it sets them, else `torchrun.gpus_per_machine` on every

@@ -15,19 +15,19 @@ from typing import Any, Callable, Iterable, Mapping
 
 from dualrun.contract import protocol
 from dualrun.config.model import JobConfig, RoleSpec, frozen_map
-from dualrun.config.engine_kinds import WeightRoles, engine_of, weight_roles_of
+from dualrun.config.engine_kinds import WeightRoles, weight_roles_of
 from dualrun.config.fleet import FleetBounds, bounds
-from dualrun.plan.engines import engine_size, role_takes_weights, server_env
+from dualrun.plan.engines import engine_size, mark_cpu_engines, role_takes_weights, server_env
 from dualrun.env.worker import rank_env
 from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
-from dualrun.plan.placement import AUTO, Cluster, Free, Node, Placement, placement_for, units
+from dualrun.plan.placement import AUTO, UNPLACED, Cluster, Free, Node, Placement, placement_for, units
 from dualrun.plan.meeting import Rendezvous, rendezvous_of
 from dualrun.plan.optional import machine_of_fleet, optional_machines, refuse_placement
 from dualrun.plan.server_commands import ServerMethod, with_method
 from dualrun.plan.servers import ROUTER, Serving
 
-__all__ = ["AUTO", "ROUTER", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
+__all__ = ["AUTO", "ROUTER", "UNPLACED", "Cluster", "Node", "Plan", "Process", "make_plan", "units"]
 
 
 
@@ -45,6 +45,17 @@ class Process:
     devices: tuple[int, ...]
     env: Mapping[str, str] = field(default_factory=frozen_map)
     serving: Serving | None = None   # a server's command, health, timeouts, restarts, log (plan/servers.py)
+    wants: int = 0   # a spare planned unplaced (node UNPLACED): the GPUs it takes where it starts
+
+    @property
+    def placed(self) -> bool:
+        """On a node of the plan (not a spare left for the cluster to place where room appears)."""
+        return self.node != UNPLACED
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs it holds: its devices, or (unplaced) those its node will give it."""
+        return len(self.devices) or self.wants
 
     @property
     def label(self) -> str:
@@ -116,7 +127,7 @@ class Plan:
             "fleets": {unit: {"start": b.start, "min": b.low, "max": b.high} for unit, b in self.fleets.items()},
             "processes": [
                 {"unit": p.unit, "roles": list(p.roles), "kind": p.kind, "rank": p.rank,
-                 "world_size": p.world_size, "node": p.node, "local_rank": p.local_rank,
+                 "world_size": p.world_size, "node": p.node if p.placed else None, "local_rank": p.local_rank,
                  "devices": list(p.devices), "env": redact(p.env),
                  **({"spare": True} if p.serving is not None and p.serving.spare else {})}
                 for p in self.processes
@@ -150,6 +161,11 @@ class Plan:
                 lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
                                                           if p.kind == "worker" else "")
                              + ("  (spare: started by `dualrun scale`)" if spare else ""))
+        unplaced = [p for p in self.processes if not p.placed]
+        if unplaced:
+            lines.append("unplaced: no node above has room for these")
+        for p in unplaced:
+            lines.append(f"  {f'{p.gpus} {self.slot}(s)':<12} {p.label}  (a spare, placed when a node with room joins)")
         for role, addr in self.external.items():
             lines.append(f"external {role} server at {addr}")
         for unit, b in self.fleets.items():
@@ -201,7 +217,7 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
         fleets[unit] = bounds(cfg, role)
     _every_machine_runs(cfg, cluster, procs)
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
-    plan = Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(_mark_cpu_engines(cfg, procs)),
+    plan = Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(mark_cpu_engines(cfg, procs)),
                 frozen_map(common), frozen_map(external), slot, rendezvous_of(cfg),
                 frozen_map(fleets), _pushed_to(cfg, weight_roles))
     refuse_placement(cfg, plan, fleets)   # several torchrun machines: a fleet moves by optional machines
@@ -229,26 +245,6 @@ def _every_machine_runs(cfg: JobConfig, cluster: Cluster, procs: list[Process]) 
         raise ConfigError(cfg.source, key, f"every machine of the job running ranks or servers (machine {idle[0]} "
                           "gets neither: list it here, or give a separate role `machines` that holds it)",
                           list(cfg.trainer_machines))
-
-
-def _mark_cpu_engines(cfg: JobConfig, procs: list[Process]) -> list[Process]:
-    """CPU engines whose record asks it (`EngineKind.quiet_on_cpu`: vLLM's CPU build): each marked to wait instead
-    of spin (dualrun/servers/quiet_readers.py), and where a machine has several, each with its share of the
-    machine's cores ('j/k'), which it binds its OpenMP threads to where it starts (dualrun/servers/cpu_share.py);
-    vLLM alone binds them all to the same cores."""
-    if not cfg.use_cpu:
-        return procs
-    on_node: dict[int, list[int]] = {}
-    for i, p in enumerate(procs):
-        role = cfg.role(p.roles[0])
-        if p.kind == "server" and role is not None and engine_of(cfg, role).quiet_on_cpu:
-            on_node.setdefault(p.node, []).append(i)
-    out = list(procs)
-    for engines in on_node.values():
-        for j, i in enumerate(engines):
-            share = {protocol.CPU_SHARE: f"{j}/{len(engines)}"} if len(engines) > 1 else {}
-            out[i] = replace(out[i], env=frozen_map({**out[i].env, protocol.QUIET_READERS: "1", **share}))
-    return out
 
 
 def _common_env(cfg: JobConfig, extra: Mapping[str, str] | None, weight_roles: frozenset[str]) -> dict[str, str]:
@@ -318,7 +314,8 @@ def _cpus_used(policy: Placement, procs: Iterable[Process]) -> dict[int, float]:
     """CPUs per node that the processes placed so far take, where the policy counts them (Ray)."""
     used: dict[int, float] = {}
     for p in procs:
-        used[p.node] = used.get(p.node, 0.0) + policy.cpus(p.kind, p.devices)
+        if p.placed:
+            used[p.node] = used.get(p.node, 0.0) + policy.cpus(p.kind, p.devices)
     return used
 
 
@@ -353,6 +350,11 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
         if node is None:
             have = max((len(free[n.index]) for n in candidates), default=0)
             what = "GPUs" if size else "process slots (torchrun.gpus_per_machine)"
+            if replica >= count and policy.spares_unplaced:   # Ray: placed where room appears (fleet_follow.py)
+                procs.append(Process(unit, group, "server", replica, total, UNPLACED, 0, 1, (),
+                                     frozen_map({**env, "CUDA_VISIBLE_DEVICES": AUTO}),
+                                     replace(serving, log_name=f"{unit}-server-{replica}.log", spare=True), size))
+                continue
             if replica >= count:   # a spare: placed at launch like the others, started by `dualrun scale`
                 raise ConfigError(cfg.source, f"roles.{role.name}.max_replicas", f"room for each replica up to it: "
                                   f"{slots} free {what} on one node for each (spare replica {replica} finds at "

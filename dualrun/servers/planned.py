@@ -69,6 +69,8 @@ def started_when(plan: Plan, label: str) -> str:
     proc = next((p for p in plan.servers if p.label == label), None)
     if proc is not None and proc.node in optional_machines(plan):
         return f"started with machine {proc.node}, which is optional (it joins the job whenever it is launched)"
+    if proc is not None and not proc.placed:   # Ray: no node had room for it when the plan was made
+        return "a spare, placed when a node with room joins (not at launch)"
     return "a spare, started by `dualrun scale` (not at launch)" if proc is not None and spare(proc) else \
         "started beside the trainers"
 

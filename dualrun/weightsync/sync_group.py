@@ -63,7 +63,8 @@ def sync_group(cfg: JobConfig, plan: Plan) -> SyncGroup | None:
     """Pure: the group the job would form on `plan`, or None where it has none: the replicas the plan marks as
     taking the trainer's weights (`Serving.takes_weights`: a role the method names in its `weight_roles`, on an
     engine that can take them, started by dualrun; a server you run yourself is not placed)."""
-    replicas = [p for p in plan.servers if p.kind == "server" and p.serving is not None and p.serving.takes_weights]
+    replicas = [p for p in plan.servers if p.kind == "server" and p.serving is not None and p.serving.takes_weights
+                and p.placed]   # a spare planned unplaced (Ray) has no node to check yet
     rank0 = next((p for p in plan.workers if p.rank == 0), None)
     if rank0 is None or not replicas:
         return None

@@ -36,7 +36,9 @@ def test_the_embedded_cluster_is_sized_for_every_actor_of_the_plan(tmp_path):
     cases = {"gkd2": (_gkd_yaml("t"), 5),                        # 2 ranks + 2 engine replicas + 1 router
              "gkd1": (_gkd_yaml("t", replicas=1), 3),            # 2 ranks + 1 engine
              "gkd3_half": (_gkd_yaml("t", 3, "ray: {num_cpus_per_worker: 0.5}\n"), 5),   # 1 + 3 x 1 + 0.5 -> 5
-             "sft": ("use_cpu: true\nroles: {train: {gpus: 2}}\n", 2)}
+             "sft": ("use_cpu: true\nroles: {train: {gpus: 2}}\n", 2),
+             # 2 ranks + 1 engine + 2 spares (the fleet grows to max_replicas at once) + 1 router
+             "fleet": (_gkd_yaml("t", 1).replace("engine: transformers", "engine: transformers, max_replicas: 3"), 6)}
     for name, (text, cpus) in cases.items():
         (tmp_path / f"{name}.yaml").write_text(text)
         assert embedded_cpus(load_config(str(tmp_path / f"{name}.yaml"), backend="ray")) == cpus, name

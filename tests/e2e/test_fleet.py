@@ -126,6 +126,54 @@ def test_spares_need_room_like_the_replicas_started_at_launch():
     assert e.value.key == "roles.teacher.max_replicas" and "spare replica 1" in e.value.expected, e.value.line()
 
 
+def test_on_ray_a_spare_with_no_room_is_planned_unplaced_for_the_cluster_to_place_later():
+    """Ray's nodes come while the job runs (the policy's `spares_unplaced`): a GPU spare that finds no free GPU when
+    the plan is made waits for a node with room (backends/ray/fleet_follow.py) instead of being refused. The trainers
+    and the replicas started at launch still need room; torchrun's machines are fixed: refused as before."""
+    from dualrun.backends.ray.bundles import bundle_of, demand
+    from dualrun.plan.placement import UNPLACED, Cluster, Node, placement_for
+    from dualrun.servers.planned import started_when
+    from dualrun.weightsync.sync_group import sync_group
+
+    def cfg(backend: str, train: int = 1, **top: object) -> object:
+        c = build_config({"backend": backend, "method": "gkd", **top, "roles": {"train": {"gpus": train}, "teacher": {
+            "gpus": 1, "min_replicas": 1, "max_replicas": 3, "model": "m/m", "top_k": 5}}}, "job.yaml")
+        get_plugin("gkd").validate(c)
+        return c
+
+    def node(gpus: int) -> Cluster:
+        return Cluster((Node(0, "10.0.0.7", gpus, 8.0),), "ray")
+
+    ray = cfg("ray")
+    assert placement_for(ray).spares_unplaced and not placement_for(cfg("torchrun")).spares_unplaced
+    plan = with_method(make_plan(ray, node(3)), ray, get_plugin("gkd"))   # rank 0, replica 0, spare 1: spare 2 waits
+    assert [(p.label, p.node, p.devices, p.serving.spare) for p in plan.servers] == [
+        ("teacher server 0", 0, (1,), False), ("teacher server 1", 0, (2,), True),
+        ("teacher server 2", UNPLACED, (), True), ("teacher router", 0, (), False)]
+    waiting = plan.servers[2]
+    assert not waiting.placed and waiting.gpus == 1 and waiting.env["CUDA_VISIBLE_DEVICES"] == "<auto>"
+    assert bundle_of(ray.ray, waiting) == {"GPU": 1.0}   # the shape of its pending placement group
+    assert demand(ray.ray, plan)["GPU"] == 2.0 and demand(ray.ray, plan, spares=True)["GPU"] == 4.0
+    assert at_launch(plan) == [[0], [3]] and replica_addresses(plan, {0: "a:1"}, 3) == ["a:1", SPARE, SPARE]
+    assert ("unplaced: no node above has room for these\n"
+            "  1 GPU(s)     teacher server 2  (a spare, placed when a node with room joins)\n"
+            "fleet teacher: 1 started, min 1, max 3 replicas") in plan.table(), plan.table()
+    assert [p["node"] for p in plan.to_dict()["processes"]] == [0, 0, 0, None, 0]
+    assert started_when(plan, "teacher server 2") == "a spare, placed when a node with room joins (not at launch)"
+    assert started_when(plan, "teacher server 1") == "a spare, started by `dualrun scale` (not at launch)"
+    assert sync_group(ray, plan) is None   # a teacher takes no weights; an unplaced rollout spare has no node to check
+    one = make_plan(ray, node(2))   # the only free GPU runs replica 0: both spares wait
+    assert [p.placed for p in one.servers] == [True, False, False, True]
+    for cluster, key in ((node(1), "roles.teacher.gpus"), (Cluster((), "ray"), "roles.train.gpus")):
+        with pytest.raises(ConfigError) as e:   # replica 0 (started at launch), or the trainers, without room
+            make_plan(ray, cluster)
+        assert e.value.key == key, e.value.line()
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg("torchrun", torchrun={"gpus_per_machine": 3}))
+    assert e.value.line() == ("job.yaml: roles.teacher.max_replicas: expected room for each replica up to it: 1 free "
+                              "GPUs on one node for each (spare replica 2 finds at most 0), got 3"), e.value.line()
+
+
 def test_replica_restarts_take_effect_once_a_router_stands_in_front_of_one():
     _cfg({"gpus": 1, "max_replicas": 2, "replica_restarts": 1})   # accepted: the router takes a restarted one back
     with pytest.raises(ConfigError):

@@ -28,7 +28,10 @@ def test_a_node_is_gone_when_ray_says_it_is_dead_or_the_actor_died_with_it():
     assert not gone("a", nodes, "The actor died unexpectedly before finishing this task.")
 
 
-def _servers(tiny, monkeypatch):
+def _servers(tiny, monkeypatch, fake_gpus: bool = False):
+    """The teacher's server set on the cluster this process drives. `fake_gpus`: each replica holds one of the
+    cluster's (fake) GPUs as the plan says (the CPU engine runs on CPU where CUDA is missing); else a CPU job whose
+    replicas go only where a node offers the fake `engine` resource."""
     from dualrun.backends.ray import cluster as rc
     from dualrun.backends.ray.actor_launcher import RayLauncher
     from dualrun.backends.ray.actor_servers import RayServers
@@ -40,7 +43,7 @@ def _servers(tiny, monkeypatch):
 
     teacher = {"gpus": 1, "min_replicas": 1, "max_replicas": 2, "replica_restarts": 1, "model": str(tiny / "teacher"),
                "top_k": 5, "engine": "transformers", "health_timeout_s": 120}
-    cfg = build_config({"backend": "ray", "method": "gkd", "use_cpu": True,
+    cfg = build_config({"backend": "ray", "method": "gkd", **({} if fake_gpus else {"use_cpu": True}),
                         "roles": {"train": {"gpus": 1}, "teacher": teacher}}, "job.yaml")
     plugin = get_plugin("gkd")
     plugin.validate(cfg)
@@ -49,8 +52,8 @@ def _servers(tiny, monkeypatch):
     servers = launcher.server_set(plan, 0, frozenset())
     assert isinstance(servers, RayServers)
     monkeypatch.setenv(protocol.JOB_TOKEN, launcher.job_token)   # as `Launcher.run` does: the router's calls carry it
-    # a replica only where a node offers the fake `engine` resource; the router on the head (its CPUs)
-    servers.bundle = lambda p: {"CPU": 1.0, "engine": 1.0} if p.kind == "server" else {"CPU": 1.0}
+    if not fake_gpus:   # a replica only where a node offers the fake `engine` resource; the router on the head
+        servers.bundle = lambda p: {"CPU": 1.0, "engine": 1.0} if p.kind == "server" else {"CPU": 1.0}
     return servers
 
 
@@ -155,4 +158,58 @@ def test_a_restart_places_its_ranks_before_the_fleet_grows_into_their_room(modul
         assert "has room for another replica" not in out, out[-4000:]
         cluster.assert_nothing_left()
     finally:
+        cluster.shutdown()
+
+
+@pytest.mark.e2e
+@pytest.mark.slow   # two Ray nodes and up to two CPU engines and a router: ~60 s on 2 cores
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_gpu_spare_with_no_room_at_plan_time_grows_onto_a_node_with_gpus_that_joins(module_tiny, capfd, monkeypatch):
+    """The head's 2 fake GPUs: trainer rank 0's (held here by a placement group standing for it) and replica 0's.
+    The spare is planned unplaced (no free GPU), waits in a pending group shaped {GPU: 1}, starts on the node with
+    a GPU that joins, holding that node's GPU, and leaves with it; nothing is left."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from helpers import eventually
+    from ray_helpers import FakeGpuCluster
+
+    cluster = FakeGpuCluster(nodes=1, gpus=2, cpus=3)
+    holder = None
+    try:
+        head = cluster.cluster.head_node
+        servers = _servers(module_tiny, monkeypatch, fake_gpus=True)
+        assert [(p.label, p.placed, p.gpus) for p in servers.plan.servers] == [
+            ("teacher server 0", True, 1), ("teacher server 1", False, 1), ("teacher router", True, 0)]
+        holder = placement_group([{"GPU": 1.0}], name="trainer-rank-0-stand-in")   # the trainer's GPU
+        ray.get(holder.ready(), timeout=60)
+        seen: list[str] = []
+        with servers:
+            servers.start()
+            assert servers.actors[1] is None and servers.server_devices()["teacher server 0"] in (["0"], ["1"])
+            servers.watch()
+            waiting = lambda: [g for g in cluster.live_placement_groups() if "-teacher-room-" in g["name"]]  # noqa: E731
+            assert eventually(lambda: len(waiting()) == 1, timeout=30), cluster.live_placement_groups()
+            assert waiting()[0]["bundles"] == {0: {"GPU": 1.0}} and waiting()[0]["state"] == "PENDING", waiting()
+            joined = cluster.cluster.add_node(num_cpus=1, num_gpus=1, node_ip_address="127.0.0.1",
+                                              include_dashboard=False)
+            _until(capfd, seen, rf"dualrun: teacher: the cluster has room for another replica on node 127\.0\.0\.1 "
+                                rf"\({joined.node_id[:8]}\); starting one there \(1 run, target 2\)")
+            _until(capfd, seen, r"dualrun: teacher server 1 joined at 127\.0\.0\.1:\d+, serving")
+            assert servers.infos[1].node_id == joined.node_id and servers.infos[0].node_id == head.node_id
+            assert servers.server_devices()["teacher server 1"] == ["0"]   # the joined node's one GPU
+            assert servers.fleets() == {"teacher": {"replicas": 2, "min": 1, "max": 2}}
+
+            cluster.cluster.remove_node(joined)
+            _until(capfd, seen, rf"dualrun: teacher server 1 left \(died: teacher server 1: its node 127\.0\.0\.1 "
+                                rf"\({joined.node_id[:8]}\) left the cluster .*\); 1 of min 1 remain")
+            assert servers.failure is None and servers.actors[1] is None
+            assert eventually(lambda: len(waiting()) == 1, timeout=10), cluster.live_placement_groups()
+        remove_placement_group(holder)
+        holder = None
+        cluster.assert_nothing_left()
+    finally:
+        if holder is not None:
+            remove_placement_group(holder)
         cluster.shutdown()

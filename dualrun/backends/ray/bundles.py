@@ -18,11 +18,11 @@ _KINDS = {"worker": "rank", "server": "server", ROUTER: "router"}
 
 def bundle_of(options: Any, p: Process) -> dict[str, float]:
     """One actor's resources: a rank holds one GPU (if it has one) and `ray.num_cpus_per_worker` CPUs; an engine
-    replica holds its GPUs, or at least one CPU when it has none; a router holds CPUs only. `options`: the
-    config's `ray:` section."""
+    replica holds its GPUs (a spare planned unplaced: those it takes where room appears), or at least one CPU when
+    it has none; a router holds CPUs only. `options`: the config's `ray:` section."""
     cpus = options.num_cpus_per_worker
     if p.kind == "server":
-        return {"GPU": float(len(p.devices))} if p.devices else {"CPU": max(cpus, 1.0)}
+        return {"GPU": float(p.gpus)} if p.gpus else {"CPU": max(cpus, 1.0)}
     out = {"CPU": float(cpus)} if cpus else {}
     if p.devices:
         out["GPU"] = 1.0
@@ -43,8 +43,9 @@ def demand(options: Any, plan: Plan, spares: bool = False) -> dict[str, float]:
 
 def embedded_cpus(cfg: Any) -> int:
     """Logical CPUs to declare for an embedded cluster: every actor of the plan at once (ranks, every engine
-    replica, routers), planned on the cluster the config implies; a count for Ray's bookkeeping, not cores."""
-    return max(1, math.ceil(demand(cfg.ray, make_plan(cfg))["CPU"] - 1e-9))
+    replica, routers), planned on the cluster the config implies; a count for Ray's bookkeeping, not cores. A
+    fleet's spares count too: the fleet grows to `max_replicas` right after launch (docs/fleets.md)."""
+    return max(1, math.ceil(demand(cfg.ray, make_plan(cfg), spares=True)["CPU"] - 1e-9))
 
 
 def _who(plan: Plan) -> str:

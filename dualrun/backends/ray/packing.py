@@ -27,6 +27,12 @@ class RayPlacement:
     def processes_take_slots(self) -> bool:
         return False
 
+    @property
+    def spares_unplaced(self) -> bool:
+        """Nodes join while the job runs: a spare with no room now waits in a pending placement group
+        (fleet_follow.py) and starts on the node Ray places it on."""
+        return True
+
     def assumed_cluster(self, environ: Mapping[str, str]) -> Cluster:
         """An embedded cluster on the GPUs the shell makes visible when it sets them; otherwise (and for a
         cluster that is joined) num_machines equal nodes holding what the roles ask for."""
