@@ -64,6 +64,12 @@ class Process:
         return f"{self.unit} rank {self.rank}" if self.kind == "worker" else f"{self.unit} server {self.rank}"
 
 
+def spare_start(plan: "Plan") -> str:
+    """When a placed spare starts: by a resize, or (a fleet that follows the cluster) also once it has room."""
+    return ("when the cluster has room for it, or by `dualrun scale`" if plan.spares_follow_room
+            else "by `dualrun scale`")
+
+
 @dataclass(frozen=True)
 class Plan:
     backend: str
@@ -79,6 +85,9 @@ class Plan:
     # the separate roles (started here or at `address`) the method pushes the trainer's weights to (its
     # `weight_roles`): the trainers open a weight-sync group with them
     weight_roles: frozenset[str] = frozenset()
+    # the placement's `spares_unplaced`: nodes join while the job runs and its fleets follow them (Ray), so a spare
+    # starts when the cluster has room for it, not only by `dualrun scale`
+    spares_follow_room: bool = False
     # the method's wiring of the servers' addresses into the trainers' env (role -> host:port => env), given a
     # method: the launchers call it once the servers run
     wiring: Callable[[Mapping[str, str]], Mapping[str, str]] | None = field(default=None, compare=False,
@@ -160,7 +169,7 @@ class Plan:
                 spare = p.serving is not None and p.serving.spare and p.node not in optional
                 lines.append(f"  {dev:<12} {p.label}" + (f"  (world {p.world_size}, local_rank {p.local_rank})"
                                                           if p.kind == "worker" else "")
-                             + ("  (spare: started by `dualrun scale`)" if spare else ""))
+                             + (f"  (spare: started {spare_start(self)})" if spare else ""))
         unplaced = [p for p in self.processes if not p.placed]
         if unplaced:
             lines.append("unplaced: no node above has room for these")
@@ -219,7 +228,7 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     plan = Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(mark_cpu_engines(cfg, procs)),
                 frozen_map(common), frozen_map(external), slot, rendezvous_of(cfg),
-                frozen_map(fleets), _pushed_to(cfg, weight_roles))
+                frozen_map(fleets), _pushed_to(cfg, weight_roles), policy.spares_unplaced)
     refuse_placement(cfg, plan, fleets)   # several torchrun machines: a fleet moves by optional machines
     return plan
 

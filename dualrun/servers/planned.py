@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from dualrun.plan.optional import joining, optional_machines
-from dualrun.plan.processes import AUTO, ROUTER, Plan, Process
+from dualrun.plan.processes import AUTO, ROUTER, Plan, Process, spare_start
 from dualrun.programs.rotation import SPARE
 
 
@@ -71,7 +71,7 @@ def started_when(plan: Plan, label: str) -> str:
         return f"started with machine {proc.node}, which is optional (it joins the job whenever it is launched)"
     if proc is not None and not proc.placed:   # Ray: no node had room for it when the plan was made
         return "a spare, placed when a node with room joins (not at launch)"
-    return "a spare, started by `dualrun scale` (not at launch)" if proc is not None and spare(proc) else \
+    return f"a spare, started {spare_start(plan)} (not at launch)" if proc is not None and spare(proc) else \
         "started beside the trainers"
 
 

@@ -160,7 +160,10 @@ def test_on_ray_a_spare_with_no_room_is_planned_unplaced_for_the_cluster_to_plac
             "fleet teacher: 1 started, min 1, max 3 replicas") in plan.table(), plan.table()
     assert [p["node"] for p in plan.to_dict()["processes"]] == [0, 0, 0, None, 0]
     assert started_when(plan, "teacher server 2") == "a spare, placed when a node with room joins (not at launch)"
-    assert started_when(plan, "teacher server 1") == "a spare, started by `dualrun scale` (not at launch)"
+    assert started_when(plan, "teacher server 1") == ("a spare, started when the cluster has room for it, or by "
+                                                      "`dualrun scale` (not at launch)")   # Ray's fleet follows room
+    assert "teacher server 1  (spare: started when the cluster has room for it, or by `dualrun scale`)" in \
+        plan.table(), plan.table()
     assert sync_group(ray, plan) is None   # a teacher takes no weights; an unplaced rollout spare has no node to check
     one = make_plan(ray, node(2))   # the only free GPU runs replica 0: both spares wait
     assert [p.placed for p in one.servers] == [True, False, False, True]
