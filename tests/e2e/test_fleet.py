@@ -151,6 +151,33 @@ def test_a_spare_slot_is_out_and_no_member_until_an_engine_fills_it_and_retire_e
     assert table[1].spare and table[1].kind == LAUNCHER and table.members() == [0] and table.membership == 2
 
 
+def test_a_grow_the_jobs_end_cuts_short_is_the_resizes_failure_not_a_success():
+    """The set stopped while the spare was starting (`_bring_in` answers None): `dualrun scale` gets a failure that
+    says so (ScaleCutShort: exit 1), not "2 replicas now" with no replica joined."""
+    from dualrun.contract.errors import ScaleCutShort
+    from dualrun.servers.supervisor import Supervisor
+
+    class Ending:   # the job's server set (supervisor.Events): running when asked, then ending
+        watching = True
+
+        def wait_stopped(self, timeout: float | None = None) -> bool:
+            return True
+
+    class Stopped:   # LocalServers' respawn once the set is stopping: no process, None
+        def respawn(self, index: int, restart: int) -> None:
+            events.watching = False
+            return None
+
+    events = Ending()
+    supervisor = Supervisor(make_plan(_cfg({"gpus": 1, "max_replicas": 3})), events, Stopped(),  # type: ignore
+                            lambda i: "127.0.0.1:1")
+    with pytest.raises(ScaleCutShort) as e:
+        supervisor.scale("teacher", 2)
+    assert e.value.exit_code == 1 and str(e.value) == ("teacher: the job ended during the resize, before teacher "
+                                                       "server 1 joined (the launch's output says why)")
+    assert supervisor.history == []
+
+
 def test_a_router_needs_one_engine_at_least():
     with pytest.raises(ValueError):
         Rotation([SPARE, SPARE])
