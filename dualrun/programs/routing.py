@@ -142,10 +142,12 @@ def init_bodies(body: dict, world_sizes: Sequence[int]) -> list[dict]:
         raise ValueError("/init_weight_transfer_engine needs {'init_info': {'rank_offset': int, 'world_size': int, "
                          "...}}")
     total = sum(world_sizes)
-    if isinstance(info.get("world_size"), int) and info["world_size"] != info["rank_offset"] + total:
+    wanted = info["rank_offset"] + total
+    if isinstance(info.get("world_size"), int) and info["world_size"] != wanted:
         # (larger, the group would wait for ranks no engine holds: refused now, not after the trainer's bound)
-        raise ValueError(f"init_info.world_size {info['world_size']} is not rank_offset {info['rank_offset']} "
-                         f"plus the {total} workers of the replicas behind this router ({list(world_sizes)}), those "
-                         "its /get_world_size counted")
+        how = "cannot hold" if info["world_size"] < wanted else "is more than"
+        raise ValueError(f"init_info.world_size {info['world_size']} {how} rank_offset {info['rank_offset']} plus "
+                         f"the {total} workers of the replicas behind this router ({list(world_sizes)}), those its "
+                         "/get_world_size counted")
     return [{**body, "init_info": {**info, "rank_offset": offset}}
             for offset in rank_offsets(world_sizes, info["rank_offset"])]

@@ -73,15 +73,15 @@ def test_a_join_the_server_refuses_ends_the_wait_at_once_naming_the_server():
 
     forming: Future = Future()   # never formed: the other end never joins
     refused: Future = Future()
-    refused.set_exception(RuntimeError("Request failed: 400, init_info.world_size 4 is not rank_offset 1 plus the "
-                                       "4 workers of the replicas behind this router ([1, 1, 1, 1])"))
+    refused.set_exception(RuntimeError("Request failed: 400, init_info.world_size 4 cannot hold rank_offset 1 plus "
+                                       "the 4 workers of the replicas behind this router ([1, 1, 1, 1])"))
     began = time.monotonic()
     with pytest.raises(GroupNotFormed) as caught:
         first_of(forming, refused, "http://127.0.0.1:8000")
     assert time.monotonic() - began < 5 and caught.value.__cause__ is None
     assert str(caught.value) == ("the rollout server at http://127.0.0.1:8000 refused to join the weight-sync "
                                  "group, so it cannot form: RuntimeError: Request failed: 400, init_info.world_size "
-                                 "4 is not rank_offset 1 plus the 4 workers of the replicas behind this router "
+                                 "4 cannot hold rank_offset 1 plus the 4 workers of the replicas behind this router "
                                  "([1, 1, 1, 1])")
     formed, joined = Future(), Future()
     formed.set_result("group")
