@@ -72,7 +72,7 @@ def open_endpoint(port: int, server_world_size: int, join: Callable[[dict], Any]
     try:
         group = first_of(formed, joined, server)
     except GroupNotFormed as e:
-        if e.__cause__ is None:   # refused: the line is whole
+        if e.__cause__ is None:   # refused: the line is whole (the forming thread, a daemon, waits out its bound)
             raise
         raise GroupNotFormed(not_formed_line(init_info["master_address"], port, server, server_world_size,
                                              form_timeout_s(), str(e.__cause__), answer(joined))) from None
