@@ -245,16 +245,18 @@ NOTES = [
     "results/weight_sync.md. `--model` takes another model vLLM can serve.",
     "- **One engine process each** (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and a 1 GiB KV cache: so that 4 engines, the "
     "trainer and the other jobs on this 24 GiB machine fit; a grow is skipped when the memory available is short.",
-    "- **A grow can end the job** (why a repetition may fail, and `--retries`): the router's weight-transfer members "
-    "change the moment a replica is started, not between syncs. (1) Started while an update is open (after its "
+    "- **A grow could end the job** (why a repetition may fail, and `--retries`): before the fix below the router's "
+    "weight-transfer members changed the moment a replica was started, not between syncs. (1) Started while an update is open (after its "
     "`start_weight_update`, before its `finish_weight_update`): the new replica gets only the finish, vLLM answers "
     "500 (\"finish_weight_update called without a matching start_weight_update\"), the router 502, TRL's client "
     "retries the finish on every member, all now refuse it, and the trainer fails (RetryError). (2) Started while "
     "the trainer re-forms the group for another (2 -> 4 in one ask): the trainer had read the world size before, "
     "the router's `init_weight_transfer_engine` fan-out counted one member more, the engines refused it "
     "(\"init_info.world_size 4 cannot hold rank_offset 1 plus the 4 workers\") and the trainer waited out "
-    "`weight_sync_timeout_s` (120 s): GroupNotFormed. Seen here in 3 of 18 asks (1) and in 1 of 3 asks growing 2 "
-    "-> 4 at once (2); so the default grows one replica at a time (`--at-once`: in one ask).",
+    "`weight_sync_timeout_s` (120 s): GroupNotFormed. Seen at git cd4dd33 in 3 of 18 asks (1) and in 1 of 3 asks "
+    "growing 2 -> 4 at once (2); so the default grows one replica at a time (`--at-once`: in one ask). Fixed "
+    "since: the weight-sync group is a snapshot changed only by a re-form, and a replica joining mid-sync waits, "
+    "held, for the next one (docs/fleets.md, \"Growing: weights first\").",
     "- **Reading it**: on one machine the joining engine starts on the cores the trainer and the serving engines "
     "use, so joining is no faster than a restart whose engines start before any training; a node that joins brings "
     "its own. What the join saves is the training: it goes on meanwhile (the steps taken, the time lost), and a "

@@ -185,3 +185,8 @@ class ScaleRefused(DualrunError):
     out of its bounds, the job not running); exit code 2 for whoever asked."""
 
     exit_code = 2
+
+
+class ScaleCutShort(DualrunError):
+    """A resize the job's end cut short (its servers stopped while a replica was joining): one line, exit 1 for
+    whoever asked (the request was fine; the job is gone)."""

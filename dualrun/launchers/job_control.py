@@ -6,7 +6,8 @@ role of the job is resizable, and writes where and under which secret into this 
 (job_registry.py: a 0600 file in a 0700 directory): only a process that can read that file, the same user (or
 root), can reach the fleet. Every request must carry the job's secret (`X-Dualrun-Job-Token`, compared in constant
 time): 401 without it, 403 with a wrong one. `GET /fleets` -> {"run_id", "fleets"}; `POST /scale {"role",
-"replicas"}` -> 200 {"line"} or 409 {"error"} (a `ScaleRefused`). Standard library only at import.
+"replicas"}` -> 200 {"line"}, 409 {"error"} (a `ScaleRefused`) or 410 {"error"} (the job ended during the resize).
+Standard library only at import.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Mapping, Protocol, runtime_checkable
 
-from dualrun.contract.errors import ScaleRefused, one_line
+from dualrun.contract.errors import ScaleCutShort, ScaleRefused, one_line
 from dualrun.contract.job_token import HEADER, refusal
 from dualrun.launchers import job_registry
 from dualrun.launchers.job_registry import JobRecord, RegistryRefused
@@ -36,7 +37,8 @@ class Fleet(Protocol):
 
     def scale(self, role: str, replicas: int) -> str:
         """Resize `role` to `replicas`; the one line of what was done (it may take a replica's start); raises
-        ScaleRefused("one line why") when it cannot (unknown role, out of bounds, the job ending)."""
+        ScaleRefused("one line why") when it cannot (unknown role, out of bounds, the job ending), ScaleCutShort
+        when the job ended while a replica was joining."""
 
 
 def resizable(fleets: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
@@ -116,6 +118,8 @@ class JobControl:
                 return 200, {"line": self.fleet.scale(role, replicas)}
             except ScaleRefused as e:
                 return 409, {"error": one_line(str(e))}
+            except ScaleCutShort as e:   # the job ended meanwhile: not the asker's fault, and not done
+                return 410, {"error": one_line(str(e))}
             except Exception as e:  # noqa: BLE001 - the asker gets one line; the job goes on
                 return 500, {"error": one_line(f"the resize failed: {type(e).__name__}: {e}")}
         return 404, {"error": "GET /fleets or POST /scale"}

@@ -114,4 +114,6 @@ def scale(role: str, replicas: int, job: str | None, environ: Mapping[str, str] 
     error = one_line(str(data.get("error") or f"HTTP {status}"), 1000)
     if status in (400, 409):
         raise ScaleRefused(error)
+    if status == 410:   # the job ended while the resize was under way (job_control.py)
+        raise JobGone(f"job {record.run_id}: {error}")
     raise JobGone(f"job {record.run_id} answered {status}: {error}")

@@ -33,7 +33,7 @@ def job_only(method: str, path: str) -> bool:
     the calls it fans out to every replica: weight transfer, pause and resume, adapters, prefix-cache reset."""
     if method.upper() == "POST" and path.split("?")[0].startswith(routing.CONTROL_PATH + "/"):
         return True
-    return routing.route(method, path) in (routing.INIT_WEIGHTS, routing.ALL)
+    return routing.route(method, path) in (routing.INIT_WEIGHTS, routing.GROUP, routing.ALL)
 
 
 def refusal(method: str, path: str, headers: Mapping[str, str], token: str | None,

@@ -21,6 +21,14 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
   the trainer's side compares before a sync: changed, it re-forms its weight-sync group with the members of now
   (dualrun/weightsync/trainer/vllm_client.py). A held replica is restored by the router once it has received an update and
   completed it (`weights_received`, `weights_finished`): from then on it serves the trainer's current weights.
+- The weight-sync *group* is a snapshot of the members, changed only by a re-form: `/get_world_size` counts the
+  members of now (`counted`), the `/init_weight_transfer_engine` that follows goes to those it counted (`forming`),
+  and once every one of them answered it they are the group (`formed`). The group's calls (an update's start,
+  receive and finish, leaving the group) go to the group's members that are still the same engines and still
+  members (`in_group`). So a replica that joins while an update is open, or between the count and the init, gets
+  none of that update's or that init's calls (a finish without its start would be refused): it waits, held, for
+  the next re-form, which its join's `membership` change asks the trainer for. Before any group is formed the
+  group's calls go to the members of now.
 - A *spare* slot (`SPARE` for its address: a replica the plan placed above the count started at launch) has no
   engine: out of rotation, no member, never probed. The launcher grows the role by `replace`-ing a spare with a new
   engine (held, like a restarted one, when it must first get the trainer's weights) and shrinks it by `retire`-ing
@@ -125,6 +133,8 @@ class Rotation:
         if not any(not r.spare for r in self.replicas):
             raise ValueError("the router needs at least one replica address")
         self.membership = 0    # grows with each replacement: the weight-transfer group's members changed
+        self.group: tuple[tuple[int, int], ...] | None = None      # (index, incarnation) the group was formed with
+        self._counted: tuple[tuple[int, int], ...] | None = None   # the members the last world size counted
         self._next = 0
 
     def __len__(self) -> int:
@@ -140,6 +150,34 @@ class Rotation:
         """The replicas every weight-transfer call goes to: all but the removed ones, in rotation or not (a dead
         one not yet removed makes the call fail, as with one engine; a held one is there to receive the weights)."""
         return [i for i, r in enumerate(self.replicas) if r.member]
+
+    # -- the weight-sync group: one snapshot of the members, changed only between a finish and the next init ------
+    def counted(self) -> list[int]:
+        """`/get_world_size`: the members of now, kept for the init that follows (it forms the group with them)."""
+        self._counted = self._snapshot()
+        return [i for i, _ in self._counted]
+
+    def forming(self) -> list[int]:
+        """The members an init goes to: those the last world size counted that are still the same engines and still
+        members (one that joined since waits for the next re-form); the members of now when none was counted."""
+        return self._still(self._counted) if self._counted is not None else self.members()
+
+    def formed(self, indices: Iterable[int]) -> None:
+        """Every one of `indices` answered the init: they are the group until the next init."""
+        self.group = tuple((i, self.replicas[i].incarnation) for i in indices)
+        self._counted = None
+
+    def in_group(self) -> list[int]:
+        """The replicas the group's calls go to: its members still the same engines and still members (a removed or
+        replaced one leaves it at once, a new one joins only at the next init); before any init, the members."""
+        return self._still(self.group) if self.group is not None else self.members()
+
+    def _snapshot(self) -> tuple[tuple[int, int], ...]:
+        return tuple((i, self.replicas[i].incarnation) for i in self.members())
+
+    def _still(self, snapshot: Iterable[tuple[int, int]]) -> list[int]:
+        return [i for i, incarnation in snapshot
+                if self.replicas[i].member and self.replicas[i].incarnation == incarnation]
 
     def pick(self, exclude: Collection[int] = (), prefer: int | None = None) -> int | None:
         """The replica for the next attempt of a request: `prefer` when it is in rotation and not excluded, else the

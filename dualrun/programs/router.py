@@ -13,10 +13,11 @@ A replica that fails — connection refused or reset, a 5xx, no answer within `-
 `request_timeout_s`), a failed health probe (every replica is probed about once a second) — leaves the rotation at
 once and the request in flight goes to another replica (generation and scoring are safe to repeat: the same body);
 `rotation.py` holds the rules, and the launcher's say over them (`routing.CONTROL_PATH`). The weight-transfer
-fan-out is not retried: a replica failing there is the call's error. It goes to the weight-transfer members
-(`rotation.members`): a replica the launcher removed (dead, being restarted) is left out, and a replacement held
-until it has the trainer's weights is restored once it completes its first update; the trainer's side re-forms its
-group when `protocol.ROUTER_MEMBERSHIP_PATH` reports a new membership.
+fan-out is not retried: a replica failing there is the call's error. It goes to the weight-sync group, one snapshot
+of the members (`rotation.in_group`), changed only by a re-form (the world size counts, the init forms): a replica
+the launcher removed (dead, being restarted) is left out at once, one that joins waits for the next re-form (which
+`protocol.ROUTER_MEMBERSHIP_PATH`'s new membership asks the trainer's side for) and, held until it has the
+trainer's weights, is restored once it completes its first update.
 
 A split request answers as one engine: a request's `seed` seeds each of its prompts in any part, and on CPU a
 prompt's answer does not depend on its batch-mates (docs/concepts.md, "The same seed, the same training"). But
@@ -252,7 +253,8 @@ class Router:
             return web.json_response({"replicas": self.table.rows(), "in_rotation": self.table.in_rotation(),
                                       "membership": self.table.membership})
         if request.method == "GET" and path.rstrip("/") == protocol.ROUTER_MEMBERSHIP_PATH:
-            return web.json_response({"membership": self.table.membership, "members": self.table.members()})
+            return web.json_response({"membership": self.table.membership, "members": self.table.members(),
+                                      "group": self.table.in_group()})
         refused = guard.refusal(request.method, path, request.headers, self.token, self.api_key)
         if refused is not None:
             return _error(*refused)
@@ -269,8 +271,8 @@ class Router:
         try:
             if treatment == routing.HEALTH:
                 return self.health()
-            if treatment == routing.WORLD_SIZE:   # the weight-sync group's engines: the members'
-                return web.json_response({"world_size": sum(await self.world_sizes(self.table.members()))})
+            if treatment == routing.WORLD_SIZE:   # the engines of the group the next init forms (rotation.counted)
+                return web.json_response({"world_size": sum(await self.world_sizes(self.table.counted()))})
             if treatment == routing.FIRST:
                 first = next(iter(self.table.in_rotation()), None)
                 return _passthrough(*await self.forward(request.method, request.path_qs, body or None, prefer=first))
@@ -279,10 +281,14 @@ class Router:
             if treatment == routing.ONE:
                 return _passthrough(*await self.forward(request.method, request.path_qs, body,
                                                         _content_type(request)))
-            members = self.table.members()   # (taken once: a change meanwhile is the next sync's)
-            if treatment == routing.INIT_WEIGHTS:
+            if treatment == routing.INIT_WEIGHTS:   # those the world size counted: the group once all answered
+                members = self.table.forming()
                 bodies = routing.init_bodies(_json(body), await self.world_sizes(members))
-                return await self.to_all(request.path_qs, members, [json.dumps(b).encode() for b in bodies])
+                answer = await self.to_all(request.path_qs, members, [json.dumps(b).encode() for b in bodies])
+                if answer.status == 200:
+                    self.table.formed(members)
+                return answer
+            members = self.table.in_group() if treatment == routing.GROUP else self.table.members()   # (taken once)
             return await self.to_all(request.path_qs, members, [body] * len(members))
         except RouterError as e:
             return _error(e.status, str(e))

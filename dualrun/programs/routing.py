@@ -20,8 +20,10 @@ WORLD_SIZE = "world_size"    # the weight-transfer members' world sizes summed
 FIRST = "first"              # every replica serves the same model and config: the first one answers
 SPLIT = "split"              # many prompts: cut into one chunk per replica, answers reassembled in order
 ONE = "one"                  # one replica (the least busy) takes the whole request
-INIT_WEIGHTS = "init"        # to every weight-transfer member (rotation.members) at once, each with its own rank offset
-ALL = "all"                  # to every member at once (they block together in the weight-sync group); all must succeed
+INIT_WEIGHTS = "init"        # to the members the world size counted (rotation.forming), each with its own rank offset
+GROUP = "group"              # to the weight-sync group's members at once (rotation.in_group: they block together in
+                             # its collectives); all must succeed
+ALL = "all"                  # to every member at once (rotation.members); all must succeed
 
 UPDATE_WEIGHTS_PATH = "/update_weights"          # answered 200: the replica received an update
 FINISH_UPDATE_PATH = "/finish_weight_update"     # answered 200: it completed it (a held replica is restored)
@@ -36,12 +38,12 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/chat/completions/render"): ONE,
     ("POST", "/inference/v1/generate"): ONE,
     ("POST", "/init_weight_transfer_engine"): INIT_WEIGHTS,
-    ("POST", "/start_weight_update"): ALL,
-    ("POST", UPDATE_WEIGHTS_PATH): ALL,
-    ("POST", FINISH_UPDATE_PATH): ALL,
+    ("POST", "/start_weight_update"): GROUP,
+    ("POST", UPDATE_WEIGHTS_PATH): GROUP,
+    ("POST", FINISH_UPDATE_PATH): GROUP,
     ("POST", "/reset_prefix_cache"): ALL,
-    ("POST", "/close_communicator"): ALL,
-    ("POST", "/shutdown_weight_transfer_engine"): ALL,   # vLLM's: leave the group (before it is re-formed)
+    ("POST", "/close_communicator"): GROUP,
+    ("POST", "/shutdown_weight_transfer_engine"): GROUP,   # vLLM's: leave the group (before it is re-formed)
     # AsyncGRPOTrainer's client: generation paused on every engine while its weights change; an adapter on each
     ("POST", "/pause"): ALL,
     ("POST", "/resume"): ALL,
@@ -134,14 +136,18 @@ def rank_offsets(world_sizes: Sequence[int], first: int) -> list[int]:
 
 def init_bodies(body: dict, world_sizes: Sequence[int]) -> list[dict]:
     """/init_weight_transfer_engine per replica: the client's `init_info` with that replica's `rank_offset`.
-    ValueError when the group the client announces cannot hold every replica's workers."""
+    ValueError when the group the client announces is not its own ranks and every replica's workers."""
     info = body.get("init_info")
     if not isinstance(info, dict) or not isinstance(info.get("rank_offset"), int):
         raise ValueError("/init_weight_transfer_engine needs {'init_info': {'rank_offset': int, 'world_size': int, "
                          "...}}")
     total = sum(world_sizes)
-    if isinstance(info.get("world_size"), int) and info["world_size"] < info["rank_offset"] + total:
-        raise ValueError(f"init_info.world_size {info['world_size']} cannot hold rank_offset {info['rank_offset']} "
-                         f"plus the {total} workers of the replicas behind this router ({list(world_sizes)})")
+    wanted = info["rank_offset"] + total
+    if isinstance(info.get("world_size"), int) and info["world_size"] != wanted:
+        # (larger, the group would wait for ranks no engine holds: refused now, not after the trainer's bound)
+        how = "cannot hold" if info["world_size"] < wanted else "is more than"
+        raise ValueError(f"init_info.world_size {info['world_size']} {how} rank_offset {info['rank_offset']} plus "
+                         f"the {total} workers of the replicas behind this router ({list(world_sizes)}), those its "
+                         "/get_world_size counted")
     return [{**body, "init_info": {**info, "rank_offset": offset}}
             for offset in rank_offsets(world_sizes, info["rank_offset"])]

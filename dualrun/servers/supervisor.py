@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Collection, Protocol
 
-from dualrun.contract.errors import ScaleRefused
+from dualrun.contract.errors import ScaleCutShort, ScaleRefused
 from dualrun.plan.processes import Plan
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S
 from dualrun.servers.process import ServerError
@@ -177,7 +177,7 @@ class Supervisor:
             if elsewhere is None and not self.replicas.alive(index):
                 raise ServerError(label, "exited before its router took it back (its log says why)")
             time.sleep(0.1)   # the router's probes pass about once a second
-        if not self.replicas.rearm(index, address):
+        if not self.events.watching or not self.replicas.rearm(index, address):   # the job ended first
             return None
         with self._lock:
             self.table.back(index)
@@ -296,9 +296,11 @@ class Supervisor:
 
     def _grow(self, unit: str, indices: list[int]) -> str:
         """Start the parked replicas `indices` at once; each one's line as it serves. ScaleRefused naming the ones
-        that did not (they are parked again, their remains stopped: the job goes on)."""
+        that did not (they are parked again, their remains stopped: the job goes on); ScaleCutShort when the job
+        ended (its servers stopped) before they all joined."""
         began = time.monotonic()
         failed: dict[int, str] = {}
+        cut: list[str] = []   # the labels of those the job's end cut short
         done = {i: threading.Event() for i in indices}
 
         def one(index: int) -> None:
@@ -306,7 +308,9 @@ class Supervisor:
             self._joining.add(index)
             try:
                 brought = self._bring_in(index, label, 0, again=False)
-                if brought is not None:
+                if brought is None:   # the set stopped meanwhile: the job ended, nothing joined
+                    cut.append(label)
+                else:
                     address, started_s = brought
                     print(joined_line(label, address, time.monotonic() - began, started_s), file=sys.stderr,
                           flush=True)
@@ -317,7 +321,7 @@ class Supervisor:
             finally:
                 self._joining.discard(index)
                 done[index].set()
-            if index not in failed:
+            if index not in failed and label not in cut:
                 # a local engine's parent-death signal fires when the thread that spawned it ends: this one stays
                 self.events.wait_stopped()
 
@@ -325,6 +329,10 @@ class Supervisor:
             threading.Thread(target=one, args=(index,), name="dualrun-grow", daemon=True).start()
         for event in done.values():
             event.wait()
+        if cut or (failed and not self.events.watching):   # (a failure then is the job's end's: its router gone)
+            waiting = sorted(cut + [self.plan.servers[i].label for i in failed])
+            raise ScaleCutShort(f"{unit}: the job ended during the resize, before {' and '.join(waiting)} joined "
+                                "(the launch's output says why)")
         for index in failed:
             self._park(index)
         running = self._running(unit)

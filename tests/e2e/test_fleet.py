@@ -202,6 +202,87 @@ def test_a_spare_slot_is_out_and_no_member_until_an_engine_fills_it_and_retire_e
     assert table[1].spare and table[1].kind == LAUNCHER and table.members() == [0] and table.membership == 2
 
 
+def test_a_grow_the_jobs_end_cuts_short_is_the_resizes_failure_not_a_success():
+    """The set stopped while the spare was starting (`_bring_in` answers None): `dualrun scale` gets a failure that
+    says so (ScaleCutShort: exit 1), not "2 replicas now" with no replica joined."""
+    from dualrun.contract.errors import ScaleCutShort
+    from dualrun.servers.supervisor import Supervisor
+
+    class Ending:   # the job's server set (supervisor.Events): running when asked, then ending
+        watching = True
+
+        def wait_stopped(self, timeout: float | None = None) -> bool:
+            return True
+
+    class Stopped:   # LocalServers' respawn once the set is stopping: no process, None
+        def respawn(self, index: int, restart: int) -> None:
+            events.watching = False
+            return None
+
+    events = Ending()
+    supervisor = Supervisor(make_plan(_cfg({"gpus": 1, "max_replicas": 3})), events, Stopped(),  # type: ignore
+                            lambda i: "127.0.0.1:1")
+    with pytest.raises(ScaleCutShort) as e:
+        supervisor.scale("teacher", 2)
+    assert e.value.exit_code == 1 and str(e.value) == ("teacher: the job ended during the resize, before teacher "
+                                                       "server 1 joined (the launch's output says why)")
+    assert supervisor.history == []
+
+
+def test_a_grow_whose_replica_waits_for_rotation_when_the_ranks_end_is_cut_short_too(tmp_path):
+    """The ranks end while the new replica waits to enter its router's rotation (a rollout's waits for the next
+    sync): it never served, so it is not "joined" and the resize is no success. A real router process in front of a
+    recording stub; the new engine a stub whose health fails (it never enters rotation)."""
+    import sys
+    import threading
+
+    from dualrun.contract.errors import ScaleCutShort
+    from dualrun.plan.server_commands import router_argv
+    from dualrun.servers.supervisor import Supervisor
+    from helpers import ASSETS, free_port
+    from test_router import _server, _start_all
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    stubs = [_server(name, [sys.executable, str(ASSETS / "recording_replica.py"), str(free_port()), "1", str(rec),
+                            name], tmp_path / f"{name}.log") for name in ("r0", "r1")]
+    _start_all(stubs)
+    (rec / "r1.sick").touch()   # its /health answers 503 from now on
+    router = _server("router", router_argv("127.0.0.1", free_port(), [stubs[0].address, SPARE]),
+                     tmp_path / "router.log")
+    _start_all([router])
+
+    class Ending:   # the job's server set: its ranks end a second into the resize (the set not yet stopped)
+        watching = True
+
+        def wait_stopped(self, timeout: float | None = None) -> bool:
+            return True
+
+    class Started:   # the backend's primitives: the spare's engine started at r1's address, alive
+        def respawn(self, index: int, restart: int) -> str:
+            threading.Timer(1.0, lambda: setattr(events, "watching", False)).start()
+            return stubs[1].address
+
+        def alive(self, index: int) -> bool:
+            return True
+
+        def rearm(self, index: int, address: str) -> bool:
+            return True
+
+    events = Ending()
+    cfg = _cfg({"gpus": 1, "max_replicas": 2, "health_timeout_s": 60})
+    plan = make_plan(cfg)
+    at = {i: router.address for i, p in enumerate(plan.servers) if p.kind == ROUTER}
+    supervisor = Supervisor(plan, events, Started(), lambda i: at.get(i))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ScaleCutShort, match="the job ended during the resize, before teacher server 1 joined"):
+            supervisor.scale("teacher", 2)
+        assert supervisor.history == []
+    finally:
+        for server in (router, *stubs):
+            server.stop(grace_s=2)
+
+
 def test_a_router_needs_one_engine_at_least():
     with pytest.raises(ValueError):
         Rotation([SPARE, SPARE])

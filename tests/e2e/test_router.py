@@ -51,6 +51,8 @@ def test_rank_offsets_and_init_bodies():
     assert all(b["init_info"]["world_size"] == 8 and b["init_info"]["master_port"] == 5 for b in bodies)
     with pytest.raises(ValueError, match="cannot hold rank_offset 1 plus the 7 workers"):
         routing.init_bodies({"init_info": {"rank_offset": 1, "world_size": 7}}, [1, 2, 4])
+    with pytest.raises(ValueError, match="is more than rank_offset 1 plus the 7 workers"):   # ranks no one holds
+        routing.init_bodies({"init_info": {"rank_offset": 1, "world_size": 9}}, [1, 2, 4])
     with pytest.raises(ValueError, match="needs"):
         routing.init_bodies({}, [1])
 

@@ -209,7 +209,8 @@ def test_probes_take_a_stopped_replica_out_and_back_and_a_new_engine_is_held_unt
 def test_the_weight_transfer_follows_the_members_and_a_held_replacement_serves_after_its_first_update(tmp_path):
     """No replica serves stale weights, as the router sees it: the launcher removes a dead replica (the membership
     grows, the weight-transfer calls and the world size leave it out), replaces it held (the membership grows
-    again: the trainer re-forms its group), and the router restores it once it received and finished an update."""
+    again: the trainer re-forms its group), and the router restores it once it received and finished an update.
+    (No init here, so the group's calls go to the members of now; a group formed by an init: test_router_weight_sync.py.)"""
     import requests
 
     from dualrun.contract.protocol import ROUTER_MEMBERSHIP_PATH
@@ -235,17 +236,17 @@ def test_the_weight_transfer_follows_the_members_and_a_held_replacement_serves_a
     members = lambda: requests.get(base + ROUTER_MEMBERSHIP_PATH, timeout=10, proxies={"http": None}).json()  # noqa
     world = lambda: requests.get(base + "/get_world_size", timeout=10, proxies={"http": None}).json()  # noqa: E731
     try:
-        assert members() == {"membership": 0, "members": [0, 1]} and world() == {"world_size": 2}
+        assert members() == {"membership": 0, "members": [0, 1], "group": [0, 1]} and world() == {"world_size": 2}
         replicas[1].stop(grace_s=0)
         router_client.control(router.address, 1, "remove", reason="died; being restarted")
-        assert members() == {"membership": 1, "members": [0]} and world() == {"world_size": 1}
+        assert members() == {"membership": 1, "members": [0], "group": [0]} and world() == {"world_size": 1}
         sync()                                          # the survivor alone
         assert calls("r0")[-3:] == ["/start_weight_update", "/update_weights", "/finish_weight_update"]
         assert "/start_weight_update" not in calls("r1")
 
         [spare] = _start_all([stub(2)])
         router_client.control(router.address, 1, "replace", address=spare.address, hold=True)
-        assert members() == {"membership": 2, "members": [0, 1]} and world() == {"world_size": 2}
+        assert members() == {"membership": 2, "members": [0, 1], "group": [0, 1]} and world() == {"world_size": 2}
         assert eventually(lambda: _stats(base)["replicas"][1]["passes"] >= 2, timeout=15, every=0.1)
         _complete(base, ["a", "b"])
         assert _stats(base)["in_rotation"] == [0] and _prompts_of(tmp_path, "r2") == []   # healthy, held

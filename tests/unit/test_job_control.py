@@ -200,6 +200,22 @@ def test_a_dead_launchers_file_is_ignored_and_removed(jobs, controls):
     assert not (jobs / "dualrun-dead.json").exists()
 
 
+def test_a_job_that_ends_during_the_resize_is_one_line_and_exit_1(jobs, controls):
+    """The set stopped while the new replica joined (Supervisor._grow's ScaleCutShort): a failure, not "N now"."""
+    from dualrun.contract.errors import ScaleCutShort
+
+    class Ending(RecordingFleet):
+        def scale(self, role: str, replicas: int) -> str:
+            raise ScaleCutShort(f"{role}: the job ended during the resize, before rollout server 1 joined (the "
+                                "launch's output says why)")
+
+    _start(controls, "dualrun-aaaa", Ending())
+    r = _scale(jobs, "rollout", "2")
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr.splitlines()[-1] == ("dualrun: error: job dualrun-aaaa: rollout: the job ended during the resize, "
+                                         "before rollout server 1 joined (the launch's output says why)"), r
+
+
 def test_a_job_gone_meanwhile_is_one_line_and_exit_1(jobs):
     job_registry.register(_record("dualrun-gone", address=f"127.0.0.1:{free_port()}"))   # our pid: alive; no channel
     r = _scale(jobs, "rollout", "2")

@@ -176,3 +176,38 @@ def test_remove_and_restore_change_the_membership_once_each():
     _passes(table, 1, 2)
     table.restore(1, 2.0)
     assert table.membership == 2 and table.members() == [0, 1] and table.in_rotation() == [0, 1]
+
+
+# -- the weight-sync group: one snapshot of the members, changed only by a re-form -----------------------------------
+def test_the_group_is_the_snapshot_the_last_init_formed_and_a_join_waits_for_the_next_re_form():
+    table = Rotation([A, B, rot.SPARE, rot.SPARE])
+    assert table.group is None and table.in_group() == [0, 1]          # no group formed yet: the members of now
+    assert table.counted() == [0, 1]                                   # /get_world_size
+    table.formed(table.forming())                                      # the init every counted member answered
+    assert table.group == ((0, 0), (1, 0)) and table.in_group() == [0, 1]
+    # (1) a replica starts while an update is open: the rest of that update's calls stay with the group
+    table.replace(2, C, now=1.0, hold=True)                            # after /start_weight_update
+    assert table.membership == 1 and table.members() == [0, 1, 2] and table.in_group() == [0, 1]
+    for i in table.in_group():                                         # /update_weights, /finish_weight_update
+        table.weights_received(i)
+        assert table.weights_finished(i, 2.0) is None
+    assert table[2].hold and not table[2].received and table.in_rotation() == [0, 1]   # held: no weights yet
+    # (2) the re-form its membership change asks for; another replica starts between the count and the init
+    assert table.counted() == [0, 1, 2]
+    table.replace(3, "127.0.0.1:9004", now=3.0, hold=True)
+    assert table.membership == 2 and table.forming() == [0, 1, 2]       # the init goes to those counted
+    table.formed(table.forming())
+    assert table.in_group() == [0, 1, 2] and table.forming() == [0, 1, 2, 3]   # (counted once: next time, now's)
+    for i in table.in_group():
+        table.weights_received(i)
+    _passes(table, 2, 2, now=4.0)
+    events = [table.weights_finished(i, 5.0) for i in table.in_group()]
+    assert events[2] is not None and table.in_rotation() == [0, 1, 2] and table[3].hold   # 3 waits, held
+    # a member removed, retired or replaced leaves the group at once; its slot's new engine joins at the next init
+    table.remove(0, "died", 6.0)
+    table.retire(1, "scaled down", 6.0)
+    assert table.in_group() == [2]
+    table.replace(0, A, now=7.0, hold=True)
+    assert table.in_group() == [2] and table.counted() == [0, 2, 3]
+    table.remove(3, "died", 7.5)                                       # gone between the count and the init
+    assert table.forming() == [0, 2]                                   # (its init then counts one worker less)

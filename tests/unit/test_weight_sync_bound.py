@@ -61,3 +61,34 @@ def test_what_the_server_said_to_the_join():
     assert answer(refused) == "RuntimeError: Request failed: 500, rank 1 of 2 did not form the group"
     silent: Future = Future()
     assert answer(silent, grace_s=0.01) == "no answer to the join 0.01 s later (its log says its side)"
+
+
+def test_a_join_the_server_refuses_ends_the_wait_at_once_naming_the_server():
+    """The router refused the init (its members changed since the trainer counted them): the group can never form,
+    so the trainer does not wait out weight_sync_timeout_s. A group formed, or one that failed, is as before."""
+    import time
+
+    from dualrun.weightsync.trainer.vllm_client import first_of
+    from dualrun.weightsync.wire import GroupNotFormed
+
+    forming: Future = Future()   # never formed: the other end never joins
+    refused: Future = Future()
+    refused.set_exception(RuntimeError("Request failed: 400, init_info.world_size 4 cannot hold rank_offset 1 plus "
+                                       "the 4 workers of the replicas behind this router ([1, 1, 1, 1])"))
+    began = time.monotonic()
+    with pytest.raises(GroupNotFormed) as caught:
+        first_of(forming, refused, "http://127.0.0.1:8000")
+    assert time.monotonic() - began < 5 and caught.value.__cause__ is None
+    assert str(caught.value) == ("the rollout server at http://127.0.0.1:8000 refused to join the weight-sync "
+                                 "group, so it cannot form: RuntimeError: Request failed: 400, init_info.world_size "
+                                 "4 cannot hold rank_offset 1 plus the 4 workers of the replicas behind this router "
+                                 "([1, 1, 1, 1])")
+    formed, joined = Future(), Future()
+    formed.set_result("group")
+    assert first_of(formed, joined, "x") == "group"                  # formed first: the join's answer comes after
+    failed = Future()
+    failed.set_exception(GroupNotFormed("rank 0 of 2 did not form ..."))
+    failed.exception().__cause__ = TimeoutError("store")
+    with pytest.raises(GroupNotFormed) as caught:
+        first_of(failed, Future(), "x")
+    assert isinstance(caught.value.__cause__, TimeoutError)          # (the caller's line names both ends)

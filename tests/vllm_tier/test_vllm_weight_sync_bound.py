@@ -63,3 +63,30 @@ def test_a_group_that_cannot_form_ends_the_job_within_its_bound_naming_both_ends
     assert re.search(rf"dualrun gloo weight transfer: this replica's worker rank 1 of 2 did not form the weight-sync "
                      rf"group with trainer rank 0 at 192\.0\.2\.1:\d+ within {BOUND_S} s", log), log[-3000:]
     assert_nothing_left(out, str(tmp_path))
+
+
+def test_a_join_the_server_refuses_ends_the_trainers_wait_at_once(monkeypatch):
+    """The trainer's gloo end (vllm_client.open_endpoint, vLLM's own group building) against a server that refuses
+    the join, as dualrun's router refuses an init whose world size is not the workers it counted: GroupNotFormed
+    naming the server and its answer within seconds, not after weight_sync_timeout_s (set long here)."""
+    from dualrun.light.ports import free_port
+    from dualrun.weightsync.trainer.vllm_client import open_endpoint
+    from dualrun.weightsync.wire import FORM_TIMEOUT_ENV, GroupNotFormed
+
+    import vllm.distributed.utils  # noqa: F401 - imported before the clock starts
+    import vllm.utils.network_utils  # noqa: F401
+
+    monkeypatch.setenv(FORM_TIMEOUT_ENV, "300")
+    monkeypatch.setenv("VLLM_HOST_IP", "127.0.0.1")
+
+    def refuse(info: dict) -> None:
+        assert info["world_size"] == 2 and info["rank_offset"] == 1
+        raise Exception("Request failed: 400, init_info.world_size 2 cannot hold rank_offset 1 plus the 2 workers")
+
+    began = time.monotonic()
+    with pytest.raises(GroupNotFormed) as caught:
+        open_endpoint(free_port("127.0.0.1"), 1, refuse, "http://127.0.0.1:8000")
+    assert time.monotonic() - began < 30, time.monotonic() - began
+    assert str(caught.value) == ("the rollout server at http://127.0.0.1:8000 refused to join the weight-sync group, "
+                                 "so it cannot form: Exception: Request failed: 400, init_info.world_size 2 cannot "
+                                 "hold rank_offset 1 plus the 2 workers")

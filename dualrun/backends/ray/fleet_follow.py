@@ -169,7 +169,7 @@ class Follower:
     def _grow(self, unit: str, held: Pending, running: int, target: int) -> None:
         """Room appeared for `unit`: its line (once), then one more replica through the supervisor's resize; one
         refused because another resize runs is tried again on the next look."""
-        from dualrun.contract.errors import ScaleRefused
+        from dualrun.contract.errors import ScaleCutShort, ScaleRefused
 
         if not held.told:
             held.told = True
@@ -182,4 +182,6 @@ class Follower:
             if "another resize" not in str(e):   # it did not join: its group was given back (`_park`)
                 self._after[unit] = time.monotonic() + RETRY_S
                 print(f"dualrun: {e}; room is asked for again in {RETRY_S:g} s", file=sys.stderr, flush=True)
+        except ScaleCutShort:
+            pass   # the job ended while it joined: the watch ends with it (`_run`), its groups removed
 

@@ -14,11 +14,11 @@ The protocol is TRL's: the same `init_info` (the trainer is rank 0, the workers 
 from __future__ import annotations
 
 import atexit
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator
 
-from dualrun.weightsync.wire import GLOO_BACKEND, PACKED_BUFFER_BYTES
+from dualrun.weightsync.wire import GLOO_BACKEND, PACKED_BUFFER_BYTES, GroupNotFormed
 from dualrun.weightsync.trainer import regroup
 
 _INSTALLED = "_dualrun_gloo"
@@ -58,22 +58,43 @@ def open_endpoint(port: int, server_world_size: int, join: Callable[[dict], Any]
     """The trainer's end of a gloo weight-sync group (rank 0, the server's workers from `rank_offset` 1): `join`
     posts TRL's init_info to `server` (its URL), which joins while this process opens the group. TRL's VLLMClient
     and AsyncGRPOTrainer's client (dualrun/weightsync/trainer/async_client.py) differ only in how they post it.
-    Forming is bounded (`weight_sync_timeout_s`): past it, GroupNotFormed names both ends."""
+    Forming is bounded (`weight_sync_timeout_s`): past it, GroupNotFormed names both ends; a join the server
+    refuses (the router's init check, say) ends the wait at once, naming the server and its answer."""
     from vllm.utils.network_utils import get_ip
 
-    from dualrun.weightsync.wire import GroupNotFormed, form_timeout_s, open_group
+    from dualrun.weightsync.wire import form_timeout_s, open_group
 
     init_info = {"master_address": get_ip(), "master_port": port, "rank_offset": 1,
                  "world_size": server_world_size + 1, "packed": True,
                  "packed_buffer_size_bytes": PACKED_BUFFER_BYTES}
     joined = in_daemon(join, init_info)   # a post that never returns (TRL's client retries) must not hold the exit
+    formed = in_daemon(open_group, init_info["master_address"], port, 0, init_info["world_size"])
     try:
-        group = open_group(init_info["master_address"], port, 0, init_info["world_size"])
+        group = first_of(formed, joined, server)
     except GroupNotFormed as e:
+        if e.__cause__ is None:   # refused: the line is whole (the forming thread, a daemon, waits out its bound)
+            raise
         raise GroupNotFormed(not_formed_line(init_info["master_address"], port, server, server_world_size,
-                                             form_timeout_s(), str(e.__cause__ or e), answer(joined))) from None
+                                             form_timeout_s(), str(e.__cause__), answer(joined))) from None
     joined.result()
     return GlooEndpoint(group, PACKED_BUFFER_BYTES)
+
+
+def first_of(formed: "Future[Any]", joined: "Future[Any]", server: str) -> Any:
+    """The group once `formed`; GroupNotFormed (no cause) as soon as the `joined` post failed first (the server
+    refused to join: its group will never form, so the trainer does not wait out its bound), GroupNotFormed with
+    the group's own error as its cause when forming failed."""
+    while not formed.done():
+        wait([formed, joined], return_when=FIRST_COMPLETED)
+        if not formed.done() and joined.done() and joined.exception() is not None:
+            raise GroupNotFormed(f"the rollout server at {server} refused to join the weight-sync group, so it "
+                                 f"cannot form: {answer(joined)}")
+        if joined.done():
+            wait([formed])
+    try:
+        return formed.result()
+    except GroupNotFormed as e:
+        raise GroupNotFormed(str(e)) from (e.__cause__ or e)
 
 
 def in_daemon(fn: Callable[..., Any], *args: Any) -> "Future[Any]":
