@@ -102,7 +102,7 @@ class MachineFleet:
             print(machine_joined_line(label, address, k, brought.step, seconds, running, self.plan.fleets[unit].high,
                                       brought.last), file=sys.stderr, flush=True)
             self.supervisor.summarise_join(index, brought, lambda step, label=label, seconds=seconds: joined_summary(
-                label, step, seconds, f"with machine {k}, after it offered it"))
+                label, step, seconds, f"after machine {k} offered it"))
 
     def _let_go(self, k: int, why: str) -> None:
         """Machine K leaves: its running replicas out of rotation and drained; below `min_replicas` the job's end."""
