@@ -61,7 +61,7 @@ WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # 'host:port' of the store to read t
 ROUTER_MEMBERSHIP_PATH = "/router/membership"
 # The trainer's global step (`trainer.state.global_step`) when it sent a request to the job's servers, added by the
 # ranks' hook (dualrun/rank/server_auth.py) once a trainer trains: a router reads it to tell from which step a joining
-# replica serves (its first weight update's, or the trainer's step when it entered rotation; dualrun/programs/rotation.py).
+# replica serves (its first weight update's, or its first answered request's; dualrun/programs/rotation.py).
 STEP_HEADER = "X-Dualrun-Step"
 
 # -- set by the user (read by workers or the driver) ---------------------------------------------------------

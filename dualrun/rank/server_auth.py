@@ -8,8 +8,8 @@ KEY` (`DUALRUN_<ROLE>_API_KEY`, as vLLM reads it). Requests to anything else car
 rollout child generates on an aiohttp session in a spawned process: its requests carry them too.
 
 Once a trainer trains, a request also carries the trainer's global step (`protocol.STEP_HEADER`): a role's router
-tells from it from which step a replica that joins serves (the step of its first weight update, or the trainer's
-step when it entered rotation). A header and not a field of the body: TRL's clients and their bodies stay unchanged,
+tells from it from which step a replica that joins serves (the step of its first weight update, or of the first
+request it answered). A header and not a field of the body: TRL's clients and their bodies stay unchanged,
 it reaches the router on every call whichever TRL method posts it (NCCL or gloo weight sync, generation, scoring),
 and the router forwards no trainer header to the engines, so they never see it.
 """

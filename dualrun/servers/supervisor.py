@@ -87,7 +87,7 @@ class Supervisor:
         self._prober: threading.Thread | None = None   # probes the lone servers while the set is watched
         self._resizing = threading.Lock()   # one resize at a time (`scale`)
         self._joining: set[int] = set()     # replicas a resize is starting (their death is the resize's failure)
-        self.history: list[str] = []        # each change of a fleet, for the job's summary ("... joined after 6.2 s")
+        self.history: list[str] = []        # each change of a fleet, for the job's summary ("... joined 6.2 s after ...")
 
     @property
     def restarting(self) -> frozenset[int]:
@@ -182,12 +182,12 @@ class Supervisor:
             print(held_line(label, address, started_s, again), file=sys.stderr, flush=True)
         # held: until the next sync, however far; else within its health timeout
         deadline = None if serving.takes_weights else time.monotonic() + serving.health_timeout_s
-        table: dict = {}
+        stats: dict = {}
         row: dict = {}
         while self.events.watching:
-            table = router_client.replicas(at)
-            row = table["replicas"][slot]
-            if slot in table["in_rotation"]:
+            stats = router_client.replicas(at)
+            row = stats["replicas"][slot]
+            if slot in stats["in_rotation"]:
                 break
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"its router's health probes did not pass within {serving.health_timeout_s:g} s")
@@ -198,7 +198,7 @@ class Supervisor:
             return None
         with self._lock:
             self.table.back(index)
-        return Joined(address, started_s, row.get("from_step"), table.get("step"))
+        return Joined(address, started_s, row.get("from_step"), stats.get("step"))
 
     # -- the fleet: a replica that leaves, a resize --------------------------------------------------------------
     def _leave(self, death: ServerDeath) -> None:
