@@ -11,10 +11,10 @@ replica, as a node's room would on Ray). Each repetition:
 1. `dualrun launch --backend torchrun` of TRL's unchanged GRPOTrainer (benchlib/fleet_rank.py, 1 rank, checkpoint
    every step) with a vLLM CPU rollout fleet: 1 replica started, `min_replicas: 1`, `max_replicas: 4` (the vLLM
    tier's CPU settings, one engine process each). `--syncs` syncs timed at 1 member.
-2. `dualrun scale rollout 2`: the ask -> the supervisor's "serving N s after the resize asked for it" (the new engine
-   started beside the other, held out of rotation until the next sync gave it the trainer's weights), the CLI's
-   wall, the trainer's steps meanwhile; then `--syncs` syncs at 2 members. The same for 4 (3, then 4: one replica a
-   grow unless `--at-once`) when the memory allows.
+2. `dualrun scale rollout 2`: the ask -> the supervisor's "serving from step S, N s after the resize asked for it" (the
+   new engine started beside the other, held out of rotation until the next sync gave it the trainer's weights), the
+   CLI's wall, the trainer's steps meanwhile; then `--syncs` syncs at 2 members. The same for 4 (3, then 4: one
+   replica a grow unless `--at-once`) when the memory allows.
 3. The restart: once the newest checkpoint is the last step logged, SIGTERM to the launch; when it is gone the same
    launch with a fixed fleet of 2 and the trainer resuming from that checkpoint. From the SIGTERM: the restarted
    job's first sync done (its replicas serving the trainer's weights again) and its first step past the last one
@@ -53,8 +53,8 @@ SERVER = ("engine: vllm, health_timeout_s: 400, server_args: [--enforce-eager, -
 ENGINE_GIB = 3.0       # what one more engine may need (a grow is skipped below that much available, plus MARGIN)
 MARGIN_GIB = 1.5
 WAIT_S = 600           # a job's start, a grow, a restart: at most this long
-JOINED = re.compile(r"dualrun: rollout server (\d+) joined at \S+, serving ([\d.]+) s after the resize asked for it "
-                    r"\(its engine started in ([\d.]+) s")
+JOINED = re.compile(r"dualrun: rollout server (\d+) joined at \S+, serving from [^,]+, ([\d.]+) s after the resize "
+                    r"asked for it \(its engine started in ([\d.]+) s")
 HEALTHY = re.compile(r"dualrun: rollout: server healthy at \S+ \(started in ([\d.]+) s\)")
 
 

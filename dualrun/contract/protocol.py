@@ -59,6 +59,10 @@ WIRING_FETCH = "DUALRUN_WIRING_FETCH"       # 'host:port' of the store to read t
 # compares it before each sync and re-forms its group when it changed (dualrun/weightsync/trainer/vllm_client.py serves it by
 # dualrun/programs/router.py). A single engine answers 404: no membership to follow.
 ROUTER_MEMBERSHIP_PATH = "/router/membership"
+# The trainer's global step (`trainer.state.global_step`) when it sent a request to the job's servers, added by the
+# ranks' hook (dualrun/rank/server_auth.py) once a trainer trains: a router reads it to tell from which step a joining
+# replica serves (its first weight update's, or its first answered request's; dualrun/programs/rotation.py).
+STEP_HEADER = "X-Dualrun-Step"
 
 # -- set by the user (read by workers or the driver) ---------------------------------------------------------
 PROGRESS = "DUALRUN_PROGRESS"              # rank0 (default) | all | none

@@ -29,6 +29,11 @@ The rules. A replica is *in rotation* (it gets generation and scoring requests) 
   none of that update's or that init's calls (a finish without its start would be refused): it waits, held, for
   the next re-form, which its join's `membership` change asks the trainer for. Before any group is formed the
   group's calls go to the members of now.
+- From which of the trainer's steps an engine serves (`from_step`, for the launcher's lines when a replica joins;
+  the trainer's requests carry their step, `protocol.STEP_HEADER`): a held one's, the step of the first weight
+  update it received (known when it enters rotation); another's (a teacher), the step of the first request it
+  answered (known only once the trainer asks: `step`, the latest step a request carried, says where it stood).
+  None until then, or where the trainer's requests carry no step (its hook is not installed, no trainer trains).
 - A *spare* slot (`SPARE` for its address: a replica the plan placed above the count started at launch) has no
   engine: out of rotation, no member, never probed. The launcher grows the role by `replace`-ing a spare with a new
   engine (held, like a restarted one, when it must first get the trainer's weights) and shrinks it by `retire`-ing
@@ -96,6 +101,7 @@ class Replica:
     hold: bool = False             # kept out until restored (or its first completed weight update), even when healthy
     member: bool = True            # in the weight-transfer group: gets every weight-transfer call
     received: bool = False         # a weight update reached this engine (since its replacement)
+    from_step: int | None = None   # the trainer's step from which this engine serves (since its replacement)
     passes: int = 0                # passing health probes in a row while out
     incarnation: int = 0
     requests: int = 0              # every forwarded call
@@ -135,6 +141,7 @@ class Rotation:
         self.membership = 0    # grows with each replacement: the weight-transfer group's members changed
         self.group: tuple[tuple[int, int], ...] | None = None      # (index, incarnation) the group was formed with
         self._counted: tuple[tuple[int, int], ...] | None = None   # the members the last world size counted
+        self.step: int | None = None   # the trainer's global step its latest request carried (`heard`)
         self._next = 0
 
     def __len__(self) -> int:
@@ -234,7 +241,7 @@ class Rotation:
         old = r.address
         r.address, r.incarnation, r.hold, r.passes = address, r.incarnation + 1, hold, 0
         r.in_rotation, r.kind, r.out_since = False, JOINING, now
-        r.member, r.received = True, False
+        r.member, r.received, r.from_step = True, False, None
         r.reason = "replaced, waiting for its health" + (" and its first weight update" if hold else "")
         self.membership += 1
         if old == SPARE:
@@ -264,6 +271,7 @@ class Rotation:
             self.membership += 1
         r.address, r.incarnation, r.member, r.hold, r.received, r.passes = SPARE, r.incarnation + 1, False, False, \
             False, 0
+        r.from_step = None
         r.in_rotation, r.kind, r.reason, r.out_since = False, LAUNCHER, f"spare: {reason}", now
         # the requests in flight on it end on their own (answered, or failed and retried elsewhere: its
         # incarnation changed), so a replica resized away drains
@@ -287,9 +295,25 @@ class Rotation:
         return self._maybe_back(index, now)
 
     # -- the weight transfer ---------------------------------------------------------------------------------------
-    def weights_received(self, index: int) -> None:
-        """The replica answered an `/update_weights`: it holds the weights of that update once it finishes it."""
-        self.replicas[index].received = True
+    def heard(self, step: int | None) -> None:
+        """A request of the trainer's carried its global step (None: it carried none)."""
+        if step is not None:
+            self.step = step
+
+    def served(self, index: int, step: int | None) -> None:
+        """The replica answered a generation or scoring request of the trainer's `step`: the first since its
+        replacement is the step it serves from (a held one's is its first weight update's)."""
+        r = self.replicas[index]
+        if r.from_step is None and not r.hold:
+            r.from_step = step
+
+    def weights_received(self, index: int, step: int | None = None) -> None:
+        """The replica answered an `/update_weights` (of the trainer's `step`, when the request said it): it holds
+        the weights of that update once it finishes it. A held one serves from that step."""
+        r = self.replicas[index]
+        if r.hold and not r.received:
+            r.from_step = step
+        r.received = True
 
     def weights_finished(self, index: int, now: float) -> Event | None:
         """The replica answered `/finish_weight_update`: a replica held for its weights that received this update

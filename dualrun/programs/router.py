@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import os
 import sys
@@ -44,6 +45,9 @@ from dualrun.programs.client_noise import quiet_client_trouble
 from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S, Replica
 
 JSON = "application/json"
+SERVES = (routing.SPLIT, routing.ONE)   # what a replica is there for: a request of these is one it served
+# the trainer's step the request a handler serves carried (protocol.STEP_HEADER), for the table's `served`
+_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("dualrun_router_step", default=None)
 
 
 class RouterError(Exception):
@@ -148,6 +152,8 @@ class Router:
                 self._failed(index, e, incarnation)
             else:
                 if status < 500 or any(f.kind == rotation.STATUS for f in failures):
+                    if status == 200 and routing.route(method, path_qs) in SERVES:   # generation, scoring
+                        self.table.served(index, _STEP.get())
                     return status, data, answer_type
                 error = ReplicaError(index, self.replicas[index], status, data.decode(errors="replace"))
                 if not self._failed(index, error, incarnation):   # kept, the last in rotation: as one engine
@@ -251,7 +257,7 @@ class Router:
         path = request.path
         if request.method == "GET" and path.rstrip("/") == routing.STATS_PATH:
             return web.json_response({"replicas": self.table.rows(), "in_rotation": self.table.in_rotation(),
-                                      "membership": self.table.membership})
+                                      "membership": self.table.membership, "step": self.table.step})
         if request.method == "GET" and path.rstrip("/") == protocol.ROUTER_MEMBERSHIP_PATH:
             return web.json_response({"membership": self.table.membership, "members": self.table.members(),
                                       "group": self.table.in_group()})
@@ -267,6 +273,9 @@ class Router:
         treatment = routing.route(request.method, path)
         if treatment is None:
             return _error(404, routing.unknown_endpoint(request.method, path))
+        step = routing.step_of(request.headers.get(protocol.STEP_HEADER))
+        self.table.heard(step)
+        _STEP.set(step)   # (the handler's own task: its split parts copy it)
         body = await request.read()
         try:
             if treatment == routing.HEALTH:
@@ -289,7 +298,7 @@ class Router:
                     self.table.formed(members)
                 return answer
             members = self.table.in_group() if treatment == routing.GROUP else self.table.members()   # (taken once)
-            return await self.to_all(request.path_qs, members, [body] * len(members))
+            return await self.to_all(request.path_qs, members, [body] * len(members), step)
         except RouterError as e:
             return _error(e.status, str(e))
         except ValueError as e:
@@ -319,9 +328,11 @@ class Router:
                                            int(payload.get("n") or 1))
         return web.json_response(merged, dumps=_dumps)
 
-    async def to_all(self, path_qs: str, members: Sequence[int], bodies: list[bytes]) -> web.Response:
+    async def to_all(self, path_qs: str, members: Sequence[int], bodies: list[bytes],
+                     step: int | None = None) -> web.Response:
         """Every weight-transfer member at once (a collective blocks until all members join); all must answer 200.
-        A member that received and finished an update is told to the table (a held one is restored)."""
+        A member that received (of the trainer's `step`) and finished an update is told to the table (a held one is
+        restored)."""
         if not members:
             return _error(503, "no replica is in the weight-transfer group: " + self.table.unavailable())
         results = await asyncio.gather(*(self.call(i, "POST", path_qs, b or None, JSON)
@@ -333,16 +344,17 @@ class Router:
             elif result[0] != 200:
                 problems.append(str(ReplicaError(i, self.replicas[i], result[0], result[1].decode(errors="replace"))))
             else:
-                self._weights_step(i, path_qs)
+                self._weights_step(i, path_qs, step)
         if problems:
             return _error(502, "; ".join(problems))
         return _passthrough(*results[0])  # type: ignore[misc]
 
-    def _weights_step(self, index: int, path_qs: str) -> None:
-        """A weight-transfer call the replica answered 200: an update it received, or one it finished."""
+    def _weights_step(self, index: int, path_qs: str, step: int | None = None) -> None:
+        """A weight-transfer call the replica answered 200: an update it received (the trainer's `step`), or one it
+        finished."""
         path = path_qs.split("?")[0].rstrip("/")
         if path == routing.UPDATE_WEIGHTS_PATH:
-            self.table.weights_received(index)
+            self.table.weights_received(index, step)
         elif path == routing.FINISH_UPDATE_PATH:
             self._apply(self.table.weights_finished(index, time.monotonic()))
 

@@ -76,6 +76,12 @@ def control(method: str, path: str) -> tuple[int, str] | None:
     return int(index), action
 
 
+def step_of(header: str | None) -> int | None:
+    """The trainer's global step a request's `protocol.STEP_HEADER` says (None: none, or not a step)."""
+    value = (header or "").strip()
+    return int(value) if value.isascii() and value.isdigit() else None
+
+
 def unknown_endpoint(method: str, path: str) -> str:
     served = ", ".join(f"{m} {p}" for m, p in ROUTES)
     return f"the dualrun router does not forward {method} {path.split('?')[0]}; it serves {served}"

@@ -119,6 +119,13 @@ def place_in_training(training: list[Any]) -> str | None:
     return f"step{state.global_step}/{mode}"
 
 
+def global_step() -> int | None:
+    """The global step of the trainer this rank trains, as the last callback event saw it (None: none yet)."""
+    training = _TRAINING
+    step = getattr(training[1], "global_step", None) if len(training) == 2 else None
+    return step if isinstance(step, int) else None
+
+
 def call_name(client: Any) -> int | str:
     """The name of `client`'s next generation call (the caller holds the lock): its place in the training and its
     count there, else its count on the client."""

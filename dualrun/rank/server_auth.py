@@ -6,6 +6,12 @@ dualrun wired in; a request whose `host:port` is a separate role's (`DUALRUN_<RO
 (contract/job_token.py, its own header) and, when the role's `server_args` give `--api-key`, `Authorization: Bearer
 KEY` (`DUALRUN_<ROLE>_API_KEY`, as vLLM reads it). Requests to anything else carry neither. AsyncGRPOTrainer's
 rollout child generates on an aiohttp session in a spawned process: its requests carry them too.
+
+Once a trainer trains, a request also carries the trainer's global step (`protocol.STEP_HEADER`): a role's router
+tells from it from which step a replica that joins serves (the step of its first weight update, or of the first
+request it answered). A header and not a field of the body: TRL's clients and their bodies stay unchanged,
+it reaches the router on every call whichever TRL method posts it (NCCL or gloo weight sync, generation, scoring),
+and the router forwards no trainer header to the engines, so they never see it.
 """
 from __future__ import annotations
 
@@ -19,14 +25,16 @@ from dualrun.contract import job_token, protocol
 _INSTALLED = "_dualrun_server_auth"
 
 
-def headers_for(url: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Pure: the headers a request to `url` carries (none when it is no server of the job)."""
+def headers_for(url: str, environ: Mapping[str, str] | None = None, step: int | None = None) -> dict[str, str]:
+    """Pure: the headers a request to `url` carries (none when it is no server of the job); `step`: the trainer's
+    global step, when it trains."""
     environ = os.environ if environ is None else environ
     netloc = urlsplit(url).netloc
     for name, value in environ.items():
         role = protocol.address_role(name) if value == netloc else None
         if role is not None:
-            return job_token.auth_headers(job_token.job_token(environ), environ.get(protocol.api_key_env(role)))
+            return {**job_token.auth_headers(job_token.job_token(environ), environ.get(protocol.api_key_env(role))),
+                    **({protocol.STEP_HEADER: str(step)} if step is not None else {})}
     return {}
 
 
@@ -36,7 +44,9 @@ def session() -> Any:
 
     class JobSession(requests.Session):
         def request(self, method: str, url: str, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-            kwargs["headers"] = {**headers_for(url), **(kwargs.get("headers") or {})}
+            from dualrun.rank.rollout_seeds import global_step
+
+            kwargs["headers"] = {**headers_for(url, step=global_step()), **(kwargs.get("headers") or {})}
             return super().request(method, url, *args, **kwargs)
 
     return JobSession()
@@ -109,6 +119,9 @@ def activate() -> None:
     from dualrun.rank.hooks import when_imported
 
     if any(protocol.address_role(name) for name in os.environ):
+        from dualrun.rank.rollout_seeds import follow_training
+
+        when_imported("transformers.trainer_callback", follow_training)   # the trainer's step, for the step header
         when_imported("trl.generation.vllm_client", install)
         when_imported("trl.experimental.async_grpo.vllm_client", install)
         when_imported("trl.experimental.async_grpo.async_rollout_worker", install_rollout_worker)

@@ -304,10 +304,36 @@ def back_line(label: str, address: str, seconds: float, started_s: float | None 
     return f"dualrun: {label} is back in rotation at {address}, {seconds:.1f} s after it died{took}"
 
 
-def joined_line(label: str, address: str, seconds: float, started_s: float) -> str:
+def serving_from(step: int | None, last: int | None = None) -> str:
+    """From which of the trainer's steps a replica that joined serves, in words: its router's `from_step` (a
+    rollout's first weight update's: known as it enters rotation); else (a teacher: the step of the trainer's next
+    request, which nothing tells before it comes) the trainer's next request, and the step of its last one
+    (`last`, the router's) when the router heard one."""
+    if step is not None:
+        return f"serving from step {step}"
+    return "serving from the trainer's next request" + (f" (its last was of step {last})" if last is not None else "")
+
+
+def joined_line(label: str, address: str, step: int | None, seconds: float, started_s: float,
+                last: int | None = None) -> str:
     """The launch's line when a replica a resize started serves (in its router's rotation)."""
-    return (f"dualrun: {label} joined at {address}, serving {seconds:.1f} s after the resize asked for it (its "
-            f"engine started in {started_s:.1f} s while the others served)")
+    return (f"dualrun: {label} joined at {address}, {serving_from(step, last)}, {seconds:.1f} s after the resize "
+            f"asked for it (its engine started in {started_s:.1f} s while the others served)")
+
+
+def machine_joined_line(label: str, address: str, machine: int, step: int | None, seconds: float, running: int,
+                        high: int, last: int | None = None) -> str:
+    """The launch's line when an optional machine's replica serves (several torchrun machines)."""
+    return (f"dualrun: {label} joined at {address} with machine {machine}, {serving_from(step, last)}, "
+            f"{seconds:.1f} s after machine {machine} offered it; {running} of max {high} replicas run")
+
+
+def joined_summary(label: str, step: int | None, seconds: float, how: str) -> str:
+    """A join, for the job's summary (`how`: after what the seconds count, and what else is known); `step` None:
+    the trainer asked nothing of it (or its requests carried no step) while the job ran."""
+    serving = f"serving from step {step}" if step is not None else \
+        "its step unknown (no request of the trainer's that carried one reached it)"
+    return f"{label} joined {seconds:.1f} s {how}, {serving}"
 
 
 def left_line(label: str, why: str, running: int, low: int) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable, Collection, Protocol
+from typing import Callable, Collection, NamedTuple, Protocol
 
 from dualrun.contract.errors import ScaleCutShort, ScaleRefused
 from dualrun.plan.processes import Plan
@@ -21,10 +21,21 @@ from dualrun.programs.rotation import PROBE_INTERVAL_S, PROBE_TIMEOUT_S
 from dualrun.servers.process import ServerError
 from dualrun.servers.server_death import ServerDeath
 from dualrun.servers.supervision import (HUNG_GRACE_S, Supervision, back_line, held_line, hung_line, joined_line,
-                                         left_line, liveness_path, restarting_line, router_of, stopped_answering)
+                                         joined_summary, left_line, liveness_path, restarting_line, router_of,
+                                         stopped_answering)
 
+FIRST_REQUEST_EVERY_S = 1.0   # a joined teacher: how often its router is asked for the step of its first request
 HUNG_EVERY_S = 1.0   # how often the routers are asked for hung replicas (they probe about once a second)
 DRAIN_S = 30.0       # a replica resized away: how long the requests in flight on it may take to end
+
+
+class Joined(NamedTuple):
+    """A replica taken in by its router (`_bring_in`)."""
+
+    address: str
+    started_s: float     # its engine's start-up, while the others served
+    step: int | None     # the trainer's step it serves from (its router's `from_step`); None: not known yet
+    last: int | None     # the trainer's latest step its router heard of
 
 
 class Events(Protocol):
@@ -76,7 +87,7 @@ class Supervisor:
         self._prober: threading.Thread | None = None   # probes the lone servers while the set is watched
         self._resizing = threading.Lock()   # one resize at a time (`scale`)
         self._joining: set[int] = set()     # replicas a resize is starting (their death is the resize's failure)
-        self.history: list[str] = []        # each change of a fleet, for the job's summary ("... joined after 6.2 s")
+        self.history: list[str] = []        # each change of a fleet, for the job's summary ("... joined 6.2 s after ...")
 
     @property
     def restarting(self) -> frozenset[int]:
@@ -146,14 +157,14 @@ class Supervisor:
         router_client.control(at, slot, "remove", reason="died; being restarted")
         brought = self._bring_in(index, label, self.used(index), again=True)
         if brought is not None and self.events.watching:   # else the ranks ended: its router takes it back itself
-            address, started_s = brought
-            print(back_line(label, address, time.monotonic() - died, started_s), file=sys.stderr, flush=True)
+            print(back_line(label, brought.address, time.monotonic() - died, brought.started_s), file=sys.stderr,
+                  flush=True)
 
     def _bring_in(self, index: int, label: str, restart: int, again: bool,
-                  elsewhere: str | None = None) -> tuple[str, float] | None:
+                  elsewhere: str | None = None) -> Joined | None:
         """Start replica `index`'s engine (`respawn`; `elsewhere`: its address, another machine started it), `replace`
         its slot at the router (held until its first weight update when it takes the trainer's weights), wait for
-        rotation: (its address, its engine's start-up), None when the set is stopped meanwhile."""
+        rotation: what `Joined` holds, None when the set is stopped meanwhile."""
         from dualrun.servers import router_client
 
         router, slot = router_of(self.plan, index)
@@ -171,7 +182,13 @@ class Supervisor:
             print(held_line(label, address, started_s, again), file=sys.stderr, flush=True)
         # held: until the next sync, however far; else within its health timeout
         deadline = None if serving.takes_weights else time.monotonic() + serving.health_timeout_s
-        while self.events.watching and slot not in router_client.replicas(at)["in_rotation"]:
+        stats: dict = {}
+        row: dict = {}
+        while self.events.watching:
+            stats = router_client.replicas(at)
+            row = stats["replicas"][slot]
+            if slot in stats["in_rotation"]:
+                break
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError(f"its router's health probes did not pass within {serving.health_timeout_s:g} s")
             if elsewhere is None and not self.replicas.alive(index):
@@ -181,7 +198,7 @@ class Supervisor:
             return None
         with self._lock:
             self.table.back(index)
-        return address, started_s
+        return Joined(address, started_s, row.get("from_step"), stats.get("step"))
 
     # -- the fleet: a replica that leaves, a resize --------------------------------------------------------------
     def _leave(self, death: ServerDeath) -> None:
@@ -210,7 +227,8 @@ class Supervisor:
         self.replicas.kill(index, grace_s)
         print(left_line(proc.label, why, self._running(proc.unit), self.plan.fleets[proc.unit].low),
               file=sys.stderr, flush=True)
-        self.history.append(f"{proc.label} left ({summary})")
+        with self._lock:
+            self.history.append(f"{proc.label} left ({summary})")
 
     def _running(self, unit: str) -> int:
         with self._lock:
@@ -226,7 +244,7 @@ class Supervisor:
                 for unit, b in self.plan.fleets.items() if b.resizable and unit not in by_machines}
 
     # -- another machine's replicas that come and go with it (backends/torchrun/machine_fleet.py) ---------------
-    def take_in(self, index: int, address: str) -> tuple[str, float] | None:
+    def take_in(self, index: int, address: str) -> Joined | None:
         """Parked replica `index`, started by its own machine at `address`: taken in by its router as a grown spare
         is (held for the trainer's weights where it takes them); None when it is not parked or the set stops. Any
         failure parks it again and is raised."""
@@ -311,11 +329,11 @@ class Supervisor:
                 if brought is None:   # the set stopped meanwhile: the job ended, nothing joined
                     cut.append(label)
                 else:
-                    address, started_s = brought
-                    print(joined_line(label, address, time.monotonic() - began, started_s), file=sys.stderr,
-                          flush=True)
-                    self.history.append(f"{label} joined after {time.monotonic() - began:.1f} s (its engine started "
-                                        f"in {started_s:.1f} s)")
+                    seconds = time.monotonic() - began
+                    print(joined_line(label, brought.address, brought.step, seconds, brought.started_s, brought.last),
+                          file=sys.stderr, flush=True)
+                    how = f"after the resize asked for it (its engine started in {brought.started_s:.1f} s)"
+                    self.summarise_join(index, brought, lambda step: joined_summary(label, step, seconds, how))
             except Exception as e:  # noqa: BLE001 - any failure to join is the resize's, named
                 failed[index] = str(e).splitlines()[0] if str(e) else type(e).__name__
             finally:
@@ -339,6 +357,35 @@ class Supervisor:
         if failed:
             raise ScaleRefused(f"{unit}: " + "; ".join(failed.values()) + f"; {running} replicas run")
         return f"dualrun: {unit}: {running} replicas now ({len(indices)} joined in {time.monotonic() - began:.1f} s)"
+
+    def summarise_join(self, index: int, joined: Joined, entry: Callable[[int | None], str]) -> None:
+        """The job's summary says a join (`entry`: its words given the step it serves from). A replica that
+        joined before the trainer's next request (a teacher: no weights to wait for) serves from a step its router
+        learns later: its entry is completed then (its router asked every `FIRST_REQUEST_EVERY_S` while the job
+        runs, from a thread of its own), or says the step is unknown."""
+        with self._lock:
+            at = len(self.history)
+            self.history.append(entry(joined.step))
+        if joined.step is not None:
+            return
+
+        def follow() -> None:
+            from dualrun.servers import router_client
+
+            router, slot = router_of(self.plan, index)
+            while not self.events.wait_stopped(FIRST_REQUEST_EVERY_S):
+                try:
+                    row = router_client.replicas(self.address_of(router) or "")["replicas"][slot]
+                except (OSError, ValueError, KeyError, IndexError):
+                    continue   # (a router being restarted; one gone ends the job)
+                if row.get("address") != joined.address:
+                    return   # it left (or its slot was refilled) before a request came
+                if row.get("from_step") is not None:
+                    with self._lock:
+                        self.history[at] = entry(row["from_step"])
+                    return
+
+        threading.Thread(target=follow, name="dualrun-first-request", daemon=True).start()
 
     def _park(self, index: int) -> None:
         """A replica that failed to join: out of its router's slot, its remains stopped, parked again."""

@@ -311,6 +311,23 @@ def test_a_dead_replica_without_restarts_leaves_while_min_replicas_remain():
 
 
 # -- a real set, resized ---------------------------------------------------------------------------------------
+def _complete(router: str, prompts: list[str], step: int) -> dict:
+    """A trainer's completion request through the router, carrying its step as the ranks' hook adds it."""
+    import json
+    import urllib.request
+
+    from dualrun.contract import protocol
+    from dualrun.contract.job_token import auth_headers, job_token
+
+    request = urllib.request.Request(
+        f"http://{router}/v1/completions", method="POST",
+        data=json.dumps({"prompt": prompts, "max_tokens": 2, "temperature": 0.0}).encode(),
+        headers={"Content-Type": "application/json", protocol.STEP_HEADER: str(step), **auth_headers(job_token())})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(request, timeout=120) as answer:
+        return json.loads(answer.read())
+
+
 @pytest.mark.e2e
 @pytest.mark.slow   # up to two CPU engines and a router: ~10 CPU-s
 def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path, tiny, capfd):
@@ -320,6 +337,7 @@ def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path,
     from dualrun.servers import router_client
     from dualrun.servers.local import LocalServers
     from dualrun.servers.process import http_ok
+    from helpers import eventually
 
     cfg = _cfg({"gpus": 1, "max_replicas": 2, "model": str(tiny / "teacher"), "health_timeout_s": 120},
                log_dir=str(tmp_path))
@@ -341,12 +359,18 @@ def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path,
         assert re.fullmatch(r"dualrun: teacher: 2 replicas now \(1 joined in [\d.]+ s\)", line), line
         err = capfd.readouterr().err
         assert re.search(rf"dualrun: teacher server 1 joined at {re.escape(servers.running[1].address)}, serving "
-                         r"[\d.]+ s after the resize asked for it \(its engine started in [\d.]+ s", err), err
+                         r"from the trainer's next request, [\d.]+ s after the resize asked for it \(its engine "
+                         r"started in [\d.]+ s", err), err   # no trainer asked anything yet: no step known
         assert router_client.replicas(address)["in_rotation"] == [0, 1] and http_ok(f"http://{address}/health")
         assert servers.fleets()["teacher"]["replicas"] == 2
         time.sleep(3)   # it outlives the resize (a local engine dies with the thread that spawned it)
         assert servers.running[1].alive() and router_client.replicas(address)["in_rotation"] == [0, 1]
         assert "restarting it" not in capfd.readouterr().err
+        # a trainer's request at its step 5 (the header its ranks add), two prompts: one on each replica; the
+        # summary's entry of the join says the step of the first request the grown replica answered
+        _complete(address, ["a b", "c d"], step=5)
+        assert router_client.replicas(address)["replicas"][1]["from_step"] == 5
+        assert eventually(lambda: "serving from step 5" in servers.fleet_history[0], timeout=10), servers.fleet_history
         assert "already" in servers.scale("teacher", 2)
         grown = servers.running[1]
         line = servers.scale("teacher", 1)
@@ -357,7 +381,8 @@ def test_local_servers_grow_onto_a_spare_and_shrink_back_while_watched(tmp_path,
         assert not grown.alive() and servers.failure is None and servers.next_death(timeout=1.5) is None
         history = servers.fleet_history
         assert len(history) == 2 and history[1] == "teacher server 1 left (scaled down)", history
-        assert re.fullmatch(r"teacher server 1 joined after [\d.]+ s \(its engine started in [\d.]+ s\)", history[0])
+        assert re.fullmatch(r"teacher server 1 joined [\d.]+ s after the resize asked for it \(its engine started in "
+                            r"[\d.]+ s\), serving from step 5", history[0]), history
     assert not servers.running
 
 

@@ -58,8 +58,10 @@ def test_a_teacher_fleet_grows_and_shrinks_while_gkd_trains_with_the_fixed_fleet
             assert r.returncode == 2 and "out of its bounds" in r.stdout + r.stderr, (r.stdout, r.stderr)
         r = _scale(tmp_path, "teacher", "2")
         assert r.returncode == 0 and "teacher: 2 replicas now" in r.stdout + r.stderr, (r.stdout, r.stderr)
-        assert re.search(r"dualrun: teacher server 1 joined at 127\.0\.0\.1:\d+, serving [\d.]+ s after the resize",
-                         stderr()), stderr()[-3000:]
+        # the trainers wait after step 2: their last teacher request was of step 1 (its global step while it
+        # computed the second), the grown teacher's first is of a later one, which no one knows before it comes
+        assert re.search(r"dualrun: teacher server 1 joined at 127\.0\.0\.1:\d+, serving from the trainer's next "
+                         r"request \(its last was of step 1\), [\d.]+ s after the resize", stderr()), stderr()[-3000:]
         os.unlink(f"{tmp_path / 'gate'}.2")   # steps 3 and 4 on two replicas
         assert eventually(lambda: driver.poll() is not None or _held(tmp_path, 4), timeout=200), stderr()[-3000:]
         served = (tmp_path / "logs" / "teacher-server-1.log").read_text().count('"POST /v1/completions')
@@ -73,8 +75,11 @@ def test_a_teacher_fleet_grows_and_shrinks_while_gkd_trains_with_the_fixed_fleet
         if driver.poll() is None:
             driver.kill()
     assert code == 0, stderr()[-3000:]
-    assert re.search(r"dualrun: fleet: teacher server 1 joined after [\d.]+ s \(its engine started in [\d.]+ s\); "
-                     r"teacher server 1 left \(scaled down\)\n", stderr()), stderr()[-3000:]   # the job's summary
+    # the job's summary: the step of the first request the grown teacher answered (steps 3 and 4 ran on two
+    # replicas, at global steps 2 and 3)
+    assert re.search(r"dualrun: fleet: teacher server 1 joined [\d.]+ s after the resize asked for it \(its engine "
+                     r"started in [\d.]+ s\), serving from step [23]; teacher server 1 left \(scaled down\)\n",
+                     stderr()), stderr()[-3000:]
     assert _losses(tmp_path, RESTART_STEPS) == unkilled["losses"]
     assert eventually(lambda: not _engines(tiny)), _engines(tiny)   # every engine stopped with the job
     assert not list((tmp_path / "jobs").glob("*.json"))             # the job's control left nothing behind

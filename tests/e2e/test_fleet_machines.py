@@ -73,7 +73,8 @@ def _join(tmp_path: Path, tiny: Path, port: int, zero: subprocess.Popen, teacher
     """Machine 1 launched late; once machine 0 says its replica joined: the process and the replica's address."""
     one = _launch(tmp_path, tiny, 1, port, teacher)
     joined = lambda: re.search(r"dualrun: teacher server 1 joined at (127\.0\.0\.1:\d+) with machine 1, serving "  # noqa: E731
-                               r"[\d.]+ s after machine 1 offered it; 2 of max 2 replicas run", _err(tmp_path, 0))
+                               r"from the trainer's next request \(its last was of step 1\), [\d.]+ s after machine "
+                               r"1 offered it; 2 of max 2 replicas run", _err(tmp_path, 0))
     assert eventually(lambda: zero.poll() is not None or one.poll() is not None or joined(), timeout=240), \
         (_err(tmp_path, 0), _err(tmp_path, 1))
     assert zero.poll() is None and one.poll() is None, (_err(tmp_path, 0), _err(tmp_path, 1))
@@ -111,8 +112,9 @@ def test_a_serving_machine_started_late_joins_then_sigterm_drains_it_and_gkd_giv
         _stop(zero, *([one] if one else []))
     assert code == 0, _err(tmp_path, 0)
     assert "stopped answering" not in _err(tmp_path, 0) and "restarting" not in _err(tmp_path, 0)
-    assert re.search(r"dualrun: fleet: teacher server 1 joined with machine 1; teacher server 1 left \(machine 1 "
-                     r"stopped by SIGTERM; drained\)\n", _err(tmp_path, 0)), _err(tmp_path, 0)   # the job's summary
+    assert re.search(r"dualrun: fleet: teacher server 1 joined [\d.]+ s after machine 1 offered it, serving from step "
+                     r"[23]; teacher server 1 left \(machine 1 stopped by SIGTERM; drained\)\n", _err(tmp_path, 0)), \
+        _err(tmp_path, 0)   # the job's summary: the step of the first request machine 1's replica answered
     assert _losses(tmp_path, RESTART_STEPS) == unkilled["losses"]
     assert eventually(lambda: not _engines(tiny) and not pids_matching(str(tmp_path))), pids_matching(str(tmp_path))
 

@@ -218,6 +218,9 @@ def test_trainers_requests_to_the_jobs_servers_carry_its_headers_and_no_others()
                                                                         "Authorization": "Bearer k3y"}
     assert headers_for("http://127.0.0.1:9999/v1/completions", env) == {}     # not the job's: nothing leaves
     assert headers_for("http://example.com/x", env) == {}
+    assert headers_for("http://127.0.0.1:8001/v1/completions", env, step=12) == {"X-Dualrun-Job-Token": "s3cret",
+                                                                              "X-Dualrun-Step": "12"}
+    assert headers_for("http://example.com/x", env, step=12) == {}   # the step goes to the job's servers alone
 
 
 def test_a_roles_api_key_reaches_the_router_and_the_trainers(tmp_path):

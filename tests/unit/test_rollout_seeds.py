@@ -79,6 +79,16 @@ def test_a_job_resumed_from_a_checkpoint_names_its_calls_as_the_uninterrupted_jo
     client = _client()
     assert _events(client, handler(), TrainerState(), [3]) == ["step3/eval/0"]
     assert rollout_seeds.call_name(client) == "step3/eval/1"
+    assert rollout_seeds.global_step() == 3   # what the trainer's requests to the job's servers carry (server_auth)
+
+
+def test_the_step_the_trainers_requests_carry_is_none_until_a_trainer_trains(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(rollout_seeds, "_TRAINING", [])
+    assert rollout_seeds.global_step() is None
+    monkeypatch.setattr(rollout_seeds, "_TRAINING", [object(), SimpleNamespace(global_step=7)])
+    assert rollout_seeds.global_step() == 7
 
 
 def test_outside_training_a_call_is_named_by_its_count():

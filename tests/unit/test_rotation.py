@@ -211,3 +211,39 @@ def test_the_group_is_the_snapshot_the_last_init_formed_and_a_join_waits_for_the
     assert table.in_group() == [2] and table.counted() == [0, 2, 3]
     table.remove(3, "died", 7.5)                                       # gone between the count and the init
     assert table.forming() == [0, 2]                                   # (its init then counts one worker less)
+
+
+# -- from which of the trainer's steps a joining replica serves (the launcher's join line) ----------------------------
+def test_a_held_replacement_serves_from_the_step_of_the_first_update_it_received():
+    table = Rotation([A, B])
+    table.heard(None)
+    assert table.step is None                                     # a request with no step changes nothing
+    table.heard(4)
+    table.weights_received(0, 4)
+    assert table[0].from_step is None                             # not held: a launch's replica has none
+    table.replace(1, C, now=1.0, hold=True)
+    _passes(table, 1, 2)
+    table.served(1, 5)
+    assert table[1].from_step is None                             # held: a request cannot reach it, nor count
+    table.weights_received(1, 6)
+    table.weights_received(1, 7)                                  # its first update is the one it serves from
+    assert table.weights_finished(1, 2.0) is not None and table.in_rotation() == [0, 1]
+    assert table[1].from_step == 6 and table.rows()[1]["from_step"] == 6
+    table.retire(1, "scaled down", 3.0)
+    assert table[1].from_step is None                             # a spare again: the next engine's is its own
+
+
+def test_a_replacement_that_takes_no_weights_serves_from_the_step_of_the_first_request_it_answered():
+    table = Rotation([A, rot.SPARE])
+    table.heard(3)
+    table.replace(1, B, now=1.0)
+    _passes(table, 1, 2)
+    assert table.in_rotation() == [0, 1] and table[1].from_step is None and table.step == 3   # asked nothing yet
+    table.served(1, 4)
+    table.served(1, 5)
+    assert table[1].from_step == 4
+
+
+def test_the_step_header_is_a_non_negative_integer_or_nothing():
+    assert [routing.step_of(v) for v in ("12", " 0 ", None, "", "-1", "1.5", "x", "²")] == \
+        [12, 0, None, None, None, None, None, None]

@@ -194,3 +194,22 @@ def test_a_lone_server_unanswered_for_silent_line_s_gets_one_line_and_one_when_i
     assert table.heard(0, True, "health probe answered 200", 132.0) is None
     assert table.heard(0, False, FAILED, 134.0) is None                                  # a new spell, 2 s so far
     assert table.heard(0, False, FAILED, 137.5) is not None
+
+
+def test_the_join_line_says_from_which_step_the_replica_serves_and_what_is_known_when_it_is_not():
+    from dualrun.servers.supervision import joined_line, joined_summary, machine_joined_line
+
+    assert joined_line("rollout server 1", "127.0.0.1:8002", 12, 14.24, 9.8) == (
+        "dualrun: rollout server 1 joined at 127.0.0.1:8002, serving from step 12, 14.2 s after the resize asked for "
+        "it (its engine started in 9.8 s while the others served)")
+    assert joined_line("teacher server 1", "127.0.0.1:8002", None, 3.0, 2.0, last=7) == (
+        "dualrun: teacher server 1 joined at 127.0.0.1:8002, serving from the trainer's next request (its last was "
+        "of step 7), 3.0 s after the resize asked for it (its engine started in 2.0 s while the others served)")
+    assert "serving from the trainer's next request, 3.0 s" in joined_line("t", "a:1", None, 3.0, 2.0)
+    assert machine_joined_line("teacher server 1", "10.0.0.8:9000", 1, 3, 1.23, 2, 2) == (
+        "dualrun: teacher server 1 joined at 10.0.0.8:9000 with machine 1, serving from step 3, 1.2 s after "
+        "machine 1 offered it; 2 of max 2 replicas run")
+    assert joined_summary("teacher server 1", 3, 6.2, "after the resize asked for it") == \
+        "teacher server 1 joined 6.2 s after the resize asked for it, serving from step 3"
+    assert joined_summary("teacher server 1", None, 6.2, "after the resize asked for it").endswith(
+        ", its step unknown (no request of the trainer's that carried one reached it)")

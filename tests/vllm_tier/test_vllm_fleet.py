@@ -69,10 +69,17 @@ def test_a_rollout_fleet_grows_and_shrinks_mid_run_and_trains_as_a_fixed_one(tmp
     assert code == 0, text[-4000:]
     assert re.search(r"dualrun: rollout server 1 is healthy at [\d.]+:\d+; out of rotation until it holds the "
                      r"trainer's weights", text), text[-3000:]
-    assert re.search(r"dualrun: rollout server 1 joined at [\d.]+:\d+, serving", text), text[-3000:]
+    # it took the trainer's weights at the sync of global step 1 (grown at that step's start): it serves from there,
+    # as the line, the router's row and the job's summary say
+    assert re.search(r"dualrun: rollout server 1 joined at [\d.]+:\d+, serving from step 1, [\d.]+ s after the "
+                     r"resize asked for it", text), text[-3000:]
+    assert re.search(r"dualrun: fleet: rollout server 1 joined [\d.]+ s after the resize asked for it \(its engine "
+                     r"started in [\d.]+ s\), serving from step 1; rollout server 1 left \(scaled down\)", text), \
+        text[-3000:]
     assert "dualrun: rollout server 1 left (scaled down); 1 of min 1 remain" in text
     rec = json.loads((grown / "out" / "rank0.json").read_text())
     joined, left = rec["rows"]["joined"][1], rec["rows"]["left"][1]
+    assert joined["from_step"] is None and rec["rows"]["serving"][1]["from_step"] == 1
     assert joined["member"] and joined["hold"] and not joined["in_rotation"]   # weights first
     assert not left["member"] and not left["in_rotation"] and left["address"] == "-"
     for c in rec["checks"]:   # every replica in rotation at every step: the trainer's weights of the last sync

@@ -23,6 +23,7 @@ from typing import Any
 from dualrun.contract import job_store
 from dualrun.servers.process import ServerError
 from dualrun.servers.server_death import ServerDeath
+from dualrun.servers.supervision import joined_summary, machine_joined_line
 
 LOOK_S = 0.5            # how often machine 0 looks for machines that come or go
 LET_GO_WAIT_S = 60.0    # machine K, leaving: how long it waits for machine 0 to drain its replicas (DRAIN_S + slack)
@@ -97,10 +98,11 @@ class MachineFleet:
             self.machines.watched[index] = address   # health-checked from now on (machine_servers.py)
             unit = self.plan.servers[index].unit
             running = len([i for i in self.supervisor.table.running(unit)])
-            print(f"dualrun: {label} joined at {address} with machine {k}, serving {time.monotonic() - began:.1f} s "
-                  f"after machine {k} offered it; {running} of max {self.plan.fleets[unit].high} replicas run",
-                  file=sys.stderr, flush=True)
-            self.supervisor.history.append(f"{label} joined with machine {k}")
+            seconds = time.monotonic() - began
+            print(machine_joined_line(label, address, k, brought.step, seconds, running, self.plan.fleets[unit].high,
+                                      brought.last), file=sys.stderr, flush=True)
+            self.supervisor.summarise_join(index, brought, lambda step, label=label, seconds=seconds: joined_summary(
+                label, step, seconds, f"after machine {k} offered it"))
 
     def _let_go(self, k: int, why: str) -> None:
         """Machine K leaves: its running replicas out of rotation and drained; below `min_replicas` the job's end."""
