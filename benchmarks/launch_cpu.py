@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -180,15 +181,20 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for run in args.runs.split(","):
         for path in codes.values():
-            warm(run.split(":")[0], tiny, Path(tempfile.mkdtemp(prefix="lcpu-warm-")), str(Path(path).resolve()))
+            work = Path(tempfile.mkdtemp(prefix="lcpu-warm-"))
+            warm(run.split(":")[0], tiny, work, str(Path(path).resolve()))
+            shutil.rmtree(work, ignore_errors=True)
     for rep in range(args.reps):
         for run in args.runs.split(","):
             method, backend = run.split(":")
             order = list(codes.items()) if rep % 2 == 0 else list(codes.items())[::-1]
             for label, path in order:
                 work = Path(tempfile.mkdtemp(prefix=f"lcpu-{method}-"))
-                r = run_once(method, backend, tiny, work, logs / f"{method}-{backend}-{label}-{rep}.log",
-                             str(Path(path).resolve()))
+                try:
+                    r = run_once(method, backend, tiny, work, logs / f"{method}-{backend}-{label}-{rep}.log",
+                                 str(Path(path).resolve()))
+                finally:
+                    shutil.rmtree(work, ignore_errors=True)
                 rows.append({"run": f"{method} on {backend}", "code": label, "rep": rep, "load": loadavg()[0], **r})
                 print(json.dumps({k: v for k, v in rows[-1].items() if k != "procs"}), flush=True)
     info["load_end"] = loadavg()[0]
