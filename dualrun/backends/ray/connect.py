@@ -261,16 +261,16 @@ def _no_api_server(self: Any, **_: Any) -> None:
     """`Node.start_api_server` on a lean node: not started. Without the dashboard Ray's API server loads only its
     usage-stats module (`--modules-to-load=UsageStatsHead`; usage stats are off here), no job or state API, so
     nothing of a job reads it; Ray runs on without it as when it fails to start (`raise_on_failure` is False for
-    `include_dashboard=False`): no dashboard URL. ~0.8 CPU-s of its start-up per launch, ~0.004 cores idle."""
+    `include_dashboard=False`): no dashboard URL. ~1.1 CPU-s of its start-up per launch, ~0.004 cores idle."""
     self._webui_url = None
 
 
 def _minimal_dashboard() -> ImportError:
     """What `ray.init` asks to decide between Ray's full and minimal API server and dashboard agent (`--minimal`:
     what `pip install ray` without `[default]` runs): the minimal ones, as if the dashboard's packages were missing.
-    Ray finds out by importing them (aiohttp, grpc, opencensus, pydantic, ...: ~0.5 CPU-s in this driver), and a
+    Ray finds out by importing them (aiohttp, grpc, opencensus, pydantic, ...: 0.5-0.7 CPU-s in this driver), and a
     full dashboard agent opens a gRPC and an HTTP server nothing of a lean node's job reads."""
-    return ImportError("dualrun: a lean embedded node runs Ray's minimal API server and dashboard agent")
+    return ImportError("dualrun: a lean embedded node runs Ray's minimal dashboard agent")
 
 
 def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start: bool = True) -> Connection | None:
