@@ -11,6 +11,7 @@
   servers   servers a benchmark starts: stub replicas, CPU engines, dualrun's router or vllm-router before them
   stub      a replica that answers at once (run as a process by servers.start_stubs)
   load      closed-loop HTTP load: N requests in flight, each one's latency, requests/s
+  proctree  CPU-seconds of every process of a launch's tree, sampled from /proc while it runs
 
 Imported as `benchlib` with benchmarks/ on sys.path (as it is for `python benchmarks/<script>.py`).
 """

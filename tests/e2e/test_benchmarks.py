@@ -45,7 +45,8 @@ def test_fake_numbers_write_table_chart_and_planner(tmp_path):
 
 @pytest.mark.parametrize("script", ["launch_bench", "growth_bench", "steady_ab", "profile_driver", "ray_idle_cost",
                                     "replica_throughput", "weight_sync_bench", "router_vs_vllm",
-                                    "replica_restart_bench", "startup_bench", "quiet_readers_bench", "fleet_growth"])
+                                    "replica_restart_bench", "startup_bench", "quiet_readers_bench", "fleet_growth",
+                                    "launch_cpu"])
 def test_the_scripts_built_on_benchlib_start(script):
     """Each script that uses benchmarks/benchlib/ finds it and the names it imports (`--help` starts nothing)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{script}.py"), "--help"], capture_output=True,
@@ -419,3 +420,29 @@ def test_no_issue_or_work_log_numbers_in_benchmarks():
     assert found == [], found
     assert WORK_LOG.search("as in issue 26") and WORK_LOG.search("(#46)") and WORK_LOG.search("session 11")
     assert not WORK_LOG.search("5 repetitions, session 436.4 s")
+
+
+def test_launch_cpu_names_each_process_and_tables_before_and_after(tmp_path):
+    """benchmarks/launch_cpu.py: the kind of each process from its command line (the root is the driver; what no
+    rule names is told by its parent), and the by-process table on made-up rows."""
+    import os
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import launch_cpu
+        from benchlib.proctree import TreeSampler
+    finally:
+        sys.path.pop(0)
+    assert launch_cpu.kind({"pid": 1, "cmd": "python -m dualrun launch x"}, 1) == "dualrun launch driver"
+    assert launch_cpu.kind({"pid": 2, "cmd": "ray::DashboardAgent"}, 1) == "ray dashboard agent"
+    assert launch_cpu.kind({"pid": 3, "cmd": "python -m dualrun.rank.bootstrap grpo.py"}, 1).startswith("trainer")
+    rows = [{"run": "gkd on ray", "code": c, "rep": 0, "F": f, "cpu": {"driver": d, "ranks": 10.0}}
+            for c, f, d in (("before", 12.0, 1.5), ("after", 11.0, 1.0))]
+    md = launch_cpu.report(rows, {"when": "now", "cpus": 2, "load": 1.0, "load_end": 2.0}, "cmd")
+    assert "| driver | 1.50 | 1.00 |" in md and "| **all** | **11.5** | **11.0** |" in md, md
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.process_time()\n"
+                              "while time.process_time()-t<0.3: pass\ntime.sleep(0.5)"])
+    sampler = TreeSampler(os.getpid(), period_s=0.05)
+    child.wait()
+    mine = [p for p in sampler.stop() if p["pid"] == child.pid]
+    assert mine and mine[0]["cpu_s"] >= 0.2, mine   # a child's own CPU, read before it exited

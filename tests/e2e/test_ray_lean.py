@@ -42,9 +42,12 @@ got = ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy
 tree = tree_ticks(os.getpid())
 kinds = sorted({kind_of(cmd, p == os.getpid()) for p, (_, cmd) in tree.items()})
 env_kept = {k: os.environ.get(k) for k in LEAN_ENV} == before
+minimal = any("dashboard/agent.py" in cmd and "--minimal" in cmd for _, cmd in tree.values())   # the raylet's
+# command line holds the agent's
+deps = "ray.dashboard.optional_deps" in sys.modules
 conn.close()
 print("RESULT " + json.dumps({"got": got, "kinds": kinds, "pids": [p for p in tree if p != os.getpid()],
-                              "env_kept": env_kept}))
+                              "env_kept": env_kept, "minimal": minimal, "deps": deps}))
 """
 
 
@@ -66,9 +69,12 @@ def test_embedded_cluster_runs_only_what_the_job_uses_and_runtime_env_still_work
     assert out["got"] == ["from working_dir", "shipped", 0]   # working_dir and env_vars reached the task, which
     # runs at normal priority (Ray's workers run at niceness 15 by default)
     kinds = set(out["kinds"])
-    assert {"GCS", "raylet", "runtime-env agent", "dashboard agent", "API server"} <= kinds, kinds
-    assert not {"log monitor", "autoscaler monitor"} & kinds, kinds  # turned off: the job does not use them
+    assert {"GCS", "raylet", "runtime-env agent", "dashboard agent"} <= kinds, kinds
+    # turned off: the job does not use them (the API server serves only usage stats without the dashboard)
+    assert not {"log monitor", "autoscaler monitor", "API server"} & kinds, kinds
     assert out["env_kept"]            # the lean defaults reached Ray's processes, not the driver's own environment
+    # the dashboard agent in Ray's minimal mode, chosen without the dashboard's packages imported here
+    assert out["minimal"] and not out["deps"], out
     assert all(gone(p) for p in out["pids"]), [p for p in out["pids"] if not gone(p)]   # close stopped them all
 
 
@@ -79,16 +85,21 @@ def test_lean_node_params_apply_only_inside_the_init_and_the_env_comes_back(monk
 
     monkeypatch.delenv("REPORTER_UPDATE_INTERVAL_MS", raising=False)
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")   # the user's choice wins over the lean default
-    original = parameter.RayParams
+    from ray._private import node, utils
+
+    original, dependency_error = parameter.RayParams, utils.get_dashboard_dependency_error
+    api_server = node.Node.start_api_server
     with pytest.raises(RuntimeError):
         with rc.lean_node() as kwargs:
             assert kwargs == {"_system_config": rc.LEAN_SYSTEM_CONFIG}
+            assert isinstance(utils.get_dashboard_dependency_error(), ImportError)   # Ray's minimal mode
             params = parameter.RayParams()
             assert (params.include_log_monitor, params.no_monitor) == (False, True)
             assert os.environ["REPORTER_UPDATE_INTERVAL_MS"] == rc.LEAN_ENV["REPORTER_UPDATE_INTERVAL_MS"]
             assert os.environ["RAY_USAGE_STATS_ENABLED"] == "1"
             raise RuntimeError("ray.init failed")
-    assert parameter.RayParams is original
+    assert parameter.RayParams is original and utils.get_dashboard_dependency_error is dependency_error
+    assert node.Node.start_api_server is api_server
     assert "REPORTER_UPDATE_INTERVAL_MS" not in os.environ and os.environ["RAY_USAGE_STATS_ENABLED"] == "1"
 
 

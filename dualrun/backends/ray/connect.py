@@ -16,8 +16,11 @@ A reachability probe (TCP, 2 s) runs before
 An embedded cluster without the dashboard is started lean (`LEAN_*` below, docs/concepts.md "Ray's idle cost"):
 no log monitor (dualrun streams the workers' output itself, `log_to_driver=False`), no autoscaler monitor (one
 fixed node), no metrics export or task events (nothing reads them without a dashboard), the dashboard agent's
-node-stats loop once a minute, no usage stats; its workers (the ranks) run at normal priority, not Ray's niceness 15. Every process a job uses stays: GCS, raylet, runtime-env agent
-(`runtime_env`), the dashboard agent (the raylet cannot run without it), the API server.
+node-stats loop once a minute, no usage stats, no API server (without the dashboard it serves only usage stats), the
+dashboard agent in Ray's minimal mode (no gRPC or HTTP server of its own; this driver does not import the
+dashboard's packages to choose it); its workers (the ranks) run at normal priority, not Ray's niceness 15. Every
+process a job uses stays: GCS, raylet, runtime-env agent (`runtime_env`), the dashboard agent (the raylet cannot run
+without it).
 """
 from __future__ import annotations
 
@@ -241,11 +244,33 @@ def lean_node() -> Iterator[dict[str, Any]]:
                 setattr(self, name, value)
 
     parameter.RayParams = LeanParams
+    from ray._private import node, utils
+
+    dependency_error, api_server = utils.get_dashboard_dependency_error, node.Node.start_api_server
+    utils.get_dashboard_dependency_error = _minimal_dashboard
+    node.Node.start_api_server = _no_api_server
     try:
         yield {"_system_config": dict(LEAN_SYSTEM_CONFIG)}
     finally:
         parameter.RayParams = original
+        utils.get_dashboard_dependency_error, node.Node.start_api_server = dependency_error, api_server
         _restore(saved)
+
+
+def _no_api_server(self: Any, **_: Any) -> None:
+    """`Node.start_api_server` on a lean node: not started. Without the dashboard Ray's API server loads only its
+    usage-stats module (`--modules-to-load=UsageStatsHead`; usage stats are off here), no job or state API, so
+    nothing of a job reads it; Ray runs on without it as when it fails to start (`raise_on_failure` is False for
+    `include_dashboard=False`): no dashboard URL. ~1.1 CPU-s of its start-up per launch, ~0.004 cores idle."""
+    self._webui_url = None
+
+
+def _minimal_dashboard() -> ImportError:
+    """What `ray.init` asks to decide between Ray's full and minimal API server and dashboard agent (`--minimal`:
+    what `pip install ray` without `[default]` runs): the minimal ones, as if the dashboard's packages were missing.
+    Ray finds out by importing them (aiohttp, grpc, opencensus, pydantic, ...: 0.5-0.7 CPU-s in this driver), and a
+    full dashboard agent opens a gRPC and an HTTP server nothing of a lean node's job reads."""
+    return ImportError("dualrun: a lean embedded node runs Ray's minimal dashboard agent")
 
 
 def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start: bool = True) -> Connection | None:
