@@ -22,7 +22,7 @@ from helpers import REPO
 SCANNED = sorted([*(REPO / "dualrun").rglob("*.py"), *(REPO / "plugins").rglob("*.py"),
                   *(REPO / "docs").glob("*.md"), REPO / "README.md", REPO / "CONTRIBUTING.md"])
 # the first folder of a path that is another project's (or the docs' example plugin package, docs/plugins.md)
-FOREIGN = {"trl", "vllm", "dualrun_judge"}
+FOREIGN = {"trl", "vllm", "ray", "dualrun_judge"}
 # a module that gives another's names (dualrun/roles.py, the role-program package's old name)
 ALIASES = {"dualrun.roles": "dualrun.role_programs"}
 FILE_NAMES = {"sbatch", "py", "yaml", "yml", "json", "jsonl", "md", "log", "txt", "toml", "sh", "csv", "whl", "cfg"}
