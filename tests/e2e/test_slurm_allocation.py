@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import dualrun, link_tiny, pids_matching
+from helpers import dualrun, link_tiny, pids_matching, pids_under
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 NO_SLURM = {k: "" for k in os.environ if k.startswith("SLURM_")}
@@ -43,18 +43,6 @@ def _salloc(slurm, cwd: Path, *command: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(["salloc", "--nodes=1", "--ntasks=2", *command], cwd=cwd, env=_env(slurm),
                             start_new_session=True, **popen)
 
-
-def _mine(where: Path, marker: str) -> list[int]:
-    """Processes matching `marker` whose working directory is under `where` (this test's, not another job's)."""
-    out = []
-    for pid in pids_matching(marker):
-        try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            continue
-        if cwd == str(where) or cwd.startswith(str(where) + os.sep):
-            out.append(pid)
-    return out
 
 
 class Terminal:
@@ -133,9 +121,9 @@ def test_ctrl_c_in_salloc_ends_the_job_within_seconds_and_leaves_no_process(slur
     text = term.text
     assert took < 45 and term.proc.returncode == 130, (took, term.proc.returncode, text[-3000:])
     assert "stopped by SIGINT" in text and "failed" not in text.split("stopped by SIGINT")[-1], text[-3000:]
-    assert not _mine(tmp_path, "dualrun.backends.slurm.task") and not pids_matching(engine), "a task outlived Ctrl-C"
-    assert not pids_matching(str(tmp_path / "w.py")) and not _mine(tmp_path, "srun") and \
-        not _mine(tmp_path, "-m dualrun launch"), "a rank, srun or the launcher outlived it"
+    assert not pids_under(tmp_path, "dualrun.backends.slurm.task") and not pids_matching(engine), "a task outlived Ctrl-C"
+    assert not pids_matching(str(tmp_path / "w.py")) and not pids_under(tmp_path, "srun") and \
+        not pids_under(tmp_path, "-m dualrun launch"), "a rank, srun or the launcher outlived it"
     jobs = subprocess.run(["squeue", "-h", "-o", "%i %j"], env=_env(slurm), capture_output=True, text=True).stdout
     assert not jobs.strip(), f"the allocation outlived it: {jobs}"
 

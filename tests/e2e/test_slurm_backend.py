@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, dualrun, link_tiny, pids_matching
+from helpers import REPO, dualrun, link_tiny, pids_matching, pids_under
 from dualrun.backends.slurm.allocation import parse_hostnames
 from dualrun.backends.slurm.steps import failed_tasks, ranks_step, server_step, step_name
 from dualrun.backends.slurm.task import env_for, tasks_per_node
@@ -21,18 +21,8 @@ TASK = "dualrun.backends.slurm.task"
 
 
 def tasks_of(where: Path, marker: str = TASK) -> list[int]:
-    """The srun task shims (or other processes matching `marker`) still running from `where` (their working
-    directory): this test's alone, not another SLURM job's running beside it (the cluster tier's, whose processes
-    /proc shows too)."""
-    mine = []
-    for pid in pids_matching(marker):
-        try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:
-            continue
-        if cwd == str(where) or cwd.startswith(str(where) + os.sep):
-            mine.append(pid)
-    return mine
+    """The srun task shims (or other processes matching `marker`) still running from `where`."""
+    return pids_under(where, marker)
 NO_SLURM = {k: "" for k in os.environ if k.startswith("SLURM_")}
 
 

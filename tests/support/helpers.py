@@ -188,3 +188,17 @@ def health_server(delay_s: float = 0.0, status: dict[str, int] | None = None, de
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def pids_under(where, marker: str) -> list[int]:
+    """Processes matching `marker` whose working directory is `where` or below it: this test's alone, not another
+    job's running beside it (the cluster tier's, whose processes /proc shows too)."""
+    mine = []
+    for pid in pids_matching(marker):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+        except OSError:
+            continue
+        if cwd == str(where) or cwd.startswith(str(where) + os.sep):
+            mine.append(pid)
+    return mine
