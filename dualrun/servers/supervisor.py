@@ -88,6 +88,8 @@ class Supervisor:
         self._resizing = threading.Lock()   # one resize at a time (`scale`)
         self._joining: set[int] = set()     # replicas a resize is starting (their death is the resize's failure)
         self.history: list[str] = []        # each change of a fleet, for the job's summary ("... joined 6.2 s after ...")
+        # joined replicas whose step is not known yet: index -> (its history entry's position, its address, the entry)
+        self._unknown_step: dict[int, tuple[int, str, Callable[[int | None], str]]] = {}
 
     @property
     def restarting(self) -> frozenset[int]:
@@ -219,6 +221,11 @@ class Supervisor:
         from dualrun.servers import router_client
 
         router, slot = router_of(self.plan, index)
+        if index in self._unknown_step:   # its step, before the retire clears it from its router's row
+            try:
+                self._settle_step(index, router_client.replicas(self.address_of(router) or "")["replicas"][slot])
+            except (OSError, ValueError, KeyError, IndexError):
+                pass
         router_client.control(self.address_of(router) or "", slot, "retire", reason=reason)
 
     def _gone(self, index: int, grace_s: float, why: str, summary: str) -> None:
@@ -362,30 +369,40 @@ class Supervisor:
         """The job's summary says a join (`entry`: its words given the step it serves from). A replica that
         joined before the trainer's next request (a teacher: no weights to wait for) serves from a step its router
         learns later: its entry is completed then (its router asked every `FIRST_REQUEST_EVERY_S` while the job
-        runs, from a thread of its own), or says the step is unknown."""
+        runs, from a thread of its own, and once more as it leaves, before the retire clears its row: `_retire`),
+        or says the step is unknown."""
         with self._lock:
             at = len(self.history)
             self.history.append(entry(joined.step))
-        if joined.step is not None:
-            return
+            if joined.step is not None:
+                return
+            self._unknown_step[index] = (at, joined.address, entry)
 
         def follow() -> None:
             from dualrun.servers import router_client
 
             router, slot = router_of(self.plan, index)
-            while not self.events.wait_stopped(FIRST_REQUEST_EVERY_S):
+            while index in self._unknown_step and not self.events.wait_stopped(FIRST_REQUEST_EVERY_S):
                 try:
-                    row = router_client.replicas(self.address_of(router) or "")["replicas"][slot]
+                    self._settle_step(index, router_client.replicas(self.address_of(router) or "")["replicas"][slot])
                 except (OSError, ValueError, KeyError, IndexError):
                     continue   # (a router being restarted; one gone ends the job)
-                if row.get("address") != joined.address:
-                    return   # it left (or its slot was refilled) before a request came
-                if row.get("from_step") is not None:
-                    with self._lock:
-                        self.history[at] = entry(row["from_step"])
-                    return
 
         threading.Thread(target=follow, name="dualrun-first-request", daemon=True).start()
+
+    def _settle_step(self, index: int, row: dict) -> None:
+        """Joined replica `index`'s summary entry, once its router's `row` knows the step it served from; given up
+        when the row is another engine's (it left, or its slot was refilled)."""
+        with self._lock:
+            pending = self._unknown_step.get(index)
+            if pending is None:
+                return
+            at, address, entry = pending
+            if row.get("address") != address:
+                del self._unknown_step[index]
+            elif row.get("from_step") is not None:
+                self.history[at] = entry(row["from_step"])
+                del self._unknown_step[index]
 
     def _park(self, index: int) -> None:
         """A replica that failed to join: out of its router's slot, its remains stopped, parked again."""
