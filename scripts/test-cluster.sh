@@ -12,6 +12,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export DUALRUN_CLUSTER_TIER=1
+# Its own cache of the tiny models: the main suite runs beside this tier with the same interpreter, so with one cache
+# both tiers' servers would carry the same model path, and a leftover check on that path (`pids_matching(tiny/...)`)
+# in one tier would see the other's live servers (CI saw it: a cluster test named two main-suite teachers).
+export DUALRUN_TEST_CACHE="${DUALRUN_TEST_CACHE:-${TMPDIR:-/tmp}/dualrun-test-cache}/cluster-tier"
 # Test paths among the arguments (a file, or file::test) are what runs; without one, the whole tier.
 targets=(tests/cluster)
 vllm_targets=(tests/cluster)

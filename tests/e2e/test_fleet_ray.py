@@ -51,6 +51,7 @@ def _servers(tiny, monkeypatch, fake_gpus: bool = False):
     plan = launcher.prepare(make_plan(cfg, rc.cluster_of(rc.alive_nodes()), plugin)).plan
     servers = launcher.server_set(plan, 0, frozenset())
     assert isinstance(servers, RayServers)
+    servers.follower.hold(False)   # as the launcher does once the ranks are placed (actor_launcher.py)
     monkeypatch.setenv(protocol.JOB_TOKEN, launcher.job_token)   # as `Launcher.run` does: the router's calls carry it
     if not fake_gpus:   # a replica only where a node offers the fake `engine` resource; the router on the head
         servers.bundle = lambda p: {"CPU": 1.0, "engine": 1.0} if p.kind == "server" else {"CPU": 1.0}
