@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dualrun.contract.errors import ConfigError
-from dualrun.plan.servers import ROUTER
+from dualrun.plan.servers import ROUTER, replicas_of
 
 
 def _several(plan: Any) -> bool:
@@ -21,8 +21,7 @@ def _several(plan: Any) -> bool:
 
 
 def _slot(plan: Any, index: int) -> int:
-    p = plan.servers[index]
-    return [i for i, q in enumerate(plan.servers) if q.unit == p.unit and q.kind != ROUTER].index(index)
+    return replicas_of(plan, plan.servers[index].unit).index(index)
 
 
 def _above_min(plan: Any, index: int) -> bool:

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 
 HOST = "<host>"   # where a server's command takes the address it binds
 PORT = "<port>"   # ... and the port picked free for it
 ROUTER = "router"   # the kind of the process that puts a separate role's engine replicas behind one address
+
+
+def replicas_of(plan: "Any", unit: str) -> list[int]:
+    """plan.servers indices of `unit`'s engine replicas (its router's slots, in order)."""
+    return [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
 
 
 def replica_slot(index: int) -> str:

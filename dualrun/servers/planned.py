@@ -11,6 +11,7 @@ from typing import Mapping
 
 from dualrun.plan.optional import joining, optional_machines
 from dualrun.plan.processes import AUTO, ROUTER, Plan, Process, spare_start
+from dualrun.plan.servers import replicas_of
 from dualrun.programs.rotation import SPARE
 
 
@@ -27,8 +28,7 @@ def server_previews(plan: Plan, host: str, node: int | None = None,
     for p in plan.servers:
         if node is None or p.node == node:
             assert p.serving is not None
-            slots = [SPARE if spare(r) or i in later else AUTO for i, r in enumerate(plan.servers)
-                     if r.unit == p.unit and r.kind != ROUTER]
+            slots = [SPARE if spare(plan.servers[i]) or i in later else AUTO for i in replicas_of(plan, p.unit)]
             argv = p.serving.argv(host, AUTO, slots if p.kind == ROUTER else ())
             planned = p.env.get("CUDA_VISIBLE_DEVICES", "")
             shown = {"CUDA_VISIBLE_DEVICES": devices if devices is not None and p.devices else planned}
@@ -60,8 +60,8 @@ def replica_addresses(plan: Plan, started: Mapping[int, str], index: int) -> lis
     if plan.servers[index].kind != ROUTER:
         return []
     later = joining(plan)   # several torchrun machines: an optional machine's replicas join when it comes
-    return [started.get(i, SPARE) if spare(p) or i in later else started[i] for i, p in enumerate(plan.servers)
-            if p.unit == unit and p.kind != ROUTER]
+    return [started.get(i, SPARE) if spare(plan.servers[i]) or i in later else started[i]
+            for i in replicas_of(plan, unit)]
 
 
 def started_when(plan: Plan, label: str) -> str:

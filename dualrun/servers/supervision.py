@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Collection, Mapping
 
 from dualrun.plan.processes import ROUTER, Plan
+from dualrun.plan.servers import replicas_of
 from dualrun.programs.rotation import HUNG, RESTARTING, Rotation, judge
 
 SILENT_LINE_S = 5.0  # a lone server unanswered this long gets a line (judged hung only after request_timeout_s)
@@ -70,10 +71,6 @@ def router_of(plan: Plan, index: int) -> tuple[int, int]:
     router = next(i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind == ROUTER)
     return router, replicas_of(plan, unit).index(index)
 
-
-def replicas_of(plan: Plan, unit: str) -> list[int]:
-    """plan.servers indices of `unit`'s engine replicas (its router's slots, in order)."""
-    return [i for i, p in enumerate(plan.servers) if p.unit == unit and p.kind != ROUTER]
 
 
 def survivable(plan: Plan, index: int | None, left: Mapping[int, int], down: Collection[int]) -> bool:

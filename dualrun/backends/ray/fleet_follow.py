@@ -162,7 +162,7 @@ class Follower:
             self._grow(unit, held, running, target)
 
     def _spare_of(self, unit: str) -> int:
-        from dualrun.servers.supervision import replicas_of
+        from dualrun.plan.servers import replicas_of
 
         return replicas_of(self.servers.plan, unit)[-1]
 
