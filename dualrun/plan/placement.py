@@ -111,6 +111,12 @@ def placement_for(cfg: JobConfig) -> Placement:
     return cfg.backend_kind.placement(cfg)
 
 
+def spares_unplaced(policy: Placement) -> bool:
+    """The policy's `spares_unplaced`, False where it has none: a backend's policy written before the member came
+    keeps its machines fixed (a spare without room is refused in one line, as on torchrun), not an AttributeError."""
+    return bool(getattr(policy, "spares_unplaced", False))
+
+
 def visible_devices(cfg: JobConfig, environ: Mapping[str, str]) -> tuple[int, ...] | None:
     """The shell's CUDA_VISIBLE_DEVICES (in `environ`) as ids, for a job with GPUs; None where it is unset.
 

@@ -21,7 +21,8 @@ from dualrun.plan.engines import engine_size, mark_cpu_engines, role_takes_weigh
 from dualrun.env.worker import rank_env
 from dualrun.contract.redact import redact
 from dualrun.contract.errors import ConfigError, escaped
-from dualrun.plan.placement import AUTO, UNPLACED, Cluster, Free, Node, Placement, placement_for, units
+from dualrun.plan.placement import (AUTO, UNPLACED, Cluster, Free, Node, Placement, placement_for, spares_unplaced,
+                                    units)
 from dualrun.plan.meeting import Rendezvous, rendezvous_of
 from dualrun.plan.optional import machine_of_fleet, optional_machines, refuse_placement
 from dualrun.plan.server_commands import ServerMethod, with_method
@@ -228,7 +229,7 @@ def _placed(cfg: JobConfig, cluster: Cluster | None, extra_env: Mapping[str, str
     slot = "process slot" if cfg.use_cpu and policy.processes_take_slots else "GPU"   # a CPU plan's slots
     plan = Plan(cfg.backend, cfg.method, cfg.source, cluster, tuple(mark_cpu_engines(cfg, procs)),
                 frozen_map(common), frozen_map(external), slot, rendezvous_of(cfg),
-                frozen_map(fleets), _pushed_to(cfg, weight_roles), policy.spares_unplaced)
+                frozen_map(fleets), _pushed_to(cfg, weight_roles), spares_unplaced(policy))
     refuse_placement(cfg, plan, fleets)   # several torchrun machines: a fleet moves by optional machines
     return plan
 
@@ -359,7 +360,7 @@ def _place_server(cfg: JobConfig, policy: Placement, cluster: Cluster, free: Fre
         if node is None:
             have = max((len(free[n.index]) for n in candidates), default=0)
             what = "GPUs" if size else "process slots (torchrun.gpus_per_machine)"
-            if replica >= count and policy.spares_unplaced:   # Ray: placed where room appears (fleet_follow.py)
+            if replica >= count and spares_unplaced(policy):   # Ray: placed where room appears (fleet_follow.py)
                 procs.append(Process(unit, group, "server", replica, total, UNPLACED, 0, 1, (),
                                      frozen_map({**env, "CUDA_VISIBLE_DEVICES": AUTO}),
                                      replace(serving, log_name=f"{unit}-server-{replica}.log", spare=True), size))

@@ -177,6 +177,35 @@ def test_on_ray_a_spare_with_no_room_is_planned_unplaced_for_the_cluster_to_plac
                               "GPUs on one node for each (spare replica 2 finds at most 0), got 3"), e.value.line()
 
 
+def test_a_placement_policy_without_spares_unplaced_keeps_its_machines_fixed(monkeypatch):
+    """A backend's policy written before `spares_unplaced` came (docs/plugins.md): its spares need room when the plan
+    is made, as on torchrun: one line for a spare without room, not an AttributeError."""
+    import dualrun.plan.processes as processes
+    from dualrun.plan.placement import Cluster, Node, placement_for, spares_unplaced
+
+    class Older:
+        """Ray's policy less the member."""
+
+        def __init__(self, policy: object) -> None:
+            self._policy = policy
+
+        def __getattr__(self, name: str) -> object:
+            if name == "spares_unplaced":
+                raise AttributeError(name)
+            return getattr(self._policy, name)
+
+    cfg = build_config({"backend": "ray", "method": "gkd", "roles": {"train": {"gpus": 1}, "teacher": {
+        "gpus": 1, "min_replicas": 1, "max_replicas": 2, "model": "m/m", "top_k": 5}}}, "job.yaml")
+    assert spares_unplaced(placement_for(cfg)) and not spares_unplaced(Older(placement_for(cfg)))
+    monkeypatch.setattr(processes, "placement_for", lambda c: Older(placement_for(c)))
+    roomy = make_plan(cfg, Cluster((Node(0, "10.0.0.7", 3, 8.0),), "ray"))   # room for the spare: placed, as before
+    assert [p.placed for p in roomy.servers] == [True, True, True] and not roomy.spares_follow_room
+    with pytest.raises(ConfigError) as e:
+        make_plan(cfg, Cluster((Node(0, "10.0.0.7", 2, 8.0),), "ray"))
+    assert e.value.line() == ("job.yaml: roles.teacher.max_replicas: expected room for each replica up to it: 1 free "
+                              "GPUs on one node for each (spare replica 1 finds at most 0), got 2"), e.value.line()
+
+
 def test_replica_restarts_take_effect_once_a_router_stands_in_front_of_one():
     _cfg({"gpus": 1, "max_replicas": 2, "replica_restarts": 1})   # accepted: the router takes a restarted one back
     with pytest.raises(ConfigError):
