@@ -215,7 +215,7 @@ class ServerSetBase(ABC):
         return list(self.supervisor.history) if self.supervisor is not None else []
 
     def scale(self, role: str, replicas: int) -> str:
-        """Resize `role` to `replicas` (supervisor.py's `scale`): the line of what was done; ScaleRefused."""
+        """Resize `role` to `replicas` (fleet_resize.py's `scale`): the line of what was done; ScaleRefused."""
         from dualrun.contract.errors import ScaleRefused
 
         if self.supervisor is None:

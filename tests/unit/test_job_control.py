@@ -201,7 +201,7 @@ def test_a_dead_launchers_file_is_ignored_and_removed(jobs, controls):
 
 
 def test_a_job_that_ends_during_the_resize_is_one_line_and_exit_1(jobs, controls):
-    """The set stopped while the new replica joined (Supervisor._grow's ScaleCutShort): a failure, not "N now"."""
+    """The set stopped while the new replica joined (FleetResize._grow's ScaleCutShort): a failure, not "N now"."""
     from dualrun.contract.errors import ScaleCutShort
 
     class Ending(RecordingFleet):

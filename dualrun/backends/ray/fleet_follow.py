@@ -4,7 +4,7 @@ the autoscaler, a spot node), up to its target.
 Why a loop of its own: Ray places a placement group as soon as a node has room for it, so a group asked for ahead
 of time (*pending*) is how the job learns that room appeared, with nothing to poll but the group. Each resizable
 role keeps at most one pending group, shaped like its replicas, while fewer replicas run than its target; once Ray
-places it, the next spare starts in it through the supervisor's resize (`Supervisor.scale`: taken in by the router,
+places it, the next spare starts in it through the supervisor's resize (`FleetResize.scale`: taken in by the router,
 held for the trainer's weights where it takes them). The target starts at `max_replicas` (grow whenever there is
 room); `dualrun scale` sets it (`RayServers.scale`). A replica whose node leaves is the supervisor's
 (`ServerDeath.node_gone`: it leaves its role while `min_replicas` remain); then fewer run than the target and a

@@ -4,10 +4,10 @@ Why a protocol of its own: machine 0 starts the job without the optional machine
 exchange (machine_servers.py) waits for them; they come and go while the ranks train, through three keys of
 machine 0's store (contract/job_store.py):
 - machine K, once its replicas answered, puts their addresses under `JOIN_KEY` (`offer`); machine 0's `MachineFleet`
-  takes each in as a grown spare is taken in (supervisor.py's `take_in`: held until the trainer's weights reach it
+  takes each in as a grown spare is taken in (fleet_resize.py's `take_in`: held until the trainer's weights reach it
   where it takes them) and health-checks it from then on;
 - machine K, stopped (SIGTERM), puts why under `LEAVING_KEY` and waits (`leave`); machine 0 takes its replicas out
-  of rotation, lets their requests in flight end (drained: `Supervisor.depart`), then sets `LET_GO_KEY`; machine K
+  of rotation, lets their requests in flight end (drained: `FleetResize.depart`), then sets `LET_GO_KEY`; machine K
   stops them and exits 0. Below `min_replicas` that ends the job (or restarts it), naming the replica and machine;
 - a machine lost or cut off says nothing: machine 0's health checks miss its replicas, and they leave as a dead
   replica with no restart left does (`Supervision.leaves`) while `min_replicas` remain, else the job ends naming it.
