@@ -259,6 +259,10 @@ class Launcher(ABC):
                    **fill: str) -> dict[str, str]:
         """Allow-listed launching env < accelerate's env < the plan's env, with `<auto>` values filled."""
         env = forwarded_env() if base is None else dict(base)
+        # a rank's or server's output goes to a pipe (a Ray actor reads it; torchrun's agent with log_dir; `| tee`),
+        # where Python buffers stdout in blocks: a rank's prints reached the console only at its exit. Line by line,
+        # as on a terminal, unless the user's env says otherwise.
+        env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(self.accelerate_env)
         env.update(process_env)
         fill.setdefault(protocol.RUN_ID, self.run_id)

@@ -264,3 +264,36 @@ def test_embedded_cluster_is_loopback_only_without_dashboard(job):
     finally:
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
+
+
+FIRST_THEN_WAIT = """
+import os, sys, time
+print("first line", flush=False)   # as a script prints: no flush of its own
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("the file came" if os.path.exists(sys.argv[1]) else "no file within 30 s")
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_ranks_print_reaches_the_console_while_it_runs_not_at_its_exit(job, cluster):
+    """A rank's stdout is a pipe to its actor: its lines come as printed (as from torchrun), not in one block at its
+    exit, whether or not the launching shell set PYTHONUNBUFFERED. The test answers the first line with a file the
+    rank waits for."""
+    (job / "first.py").write_text(FIRST_THEN_WAIT)
+    (job / "one.yaml").write_text("use_cpu: true\nroles: {train: {gpus: 1}}\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env.update(ray_env(RAY_ADDRESS=cluster.address))
+    proc = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file", "one.yaml",
+                             "first.py", str(job / "answer")], cwd=job, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        out.append(line)
+        if "[train rank 0] first line" in line:
+            (job / "answer").touch()
+    assert proc.wait(timeout=60) == 0, "".join(out)[-3000:]
+    assert any("[train rank 0] the file came" in line for line in out), "".join(out)[-3000:]
