@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import gkd_args, gkd_config, launch_on, sft_args, sft_data
+from cluster_jobs import gkd_args, gkd_config, launch_on, left_on, sft_args, sft_data
 from helpers import REPO
 from vcluster import VCluster, address
 
@@ -53,12 +53,6 @@ time.sleep(0.2)
 @pytest.fixture
 def shared(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("faults")
-
-
-def left_on(vc: VCluster, machine: int) -> list[str]:
-    """Every process of `machine` but its first (the namespace's holder) and the `ps` that lists them."""
-    rows = vc.run(machine, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:]
-    return [r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r]
 
 
 def test_the_watch_names_each_side_of_a_cut_link_within_its_timeout(shared):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import gkd_args, gkd_config, gkd_losses, launch_on, outputs, wait_all
+from cluster_jobs import all_ended, gkd_args, gkd_config, gkd_losses, launch_on, left_on, outputs
 from vcluster import VCluster, address
 
 pytestmark = [pytest.mark.cluster, pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(700)]
@@ -40,24 +40,8 @@ def _until(check, procs, work: Path, timeout: float = WAIT_S) -> None:
         time.sleep(0.2)
 
 
-def _ended(procs, work: Path, timeout: float = WAIT_S) -> list[str]:
-    """Each machine's output once all have ended (what is still running after `timeout` is killed: a failure)."""
-    import subprocess
-
-    try:
-        wait_all(procs, timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {timeout:g} s: {[o[-3000:] for o in outputs(work, range(len(procs)))]}")
-    return outputs(work, range(len(procs)))
-
-
 def _held(work: Path, step: int) -> bool:
     return all((work / f"gate.{step}.held{r}").exists() for r in (0, 1))
-
-
-def _left_on(vc: VCluster, machine: int) -> list[str]:
-    rows = vc.run(machine, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:]
-    return [r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r]
 
 
 def _joined(vc: VCluster, work: Path, tiny: Path) -> list:
@@ -82,14 +66,14 @@ def test_joins_late_then_sigterm_drains_it_with_the_losses_of_one_machine(shared
         _until(lambda: _held(work, 2), procs, work)
         assert '"POST /v1/completions' in (work / "logs1" / "teacher-server-1.log").read_text()
         procs[1].send_signal(signal.SIGTERM)
-        _ended(procs[1:], work, 90)
+        all_ended(procs[1:], work, 90)
         (work / "gate.2").unlink()
-        outs = _ended(procs, work)
+        outs = all_ended(procs, work, WAIT_S)
         assert [p.returncode for p in procs] == [0, 0], [o[-3000:] for o in outs]
         assert "teacher server 1 left (machine 1 stopped by SIGTERM; drained); 1 of min 1 remain" in outs[0]
         assert "dualrun: machine 1 left the job (SIGTERM)" in outs[1], outs[1][-2000:]
         assert [gkd_losses(work / "out", r) for r in (0, 1)] == gkd_one_machine
-        assert _left_on(vc, 0) == [] and _left_on(vc, 1) == []
+        assert left_on(vc, 0) == [] and left_on(vc, 1) == []
 
 
 def test_joins_late_then_its_link_is_cut_and_the_job_goes_on_with_the_losses_of_one_machine(shared, tiny,
@@ -103,7 +87,7 @@ def test_joins_late_then_its_link_is_cut_and_the_job_goes_on_with_the_losses_of_
                        "health check" in (work / "m0" / "out").read_text(), procs[:1], work, 60)
         for step in (1, 2):
             (work / f"gate.{step}").unlink()
-        outs = _ended(procs, work)
+        outs = all_ended(procs, work, WAIT_S)
         assert procs[0].returncode == 0, outs[0][-3000:]
         assert "1 of min 1 remain" in outs[0]
         assert procs[1].returncode != 0 and re.search(   # cut off: machine 1 ends, naming machine 0 (whichever look
@@ -111,4 +95,4 @@ def test_joins_late_then_its_link_is_cut_and_the_job_goes_on_with_the_losses_of_
             r"machine 0 stopped answering its health check)", outs[1]), outs[1][-2000:]   # finds the silence first)
         assert [gkd_losses(work / "out", r) for r in (0, 1)] == gkd_one_machine
         vc.restore(1)
-        assert _left_on(vc, 0) == [] and _left_on(vc, 1) == []
+        assert left_on(vc, 0) == [] and left_on(vc, 1) == []

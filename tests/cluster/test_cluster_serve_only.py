@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_jobs import ENV, gkd_args, gkd_config, launch_on, outputs, wait_all
+from cluster_jobs import ENV, gkd_args, gkd_config, launch_on, left_on, outputs, wait_all
 from helpers import eventually, pids_matching
 from vcluster import VCluster, address
 
@@ -52,12 +52,6 @@ def ended(procs: list[subprocess.Popen], work: Path, timeout_s: float = WAIT_S) 
     test: a machine must not outlive the job)."""
     wait_all(procs, timeout_s)
     return outputs(work)
-
-
-def left_on(vc: VCluster, machine: int) -> list[str]:
-    """Every process of `machine` but its first (the namespace's holder) and the `ps` that lists them."""
-    rows = vc.run(machine, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:]
-    return [r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r]
 
 
 def test_gkd_trainers_on_machine_0_teacher_on_machine_1_gives_the_losses_of_one(vc, shared, tiny, gkd_one_machine):

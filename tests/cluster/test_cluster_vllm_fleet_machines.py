@@ -15,16 +15,15 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from cluster_jobs import launch_on, outputs, route_out_elsewhere, wait_all
+from cluster_jobs import all_ended, launch_on, left_on, outputs, route_out_elsewhere
 from helpers import ASSETS, pids_matching
 from vcluster import VCluster, address
-from vllm_helpers import LOGPROB_TOLERANCE, TIER, server_role
+from vllm_helpers import TIER, assert_grew_as_fixed, server_role
 
 pytestmark = [*TIER, pytest.mark.cluster, pytest.mark.timeout(1500)]
 
@@ -64,30 +63,16 @@ def _until(check, procs, work: Path, timeout: float = WAIT_S):
     return found
 
 
-def _ended(procs, work: Path, timeout: float = WAIT_S) -> list[str]:
-    """Each machine's output once all have ended (what is still running after `timeout` is killed: a failure)."""
-    try:
-        wait_all(procs, timeout)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"still running after {timeout:g} s: {[o[-3000:] for o in outputs(work, range(len(procs)))]}")
-    return outputs(work, range(len(procs)))
-
-
-def _left_on(vc: VCluster, machine: int) -> list[str]:
-    rows = vc.run(machine, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:]
-    return [r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r]
-
-
 def test_a_vllm_rollout_grows_onto_a_machine_launched_late_and_sigterm_drains_it_training_as_a_fixed_fleet(
         vc, shared, vllm_tiny):
     fixed = shared / "fixed"   # machine 1 never launched: a fleet of one
     (fixed / "out").mkdir(parents=True)
     procs = launch_on(vc, fixed, probe(vllm_tiny, fixed / "out", "--fixed"), layout(vllm_tiny, fixed), machines=(0,))
-    outs = _ended(procs, fixed, 700)
+    outs = all_ended(procs, fixed, 700)
     assert procs[0].returncode == 0, outs[0][-5000:]
     assert "joined at" not in outs[0]
     reference = json.loads((fixed / "out" / "rank0.json").read_text())
-    assert _left_on(vc, 0) == [] and _left_on(vc, 1) == []
+    assert left_on(vc, 0) == [] and left_on(vc, 1) == []
 
     work = shared / "grown"
     (work / "out").mkdir(parents=True)
@@ -102,8 +87,8 @@ def test_a_vllm_rollout_grows_onto_a_machine_launched_late_and_sigterm_drains_it
         assert joined.group(1) == "1", joined.group(0)   # it took the trainer's weights at step 1's sync
         _until(lambda: (work / "out" / "shrink_now").exists(), procs, work)
         procs[1].send_signal(signal.SIGTERM)
-        _ended(procs[1:], work, 120)
-        outs = _ended(procs, work)
+        all_ended(procs[1:], work, 120)
+        outs = all_ended(procs, work, WAIT_S)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -113,18 +98,7 @@ def test_a_vllm_rollout_grows_onto_a_machine_launched_late_and_sigterm_drains_it
     assert "dualrun: rollout server 1 left (machine 1 stopped by SIGTERM; drained); 1 of min 1 remain" in outs[0]
     assert "dualrun: machine 1 left the job (SIGTERM)" in outs[1], outs[1][-2000:]
     rec = json.loads((work / "out" / "rank0.json").read_text())
-    joined_row, left_row = rec["rows"]["joined"][1], rec["rows"]["left"][1]
-    assert joined_row["member"] and joined_row["hold"] and not joined_row["in_rotation"], joined_row   # weights first
-    assert not left_row["member"] and not left_row["in_rotation"], left_row
-    for c in rec["checks"]:   # every replica in rotation at every step: the trainer's weights of the last sync
-        assert c["gap"] < LOGPROB_TOLERANCE, rec["checks"]
-    assert {c["replica"] for c in rec["checks"] if c["step"] in (2, 3)} == {0, 1}, rec["checks"]   # both served
-    assert [c["replica"] for c in rec["checks"] if c["step"] == 5] == [0]
-    log = (work / "logs1" / "rollout-server-1.log").read_text()
-    finish = log.find('"POST /finish_weight_update')
-    assert finish > 0 and '"POST /v1/completions' not in log[:finish], log[-3000:]   # none stale
-    # the same training as on a fixed fleet of one, bit for bit
-    assert rec["generations"] == reference["generations"] and rec["losses"] == reference["losses"]
-    assert len(rec["losses"]) == 5
-    assert _left_on(vc, 0) == [] and _left_on(vc, 1) == []
+    # weights first, none stale, the same training as on a fixed fleet of one, bit for bit
+    assert_grew_as_fixed(rec, reference, (work / "logs1" / "rollout-server-1.log").read_text())
+    assert left_on(vc, 0) == [] and left_on(vc, 1) == []
     assert not pids_matching(str(work))

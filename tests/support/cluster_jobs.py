@@ -129,3 +129,20 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
 def outputs(work: Path, machines=(0, 1)) -> list[str]:
     """Each machine's launcher output, as `launch_on` writes it (work/mK/out)."""
     return [(work / f"m{k}" / "out").read_text() for k in machines]
+
+
+def all_ended(procs: list[subprocess.Popen], work: Path, timeout: float) -> list[str]:
+    """Each machine's output once all have ended (what is still running after `timeout` is killed: a failure)."""
+    import pytest
+
+    try:
+        wait_all(procs, timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running after {timeout:g} s: {[o[-3000:] for o in outputs(work, range(len(procs)))]}")
+    return outputs(work, range(len(procs)))
+
+
+def left_on(vc, machine: int) -> list[str]:
+    """Every process of `machine` but its first (the namespace's holder) and the `ps` that lists them."""
+    rows = vc.run(machine, ["ps", "-eo", "pid,args"], check=True).stdout.strip().splitlines()[1:]
+    return [r for r in rows if r.split(None, 1)[0] != "1" and "ps -eo" not in r]

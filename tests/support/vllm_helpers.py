@@ -161,6 +161,25 @@ def assert_same_training(rec: dict, reference: dict, runs: object = "") -> None:
     assert [c["moved"] for c in rec["checks"]] == [c["moved"] for c in reference["checks"]], runs   # same updates
 
 
+def assert_grew_as_fixed(rec: dict, reference: dict, joiner_log: str) -> None:
+    """grpo_fleet_probe.py's record of a fleet grown 1 -> 2 -> 1 (replica 1 joined before step 2, gone by step 5):
+    it joined held, out of rotation, until the trainer's weights reached it, and left the group with it; every
+    replica in rotation at every step had the last sync's weights, both served at steps 2-3, replica 0 alone at step
+    5; its engine log (`joiner_log`) has no completion before its first weight update; and the training is the fixed
+    fleet's (`reference`), bit for bit: the completions with their log-probabilities and the losses, 5 steps."""
+    joined, left = rec["rows"]["joined"][1], rec["rows"]["left"][1]
+    assert joined["member"] and joined["hold"] and not joined["in_rotation"], joined   # weights first
+    assert not left["member"] and not left["in_rotation"], left
+    for c in rec["checks"]:
+        assert c["gap"] < LOGPROB_TOLERANCE, rec["checks"]
+    assert {c["replica"] for c in rec["checks"] if c["step"] in (2, 3)} == {0, 1}, rec["checks"]   # both served
+    assert [c["replica"] for c in rec["checks"] if c["step"] == 5] == [0]
+    finish = joiner_log.find('"POST /finish_weight_update')
+    assert finish > 0 and '"POST /v1/completions' not in joiner_log[:finish], joiner_log[-3000:]   # none stale
+    assert rec["generations"] == reference["generations"] and rec["losses"] == reference["losses"]
+    assert len(rec["losses"]) == 5
+
+
 def assert_async_syncs_landed(rec: dict, replicas: int) -> None:
     """AsyncGRPOTrainer's default weight transfer, as its constructor would build it, is dualrun's gloo client, and
     after its sync of a perturbed model (far from the loaded one) and then of the original, every replica serves
