@@ -226,6 +226,38 @@ def test_embedded_cluster_gloo_run(job):
     assert not pids_matching(str(job))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_the_whole_process_group_stops_an_embedded_cluster_job(job, sig, code):
+    """`kill -TERM -PGID` (a process supervisor, a shell's job control) and Ctrl-C (the terminal signals the whole
+    foreground group) reach the embedded cluster's processes too, unless they run in their own group: a raylet
+    killed by it left the driver waiting on Ray for good, with every actor and server running."""
+    env = ray_env()
+    driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file",
+                               "cpu2.yaml", "sleep.py", str(job)], cwd=job, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = set()
+        while len(seen) < 2:
+            line = driver.stdout.readline()
+            assert line, driver.stderr.read()
+            if line.startswith("[train rank") and "ready" in line:
+                seen.add(line.split("]")[0])
+        sent = time.monotonic()
+        os.killpg(driver.pid, sig)   # the driver's group, as the shell or terminal sends it
+        got = driver.wait(timeout=30)
+        assert time.monotonic() - sent < 20
+        err = driver.stderr.read()
+        assert got == code, err
+        assert f"stopped by {sig.name}" in err
+        assert eventually(lambda: not pids_matching(env["RAY_TMPDIR"])), pids_matching(env["RAY_TMPDIR"])
+        assert eventually(lambda: not pids_matching(str(job))), pids_matching(str(job))
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+
+
 def test_dry_run_starts_nothing(job):
     env = ray_env()
     proc = dualrun("launch", "--dry_run", "--backend", "ray", "--config_file", "cpu2.yaml", "dump.py", "out",

@@ -257,6 +257,29 @@ def lean_node() -> Iterator[dict[str, Any]]:
         _restore(saved)
 
 
+@contextmanager
+def own_sessions() -> Iterator[None]:
+    """For the `ray.init` that starts an embedded cluster: its processes (GCS, raylet, agents) each lead their own
+    session, so a signal to the driver's process group (`kill -TERM -PGID` from a supervisor or a shell, Ctrl-C from
+    the terminal) reaches the driver alone, which then stops the job through them. In the driver's group a SIGTERM
+    killed the raylet first, and the driver's teardown then waited on Ray for good, every actor and server running.
+    They still die with the driver (Ray's own `PR_SET_PDEATHSIG`), and `ray.shutdown()` stops them by pid."""
+    from ray._private import services
+
+    original = services.ConsolePopen
+
+    class OwnSessionPopen(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSessionPopen
+    try:
+        yield
+    finally:
+        services.ConsolePopen = original
+
+
 def _no_api_server(self: Any, **_: Any) -> None:
     """`Node.start_api_server` on a lean node: not started. Without the dashboard Ray's API server loads only its
     usage-stats module (`--modules-to-load=UsageStatsHead`; usage stats are off here), no job or state API, so
@@ -299,10 +322,11 @@ def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start:
         if address is None and options.include_dashboard:
             # the dashboard asked for: a default node (its views need the metrics, task events and log monitor)
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, _node_ip_address="127.0.0.1",
-                     **kwargs)
+            with own_sessions():
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, _node_ip_address="127.0.0.1",
+                         **kwargs)
         elif address is None:
-            with lean_node() as lean:   # this job's alone: only what the job uses runs
+            with lean_node() as lean, own_sessions():   # this job's alone: only what the job uses runs
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                          **kwargs, **lean)
         else:
