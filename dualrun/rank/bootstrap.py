@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         sys.exit("usage: python -m dualrun.rank.bootstrap (script.py | -m module) [args...]")
     from dualrun.light import loopback_store
-    from dualrun.rank import exit_guard, keep_groups, log_tee, server_auth, server_wait
+    from dualrun.rank import exit_guard, keep_groups, log_tee, server_auth, server_cores, server_wait
 
     log_tee.start()   # torchrun with log_dir: the rank's output also goes to log_dir/<role>_<rank>.log
 
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     loopback_store.activate()   # one machine: the rank's stores (rank 0's on Ray) listen on loopback alone
     server_auth.activate()   # TRL's clients carry the job's secret (and a role's --api-key) to its servers
     server_wait.activate()   # servers started beside the trainers: a first connection waits while one starts
+    server_cores.activate()   # ...and the servers starting on this machine get cores of their own meanwhile
     _activate_plugin()
     keep_groups.activate()   # no process group is destroyed before the rank's exit (dualrun/rank/keep_groups.py)
     exit_guard.activate()

@@ -22,8 +22,8 @@ from dualrun.servers.cpu_share import bind_share, unbound_note
 
 TAIL_LINES = 30
 # the longest wait between two health checks of a starting server: the trainers start beside it and wait for it
-# (rank/server_wait.py, every 0.5 s); the launcher, which watches it once healthy, should know first
-HEALTH_POLL_S = 0.25
+# (rank/server_wait.py, every 0.1 s as well); the launcher, which watches it once healthy, should know about as soon
+HEALTH_POLL_S = 0.1
 
 
 _PORT_IN_USE = ("address already in use", "errno 98")

@@ -112,7 +112,17 @@ class ServerSetBase(ABC):
         at = self.addresses if at is None else at
         servers = {addr: role for role, addr in at.items() if role not in self.plan.external}
         wait_s = max((p.serving.health_timeout_s for p in self.plan.servers if p.serving is not None), default=0.0)
-        return {SERVERS_STARTING: json.dumps({"servers": servers, "wait_s": wait_s + START_MARGIN_S})}
+        health = {addr: self._health_path(role) for addr, role in servers.items()}   # rank/server_cores.py's check
+        return {SERVERS_STARTING: json.dumps({"servers": servers, "wait_s": wait_s + START_MARGIN_S,
+                                              "health": health})}
+
+    def _health_path(self, role: str) -> str:
+        """The health path of what answers at `role`'s address: its router where it has one, else its server."""
+        from dualrun.plan.servers import ROUTER
+
+        procs = [p for p in self.plan.servers if role in getattr(p, "roles", ()) and p.serving is not None]
+        procs.sort(key=lambda p: p.kind != ROUTER)
+        return procs[0].serving.health_path if procs else "/health"
 
     def failed_start(self, grace_s: float = 10.0) -> None:
         """A start that failed stops the set; side by side the set stays up to the job's end (which this failure
