@@ -164,20 +164,30 @@ def test_unplaceable_group_times_out(job, cluster):
     _assert_clean(cluster, str(job))
 
 
+def _sleeping_job(job: Path, env: dict, **popen) -> subprocess.Popen:
+    """`sleep.py` on 2 ranks, returned once both said they are ready."""
+    driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file",
+                               "cpu2.yaml", "sleep.py", str(job)], cwd=job, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, **popen)
+    seen = set()
+    try:
+        while len(seen) < 2:
+            line = driver.stdout.readline()
+            assert line, driver.stderr.read()
+            if line.startswith("[train rank") and "ready" in line:
+                seen.add(line.split("]")[0])
+    except BaseException:
+        driver.kill()   # the driver's own cleanup does not run: its ranks' actors die with its cluster connection
+        driver.wait()
+        raise
+    return driver
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_on_the_driver_stops_the_job(job, cluster, sig, code):
-    env = dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address))
-    driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file",
-                               "cpu2.yaml", "sleep.py", str(job)], cwd=job, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    seen = set()
-    while len(seen) < 2:
-        line = driver.stdout.readline()
-        assert line, driver.stderr.read()
-        if line.startswith("[train rank") and "ready" in line:
-            seen.add(line.split("]")[0])
+    driver = _sleeping_job(job, dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address)))
     assert len(pids_matching(str(job))) >= 2
     sent = time.monotonic()
     driver.send_signal(sig)
@@ -233,16 +243,8 @@ def test_a_signal_to_the_whole_process_group_stops_an_embedded_cluster_job(job, 
     foreground group) reach the embedded cluster's processes too, unless they run in their own group: a raylet
     killed by it left the driver waiting on Ray for good, with every actor and server running."""
     env = ray_env()
-    driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file",
-                               "cpu2.yaml", "sleep.py", str(job)], cwd=job, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    driver = _sleeping_job(job, env, start_new_session=True)
     try:
-        seen = set()
-        while len(seen) < 2:
-            line = driver.stdout.readline()
-            assert line, driver.stderr.read()
-            if line.startswith("[train rank") and "ready" in line:
-                seen.add(line.split("]")[0])
         sent = time.monotonic()
         os.killpg(driver.pid, sig)   # the driver's group, as the shell or terminal sends it
         got = driver.wait(timeout=30)
