@@ -18,7 +18,6 @@ Output: nothing (a rank's console is the user's).
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -26,6 +25,7 @@ import time
 from typing import Callable, Collection, Mapping, Sequence
 
 from dualrun.contract.protocol import SERVERS_STARTING
+from dualrun.rank.server_wait import Starting
 
 POLL_S = 0.1   # between two health checks of a server still starting
 
@@ -56,18 +56,17 @@ def is_local(host: str) -> bool:
 
 
 def servers_here(raw: str | None, local: Callable[[str], bool] = is_local) -> tuple[list[tuple[str, int, str]], float]:
-    """From `DUALRUN_SERVERS_STARTING`: the (host, port, health path) of each server starting on this machine, and
-    the seconds the ranks may wait for them."""
-    if not raw:
+    """From `DUALRUN_SERVERS_STARTING` (read as dualrun/rank/server_wait.py reads it): the (host, port, health path)
+    of each server starting on this machine, and the seconds the ranks may wait for them."""
+    starting = Starting.from_env({SERVERS_STARTING: raw or ""})
+    if starting is None:
         return [], 0.0
-    spec = json.loads(raw)
-    health = spec.get("health", {})
     out = []
-    for address in spec.get("servers", {}):
+    for address in starting.servers:
         host, _, port = address.rpartition(":")
         if host and port.isdigit() and local(host.strip("[]")):
-            out.append((host.strip("[]"), int(port), health.get(address, "/health")))
-    return out, float(spec.get("wait_s", 0.0))
+            out.append((host.strip("[]"), int(port), starting.health.get(address, "/health")))
+    return out, starting.wait_s
 
 
 def answers(host: str, port: int, path: str, timeout: float = 1.0) -> bool:

@@ -30,8 +30,10 @@ RETRY_S = 0.1
 class Starting:
     """The servers still starting (`host:port` -> role) and the deadline of the wait for them."""
 
-    def __init__(self, servers: Mapping[str, str], wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.servers, self.clock = dict(servers), clock
+    def __init__(self, servers: Mapping[str, str], wait_s: float, clock: Callable[[], float] = time.monotonic,
+                 health: Mapping[str, str] | None = None) -> None:
+        self.servers, self.clock, self.wait_s = dict(servers), clock, wait_s
+        self.health = dict(health or {})   # address -> health path (rank/server_cores.py's check)
         self.deadline = clock() + wait_s
         self._lock = threading.Lock()
 
@@ -41,7 +43,7 @@ class Starting:
         if not raw:
             return None
         spec = json.loads(raw)
-        return cls(spec["servers"], float(spec["wait_s"]))
+        return cls(spec["servers"], float(spec["wait_s"]), health=spec.get("health"))
 
     @staticmethod
     def _key(address: Any) -> str | None:
