@@ -28,6 +28,35 @@ def test_a_node_is_gone_when_ray_says_it_is_dead_or_the_actor_died_with_it():
     assert not gone("a", nodes, "The actor died unexpectedly before finishing this task.")
 
 
+def test_a_look_that_fails_is_said_once_and_the_loop_goes_on(capsys):
+    """A Ray call of the follow loop that fails (a busy GCS) is one line, said once, and the loop looks again: the
+    thread that ended on it left the fleet never growing, unsaid."""
+    from types import SimpleNamespace
+
+    from dualrun.backends.ray.fleet_follow import Follower
+
+    looks: list[int] = []
+
+    def fleets() -> dict:
+        looks.append(1)
+        if len(looks) <= 2:
+            raise RuntimeError("GCS busy")
+        return {"teacher": {"replicas": 2}}   # the target reached: nothing to ask for
+
+    class Servers:
+        plan = SimpleNamespace(fleets={"teacher": SimpleNamespace(resizable=True, high=2)})
+        supervisor = SimpleNamespace(fleets=fleets)
+        watching = property(lambda self: len(looks) < 4)
+
+        def wait_stopped(self, seconds: float) -> None:
+            pass
+
+    Follower(Servers())._run()
+    assert len(looks) == 4
+    assert capsys.readouterr().err == ("dualrun: teacher: a look for room on the cluster failed (RuntimeError: GCS "
+                                       "busy); looking again every 1 s\n")
+
+
 def _servers(tiny, monkeypatch, fake_gpus: bool = False):
     """The teacher's server set on the cluster this process drives. `fake_gpus`: each replica holds one of the
     cluster's (fake) GPUs as the plan says (the CPU engine runs on CPU where CUDA is missing); else a CPU job whose
@@ -214,3 +243,54 @@ def test_a_gpu_spare_with_no_room_at_plan_time_grows_onto_a_node_with_gpus_that_
         if holder is not None:
             remove_placement_group(holder)
         cluster.shutdown()
+
+
+class _Fleet:
+    """What the follow loop reads of a server set (`Follower`'s `servers`), for one resizable role `teacher` of one
+    running replica and target 2, each replica a bundle of `cpus` CPUs; `scale` records the resizes asked for."""
+
+    def __init__(self, cpus: float) -> None:
+        from types import SimpleNamespace
+
+        self.plan = SimpleNamespace(fleets={"teacher": SimpleNamespace(resizable=True, high=2)},
+                                    servers=[SimpleNamespace(unit="teacher", kind="server")] * 2)
+        self.run_id = "dualrun-follow-test"
+        self.bundle = lambda process: {"CPU": cpus}
+        self.resizes: list[int] = []
+        self.supervisor = SimpleNamespace(fleets=lambda: {"teacher": {"replicas": 1}},
+                                          scale=lambda unit, replicas: self.resizes.append(replicas))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow   # this worker's running cluster (8 CPUs): a second at most once it runs
+@pytest.mark.timeout(120)
+def test_a_pending_group_ray_places_is_grown_into_at_the_next_look(ray_cluster, capfd):
+    """The follow loop sees its pending group placed at the first look after Ray places it (once a blocker gives its
+    room back), not by chance: the group's ready reference is kept from the ask on. A fresh `pg.ready()` per look,
+    looked at with no wait, saw the group unplaced almost every time (a joining node went unused for 300 s in CI)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from dualrun.backends.ray.fleet_follow import Follower
+
+    ray_cluster.connect()
+    blocker = placement_group([{"CPU": 1}], name="dualrun-follow-test-blocker")
+    assert blocker.wait(60)
+    fleet = _Fleet(cpus=8)   # all of the cluster's CPUs: no room while the blocker holds one
+    follower = Follower(fleet)
+    follower.hold(False)
+    try:
+        follower.once("teacher")   # fewer run than the target: room is asked for
+        held = follower.pending["teacher"]
+        follower.once("teacher")
+        assert not held.placed and fleet.resizes == []
+        remove_placement_group(blocker)
+        assert held.pg.wait(60)   # Ray placed it
+        follower.once("teacher")
+        assert held.placed and fleet.resizes == [2], (held.placed, fleet.resizes)
+        assert "dualrun: teacher: the cluster has room for another replica on node 127.0.0.1" in capfd.readouterr().err
+        assert follower.take("teacher") is held.pg and "teacher" not in follower.pending
+        remove_placement_group(held.pg)   # as the replica that starts in it would, at its end
+    finally:
+        follower.stop()
+        remove_placement_group(blocker)   # again, where the test ended before it did: Ray takes that
+    ray_cluster.assert_nothing_left()

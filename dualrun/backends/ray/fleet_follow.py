@@ -58,9 +58,13 @@ def node_of(pg: Any) -> tuple[str, str]:
 
 @dataclass
 class Pending:
-    """A role's pending placement group and whether Ray placed it."""
+    """A role's pending placement group, the one reference that resolves once Ray places it, and whether it did.
+    The reference is kept from the ask on: one made at each look (`pg.ready()` is an RPC to the GCS) would be looked
+    at with no wait before its reply came, and so would see an unplaced group almost every time (CI saw a joining
+    node unused for 300 s)."""
 
     pg: Any
+    ready: Any = None
     placed: bool = False
     told: bool = False   # its line was printed
 
@@ -122,12 +126,19 @@ class Follower:
 
     def _run(self) -> None:
         servers = self.servers
+        told: set[str] = set()   # the failures already printed: one line each, not one per second
         try:
             while servers.watching:
                 for unit in list(self.targets):
                     if not servers.watching:
                         break
-                    self.once(unit)
+                    try:
+                        self.once(unit)
+                    except Exception as e:  # noqa: BLE001 - a Ray call that failed once (a busy GCS) must not end
+                        line = f"dualrun: {unit}: a look for room on the cluster failed ({type(e).__name__}: {e})"
+                        if line not in told:   # the loop: the fleet would stop following the cluster unsaid
+                            told.add(line)
+                            print(f"{line}; looking again every {EVERY_S:g} s", file=sys.stderr, flush=True)
                 servers.wait_stopped(EVERY_S)
         finally:
             self.stop()
@@ -141,7 +152,7 @@ class Follower:
         with self._lock:
             held, target = self.pending.get(unit), self.targets[unit]
         if held is not None and not held.placed:
-            ready, _ = ray.wait([held.pg.ready()], timeout=0)
+            ready, _ = ray.wait([held.ready], timeout=0)
             held.placed = bool(ready)
         todo = step(running, target, held is not None, held is not None and held.placed)
         if todo == DROP:
@@ -155,7 +166,7 @@ class Follower:
             with self._lock:
                 held_now = self._held
                 if not held_now:
-                    self.pending[unit] = Pending(pg)
+                    self.pending[unit] = Pending(pg, pg.ready())
             if held_now:   # `hold` came meanwhile: the ranks are placed first
                 remove_placement_group(pg)
         elif todo == GROW:
