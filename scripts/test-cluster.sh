@@ -26,7 +26,7 @@ for arg in "$@"; do
   esac
 done
 status=0
-bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider -m "cluster and not vllm" "$@" \
+bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider --durations=8 -m "cluster and not vllm" "$@" \
   "${targets[@]}" || status=$?
 [ "$status" != 5 ] || status=0   # 5: no such test selected (the paths named hold only vLLM ones)
 # The cluster tests that run vLLM (marked `cluster` and `vllm`, in tests/cluster/) run here, with the vLLM
@@ -39,7 +39,7 @@ setup_log="$(mktemp "${TMPDIR:-/tmp}/dualrun-setup-vllm.XXXXXX")"
 if bash "$ROOT/scripts/setup-vllm.sh" >"$setup_log" 2>&1; then
   VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"
   vllm_status=0
-  bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m "cluster and vllm" "$@" \
+  bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider --durations=8 -m "cluster and vllm" "$@" \
     "${vllm_targets[@]}" || vllm_status=$?
   [ "$vllm_status" = 0 ] || [ "$vllm_status" = 5 ] || status=$vllm_status   # 5: no such test selected
 else

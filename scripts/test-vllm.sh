@@ -14,4 +14,4 @@ if ! bash "$ROOT/scripts/setup-vllm.sh" >"$setup_log" 2>&1; then
 fi
 rm -f "$setup_log"
 VLLM_PY="${DUALRUN_VLLM_VENV:-$ROOT/.venv-vllm}/bin/python"
-exec bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider -m vllm "$@" tests/vllm_tier
+exec bash "$ROOT/scripts/in-loopback.sh" "$VLLM_PY" -m pytest -q -p no:cacheprovider --durations=8 -m vllm "$@" tests/vllm_tier

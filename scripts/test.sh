@@ -46,7 +46,7 @@ if [ "$#" -eq 0 ] && [ "${DUALRUN_SKIP_CLUSTER:-0}" != 1 ]; then
   cluster_pid=$!
 fi
 trap '[ "$vllm_tier" = 1 ] && kill -TERM -- -"$vllm_pid" 2>/dev/null; [ "$cluster_tier" = 1 ] && kill -TERM -- -"$cluster_pid" 2>/dev/null; true' INT TERM
-bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider "${parallel[@]}" "$@" || status=$?
+bash "$ROOT/scripts/in-loopback.sh" python -m pytest -q -p no:cacheprovider --durations=8 "${parallel[@]}" "$@" || status=$?
 if [ "$vllm_tier" = 1 ]; then
   vllm_status=0
   wait "$vllm_pid" || vllm_status=$?

@@ -38,7 +38,8 @@ def test_test_sh_runs_xdist_workers_as_dualrun_test_workers_says(recording_venv,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     (argv,) = log.read_text().splitlines()   # one run: a file argument skips the vLLM tier
-    assert argv.startswith("-m pytest -q -p no:cacheprovider ") and argv.endswith(" tests/test_x.py"), argv
+    assert argv.startswith("-m pytest -q -p no:cacheprovider --durations=8 "), argv   # the slowest 8 said at the end
+    assert argv.endswith(" tests/test_x.py"), argv
     if expected is None:
         assert " -n " not in argv and "--dist" not in argv, argv
     else:
@@ -58,11 +59,11 @@ def test_test_sh_runs_the_cluster_tier_beside_the_main_suite(recording_venv, ski
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     runs = sorted(log.read_text().splitlines())
-    assert runs[0] == "0 -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup", runs
+    assert runs[0] == "0 -m pytest -q -p no:cacheprovider --durations=8 -n 2 --dist loadgroup", runs
     if skip:
         assert len(runs) == 1 and "cluster tier" not in proc.stdout
     else:
-        assert runs[1] == "1 -m pytest -q -p no:cacheprovider -m cluster and not vllm tests/cluster", runs
+        assert runs[1] == "1 -m pytest -q -p no:cacheprovider --durations=8 -m cluster and not vllm tests/cluster", runs
         assert proc.stdout.endswith("=== cluster tier (scripts/test-cluster.sh) ===\n"), proc.stdout
 
 
@@ -79,7 +80,7 @@ def test_test_cluster_sh_runs_the_test_paths_named_else_the_whole_tier(recording
     assert proc.returncode == 0, proc.stderr
     (argv,) = log.read_text().splitlines()
     tier = ["tests/cluster"]
-    assert argv == " ".join(["-m pytest -q -p no:cacheprovider -m cluster and not vllm", *args,
+    assert argv == " ".join(["-m pytest -q -p no:cacheprovider --durations=8 -m cluster and not vllm", *args,
                              *([] if named else tier)]), argv
 
 
