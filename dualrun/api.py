@@ -116,6 +116,9 @@ def _summarise(result: JobResult, started: float, out: TextIO) -> None:
     total = time.monotonic() - started
     print(f"dualrun: job {status} in {total:.1f} s (workers {result.wall_time_s:.1f} s)"
           + (f" after {result.restarts} restart(s)" if result.restarts else ""), file=out, flush=True)
+    slow = result.stop_line()
+    if slow:
+        print(f"dualrun: {slow}", file=out, flush=True)
     if result.fleet:
         print(f"dualrun: fleet: {'; '.join(result.fleet)}", file=out, flush=True)
     if result.ranks:

@@ -62,6 +62,9 @@ class RankResult:
     end: float | None = None       # when it ended (wall clock), for naming the rank that failed first
 
 
+SLOW_STOP_S = 3.0   # a job's end whose stop took longer says what took the time (`JobResult.stop_line`)
+
+
 @dataclass
 class JobResult:
     exit_code: int
@@ -70,6 +73,16 @@ class JobResult:
     message: str | None = None     # one line naming the failing rank and its error
     restarts: int = 0
     fleet: list[str] = field(default_factory=list)   # each change of a fleet while the job ran (the summary's)
+    stopping: dict[str, float] = field(default_factory=dict)   # what the job's end stopped -> seconds it took
+
+    def stop_line(self) -> str | None:
+        """The summary's line for a stop slower than SLOW_STOP_S, part by part (None when it was not): a job
+        that took long to end says where the time went."""
+        took = sum(self.stopping.values())
+        if took <= SLOW_STOP_S:
+            return None
+        parts = ", ".join(f"{what} {seconds:.1f} s" for what, seconds in self.stopping.items() if seconds >= 0.05)
+        return f"stopping took {took:.1f} s ({parts})"
 
     @property
     def ok(self) -> bool:
@@ -103,6 +116,7 @@ class Launcher(ABC):
         self.run_id = f"dualrun-{uuid.uuid4().hex[:10]}"
         self.job_token = job_token_for(self.rdzv)
         self._starting: threading.Event | None = None   # side by side: set once the servers' start has ended
+        self.stopping: dict[str, float] = {}   # the last stop of each part ("the ranks", ...) -> seconds it took
         self.token_given = bool(os.environ.get(protocol.JOB_TOKEN))   # the user's: never handed to other machines
 
     def cluster(self) -> "Cluster | None":
@@ -165,9 +179,12 @@ class Launcher(ABC):
                 _stopped(control)   # `dualrun scale` reaches the job no more: its registry file goes first
                 if servers is not None:   # servers go with the job
                     changes += getattr(servers, "fleet_history", [])
+                    began = time.monotonic()
                     servers.stop(self.server_grace_s(restarting=False))
+                    self.stopping["the servers"] = time.monotonic() - began
         result.restarts = attempt
         result.fleet = changes
+        result.stopping = dict(self.stopping)
         result.wall_time_s = time.monotonic() - start
         return result
 

@@ -164,10 +164,10 @@ def test_unplaceable_group_times_out(job, cluster):
     _assert_clean(cluster, str(job))
 
 
-def _sleeping_job(job: Path, env: dict, **popen) -> subprocess.Popen:
-    """`sleep.py` on 2 ranks, returned once both said they are ready."""
+def _sleeping_job(job: Path, env: dict, script: str = "sleep.py", **popen) -> subprocess.Popen:
+    """`script` (sleep.py) on 2 ranks, returned once both said they are ready."""
     driver = subprocess.Popen([sys.executable, "-m", "dualrun", "launch", "--backend", "ray", "--config_file",
-                               "cpu2.yaml", "sleep.py", str(job)], cwd=job, env=env, stdout=subprocess.PIPE,
+                               "cpu2.yaml", script, str(job)], cwd=job, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, **popen)
     seen = set()
     try:
@@ -196,6 +196,27 @@ def test_signal_on_the_driver_stops_the_job(job, cluster, sig, code):
     err = driver.stderr.read()
     assert got == code, err
     assert f"stopped by {sig.name}" in err
+    _assert_clean(cluster, str(job))
+
+
+STUBBORN = """import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready", os.environ["RANK"], flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_and_the_summary_says_what_took_the_time(job, cluster):
+    (job / "stubborn.py").write_text(STUBBORN)
+    driver = _sleeping_job(job, dict(os.environ, **ray_env(RAY_ADDRESS=cluster.address)), "stubborn.py")
+    driver.send_signal(signal.SIGTERM)
+    got = driver.wait(timeout=60)
+    err = driver.stderr.read()
+    assert got == 143, err
+    found = re.search(r"dualrun: stopping took ([\d.]+) s \(the ranks ([\d.]+) s\)", err)
+    assert found and float(found[2]) >= 3.0, err[-3000:]   # SIGKILL after the 3 s grace
     _assert_clean(cluster, str(job))
 
 
@@ -252,6 +273,37 @@ def test_a_signal_to_the_whole_process_group_stops_an_embedded_cluster_job(job, 
         err = driver.stderr.read()
         assert got == code, err
         assert f"stopped by {sig.name}" in err
+        assert eventually(lambda: not pids_matching(env["RAY_TMPDIR"])), pids_matching(env["RAY_TMPDIR"])
+        assert eventually(lambda: not pids_matching(str(job))), pids_matching(str(job))
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_every_process_of_an_embedded_cluster_job_at_once_stops_it_with_its_summary(job):
+    """systemd's stop of a unit (KillMode=control-group) and a container's stop signal every process at once: the
+    embedded cluster's GCS and raylet end beside the driver and the ranks. The driver's teardown finds its cluster
+    gone (gang.cluster_gone) instead of waiting on it: it waited 60 s, then Ray ended it, exit 1, no summary."""
+    import psutil
+
+    env = ray_env()
+    driver = _sleeping_job(job, env, start_new_session=True)
+    try:
+        everyone = [driver.pid, *(c.pid for c in psutil.Process(driver.pid).children(recursive=True))]
+        assert len(everyone) >= 5, everyone   # the driver, the GCS, the raylet, two ranks' workers at least
+        sent = time.monotonic()
+        for pid in everyone:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        got = driver.wait(timeout=90)
+        took = time.monotonic() - sent
+        err = driver.stderr.read()
+        assert got == 143 and took < 10, f"exit {got} after {took:.1f} s\n{err[-3000:]}"
+        assert "dualrun: job failed (exit code 143)" in err and "stopped by SIGTERM" in err, err[-3000:]
         assert eventually(lambda: not pids_matching(env["RAY_TMPDIR"])), pids_matching(env["RAY_TMPDIR"])
         assert eventually(lambda: not pids_matching(str(job))), pids_matching(str(job))
     finally:

@@ -94,3 +94,32 @@ def test_servers_that_never_start_end_the_job_without_a_restart():
     result = launcher.launch(launcher.prepare())
     assert result.exit_code == 1 and result.message == "teacher server 0 did not become healthy"
     assert result.restarts == 1 and len(launcher.attempts) == 1
+
+
+def test_a_stop_slower_than_its_bound_is_said_part_by_part():
+    from dualrun.launchers.launcher import SLOW_STOP_S
+
+    assert JobResult(1, stopping={"the ranks": 1.0, "the servers": SLOW_STOP_S - 1.0}).stop_line() is None
+    assert JobResult(1).stop_line() is None
+    assert (JobResult(1, stopping={"the ranks": 0.4, "the servers": 9.6}).stop_line()
+            == "stopping took 10.0 s (the ranks 0.4 s, the servers 9.6 s)")
+    assert (JobResult(1, stopping={"the ranks": 3.2, "the servers": 0.01}).stop_line()
+            == "stopping took 3.2 s (the ranks 3.2 s)")   # a part that took no time is not named
+
+
+def test_the_job_end_says_how_long_its_servers_took_to_stop():
+    import time
+
+    class _SlowSet(_Set):
+        def _stop(self, grace_s: float) -> None:
+            time.sleep(0.2)
+            super()._stop(grace_s)
+
+    class _SlowLauncher(_Launcher):
+        def server_set(self, plan, attempt: int, avoid: frozenset[str]) -> ServerSet:
+            self.sets.append(_SlowSet(_Plan(), avoid, False))
+            return self.sets[-1]
+
+    launcher = _SlowLauncher(["ok"], max_failures=0)
+    result = launcher.launch(launcher.prepare())
+    assert result.ok and list(result.stopping) == ["the servers"] and 0.2 <= result.stopping["the servers"] < 5

@@ -241,6 +241,7 @@ class RayLauncher(Launcher):
         self._stop_time = None
         gang = Gang(self.rdzv.options, self.rdzv.source, self._check_signal)
         ranks: list[Rank] = []
+        began = 0.0   # when the ranks' stop began (`stopping`)
         follower = getattr(servers, "follower", None)   # a fleet's room is asked for once the ranks have theirs
         try:
             try:
@@ -255,14 +256,17 @@ class RayLauncher(Launcher):
             except RayError as e:
                 raise LaunchError(f"the Ray workers could not start: {first_line(e)}", 1) from None
             except _Interrupted as e:
+                began = time.monotonic()
                 self._stop_all(ranks)
                 return stopped_by(e.signum), ()
         finally:   # every program stopped, every actor killed, every placement group removed
+            began = began or time.monotonic()
             if follower is not None:   # held before the ranks' room is given back: a restart's ranks get it again
                 follower.hold(True)
             self._stop_all(ranks)
             gang.call_all("cleanup", timeout=2.0)
             gang.stop()
+            self.stopping["the ranks"] = time.monotonic() - began
 
     def place_ranks(self, plan: Plan, attempt: int, gang: Any) -> list[Rank]:
         """One placement group per unit, one actor per rank in it (rank order: rank 0's actor first)."""

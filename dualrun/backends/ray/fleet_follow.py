@@ -115,9 +115,13 @@ class Follower:
         """Remove every pending group (the job ends, or the watch does): nothing is left holding room."""
         from ray.util.placement_group import remove_placement_group
 
+        from dualrun.backends.ray.gang import cluster_gone
+
         with self._lock:
             groups = [p.pg for p in self.pending.values()]
             self.pending.clear()
+        if groups and cluster_gone():   # each removal would wait 60 s for its GCS (gang.py)
+            return
         for pg in groups:
             try:
                 remove_placement_group(pg)

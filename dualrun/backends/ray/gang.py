@@ -49,6 +49,8 @@ class Gang:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if cluster_gone():
+            return
         if any(a is actor for a in self.actors):
             self.actors[:] = [a for a in self.actors if a is not actor]
             try:
@@ -63,10 +65,16 @@ class Gang:
                 pass
 
     def stop(self) -> None:
-        """Kill every actor and remove every placement group (idempotent)."""
+        """Kill every actor and remove every placement group (idempotent). Not where the cluster is gone (its GCS
+        does not answer): each call would wait 60 s for it and then end the driver (exit 1); Ray drops a job's
+        actors and groups with its driver anyway."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if cluster_gone():
+            self.actors.clear()
+            self.pgs.clear()
+            return
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -79,6 +87,32 @@ class Gang:
                 pass
         self.actors.clear()
         self.pgs.clear()
+
+
+GONE_PROBE_S = 0.5   # a refused connect answers at once; this bounds an unreachable host's
+
+
+def cluster_gone() -> bool:
+    """Whether the cluster this driver is connected to is gone: its GCS refuses or does not answer a TCP connect
+    within GONE_PROBE_S (a signal to every process of an embedded cluster at once, as systemd's stop sends it; a
+    dead head node). Measured: a `remove_placement_group` with the GCS gone waits 60 s, then Ray ends the process
+    (exit 1, no summary). Not connected, or a Ray client's connection: not gone (the calls are the client's)."""
+    import socket
+
+    import ray
+
+    try:
+        if not ray.is_initialized() or ray.util.client.ray.is_connected():
+            return False
+        address = ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001 - no runtime context: nothing to probe
+        return False
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=GONE_PROBE_S):
+            return False
+    except (OSError, ValueError):
+        return True
 
 
 _REMOTE: dict[type, Any] = {}
@@ -99,6 +133,8 @@ def call_each(actors: list[Any], method: str, *args: Any, timeout: float | None 
     (None: do not wait)."""
     import ray
 
+    if actors and cluster_gone():   # no actor of a gone cluster answers: waiting would only use up `timeout`
+        return
     refs = []
     for actor in actors:
         try:
