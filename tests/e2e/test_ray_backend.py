@@ -257,53 +257,43 @@ def test_embedded_cluster_gloo_run(job):
     assert not pids_matching(str(job))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_to_the_whole_process_group_stops_an_embedded_cluster_job(job, sig, code):
-    """`kill -TERM -PGID` (a process supervisor, a shell's job control) and Ctrl-C (the terminal signals the whole
-    foreground group) reach the embedded cluster's processes too, unless they run in their own group: a raylet
-    killed by it left the driver waiting on Ray for good, with every actor and server running."""
-    env = ray_env()
-    driver = _sleeping_job(job, env, start_new_session=True)
-    try:
-        sent = time.monotonic()
-        os.killpg(driver.pid, sig)   # the driver's group, as the shell or terminal sends it
-        got = driver.wait(timeout=30)
-        assert time.monotonic() - sent < 20
-        err = driver.stderr.read()
-        assert got == code, err
-        assert f"stopped by {sig.name}" in err
-        assert eventually(lambda: not pids_matching(env["RAY_TMPDIR"])), pids_matching(env["RAY_TMPDIR"])
-        assert eventually(lambda: not pids_matching(str(job))), pids_matching(str(job))
-    finally:
-        if driver.poll() is None:
-            os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-
-
-@pytest.mark.slow
-def test_a_sigterm_to_every_process_of_an_embedded_cluster_job_at_once_stops_it_with_its_summary(job):
-    """systemd's stop of a unit (KillMode=control-group) and a container's stop signal every process at once: the
-    embedded cluster's GCS and raylet end beside the driver and the ranks. The driver's teardown finds its cluster
-    gone (gang.cluster_gone) instead of waiting on it: it waited 60 s, then Ray ended it, exit 1, no summary."""
+def _signal_everyone(pid: int, sig: signal.Signals) -> None:
+    """`sig` to `pid` and every process under it at once, as systemd's stop of a unit (KillMode=control-group) or a
+    container's stop sends it."""
     import psutil
 
+    everyone = [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    assert len(everyone) >= 5, everyone   # the driver, the GCS, the raylet, two ranks' workers at least
+    for each in everyone:
+        try:
+            os.kill(each, sig)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent_to,sig,code", [("group", signal.SIGTERM, 143), ("group", signal.SIGINT, 130),
+                                              ("every process", signal.SIGTERM, 143)],
+                         ids=["group-SIGTERM", "group-SIGINT", "every-process-SIGTERM"])
+def test_a_signal_to_the_whole_process_group_stops_an_embedded_cluster_job(job, sent_to, sig, code):
+    """`kill -TERM -PGID` (a process supervisor, a shell's job control) and Ctrl-C (the terminal signals the whole
+    foreground group) reach the embedded cluster's processes too, unless they run in their own group: a raylet
+    killed by it left the driver waiting on Ray for good, with every actor and server running. A signal to every
+    process at once ends the embedded cluster's GCS and raylet beside the driver: its teardown finds the cluster
+    gone (gang.cluster_gone) instead of waiting on it (it waited 60 s, then Ray ended it: exit 1, no summary)."""
     env = ray_env()
     driver = _sleeping_job(job, env, start_new_session=True)
     try:
-        everyone = [driver.pid, *(c.pid for c in psutil.Process(driver.pid).children(recursive=True))]
-        assert len(everyone) >= 5, everyone   # the driver, the GCS, the raylet, two ranks' workers at least
         sent = time.monotonic()
-        for pid in everyone:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        if sent_to == "group":
+            os.killpg(driver.pid, sig)   # the driver's group, as the shell or terminal sends it
+        else:
+            _signal_everyone(driver.pid, sig)
         got = driver.wait(timeout=90)
         took = time.monotonic() - sent
         err = driver.stderr.read()
-        assert got == 143 and took < 10, f"exit {got} after {took:.1f} s\n{err[-3000:]}"
-        assert "dualrun: job failed (exit code 143)" in err and "stopped by SIGTERM" in err, err[-3000:]
+        assert got == code and took < 20, f"exit {got} after {took:.1f} s\n{err[-3000:]}"
+        assert f"dualrun: job failed (exit code {code})" in err and f"stopped by {sig.name}" in err, err[-3000:]
         assert eventually(lambda: not pids_matching(env["RAY_TMPDIR"])), pids_matching(env["RAY_TMPDIR"])
         assert eventually(lambda: not pids_matching(str(job))), pids_matching(str(job))
     finally:
