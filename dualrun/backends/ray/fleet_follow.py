@@ -64,7 +64,7 @@ class Pending:
     node unused for 300 s)."""
 
     pg: Any
-    ready: Any = None
+    ready: Any   # `pg.ready()`, made once at the ask
     placed: bool = False
     told: bool = False   # its line was printed
 
