@@ -53,7 +53,7 @@ LEAN_ENV: dict[str, str] = {              # defaults only: a value the user set 
 LEAN_NODE_PARAMS: dict[str, Any] = {"include_log_monitor": False, "no_monitor": True}
 
 
-def _reachable(address: str, timeout: float = _PROBE_S) -> bool:
+def reachable(address: str, timeout: float = _PROBE_S) -> bool:
     """Can we open a TCP connection to a GCS `host:port` or a Ray client's `ray://host:port`?"""
     if address.startswith("ray://"):
         address = address[len("ray://"):].split("/", 1)[0]
@@ -85,14 +85,14 @@ def _running_gcs() -> list[str]:
 def _last_answering() -> str | None:
     """The last `ray start` on this machine, if its GCS answers."""
     last = _last_started()
-    return last if last and _reachable(last) else None
+    return last if last and reachable(last) else None
 
 
 def running_here() -> list[str]:
     """What 'auto' finds on this machine (RAY_ADDRESS aside): the last `ray start` when it answers, else every
     GCS running here that answers (one to join; none or several: nothing to pick)."""
     last = _last_answering()
-    return [last] if last else [a for a in _running_gcs() if _reachable(a)]
+    return [last] if last else [a for a in _running_gcs() if reachable(a)]
 
 
 def resolve_address(wanted: str | None, source: str) -> str | None:
@@ -136,7 +136,7 @@ def reachable_line() -> str:
     if not addr:
         return "no (no running cluster found; `dualrun launch --backend ray` starts a local one)"
     shown = one_line(redact_text(addr), 120)   # a password in the URL stays hidden, escapes stay text
-    return f"yes ({shown})" if _reachable(addr) else f"no ({shown} does not answer)"
+    return f"yes ({shown})" if reachable(addr) else f"no ({shown} does not answer)"
 
 
 def _unreachable(wanted: str | None, source: str, address: str) -> ConfigError:
@@ -152,7 +152,7 @@ def check_reachable(wanted: str | None, source: str) -> None:
     address = wanted if wanted not in (None, "auto", "local") else None
     if address is None and wanted != "local":
         address = os.environ.get("RAY_ADDRESS", "").strip() or None
-    if address not in (None, "auto", "local") and not _reachable(address):
+    if address not in (None, "auto", "local") and not reachable(address):
         raise _unreachable(wanted, source, address)
 
 
@@ -304,7 +304,7 @@ def connect(options: RayOptions, source: str, *, num_cpus: int = 1, allow_start:
     address = resolve_address(options.address, source)
     if address is None and not allow_start:
         return None
-    if address is not None and not _reachable(address):
+    if address is not None and not reachable(address):
         if not allow_start:
             return None
         raise _unreachable(options.address, source, address)

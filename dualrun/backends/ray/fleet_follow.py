@@ -113,20 +113,12 @@ class Follower:
 
     def stop(self) -> None:
         """Remove every pending group (the job ends, or the watch does): nothing is left holding room."""
-        from ray.util.placement_group import remove_placement_group
-
-        from dualrun.backends.ray.gang import cluster_gone
+        from dualrun.backends.ray.gang import remove_groups
 
         with self._lock:
             groups = [p.pg for p in self.pending.values()]
             self.pending.clear()
-        if groups and cluster_gone():   # each removal would wait 60 s for its GCS (gang.py)
-            return
-        for pg in groups:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+        remove_groups(groups)
 
     def _run(self) -> None:
         servers = self.servers

@@ -47,7 +47,6 @@ class Gang:
         """Kill one of the gang's actors and remove one of its groups now (a replaced server's: its successor is
         placed afresh); the others stay. Ones the gang does not hold are left alone."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         if cluster_gone():
             return
@@ -59,32 +58,21 @@ class Gang:
                 pass
         if any(g is pg for g in self.pgs):
             self.pgs[:] = [g for g in self.pgs if g is not pg]
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+            _remove_each([pg])
 
     def stop(self) -> None:
         """Kill every actor and remove every placement group (idempotent). Not where the cluster is gone (its GCS
         does not answer): each call would wait 60 s for it and then end the driver (exit 1); Ray drops a job's
         actors and groups with its driver anyway."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
-        if cluster_gone():
-            self.actors.clear()
-            self.pgs.clear()
-            return
-        for actor in self.actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        for pg in self.pgs:
-            try:
-                remove_placement_group(pg)
-            except Exception:  # noqa: BLE001 - already removed
-                pass
+        if (self.actors or self.pgs) and not cluster_gone():
+            for actor in self.actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            _remove_each(self.pgs)
         self.actors.clear()
         self.pgs.clear()
 
@@ -97,9 +85,9 @@ def cluster_gone() -> bool:
     within GONE_PROBE_S (a signal to every process of an embedded cluster at once, as systemd's stop sends it; a
     dead head node). Measured: a `remove_placement_group` with the GCS gone waits 60 s, then Ray ends the process
     (exit 1, no summary). Not connected, or a Ray client's connection: not gone (the calls are the client's)."""
-    import socket
-
     import ray
+
+    from dualrun.backends.ray.connect import reachable
 
     try:
         if not ray.is_initialized() or ray.util.client.ray.is_connected():
@@ -107,12 +95,24 @@ def cluster_gone() -> bool:
         address = ray.get_runtime_context().gcs_address
     except Exception:  # noqa: BLE001 - no runtime context: nothing to probe
         return False
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=GONE_PROBE_S):
-            return False
-    except (OSError, ValueError):
-        return True
+    return not reachable(address, timeout=GONE_PROBE_S)
+
+
+def remove_groups(pgs: list[Any]) -> None:
+    """Remove each placement group (best effort: one already removed is skipped); none where the cluster is gone
+    (`cluster_gone`: each removal would wait 60 s for its GCS)."""
+    if pgs and not cluster_gone():
+        _remove_each(pgs)
+
+
+def _remove_each(pgs: list[Any]) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for pg in pgs:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
 
 
 _REMOTE: dict[type, Any] = {}
